@@ -1,0 +1,5 @@
+import sys
+
+from coldsnap.cli import main
+
+sys.exit(main())

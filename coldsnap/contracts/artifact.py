@@ -1,0 +1,137 @@
+"""Artifact descriptor, format 9: the committed record of one capture.
+
+It binds the request, the semantic manifest, the platform the capture ran on and, per launch unit,
+the capsule (CRIU images, residual, metadata) and per worker the optional native payload. Paths are
+relative to the artifact directory so an artifact can be moved or staged elsewhere whole.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import AfterValidator, Field
+
+from coldsnap.contracts.base import Contract, Identifier, Sha256Hex
+from coldsnap.contracts.common import EngineName, GraphPolicyMode, SnapshotDriverName
+from coldsnap.contracts.request import ModelSpec
+
+__all__ = [
+    "ARTIFACT_FORMAT",
+    "FileRef",
+    "PlatformRecord",
+    "CanaryRecord",
+    "WorkerRecord",
+    "UnitRecord",
+    "ArtifactDescriptor",
+]
+
+ARTIFACT_FORMAT = 9
+
+
+def _relative_path(path: str) -> str:
+    normalized = posixpath.normpath(path)
+    if path.startswith("/") or normalized.startswith("..") or normalized != path or path in ("", "."):
+        raise ValueError(f"{path!r} must be a normalized path relative to the artifact directory")
+    return path
+
+
+RelativePath = Annotated[str, AfterValidator(_relative_path)]
+
+
+class FileRef(Contract):
+    """A content-addressed file of the artifact."""
+
+    path: RelativePath
+    """Path relative to the artifact directory."""
+    sha256: Sha256Hex
+    """SHA-256 of the file's bytes."""
+    size_bytes: int = Field(ge=0)
+    """File size."""
+
+
+class PlatformRecord(Contract):
+    """The capture host, as far as restore compatibility depends on it."""
+
+    arch: str
+    """Process architecture (``x86_64``, ``aarch64``)."""
+    kernel: str
+    """``uname -r`` of the capture host (enforced only with ``compatibility.kernel=exact``)."""
+    nvidia_driver: str | None
+    """NVIDIA kernel driver version (``580.159.04``); ``None`` on CPU engines."""
+    nvidia_driver_floor: int | None
+    """Major of ``nvidia_driver``: the captured driver floor."""
+    gpu_model: str | None
+    """GPU name of the capture (``NVIDIA H200``)."""
+    compute_capability: str | None
+    """GPU compute capability (``9.0``)."""
+    criu_version: str
+    """CRIU version that dumped the capsules."""
+
+
+class CanaryRecord(Contract):
+    """The exact-response canary recorded at capture."""
+
+    prompt: str
+    """Prompt sent greedily."""
+    expected_response: str
+    """Response text the restored server must reproduce."""
+    token_ids: list[int]
+    """Token ids the captured server produced."""
+
+
+class WorkerRecord(Contract):
+    """Per-worker state of a capture."""
+
+    worker_id: Identifier
+    """Worker identity (from the request)."""
+    rank: int = Field(ge=0)
+    """Worker rank."""
+    layout_digest: Sha256Hex
+    """Digest of the worker's stable memory layout."""
+    residual: FileRef
+    """Stable bytes not in the native payload (pack + residual cover every preserved allocation)."""
+    payload: FileRef | None
+    """Native model payload (content-addressed pack), ``None`` when native generation was off."""
+
+
+class UnitRecord(Contract):
+    """Per-launch-unit state of a capture."""
+
+    unit_id: Identifier
+    """Launch-unit identity."""
+    capsule: FileRef
+    """The unit's capsule archive (CRIU images, metadata, cache seed)."""
+    workers: list[WorkerRecord] = Field(min_length=1)
+    """The unit's workers."""
+
+
+class ArtifactDescriptor(Contract):
+    """Artifact descriptor (format 9), committed atomically as the last step of a capture."""
+
+    SUPPORTED_FORMATS: ClassVar[tuple[int, ...]] = (ARTIFACT_FORMAT,)
+
+    format: Literal[9]
+    """Artifact format version; only 9 is accepted."""
+    artifact_id: Identifier
+    """Identity of this capture."""
+    created_unix_ns: int = Field(ge=0)
+    """Commit time, Unix nanoseconds."""
+    engine: EngineName
+    """Engine adapter that captured it."""
+    snapshot_driver: SnapshotDriverName
+    """Snapshot driver that captured it; restore must select the same one."""
+    request_sha256: Sha256Hex
+    """Canonical SHA-256 of the resolved capture request."""
+    semantic_manifest_sha256: Sha256Hex
+    """Canonical SHA-256 of the capture's semantic manifest."""
+    model: ModelSpec
+    """Model and recovery revision."""
+    graph_policy: GraphPolicyMode
+    """How CUDA graphs were treated."""
+    platform: PlatformRecord
+    """Capture host facts that restore admission checks."""
+    canary: CanaryRecord
+    """Exact-response canary recorded at capture."""
+    units: list[UnitRecord] = Field(min_length=1)
+    """Capsules and workers, per launch unit."""

@@ -1,0 +1,128 @@
+"""Capabilities: the static contract ``coldsnap capabilities`` prints for managers to negotiate.
+
+It states what this build accepts and can drive; it does not assert that a given host has CRIU or a
+GPU (``coldsnap doctor`` and restore admission check that).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from coldsnap.contracts.artifact import ARTIFACT_FORMAT
+from coldsnap.contracts.base import Contract
+from coldsnap.contracts.common import (
+    EngineName,
+    NativeMaterialization,
+    OperationName,
+    ReplaySemantics,
+    SnapshotDriverName,
+)
+from coldsnap.contracts.profiles import ENGINE_NATIVE_MATERIALIZATION, SNAPSHOT_DRIVERS
+from coldsnap.contracts.receipt import RECEIPT_FORMAT
+from coldsnap.contracts.request import REQUEST_FORMAT
+from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_FORMAT
+
+__all__ = ["Capabilities", "build_capabilities", "FEATURES", "REPLAY_SEMANTICS"]
+
+FEATURES = ("operation-timing-spans", "operation-timing-events-ndjson-v1")
+
+REPLAY_SEMANTICS: dict[str, ReplaySemantics] = {
+    "capture": "conflicts-with-existing-output",
+    "restore": "replacement-oriented",
+    "sleep": "convergent",
+    "wake": "convergent",
+    "status": "safe-to-repeat",
+}
+
+
+class ProtocolFormats(Contract):
+    """Wire and storage format versions."""
+
+    request_formats: list[int]
+    """Accepted request formats."""
+    artifact_formats: list[int]
+    """Accepted artifact descriptor formats."""
+    receipt_format: int
+    """Receipt format written."""
+    timing_event_format: int
+    """Timing-event format written by ``--timing-events``."""
+    timing_event_limits: dict[str, int]
+    """Caps of a timing-event stream (``max_events``, ``max_event_bytes``)."""
+
+
+class EngineCapability(Contract):
+    """One engine adapter."""
+
+    name: EngineName
+    """Engine name as requests spell it."""
+    python_package: str
+    """The coldsnap plugin package inside the serving image."""
+    native_materialization: list[NativeMaterialization]
+    """Native materialization modes the adapter supports."""
+    default_native_materialization: NativeMaterialization
+    """Mode used when a request omits it."""
+
+
+class SnapshotDriverCapability(Contract):
+    """One snapshot process driver."""
+
+    name: SnapshotDriverName
+    """Driver name as requests spell it."""
+    minimum_nvidia_driver: int
+    """Lowest NVIDIA driver major the driver supports (always enforced)."""
+    boundary: str
+    """What a capture with this driver holds."""
+    default_graph_policy: Literal["retain", "recreate"]
+    """Graph policy when a request omits it."""
+
+
+class Capabilities(Contract):
+    """What this coldsnap build accepts and drives."""
+
+    controller: str
+    """Build identity: ``coldsnap <version>``."""
+    protocol: ProtocolFormats
+    """Format versions."""
+    engines: list[EngineCapability]
+    """Registered engine adapters."""
+    snapshot_drivers: list[SnapshotDriverCapability]
+    """Snapshot drivers and their NVIDIA driver floors."""
+    operations: dict[OperationName, ReplaySemantics]
+    """Per-operation replay semantics."""
+    features: list[str] = Field(min_length=1)
+    """Negotiable features."""
+
+
+def build_capabilities(version: str) -> Capabilities:
+    return Capabilities(
+        controller=f"coldsnap {version}",
+        protocol=ProtocolFormats(
+            request_formats=[REQUEST_FORMAT],
+            artifact_formats=[ARTIFACT_FORMAT],
+            receipt_format=RECEIPT_FORMAT,
+            timing_event_format=TIMING_EVENT_FORMAT,
+            timing_event_limits={"max_events": MAX_EVENTS, "max_event_bytes": MAX_EVENT_BYTES},
+        ),
+        engines=[
+            EngineCapability(
+                name=name,  # type: ignore[arg-type]
+                python_package=f"coldsnap_{name}",
+                native_materialization=sorted(modes),
+                default_native_materialization=modes[0],
+            )
+            for name, modes in ENGINE_NATIVE_MATERIALIZATION.items()
+        ],
+        snapshot_drivers=[
+            SnapshotDriverCapability(
+                name=p.name,
+                minimum_nvidia_driver=p.minimum_nvidia_driver,
+                boundary=p.boundary,
+                default_graph_policy=p.default_graph_mode,  # type: ignore[arg-type]
+            )
+            for p in SNAPSHOT_DRIVERS.values()
+        ],
+        operations=dict(REPLAY_SEMANTICS),
+        features=list(FEATURES),
+    )

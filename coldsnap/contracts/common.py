@@ -1,0 +1,36 @@
+"""Names shared by several contracts: engines, snapshot drivers, operations, policies."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = [
+    "EngineName",
+    "SnapshotDriverName",
+    "OperationName",
+    "ReplaySemantics",
+    "WeightsMode",
+    "NativeMaterialization",
+    "GraphPolicyMode",
+    "RegionTag",
+    "OperationState",
+]
+
+EngineName = Literal["vllm", "sglang"]
+SnapshotDriverName = Literal["n580", "n610"]
+OperationName = Literal["capture", "restore", "sleep", "wake", "status"]
+OperationState = Literal["succeeded", "failed"]
+
+ReplaySemantics = Literal[
+    "safe-to-repeat",
+    "content-idempotent",
+    "convergent",
+    "replacement-oriented",
+    "conflicts-with-existing-output",
+]
+"""What repeating an operation with the same request does (the seeds' operator contract)."""
+
+WeightsMode = Literal["auto", "native", "recovery", "cache-only-auto"]
+NativeMaterialization = Literal["off", "async", "required"]
+GraphPolicyMode = Literal["retain", "recreate"]
+RegionTag = Literal["weights", "kv_cache", "cudagraph", "runtime"]

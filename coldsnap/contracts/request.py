@@ -1,0 +1,183 @@
+"""Operation request, format 4: the one immutable document a manager sends on stdin.
+
+Policy fields a caller leaves out are resolved from the selected snapshot driver's profile
+(:mod:`coldsnap.contracts.profiles`) *before* the request is hashed, so a request that spells out a
+default and one that omits it have the same canonical SHA-256.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from coldsnap.contracts.base import Contract, Identifier
+from coldsnap.contracts.common import (
+    EngineName,
+    GraphPolicyMode,
+    NativeMaterialization,
+    OperationName,
+    SnapshotDriverName,
+    WeightsMode,
+)
+
+__all__ = [
+    "REQUEST_FORMAT",
+    "WorkerSpec",
+    "LaunchUnitSpec",
+    "ModelSpec",
+    "WeightsPolicy",
+    "GraphPolicy",
+    "KvPolicy",
+    "CompatibilityPolicy",
+    "ValidationPolicy",
+    "Policy",
+    "OperationRequest",
+]
+
+REQUEST_FORMAT = 4
+
+Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+class WorkerSpec(Contract):
+    """One accelerator-owning engine process slot of a launch unit."""
+
+    worker_id: Identifier
+    """Stable worker identity; it names the worker's native payload and residual."""
+    rank: int = Field(ge=0)
+    """Global rank of the worker in the engine's process groups; unique across the request."""
+    device_slot: int = Field(ge=0)
+    """Index into the unit's visible devices at activation. Placement, not identity."""
+
+
+class LaunchUnitSpec(Contract):
+    """One process-tree activation boundary (a container or a process tree), owning one or more workers."""
+
+    unit_id: Identifier
+    """Stable launch-unit identity within the request."""
+    command: list[str] = Field(min_length=1)
+    """Exact argv of the serving process (e.g. ``vllm serve MODEL --load-format coldsnap ...``)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Environment added to the serving process; placement values belong here, not in ``command``."""
+    serving_port: Port | None = None
+    """TCP port the unit serves HTTP on; the canary is sent there. ``None`` when the unit does not serve."""
+    workers: list[WorkerSpec] = Field(min_length=1)
+    """Workers of this unit, in rank order."""
+
+
+class ModelSpec(Contract):
+    """The model being served."""
+
+    name: str = Field(min_length=1)
+    """Model name or local path as the engine command names it."""
+    revision: str | None = None
+    """Immutable revision (a Hugging Face commit) of the recovery safetensors; ``None`` for local models."""
+
+
+class WeightsPolicy(Contract):
+    """Where weights come from on restore."""
+
+    mode: WeightsMode | None = None
+    """``auto`` prefers a verified native pack and falls back to recovery; ``native`` makes a missing pack fatal;
+    ``recovery`` replays the pinned safetensors; ``cache-only-auto`` checks only the existing cache."""
+    native_generation: Literal["off", "on"] | None = None
+    """Whether capture writes a native pack from the live weights."""
+    native_materialization: NativeMaterialization | None = None
+    """Whether a recovery restore also materializes a native pack (engine-dependent; see capabilities)."""
+
+
+class GraphPolicy(Contract):
+    """What happens to CUDA graphs across the snapshot."""
+
+    mode: GraphPolicyMode | None = None
+    """``retain`` keeps captured graph executables in the image; ``recreate`` captures them again after restore."""
+
+
+class KvPolicy(Contract):
+    """What happens to the KV cache across the snapshot."""
+
+    mode: Literal["discard"] | None = None
+    """``discard``: KV bytes are never stored; the region is remapped at its address and zeroed on restore."""
+
+
+class CompatibilityPolicy(Contract):
+    """How strictly a restore host must match the capture host."""
+
+    enforce_captured_driver_floor: bool | None = None
+    """Also require the NVIDIA driver of the capture host (the snapshot driver's own minimum always applies)."""
+    kernel: Literal["capability", "exact"] | None = None
+    """``capability``: a CRIU capability probe on the destination; ``exact``: ``uname -r`` must match."""
+
+
+class ValidationPolicy(Contract):
+    """The exact-response canary that must pass before a restored server takes traffic."""
+
+    prompt: str | None = None
+    """Prompt sent with greedy decoding through the engine's own HTTP API."""
+    expected_response: str | None = None
+    """The response the engine must produce exactly."""
+    max_tokens: int | None = Field(default=None, ge=1, le=4096)
+    """Generation limit of the canary request."""
+
+
+class Policy(Contract):
+    """Operation policy. Every field left out is filled from the snapshot driver's profile."""
+
+    weights: WeightsPolicy = Field(default_factory=WeightsPolicy)
+    """Weight source policy."""
+    graphs: GraphPolicy = Field(default_factory=GraphPolicy)
+    """CUDA graph policy."""
+    kv: KvPolicy = Field(default_factory=KvPolicy)
+    """KV cache policy."""
+    compatibility: CompatibilityPolicy = Field(default_factory=CompatibilityPolicy)
+    """Host compatibility policy."""
+    validation: ValidationPolicy = Field(default_factory=ValidationPolicy)
+    """Canary policy."""
+
+
+class OperationRequest(Contract):
+    """A capture, restore or lifecycle request (request format 4)."""
+
+    SUPPORTED_FORMATS: ClassVar[tuple[int, ...]] = (REQUEST_FORMAT,)
+
+    format: Literal[4]
+    """Request format version; only 4 is accepted."""
+    operation: OperationName
+    """What to do."""
+    operation_id: Identifier
+    """Caller-chosen identity of this operation; echoed in the receipt and every timing event."""
+    engine: EngineName
+    """Engine adapter to use."""
+    snapshot_driver: SnapshotDriverName
+    """Snapshot process driver: ``n610`` (initialized CUDA state) or ``n580`` (pre-CUDA template)."""
+    model: ModelSpec
+    """The model served by every unit."""
+    units: list[LaunchUnitSpec] = Field(min_length=1)
+    """The complete launch topology."""
+    artifact: str = Field(min_length=1)
+    """Artifact directory: written by ``capture`` (must not hold a committed descriptor), read by the others."""
+    prepare_only: bool = False
+    """``restore`` only: run admission (formats, driver floor, CRIU check, payload verification, ports), start nothing."""
+    policy: Policy = Field(default_factory=Policy)
+    """Overrides of the snapshot driver's default policy."""
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> "OperationRequest":
+        unit_ids = [u.unit_id for u in self.units]
+        if len(set(unit_ids)) != len(unit_ids):
+            raise ValueError(f"units: duplicate unit_id in {unit_ids}")
+        workers = [w for u in self.units for w in u.workers]
+        worker_ids = [w.worker_id for w in workers]
+        if len(set(worker_ids)) != len(worker_ids):
+            raise ValueError(f"units: duplicate worker_id in {worker_ids}")
+        ranks = sorted(w.rank for w in workers)
+        if ranks != list(range(len(workers))):
+            raise ValueError(f"units: worker ranks must be 0..{len(workers) - 1} exactly once, got {ranks}")
+        for unit in self.units:
+            slots = [w.device_slot for w in unit.workers]
+            if len(set(slots)) != len(slots):
+                raise ValueError(f"units: unit {unit.unit_id!r} assigns one device_slot twice: {slots}")
+        if self.prepare_only and self.operation != "restore":
+            raise ValueError(f"prepare_only applies to restore only, not {self.operation}")
+        return self

@@ -1,0 +1,133 @@
+"""``coldsnap doctor``: what this host can do for capture and restore.
+
+It probes, it does not admit: restore admission repeats the checks that matter for one artifact.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from coldsnap import __version__
+from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
+from coldsnap.native import NativeUnavailable, native
+from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError
+
+__all__ = ["collect_report", "render_table", "nvidia_kernel_driver"]
+
+_NVIDIA_PROC = Path("/proc/driver/nvidia/version")
+
+
+def nvidia_kernel_driver(proc_file: Path = _NVIDIA_PROC) -> str | None:
+    """The NVIDIA kernel module version (``580.159.04``), or ``None`` without the driver."""
+    try:
+        text = proc_file.read_text()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
+    return match.group(1) if match else None
+
+
+def _criu_section() -> dict[str, Any]:
+    section: dict[str, Any] = {"path": None, "version": None, "version_ok": False, "check_ok": False, "detail": ""}
+    try:
+        criu = Criu()
+        section["path"] = criu.path
+        version = criu.version()
+        section["version"] = ".".join(str(p) for p in version)
+        section["version_ok"] = version[:2] >= MINIMUM_VERSION
+        if os.geteuid() != 0:
+            section["detail"] = "criu check needs root; run doctor as root"
+            return section
+        check = criu.check()
+        section["check_ok"] = check.ok
+        section["detail"] = "Looks good." if check.ok else check.output
+    except CriuError as exc:
+        section["detail"] = str(exc) if exc.op != "locate" else exc.log_tail
+    if section["path"] and not section["version_ok"] and section["version"]:
+        minimum = ".".join(map(str, MINIMUM_VERSION))
+        section["detail"] = f"CRIU {section['version']} is too old (need >= {minimum}); " + section["detail"]
+    return section
+
+
+def _cuda_section() -> dict[str, Any]:
+    try:
+        probe = native().cuda_probe()
+    except NativeUnavailable as exc:
+        return {"available": False, "reason": str(exc), "native_extension": False, "devices": []}
+    return {"native_extension": True, **probe}
+
+
+def collect_report() -> dict[str, Any]:
+    """Everything doctor knows, as JSON values."""
+    driver = nvidia_kernel_driver()
+    driver_major = int(driver.split(".")[0]) if driver else None
+    cuda = _cuda_section()
+    criu = _criu_section()
+    drivers = {}
+    for name, profile in SNAPSHOT_DRIVERS.items():
+        problems = []
+        if driver_major is None:
+            problems.append("no NVIDIA driver")
+        elif driver_major < profile.minimum_nvidia_driver:
+            problems.append(f"NVIDIA driver {driver} < {profile.minimum_nvidia_driver}")
+        if not cuda.get("checkpoint_api"):
+            problems.append("no CUDA checkpoint API")
+        if not (criu["version_ok"] and criu["check_ok"]):
+            problems.append("CRIU not usable")
+        drivers[name] = {"usable": not problems, "problems": problems}
+    return {
+        "coldsnap": __version__,
+        "python": sys.version.split()[0],
+        "host": {"kernel": platform.release(), "arch": platform.machine(), "root": os.geteuid() == 0},
+        "criu": criu,
+        "nvidia_driver": driver,
+        "cuda": cuda,
+        "snapshot_drivers": drivers,
+    }
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def render_table(report: dict[str, Any]) -> str:
+    """The report for a person."""
+    rows: list[tuple[str, str, str]] = []
+
+    def row(name: str, ok: bool | None, value: str) -> None:
+        rows.append((name, {True: "ok", False: "NO", None: "--"}[ok], value))
+
+    host = report["host"]
+    row("coldsnap", True, f"{report['coldsnap']} (python {report['python']})")
+    row("host", True, f"{host['arch']}, kernel {host['kernel']}, {'root' if host['root'] else 'not root'}")
+    criu = report["criu"]
+    if criu["path"]:
+        row("criu", criu["version_ok"], f"{criu['version']} at {criu['path']}")
+        row("criu check", criu["check_ok"], criu["detail"].splitlines()[-1] if criu["detail"] else "")
+    else:
+        row("criu", False, criu["detail"])
+    row("nvidia driver", report["nvidia_driver"] is not None, report["nvidia_driver"] or "not loaded (no /proc/driver/nvidia)")
+    cuda = report["cuda"]
+    if cuda.get("available"):
+        api = cuda["driver_version"]
+        row("cuda driver api", True, f"{api // 1000}.{api % 1000 // 10} ({cuda['library']})")
+        row("checkpoint api", cuda["checkpoint_api"], "cuCheckpointProcess* present" if cuda["checkpoint_api"] else "missing")
+        row("vmm api", cuda["vmm_api"], "cuMemAddressReserve/cuMemCreate/cuMemMap present" if cuda["vmm_api"] else "missing")
+        for dev in cuda["devices"]:
+            row(
+                f"gpu {dev['ordinal']}",
+                True,
+                f"{dev['name']}, cc {dev['compute_capability']}, {_gib(dev['total_memory_bytes'])}, {dev['uuid']}, pci {dev['pci_bus_id']}",
+            )
+    else:
+        row("cuda", False, cuda.get("reason", "unavailable"))
+        row("gpus", None, "none present")
+    for name, verdict in report["snapshot_drivers"].items():
+        row(f"driver {name}", verdict["usable"], "usable" if verdict["usable"] else "; ".join(verdict["problems"]))
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"{name:<{width}}  {mark:<2}  {value}" for name, mark, value in rows)

@@ -1,0 +1,233 @@
+"""The operation envelope every lifecycle command runs in.
+
+It owns the operator contract's rules, so that capture, restore, sleep and wake cannot each get them
+slightly wrong:
+
+- the request is read strictly and resolved against the driver profile, then hashed;
+- the receipt destination is claimed *before* any work: a receipt path that already holds a receipt
+  of a different request is refused;
+- ``--receipt-json -`` writes exactly one receipt to stdout and all progress to stderr; a path is
+  published atomically; a successful receipt is never replaced by a later failure;
+- ``--timing-events`` (a new absolute path, or ``-`` when the receipt is not on stdout) mirrors the
+  spans live; its failures are warnings only;
+- the exit status is 0 exactly when the receipt says ``succeeded``; 2 for input the caller must fix.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Callable
+
+from coldsnap.atomic import write_atomic
+from coldsnap.contracts.base import ContractError, decode_document
+from coldsnap.contracts.canonical import canonical_json
+from coldsnap.contracts.capabilities import REPLAY_SEMANTICS
+from coldsnap.contracts.profiles import resolve_request
+from coldsnap.contracts.receipt import ErrorRecord, OperationReceipt
+from coldsnap.contracts.request import OperationRequest
+from coldsnap.timing import OperationTimer, TimingEventStream
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_FAILED",
+    "EXIT_USAGE",
+    "OperationFailed",
+    "UsageError",
+    "OperationContext",
+    "OperationOutcome",
+    "ReceiptDestination",
+    "run_operation",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+class UsageError(Exception):
+    """Input the caller must fix (bad request, refused receipt path); exit status 2, no receipt."""
+
+
+class OperationFailed(Exception):
+    """The operation ran and failed; becomes a ``failed`` receipt with this code."""
+
+    def __init__(self, code: str, message: str):
+        self.code = code
+        self.message = message
+        super().__init__(f"{code}: {message}")
+
+
+@dataclass
+class OperationOutcome:
+    """What an operation body returns on success."""
+
+    artifact: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+class ReceiptDestination:
+    """Where the receipt goes: stdout (``-``), a file path, or nowhere (``None``)."""
+
+    def __init__(self, spec: str | None, stdout: IO[bytes]):
+        self.spec = spec
+        self._stdout = stdout
+        self.path = None if spec in (None, "-") else Path(spec)
+
+    @property
+    def to_stdout(self) -> bool:
+        return self.spec == "-"
+
+    def _existing(self) -> OperationReceipt | None:
+        assert self.path is not None
+        if not self.path.exists():
+            return None
+        try:
+            return decode_document(OperationReceipt, self.path.read_bytes(), str(self.path))
+        except (ContractError, OSError) as exc:
+            raise UsageError(f"--receipt-json {self.path}: holds something that is not a receipt ({exc})") from None
+
+    def claim(self, request_sha256: str) -> None:
+        """Refuse, before any work, a path bound to a different request or one we cannot write."""
+        if self.path is None:
+            return
+        if not self.path.parent.is_dir():
+            raise UsageError(f"--receipt-json {self.path}: directory {self.path.parent} does not exist")
+        if not os.access(self.path.parent, os.W_OK):
+            raise UsageError(f"--receipt-json {self.path}: directory {self.path.parent} is not writable")
+        existing = self._existing()
+        if existing is not None and existing.request_sha256 != request_sha256:
+            raise UsageError(
+                f"--receipt-json {self.path}: already bound to request {existing.request_sha256[:12]}… "
+                f"(operation {existing.operation_id}); this request is {request_sha256[:12]}…"
+            )
+
+    def publish(self, receipt: OperationReceipt) -> str | None:
+        """Publish; returns a warning when an earlier success is kept instead of a new failure."""
+        data = canonical_json(receipt.to_json_value()) + b"\n"
+        if self.to_stdout:
+            self._stdout.write(data)
+            self._stdout.flush()
+            return None
+        if self.path is None:
+            return None
+        existing = self._existing()
+        if existing is not None and existing.state == "succeeded" and receipt.state == "failed":
+            return f"kept the successful receipt at {self.path}; this run failed and is reported on stderr only"
+        write_atomic(self.path, data)
+        return None
+
+
+@dataclass
+class OperationContext:
+    """What an operation body gets: the resolved request, its digest, the timer, progress output."""
+
+    request: OperationRequest
+    request_sha256: str
+    timer: OperationTimer
+    _stderr: IO[str]
+
+    def progress(self, message: str) -> None:
+        """One progress line on stderr, always naming the operation and the snapshot driver."""
+        r = self.request
+        self._stderr.write(f"coldsnap {r.operation} [{r.engine}/{r.snapshot_driver}]: {message}\n")
+        self._stderr.flush()
+
+
+def _open_events(spec: str | None, receipt: ReceiptDestination, stdout: IO[bytes]) -> IO[bytes] | None:
+    if spec is None:
+        return None
+    if receipt.spec is None:
+        raise UsageError("--timing-events requires --receipt-json")
+    if spec == "-":
+        if receipt.to_stdout:
+            raise UsageError("--timing-events - and --receipt-json - cannot both use stdout")
+        return stdout
+    path = Path(spec)
+    if not path.is_absolute():
+        raise UsageError(f"--timing-events {spec}: must be an absolute path or -")
+    try:
+        return open(path, "xb")  # previously absent, by contract
+    except FileExistsError:
+        raise UsageError(f"--timing-events {spec}: already exists") from None
+    except OSError as exc:
+        raise UsageError(f"--timing-events {spec}: cannot create ({exc.strerror})") from None
+
+
+def run_operation(
+    request_bytes: bytes,
+    request_source: str,
+    body: Callable[[OperationContext], OperationOutcome],
+    receipt_spec: str | None,
+    events_spec: str | None = None,
+    stdout: IO[bytes] | None = None,
+    stderr: IO[str] | None = None,
+) -> int:
+    """Run ``body`` inside the operation envelope; returns the process exit status."""
+    stdout = stdout if stdout is not None else sys.stdout.buffer
+    stderr = stderr if stderr is not None else sys.stderr
+    events_handle = None
+    try:
+        request = resolve_request(decode_document(OperationRequest, request_bytes, request_source))
+        request_sha256 = request.canonical_sha256()
+        receipt_dest = ReceiptDestination(receipt_spec, stdout)
+        receipt_dest.claim(request_sha256)
+        events_handle = _open_events(events_spec, receipt_dest, stdout)
+    except ContractError as exc:
+        for line in str(exc).splitlines():
+            stderr.write(f"coldsnap: {line}\n")
+        return EXIT_USAGE
+    except UsageError as exc:
+        stderr.write(f"coldsnap: {exc}\n")
+        return EXIT_USAGE
+
+    events = TimingEventStream(events_handle, request.operation_id, request_sha256) if events_handle else None
+    timer = OperationTimer(events)
+    context = OperationContext(request, request_sha256, timer, stderr)
+    started = timer.unix_origin_ns
+    outcome = OperationOutcome()
+    error: ErrorRecord | None = None
+    context.progress(f"operation {request.operation_id} started")
+    try:
+        with timer.span(f"controller.{request.operation}"):
+            outcome = body(context)
+    except OperationFailed as exc:
+        error = ErrorRecord(code=exc.code, message=exc.message)
+    except Exception as exc:  # a bug, not a user mistake: still a failed receipt, never a lost one
+        error = ErrorRecord(code="internal", message=f"{type(exc).__name__}: {exc}")
+    state = "failed" if error else "succeeded"
+    envelope = timer.envelope()
+    timer.complete(state, envelope)
+    warnings = [*outcome.warnings, *timer.warnings, *(events.warnings if events else [])]
+    receipt = OperationReceipt(
+        format=2,
+        operation=request.operation,
+        operation_id=request.operation_id,
+        request_sha256=request_sha256,
+        engine=request.engine,
+        snapshot_driver=request.snapshot_driver,
+        prepare_only=request.prepare_only,
+        state=state,
+        replay_semantics=REPLAY_SEMANTICS[request.operation],
+        started_unix_ns=started,
+        finished_unix_ns=max(time.time_ns(), started),
+        artifact=outcome.artifact,
+        error=error,
+        warnings=warnings,
+        timing=envelope,
+    )
+    for warning in warnings:
+        context.progress(f"warning: {warning}")
+    if events_handle is not None and events_handle is not stdout:
+        events_handle.close()
+    kept = receipt_dest.publish(receipt)
+    if kept:
+        context.progress(f"warning: {kept}")
+    if error:
+        context.progress(f"failed: {error.code}: {error.message}")
+        return EXIT_FAILED
+    context.progress(f"operation {request.operation_id} succeeded")
+    return EXIT_OK

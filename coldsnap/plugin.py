@@ -1,0 +1,43 @@
+"""Idempotent engine-plugin registration shared by ``coldsnap_vllm`` and ``coldsnap_sglang``.
+
+Engines load their plugins once in *every* process they start, sometimes more than once in one
+process; installing a hook twice would wrap it twice. The registration runs its installer once per
+process, under a lock, and remembers a failure instead of retrying a half-installed state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable
+
+__all__ = ["PluginRegistration"]
+
+log = logging.getLogger(__name__)
+
+
+class PluginRegistration:
+    """A callable entry point that runs ``install`` at most once per process."""
+
+    def __init__(self, engine: str, install: Callable[[], None]):
+        self.engine = engine
+        self._install = install
+        self._lock = threading.Lock()
+        self._state = "pending"  # pending -> installed | failed
+
+    @property
+    def installed(self) -> bool:
+        return self._state == "installed"
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._state != "pending":
+                return
+            try:
+                self._install()
+            except Exception:
+                self._state = "failed"
+                log.exception("coldsnap %s plugin failed to register; the engine runs without coldsnap", self.engine)
+                raise
+            self._state = "installed"
+            log.debug("coldsnap %s plugin registered", self.engine)

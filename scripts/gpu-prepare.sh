@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# On a connected machine: gather what the offline GPU test host lacks into one folder.
+#
+#   bash scripts/gpu-prepare.sh [BUNDLE_DIR]     (default .gpu-bundle, git-ignored)
+#
+# BUNDLE_DIR/wheels     Python 3.12 manylinux x86_64 wheels of coldsnap's runtime dependencies that the
+#                       GPU host's image does not have (pydantic and its parts, pyzmq), versions pinned to
+#                       this checkout's .venv where it has them;
+# BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) for `install-criu.sh --from-debs`.
+#
+# Carry BUNDLE_DIR to the GPU host with the checkout, then run scripts/gpu-test.sh there.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+bundle=${1:-.gpu-bundle}
+log() { printf 'gpu-prepare: %s\n' "$*" >&2; }
+
+packages=(pydantic pydantic_core annotated_types typing_extensions typing_inspection pyzmq)
+python=python3
+[ -x .venv/bin/python ] && python=.venv/bin/python
+specs=()
+for name in "${packages[@]}"; do
+    version=$("$python" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name" 2>/dev/null || true)
+    specs+=("${name}${version:+==$version}")
+done
+
+mkdir -p "$bundle/wheels"
+log "downloading Python 3.12 wheels: ${specs[*]}"
+"$python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+    -d "$bundle/wheels" "${specs[@]}" 2> >(grep -v "^WARNING: Location" >&2)
+
+bash scripts/install-criu.sh --download-only "$bundle/criu-debs"
+log "bundle ready: $(du -sh "$bundle" | cut -f1) in $bundle"

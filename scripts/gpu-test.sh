@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# On the offline GPU test host (H200): install what was brought along, build coldsnap._C with this
+# host's python3, run the GPU tests and `coldsnap doctor`.
+#
+#   bash scripts/gpu-test.sh [LOG_DIR] [PYTEST ARGS...]
+#
+# Expects BUNDLE_DIR (COLDSNAP_GPU_BUNDLE, default .gpu-bundle) made by scripts/gpu-prepare.sh on a
+# connected machine. Logs (build, pytest, doctor table and JSON) go to LOG_DIR (default $OUT when set,
+# else /tmp/coldsnap-gpu-test). Nothing outside /tmp is changed on the host. Exit status: pytest's.
+set -euo pipefail
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+bundle=${COLDSNAP_GPU_BUNDLE:-.gpu-bundle}
+logs=${1:-${OUT:-/tmp/coldsnap-gpu-test}}
+shift $(( $# > 0 ? 1 : 0 ))
+python=${PYTHON:-python3}
+log() { printf 'gpu-test: %s\n' "$*" >&2; }
+mkdir -p "$logs"
+[ -d "$bundle/wheels" ] && [ -d "$bundle/criu-debs" ] || { log "no bundle at $bundle: run scripts/gpu-prepare.sh on a connected machine"; exit 2; }
+
+site=/tmp/coldsnap-site
+log "installing brought wheels into $site"
+"$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$bundle"/wheels/*.whl
+export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}"
+
+log "installing CRIU from $bundle/criu-debs"
+bash scripts/install-criu.sh --from-debs "$bundle/criu-debs" --prefix /tmp/coldsnap-criu --no-link
+export COLDSNAP_CRIU=/tmp/coldsnap-criu/bin/criu
+
+log "building coldsnap._C with $($python --version)"
+"$python" setup.py build_ext --inplace >"$logs/build.log" 2>&1 || { tail -30 "$logs/build.log" >&2; exit 1; }
+
+log "coldsnap doctor"
+"$python" -m coldsnap doctor | tee "$logs/doctor.txt"
+"$python" -m coldsnap doctor --json >"$logs/doctor.json"
+
+log "pytest -m gpu"
+set +e
+"$python" -m pytest -m gpu -v -p no:cacheprovider "$@" 2>&1 | tee "$logs/pytest-gpu.log"
+status=${PIPESTATUS[0]}
+set -e
+log "done (pytest status $status); logs in $logs"
+exit "$status"

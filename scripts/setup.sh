@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Set up coldsnap on a fresh machine and run its main job.
+#
+#   bash scripts/setup.sh                 install everything, then run `coldsnap doctor`
+#   bash scripts/setup.sh --install-only  install only (what scripts/test.sh uses)
+#
+# Installs: a virtual environment .venv with coldsnap and its dev extras (the native extension
+# coldsnap._C is compiled here, against no CUDA library), and CRIU 4.2.1 through
+# scripts/install-criu.sh (needs root; skipped with a warning otherwise). Every step is idempotent:
+# a second run only checks.
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$repo"
+run_doctor=1
+case "${1:-}" in
+    --install-only) run_doctor=0 ;;
+    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    "") ;;
+    *) echo "setup: unknown argument $1 (see --help)" >&2; exit 2 ;;
+esac
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+python=${PYTHON:-python3}
+
+# 1. Python environment. The stamp covers everything that changes what gets built.
+stamp_of() { cat pyproject.toml setup.py csrc/* | sha256sum | cut -d' ' -f1; }
+stamp_file=.venv/.coldsnap-install-stamp
+if [ ! -x .venv/bin/python ]; then
+    log "creating .venv with $($python --version 2>&1)"
+    "$python" -m venv .venv
+fi
+if [ "$(cat "$stamp_file" 2>/dev/null)" = "$(stamp_of)" ] && .venv/bin/python -c "import coldsnap._C" 2>/dev/null; then
+    log "coldsnap already installed in .venv"
+else
+    log "installing coldsnap[dev] into .venv (compiles coldsnap._C)"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]" 2> >(grep -v "^WARNING: Location" >&2)
+    stamp_of > "$stamp_file"
+fi
+
+# 2. CRIU (root only: it installs into /opt/coldsnap/criu and links /usr/local/bin/criu).
+if [ "$(id -u)" = 0 ]; then
+    bash scripts/install-criu.sh
+else
+    log "not root: skipping CRIU (run 'sudo bash scripts/install-criu.sh'; capture and restore need root anyway)"
+fi
+
+if [ "$run_doctor" = 1 ]; then
+    log "coldsnap doctor:"
+    exec .venv/bin/coldsnap doctor
+fi

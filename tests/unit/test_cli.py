@@ -1,0 +1,93 @@
+"""The CLI as a user and a manager see it: real subprocesses, exit codes, stdout/stderr split."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import make_request
+
+
+def coldsnap(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coldsnap", *args], input=stdin, capture_output=True, timeout=120)
+
+
+def test_capabilities_is_json_naming_formats_and_drivers():
+    result = coldsnap("capabilities")
+    assert result.returncode == 0 and result.stderr == b""
+    caps = json.loads(result.stdout)
+    assert caps["protocol"]["request_formats"] == [4]
+    assert caps["protocol"]["artifact_formats"] == [9]
+    assert caps["protocol"]["receipt_format"] == 2
+    assert caps["protocol"]["timing_event_format"] == 1
+    assert sorted(d["name"] for d in caps["snapshot_drivers"]) == ["n580", "n610"]
+    canonical = coldsnap("capabilities", "--canonical").stdout
+    assert json.loads(canonical) == caps and b" " not in canonical.replace(b"coldsnap 0", b"").split(b'"boundary"')[0]
+
+
+def test_version_names_the_extension():
+    result = coldsnap("version")
+    assert result.returncode == 0
+    assert b"coldsnap 0." in result.stdout and b"coldsnap._C" in result.stdout
+
+
+@pytest.mark.parametrize("command", [[], ["capabilities"], ["version"], ["doctor"], ["validate"]])
+def test_help_on_every_command(command):
+    result = coldsnap(*command, "--help")
+    assert result.returncode == 0 and b"usage: coldsnap" in result.stdout
+
+
+MALFORMED = {
+    "unknown-field.json": (json.dumps(make_request(colour="blue")), ["colour: unknown field"]),
+    "wrong-format.json": (json.dumps(make_request(format=3)), ["format: unsupported format 3 (supported: 4)"]),
+    "missing-field.json": (
+        json.dumps({k: v for k, v in make_request().items() if k != "operation_id"}),
+        ["operation_id: missing required field"],
+    ),
+    "wrong-type.json": (json.dumps(make_request(prepare_only=1)), ["prepare_only: input should be a valid boolean, got 1"]),
+    "not-json.json": ("format: 4\n", ["not JSON: Expecting value at line 1 column 1"]),
+    "empty.json": ("", ["not JSON: Expecting value at line 1 column 1"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_validate_request_malformed_exits_2_one_line_each(tmp_path, name):
+    text, expected = MALFORMED[name]
+    path = tmp_path / name
+    path.write_text(text)
+    result = coldsnap("validate", "request", str(path))
+    assert result.returncode == 2
+    assert result.stdout == b""
+    assert b"Traceback" not in result.stderr
+    assert result.stderr.decode().splitlines() == [f"{path}: {line}" for line in expected]
+
+
+def test_validate_request_valid_from_stdin():
+    result = coldsnap("validate", "request", "-", stdin=json.dumps(make_request()).encode())
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(b"<stdin>: valid request format 4, restore op-1, sha256 ")
+
+
+def test_validate_missing_file_and_bad_kind():
+    missing = coldsnap("validate", "receipt", "/nonexistent/receipt.json")
+    assert missing.returncode == 2 and missing.stderr.strip() == b"/nonexistent/receipt.json: cannot read: No such file or directory"
+    bad_kind = coldsnap("validate", "capsule", "x")
+    assert bad_kind.returncode == 2 and b"Traceback" not in bad_kind.stderr
+
+
+def test_validate_artifact_and_receipt_wrong_format(tmp_path):
+    for kind, supported in (("artifact", 9), ("receipt", 2)):
+        path = tmp_path / f"{kind}.json"
+        path.write_text(json.dumps({"format": 1}))
+        result = coldsnap("validate", kind, str(path))
+        assert result.returncode == 2
+        assert result.stderr.decode().strip() == f"{path}: format: unsupported format 1 (supported: {supported})"
+
+
+def test_validate_truncated_timing_events(tmp_path):
+    path = tmp_path / "events.ndjson"
+    path.write_text('{"timing_event_format": 1')
+    result = coldsnap("validate", "timing-events", str(path))
+    assert result.returncode == 2 and b"Traceback" not in result.stderr
+    assert b"truncated" in result.stderr
