@@ -223,7 +223,11 @@ def run_operation(
         context.progress(f"warning: {warning}")
     if events_handle is not None and events_handle is not stdout:
         events_handle.close()
-    kept = receipt_dest.publish(receipt)
+    try:
+        kept = receipt_dest.publish(receipt)
+    except OSError as exc:
+        context.progress(f"error: could not publish the receipt to {receipt_dest.spec}: {exc}")
+        return EXIT_FAILED
     if kept:
         context.progress(f"warning: {kept}")
     if error:
