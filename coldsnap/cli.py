@@ -20,7 +20,7 @@ from coldsnap.contracts.profiles import resolve_request
 from coldsnap.contracts.receipt import OperationReceipt
 from coldsnap.contracts.request import OperationRequest
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_ADAPTER
-from coldsnap.operation import EXIT_OK, EXIT_USAGE
+from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 __all__ = ["main", "build_parser"]
 
@@ -144,6 +144,52 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _cmd_payload_verify(args: argparse.Namespace) -> int:
+    from coldsnap.payload.errors import PackDigestMismatch, PackError
+    from coldsnap.payload.validation import verify_file
+
+    try:
+        result = verify_file(args.file, args.expected)
+    except PackDigestMismatch as exc:
+        if args.json:
+            rejected = {"file": args.file, "expected_sha256": exc.expected, "sha256": exc.actual, "verdict": "rejected"}
+            sys.stdout.write(json.dumps(rejected, sort_keys=True) + "\n")
+        print(exc, file=sys.stderr)
+        return EXIT_FAILED
+    except PackError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        document = {
+            "file": args.file,
+            "sha256": result.sha256,
+            "size_bytes": result.size_bytes,
+            "method": result.method,
+            "seconds": round(result.seconds, 6),
+            "verdict": "valid",
+        }
+        sys.stdout.write(json.dumps(document, sort_keys=True) + "\n")
+    else:
+        print(f"{args.file}: valid, sha256 {result.sha256}, {result.size_bytes} bytes ({result.method}, {result.seconds:.3f} s)")
+    return EXIT_OK
+
+
+PAYLOAD_VERIFY_DESCRIPTION = """\
+Verify that FILE holds the bytes its name promises: a native pack `<sha256>.pack` or residual
+`<sha256>.residual` (or any file, with --expected). It is the verifier the library itself uses
+(coldsnap.payload.validation.verify_file).
+
+Trust rule: after a full hash matches, the verdict is recorded in `.coldsnap-validation.json` next to
+FILE, bound to the file's (st_dev, st_ino, size, mtime_ns, ctime_ns). A later verify trusts that record
+only while all five are unchanged (and the file had not changed within 50 ms before that hash);
+otherwise it hashes FILE in full again and refreshes or removes the record. The method printed says
+which happened: `record` or `full-hash`.
+
+Exit status: 0 valid; 1 verified and rejected (digest mismatch); 2 usage error (missing or unreadable
+file, a name that is not <sha256>.pack/.residual without --expected, a malformed --expected).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coldsnap", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -188,6 +234,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("kind", choices=sorted(VALIDATORS), help="which contract FILE holds")
     p.add_argument("file", metavar="FILE", help="path of the document, or - for stdin")
     p.set_defaults(func=_cmd_validate)
+
+    p = commands.add_parser(
+        "payload",
+        help="native payload packs: verify a pack or residual against its content digest",
+        description="Native payload packs: content-addressed files (<sha256>.pack, <sha256>.residual) of preserved "
+        "GPU bytes. `payload verify` checks one against its SHA-256, trusting the directory's "
+        ".coldsnap-validation.json only while the file's (st_dev, st_ino, size, mtime_ns, ctime_ns) is unchanged "
+        "since its last full hash (see `payload verify --help`).",
+    )
+    payload = p.add_subparsers(dest="payload_command", metavar="SUBCOMMAND", required=True)
+    p = payload.add_parser(
+        "verify",
+        help="check a pack's bytes against its SHA-256 (trusting an unchanged validation record)",
+        description=PAYLOAD_VERIFY_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("file", metavar="FILE", help="the pack or residual file")
+    p.add_argument("--expected", metavar="SHA256", help="expected SHA-256 (default: the one in FILE's name)")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object on stdout: file, sha256, size_bytes, method, seconds, verdict")
+    p.set_defaults(func=_cmd_payload_verify)
     return parser
 
 

@@ -113,6 +113,10 @@ bool DriverApi::has_checkpoint_api() const {
 
 bool DriverApi::has_vmm_api() const {
   return handle != nullptr COLDSNAP_CUDA_VMM(COLDSNAP_CUDA_AND);
+}
+
+bool DriverApi::has_copy_api() const {
+  return handle != nullptr COLDSNAP_CUDA_COPY(COLDSNAP_CUDA_AND);
 #undef COLDSNAP_CUDA_AND
 }
 
@@ -154,6 +158,34 @@ int driver_version() {
   int v = 0;
   api.check(api.cuDriverGetVersion(&v), "cuDriverGetVersion");
   return v;
+}
+
+const DriverApi& use_device(int device) {
+  const DriverApi& api = initialized_driver();
+  if (!api.has_vmm_api() || !api.has_copy_api()) {
+    std::string missing;
+    for (const auto& m : api.missing_symbols()) missing += " " + m;
+    throw CudaError(api.library + " lacks entry points coldsnap needs:" + missing);
+  }
+  // The primary context is the one torch uses, so regions and torch tensors share it.
+  static std::mutex mutex;
+  static std::vector<CUcontext> contexts;
+  CUcontext ctx = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (device < 0) throw CudaError("invalid device ordinal " + std::to_string(device));
+    if (static_cast<std::size_t>(device) >= contexts.size()) contexts.resize(device + 1, nullptr);
+    if (!contexts[device]) {
+      CUdevice dev = 0;
+      api.check(api.cuDeviceGet(&dev, device), "cuDeviceGet");
+      api.check(api.cuDevicePrimaryCtxRetain(&contexts[device], dev), "cuDevicePrimaryCtxRetain");
+    }
+    ctx = contexts[device];
+  }
+  CUcontext current = nullptr;
+  api.check(api.cuCtxGetCurrent(&current), "cuCtxGetCurrent");
+  if (current != ctx) api.check(api.cuCtxSetCurrent(ctx), "cuCtxSetCurrent");
+  return api;
 }
 
 ProbeResult probe() {

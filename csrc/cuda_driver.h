@@ -31,11 +31,41 @@ constexpr CUresult CUDA_SUCCESS = 0;
 constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75;
 constexpr CUdevice_attribute CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76;
 
-// Only passed by pointer so far. Whoever first fills one in (VMM engine,
-// checkpoint driver) must replace the forward declaration with a layout
-// copied from cuda.h.
-struct CUmemAllocationProp;
-struct CUmemAccessDesc;
+using CUcontext = struct CUctx_st*;
+using CUstream = struct CUstream_st*;
+using CUevent = struct CUevent_st*;
+
+// VMM structs, layouts copied from cuda.h (CUDA 13.0; unchanged since 11.x).
+struct CUmemLocation {
+  int type;  // CUmemLocationType
+  int id;
+};
+struct CUmemAllocationProp {
+  int type;                  // CUmemAllocationType
+  int requestedHandleTypes;  // CUmemAllocationHandleType
+  CUmemLocation location;
+  void* win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+};
+struct CUmemAccessDesc {
+  CUmemLocation location;
+  int flags;  // CUmemAccess_flags
+};
+constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 1;
+constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
+constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3;
+constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0;
+constexpr unsigned int CU_STREAM_NON_BLOCKING = 1;
+constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
+constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 1;
+
+// Only passed by pointer so far. Whoever first fills one in (checkpoint
+// driver) must replace the forward declaration with a layout copied from cuda.h.
 struct CUcheckpointLockArgs;
 struct CUcheckpointCheckpointArgs;
 struct CUcheckpointRestoreArgs;
@@ -77,6 +107,25 @@ using PFN_cuMemRelease = CUresult (*)(CUmemGenericAllocationHandle);
 using PFN_cuMemAddressFree = CUresult (*)(CUdeviceptr, std::size_t);
 using PFN_cuMemGetAllocationGranularity = CUresult (*)(std::size_t*, const CUmemAllocationProp*,
                                                        CUmemAllocationGranularity_flags);
+
+// Contexts, copies, streams, events, pinned host memory (hydration engine).
+using PFN_cuDevicePrimaryCtxRetain = CUresult (*)(CUcontext*, CUdevice);
+using PFN_cuCtxGetCurrent = CUresult (*)(CUcontext*);
+using PFN_cuCtxSetCurrent = CUresult (*)(CUcontext);
+using PFN_cuMemsetD8 = CUresult (*)(CUdeviceptr, unsigned char, std::size_t);
+using PFN_cuMemcpyHtoD = CUresult (*)(CUdeviceptr, const void*, std::size_t);
+using PFN_cuMemcpyDtoH = CUresult (*)(void*, CUdeviceptr, std::size_t);
+using PFN_cuMemcpyHtoDAsync = CUresult (*)(CUdeviceptr, const void*, std::size_t, CUstream);
+using PFN_cuStreamCreate = CUresult (*)(CUstream*, unsigned int);
+using PFN_cuStreamDestroy = CUresult (*)(CUstream);
+using PFN_cuStreamSynchronize = CUresult (*)(CUstream);
+using PFN_cuEventCreate = CUresult (*)(CUevent*, unsigned int);
+using PFN_cuEventRecord = CUresult (*)(CUevent, CUstream);
+using PFN_cuEventSynchronize = CUresult (*)(CUevent);
+using PFN_cuEventDestroy = CUresult (*)(CUevent);
+using PFN_cuMemHostAlloc = CUresult (*)(void**, std::size_t, unsigned int);
+using PFN_cuMemFreeHost = CUresult (*)(void*);
+using PFN_cuMemGetInfo = CUresult (*)(std::size_t*, std::size_t*);
 
 // ---- Symbol lists (X-macros): X(member, "exported symbol") -----------------
 // `member` is the DriverApi field (and the PFN_ suffix); the string is what
@@ -120,11 +169,32 @@ using PFN_cuMemGetAllocationGranularity = CUresult (*)(std::size_t*, const CUmem
   X(cuMemAddressFree, "cuMemAddressFree")           \
   X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity")
 
-#define COLDSNAP_CUDA_ALL(X) \
-  COLDSNAP_CUDA_CORE(X)      \
-  COLDSNAP_CUDA_OPTIONAL(X)  \
+// Legacy-default-stream (non _ptds/_ptsz) symbols: every copy goes to an explicit stream anyway.
+#define COLDSNAP_CUDA_COPY(X)                                 \
+  X(cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain")     \
+  X(cuCtxGetCurrent, "cuCtxGetCurrent")                       \
+  X(cuCtxSetCurrent, "cuCtxSetCurrent")                       \
+  X(cuMemsetD8, "cuMemsetD8_v2")                              \
+  X(cuMemcpyHtoD, "cuMemcpyHtoD_v2")                          \
+  X(cuMemcpyDtoH, "cuMemcpyDtoH_v2")                          \
+  X(cuMemcpyHtoDAsync, "cuMemcpyHtoDAsync_v2")                \
+  X(cuStreamCreate, "cuStreamCreate")                         \
+  X(cuStreamDestroy, "cuStreamDestroy_v2")                    \
+  X(cuStreamSynchronize, "cuStreamSynchronize")               \
+  X(cuEventCreate, "cuEventCreate")                           \
+  X(cuEventRecord, "cuEventRecord")                           \
+  X(cuEventSynchronize, "cuEventSynchronize")                 \
+  X(cuEventDestroy, "cuEventDestroy_v2")                      \
+  X(cuMemHostAlloc, "cuMemHostAlloc")                         \
+  X(cuMemFreeHost, "cuMemFreeHost")                           \
+  X(cuMemGetInfo, "cuMemGetInfo_v2")
+
+#define COLDSNAP_CUDA_ALL(X)  \
+  COLDSNAP_CUDA_CORE(X)       \
+  COLDSNAP_CUDA_OPTIONAL(X)   \
   COLDSNAP_CUDA_CHECKPOINT(X) \
-  COLDSNAP_CUDA_VMM(X)
+  COLDSNAP_CUDA_VMM(X)        \
+  COLDSNAP_CUDA_COPY(X)
 
 // Thrown by everything below that can fail; becomes coldsnap._C.CudaError.
 // code is the CUresult, or nullopt when no driver call failed (no library,
@@ -156,6 +226,7 @@ struct DriverApi {
   }
   bool has_checkpoint_api() const;
   bool has_vmm_api() const;
+  bool has_copy_api() const;
   std::vector<std::string> missing_symbols() const;  // for diagnostics
 
   // "CUDA_ERROR_NO_DEVICE" via cuGetErrorName, else "CUresult(100)".
@@ -173,6 +244,10 @@ const DriverApi& driver();
 const DriverApi& initialized_driver();
 // cuDriverGetVersion (no cuInit needed); throws CudaError without a driver.
 int driver_version();
+// initialized_driver() with the VMM and copy entry points present, and the
+// device's primary context (retained once, never released) current on the
+// calling thread. Every thread that touches device memory calls this first.
+const DriverApi& use_device(int device);
 
 // ---- Probe: plain C++ result, converted to a dict by the bindings ----------
 struct DeviceInfo {

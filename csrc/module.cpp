@@ -1,12 +1,20 @@
 // pybind11 bindings: coldsnap._C
+#include <pybind11/functional.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "cuda_driver.h"
+#include "hydrate.h"
+#include "stable_memory.h"
 
 namespace py = pybind11;
 namespace cu = coldsnap::cuda;
+namespace mem = coldsnap::memory;
+namespace hy = coldsnap::hydrate;
 
 namespace {
 
@@ -65,6 +73,64 @@ py::dict build_info() {
   return o;
 }
 
+hy::Target parse_target(const std::string& name) {
+  if (name == "cuda") return hy::Target::Cuda;
+  if (name == "host") return hy::Target::Host;
+  if (name == "prefetch") return hy::Target::Prefetch;
+  if (name == "discard") return hy::Target::Discard;
+  throw std::invalid_argument("target must be cuda, host, prefetch or discard, not " + name);
+}
+
+py::dict hydrate(const std::string& path, const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& items,
+                 const std::string& target, int device, int threads, std::uint64_t chunk_bytes,
+                 std::uint64_t ring_bytes, py::object direct,
+                 const std::vector<std::pair<std::uint64_t, std::uint64_t>>& allowed, py::object progress) {
+  std::vector<hy::CopyItem> plan;
+  plan.reserve(items.size());
+  for (const auto& [offset, length, dst] : items) plan.push_back({offset, length, dst});
+  hy::Options options;
+  options.target = parse_target(target);
+  options.device = device;
+  options.threads = threads;
+  options.chunk_bytes = chunk_bytes;
+  options.ring_bytes = ring_bytes;
+  options.direct = direct.is_none() ? hy::Direct::Auto : (direct.cast<bool>() ? hy::Direct::Always : hy::Direct::Never);
+  options.allowed = allowed;
+  // The callback runs on this thread with the GIL re-acquired; its exception is re-raised as itself.
+  std::unique_ptr<py::error_already_set> callback_error;
+  std::function<bool(std::uint64_t, std::uint64_t)> poll;
+  if (!progress.is_none()) {
+    poll = [&](std::uint64_t done, std::uint64_t total) {
+      py::gil_scoped_acquire gil;
+      try {
+        py::object keep = progress(done, total);
+        return keep.is_none() || keep.cast<bool>();
+      } catch (py::error_already_set& e) {
+        if (!callback_error) callback_error = std::make_unique<py::error_already_set>(std::move(e));
+        return false;
+      }
+    };
+  }
+  hy::Stats stats;
+  try {
+    py::gil_scoped_release nogil;
+    stats = hy::run(path, plan, options, poll);
+  } catch (const hy::HydrationError&) {
+    if (callback_error) throw std::move(*callback_error);
+    throw;
+  }
+  py::dict o;
+  o["bytes"] = stats.bytes;
+  o["items"] = stats.items;
+  o["seconds"] = stats.seconds;
+  o["threads"] = stats.threads;
+  o["chunk_bytes"] = stats.chunk_bytes;
+  o["pinned_bytes"] = stats.pinned_bytes;
+  o["direct"] = stats.direct;
+  o["cached_fraction"] = stats.cached_fraction;
+  return o;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -99,4 +165,76 @@ PYBIND11_MODULE(_C, m) {
       "CUDA API version supported by the driver (e.g. 13000). Raises CudaError without a "
       "driver.");
   m.def("build_info", &build_info, "How this extension was built.");
+
+  py::register_exception<mem::RegionError>(m, "RegionError", PyExc_RuntimeError);
+  py::register_exception<hy::HydrationError>(m, "HydrationError", PyExc_RuntimeError);
+
+  py::class_<mem::StableRegion>(m, "StableRegion",
+                                "A reserved virtual address range whose physical memory can be dropped and "
+                                "mapped again at the same address.")
+      .def(py::init([](const std::string& tag, const std::string& backend, int device, std::uint64_t size,
+                       std::uint64_t chunk_bytes, std::uint64_t fixed_address) {
+             if (backend != "host" && backend != "cuda") throw std::invalid_argument("backend must be host or cuda");
+             py::gil_scoped_release nogil;
+             return new mem::StableRegion(tag, backend == "host" ? mem::Backend::Host : mem::Backend::Cuda, device,
+                                          size, chunk_bytes, fixed_address);
+           }),
+           py::arg("tag"), py::arg("backend"), py::arg("device"), py::arg("size"), py::arg("chunk_bytes"),
+           py::arg("fixed_address") = 0)
+      .def_property_readonly("tag", &mem::StableRegion::tag)
+      .def_property_readonly("backend", [](const mem::StableRegion& r) {
+        return r.backend() == mem::Backend::Host ? "host" : "cuda";
+      })
+      .def_property_readonly("device", &mem::StableRegion::device)
+      .def_property_readonly("base", &mem::StableRegion::base)
+      .def_property_readonly("size", &mem::StableRegion::size)
+      .def_property_readonly("chunk_bytes", &mem::StableRegion::chunk_bytes)
+      .def_property_readonly("granularity", &mem::StableRegion::granularity)
+      .def_property_readonly("mapped_bytes", &mem::StableRegion::mapped_bytes)
+      .def_property_readonly("high_water", &mem::StableRegion::high_water)
+      .def_property_readonly("released", &mem::StableRegion::released)
+      .def("map", &mem::StableRegion::map, py::arg("end"), py::call_guard<py::gil_scoped_release>())
+      .def("remap", &mem::StableRegion::remap, py::call_guard<py::gil_scoped_release>())
+      .def("unmap", &mem::StableRegion::unmap, py::call_guard<py::gil_scoped_release>())
+      .def("zero", &mem::StableRegion::zero, py::arg("offset"), py::arg("length"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("release", &mem::StableRegion::release, py::call_guard<py::gil_scoped_release>())
+      .def("allocate", &mem::StableRegion::allocate, py::arg("length"), py::arg("alignment"))
+      .def("deallocate", &mem::StableRegion::deallocate, py::arg("offset"))
+      .def("allocations", &mem::StableRegion::allocations);
+
+  m.def("register_region", &mem::register_region, py::arg("region"),
+        "Make a region reachable by the torch allocator hooks; returns its id.");
+  m.def("unregister_region", &mem::unregister_region, py::arg("region"));
+  m.def("set_active_region", &mem::set_active_region, py::arg("id"),
+        "Region the next torch allocations through coldsnap_region_malloc land in (-1: none).");
+  m.def("active_region", &mem::active_region);
+  m.def("take_allocator_error", &mem::take_allocator_error,
+        "The last error the allocator hooks could not raise (\"\" when none); clears it.");
+  m.attr("ALLOCATOR_MALLOC") = "coldsnap_region_malloc";
+  m.attr("ALLOCATOR_FREE") = "coldsnap_region_free";
+
+  m.def("hydrate", &hydrate, py::arg("path"), py::arg("items"), py::arg("target"), py::arg("device") = 0,
+        py::arg("threads") = 8, py::arg("chunk_bytes") = 16ull << 20, py::arg("ring_bytes") = 1ull << 30,
+        py::arg("direct") = py::none(), py::arg("allowed") = std::vector<std::pair<std::uint64_t, std::uint64_t>>{},
+        py::arg("progress") = py::none(),
+        "Copy file extents (file_offset, length, dst_address) to memory; see csrc/hydrate.h.");
+  m.def("release_pinned", &hy::release_pinned, "Free the cached pinned staging ring.");
+  m.def("pinned_bytes", &hy::pinned_bytes, "Bytes of pinned staging memory currently cached.");
+  m.def(
+      "copy_device_to_host",
+      [](std::uint64_t dst, std::uint64_t src, std::uint64_t length, int device) {
+        const auto& api = cu::use_device(device);
+        api.check(api.cuMemcpyDtoH(reinterpret_cast<void*>(dst), src, length), "cuMemcpyDtoH");
+      },
+      py::arg("dst"), py::arg("src"), py::arg("length"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "Synchronous device -> host copy (dst is a host address).");
+  m.def(
+      "copy_host_to_device",
+      [](std::uint64_t dst, std::uint64_t src, std::uint64_t length, int device) {
+        const auto& api = cu::use_device(device);
+        api.check(api.cuMemcpyHtoD(dst, reinterpret_cast<const void*>(src), length), "cuMemcpyHtoD");
+      },
+      py::arg("dst"), py::arg("src"), py::arg("length"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "Synchronous host -> device copy (src is a host address).");
 }

@@ -6,7 +6,8 @@
 # BUNDLE_DIR/wheels     Python 3.12 manylinux x86_64 wheels of coldsnap's runtime dependencies that the
 #                       GPU host's image does not have (pydantic and its parts, pyzmq), versions pinned to
 #                       this checkout's .venv where it has them;
-# BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) for `install-criu.sh --from-debs`.
+# BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) for `install-criu.sh --from-debs`;
+# BUNDLE_DIR/bench-wheels  fastsafetensors and instanttensor, comparators of benchmarks/hydrate.py.
 #
 # Carry BUNDLE_DIR to the GPU host with the checkout, then run scripts/gpu-test.sh there.
 set -euo pipefail
@@ -24,6 +25,7 @@ for name in "${packages[@]}"; do
     specs+=("${name}${version:+==$version}")
 done
 
+rm -rf "$bundle/wheels" "$bundle/bench-wheels"  # one version of each: pip refuses two
 mkdir -p "$bundle/wheels"
 log "downloading Python 3.12 wheels: ${specs[*]}"
 "$python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
@@ -31,6 +33,15 @@ log "downloading Python 3.12 wheels: ${specs[*]}"
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
     -d "$bundle/wheels" "${specs[@]}" 2> >(grep -v "^WARNING: Location" >&2)
+
+# Comparators for benchmarks/hydrate.py (optional there: the benchmark reports them missing otherwise).
+mkdir -p "$bundle/bench-wheels"
+log "downloading benchmark comparators: fastsafetensors, instanttensor"
+"$python" -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    -d "$bundle/bench-wheels" fastsafetensors instanttensor typer click shellingham rich markdown-it-py mdurl \
+    2> >(grep -v "^WARNING: Location" >&2) || log "comparator wheels unavailable; the benchmark will say so"
 
 bash scripts/install-criu.sh --download-only "$bundle/criu-debs"
 log "bundle ready: $(du -sh "$bundle" | cut -f1) in $bundle"

@@ -20,7 +20,8 @@ mkdir -p "$logs"
 
 site=/tmp/coldsnap-site
 log "installing brought wheels into $site"
-"$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$bundle"/wheels/*.whl
+"$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+    "$bundle"/wheels/*.whl $(ls "$bundle"/bench-wheels/*.whl 2>/dev/null)
 export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}"
 
 log "installing CRIU from $bundle/criu-debs"

@@ -1,0 +1,96 @@
+"""Native packs and stable regions: write a pack from live regions, hydrate a pack into them."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Mapping
+
+from coldsnap.contracts.layout import MemoryLayout, TensorExtent
+from coldsnap.hydrate.engine import CopyItem, HydrationError, HydrationStats, hydrate_items
+from coldsnap.memory.regions import StableRegion
+from coldsnap.native import native
+from coldsnap.payload.errors import PackError
+from coldsnap.payload.pack import NativePack, PackKind, PlannedExtent, WrittenPack, write_pack
+
+__all__ = ["payload_extents", "write_pack_from_regions", "hydrate_pack"]
+
+
+def payload_extents(layout: MemoryLayout) -> list[PlannedExtent]:
+    """The layout's tensors as pack extents, tensors that touch in memory merged into one extent
+    (fewer, larger extents hydrate faster)."""
+    planned: list[PlannedExtent] = []
+    for region_layout in layout.regions:
+        run: list[TensorExtent] = []
+        for tensor in region_layout.tensors:
+            if tensor.length == 0:
+                continue
+            if run and run[-1].offset + run[-1].length != tensor.offset:
+                planned.append(_extent(region_layout.tag, run))
+                run = []
+            run.append(tensor)
+        if run:
+            planned.append(_extent(region_layout.tag, run))
+    return planned
+
+
+def _extent(tag: str, run: list[TensorExtent]) -> PlannedExtent:
+    start = run[0].offset
+    return PlannedExtent(tag, start, run[-1].offset + run[-1].length - start, tuple(run))
+
+
+def _region_reader(regions: Mapping[str, StableRegion]):
+    C = native()
+
+    def read(tag: str, offset: int, dest: memoryview) -> None:
+        source = regions[tag]
+        address = source.address(offset, len(dest))
+        if source.backend == "host":
+            dest[:] = source.host_view(offset, len(dest))
+        else:
+            destination = ctypes.addressof(ctypes.c_char.from_buffer(dest))
+            C.copy_device_to_host(destination, address, len(dest), source.device)
+
+    return read
+
+
+def write_pack_from_regions(
+    directory: str | os.PathLike[str],
+    layout: MemoryLayout,
+    regions: Mapping[str, StableRegion],
+    *,
+    kind: PackKind = PackKind.PAYLOAD,
+    extents: list[PlannedExtent] | None = None,
+    progress=None,
+) -> WrittenPack:
+    """Stream the layout's tensors (or ``extents``) from live regions into a content-addressed pack."""
+    planned = payload_extents(layout) if extents is None else extents
+    missing = sorted({e.region for e in planned} - set(regions))
+    if missing:
+        raise HydrationError(f"no region given for {', '.join(missing)}")
+    return write_pack(Path(directory), kind, layout.digest(), planned, _region_reader(regions), progress=progress)
+
+
+def hydrate_pack(
+    path: str | os.PathLike[str],
+    regions: Mapping[str, StableRegion],
+    *,
+    layout_digest: str | None = None,
+    **engine_options: object,
+) -> HydrationStats:
+    """Copy every extent of the pack to its region. The pack's layout digest must match
+    ``layout_digest`` when given; extents outside a region's mapped bytes are refused before reading."""
+    try:
+        pack = NativePack.open(path)
+        if layout_digest is not None:
+            pack.expect_layout(layout_digest)
+        tags = {e.region for e in pack.extents}
+        used = {tag: regions[tag] for tag in tags if tag in regions}
+        plan = pack.hydration_plan({t: r.base for t, r in used.items()}, {t: r.mapped_bytes for t, r in used.items()})
+    except PackError as exc:
+        raise HydrationError(str(exc)) from None
+    if not plan:
+        raise HydrationError(f"{path}: the pack holds no extents")
+    items = [CopyItem(c.file_offset, c.length, c.dst_address) for c in plan]
+    return hydrate_items(path, items, used.values(), **engine_options)  # type: ignore[arg-type]

@@ -1,0 +1,271 @@
+"""The one verifier of content-addressed files, and the validation record that makes it cheap to repeat.
+
+Hashing a pack of tens of GiB costs seconds to minutes; restores happen far more often than packs
+change. After a full hash matches, the verdict is stored in ``.coldsnap-validation.json`` next to the
+file, bound to the file's stat identity ``(st_dev, st_ino, size, mtime_ns, ctime_ns)``. A later
+verification trusts the record only while that identity is unchanged: any write, truncation,
+replacement (new inode) or ``utime`` changes it, and the file is hashed in full again. ``ctime`` cannot
+be set from user space, so a file cannot be changed and made to look unchanged short of changing the
+clock.
+
+One gap remains, the one git calls *racily clean*: file timestamps come from a coarse kernel clock,
+so a write in the same clock tick as the last change before the hash leaves the identity unchanged.
+An entry whose file changed less than :data:`RACY_WINDOW_NS` before its hash started is therefore not
+trusted; the next verification hashes again and records a verdict that is no longer racy.
+
+Every caller (restore, the CLI's ``payload verify``) goes through :func:`verify_file`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar, Literal, NamedTuple
+
+from pydantic import Field, model_validator
+
+from coldsnap.atomic import write_atomic
+from coldsnap.contracts.base import Contract, ContractError, Sha256Hex, decode_document
+from coldsnap.contracts.canonical import INT64_MAX
+from coldsnap.payload.errors import ExpectedDigestError, PackDigestMismatch, PackUnreadable
+from coldsnap.payload.pack import digest_from_file_name, open_regular_file
+
+__all__ = [
+    "VALIDATION_RECORD_NAME",
+    "RACY_WINDOW_NS",
+    "ValidationEntry",
+    "ValidationRecord",
+    "Verification",
+    "verify_file",
+    "read_validation_record",
+]
+
+log = logging.getLogger(__name__)
+
+VALIDATION_RECORD_NAME = ".coldsnap-validation.json"
+RACY_WINDOW_NS = 50_000_000
+"""An entry is trusted only if its file last changed at least this long before its hash started.
+
+Linux stamps files from a clock that advances once per tick (1-10 ms); 50 ms is several ticks.
+"""
+HASH_CHUNK_BYTES = 8 * 1024 * 1024
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ValidationEntry(Contract):
+    """A verified file: its digest and the stat identity it had when it was hashed."""
+
+    sha256: Sha256Hex
+    """SHA-256 of the file's bytes, found by a full hash."""
+    size_bytes: int = Field(ge=0)
+    """``st_size`` when hashed."""
+    st_dev: int = Field(ge=0)
+    """``st_dev`` when hashed (the filesystem)."""
+    st_ino: int = Field(ge=0)
+    """``st_ino`` when hashed (a replaced file gets a new one)."""
+    mtime_ns: int
+    """``st_mtime_ns`` when hashed."""
+    ctime_ns: int
+    """``st_ctime_ns`` when hashed (changes on every write and ``utime``; cannot be set back)."""
+    verified_unix_ns: int = Field(ge=0)
+    """Unix time, in nanoseconds, when the full hash started."""
+
+
+class ValidationRecord(Contract):
+    """``.coldsnap-validation.json``: the verified files of one directory."""
+
+    SUPPORTED_FORMATS: ClassVar[tuple[int, ...]] = (1,)
+
+    format: Literal[1]
+    """Record format version."""
+    files: dict[str, ValidationEntry]
+    """File name (in the record's directory) → its last successful verification."""
+
+    @model_validator(mode="after")
+    def _check_names(self) -> "ValidationRecord":
+        for name in self.files:
+            if not name or "/" in name or name in (".", ".."):
+                raise ValueError(f"files: {name!r} is not a file name")
+        return self
+
+
+@dataclass(frozen=True)
+class Verification:
+    """A file found to hold the expected bytes."""
+
+    path: Path
+    sha256: str
+    size_bytes: int
+    method: Literal["record", "full-hash"]
+    """``record``: trusted from an unchanged validation record; ``full-hash``: every byte was hashed."""
+    seconds: float
+
+
+class _Identity(NamedTuple):
+    st_dev: int
+    st_ino: int
+    size_bytes: int
+    mtime_ns: int
+    ctime_ns: int
+
+
+def _identity(status: os.stat_result) -> _Identity:
+    return _Identity(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
+
+
+def _entry_identity(entry: ValidationEntry) -> _Identity:
+    return _Identity(entry.st_dev, entry.st_ino, entry.size_bytes, entry.mtime_ns, entry.ctime_ns)
+
+
+def _trusted(entry: ValidationEntry | None, now: _Identity, expected: str) -> bool:
+    if entry is None or entry.sha256 != expected or _entry_identity(entry) != now:
+        return False
+    return entry.verified_unix_ns - max(entry.mtime_ns, entry.ctime_ns) >= RACY_WINDOW_NS
+
+
+def _expected_digest(path: Path, expected: str | None) -> str:
+    if expected is None:
+        named = digest_from_file_name(path.name)
+        if named is None:
+            raise ExpectedDigestError(
+                f"{path}: no expected SHA-256: the name is not <sha256>.pack or <sha256>.residual, give the digest"
+            )
+        return named
+    if not isinstance(expected, str) or not _SHA256_HEX.match(expected.lower()):
+        raise ExpectedDigestError(f"{path}: expected digest {expected!r} is not a hex SHA-256")
+    return expected.lower()
+
+
+def read_validation_record(directory: str | Path) -> ValidationRecord:
+    """The directory's validation record; empty when it is absent or unreadable (logged, never raised)."""
+    return _load_record(Path(directory), warn=True)
+
+
+def _load_record(directory: Path, warn: bool) -> ValidationRecord:
+    path = directory / VALIDATION_RECORD_NAME
+    try:
+        return decode_document(ValidationRecord, path.read_bytes(), str(path))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        if warn:
+            log.warning("%s: cannot read the validation record (%s); files are hashed in full", path, exc.strerror or exc)
+    except ContractError as exc:
+        if warn:
+            log.warning("%s: ignoring the invalid validation record (%s); files are hashed in full and it is rewritten",
+                        path, exc.problems[0])
+    return ValidationRecord(format=1, files={})
+
+
+def _update_record(directory: Path, name: str, entry: ValidationEntry | None) -> None:
+    """Set (or, with ``None``, remove) one entry, under the directory's lock. Failures are logged only:
+    the record is an optimization, and a read-only directory still verifies (in full, every time)."""
+    lock_path = directory / (VALIDATION_RECORD_NAME + ".lock")
+    try:
+        lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if entry is not None or exc.errno not in (errno.EROFS, errno.EACCES):
+            log.warning("%s: cannot lock the validation record (%s); it is not updated", lock_path, exc.strerror or exc)
+        return
+    try:
+        # Read-modify-write under an exclusive lock: verifications of other files in this directory,
+        # in other processes, must not lose each other's entries.
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        record = _load_record(directory, warn=False)
+        files = dict(record.files)
+        if entry is None:
+            if files.pop(name, None) is None:
+                return
+        else:
+            files[name] = entry
+        write_atomic(directory / VALIDATION_RECORD_NAME, ValidationRecord(format=1, files=files).canonical_json() + b"\n")
+    except OSError as exc:
+        log.warning("%s: cannot update the validation record (%s)", directory / VALIDATION_RECORD_NAME, exc.strerror or exc)
+    finally:
+        os.close(lock_fd)  # releases the lock
+
+
+def _hash_fd(fd: int) -> tuple[str, int]:
+    """SHA-256 and byte count of everything readable from ``fd``'s current position."""
+    digest = hashlib.sha256()
+    buffer = memoryview(bytearray(HASH_CHUNK_BYTES))
+    total = 0
+    while True:
+        count = os.readv(fd, [buffer])
+        if count == 0:
+            return digest.hexdigest(), total
+        digest.update(buffer[:count])  # hashlib releases the GIL for large updates
+        total += count
+
+
+def verify_file(path: str | Path, expected_sha256: str | None = None) -> Verification:
+    """Verify that ``path`` holds the bytes of ``expected_sha256`` (default: the digest its name claims).
+
+    Trusts the directory's validation record while the file's stat identity is what it was when the
+    record was made; otherwise hashes every byte, then records a match or removes a stale entry.
+
+    Raises :class:`PackDigestMismatch` (the file is not what is expected), :class:`PackUnreadable`
+    (missing, not a regular file, unreadable) or :class:`ExpectedDigestError`.
+    """
+    started = time.perf_counter()
+    path = Path(path)
+    expected = _expected_digest(path, expected_sha256)
+    try:
+        status = os.stat(path)
+    except OSError as exc:
+        raise PackUnreadable(str(path), exc.strerror or str(exc)) from None
+    if not stat.S_ISREG(status.st_mode):
+        raise PackUnreadable(str(path), "not a regular file")
+
+    entry = _load_record(path.parent, warn=True).files.get(path.name)
+    if _trusted(entry, _identity(status), expected):
+        return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
+
+    hash_started_ns = time.time_ns()
+    try:
+        fd = open_regular_file(path)
+    except OSError as exc:
+        raise PackUnreadable(str(path), exc.strerror or str(exc)) from None
+    try:
+        before = os.fstat(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        actual, hashed = _hash_fd(fd)
+        after = os.fstat(fd)
+    except OSError as exc:
+        raise PackUnreadable(str(path), exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+
+    identity = _identity(before)
+    if actual != expected:
+        # The entry is stale unless it describes the file exactly as hashed (then only the caller's
+        # expectation was wrong, and a later verification with the right one may still trust it).
+        if entry is not None and not (entry.sha256 == actual and _entry_identity(entry) == identity):
+            _update_record(path.parent, path.name, None)
+        raise PackDigestMismatch(str(path), expected, actual)
+    # A file that changed while it was hashed matched by luck of timing; recording that identity
+    # would vouch for bytes that were never hashed as a whole.
+    if identity == _identity(after) and hashed == before.st_size and max(identity) <= INT64_MAX:
+        _update_record(
+            path.parent,
+            path.name,
+            ValidationEntry(
+                sha256=actual,
+                size_bytes=identity.size_bytes,
+                st_dev=identity.st_dev,
+                st_ino=identity.st_ino,
+                mtime_ns=identity.mtime_ns,
+                ctime_ns=identity.ctime_ns,
+                verified_unix_ns=hash_started_ns,
+            ),
+        )
+    return Verification(path, actual, hashed, "full-hash", time.perf_counter() - started)

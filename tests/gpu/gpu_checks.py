@@ -1,0 +1,124 @@
+"""GPU checks, one per process: ``python -m tests.gpu.gpu_checks NAME`` exits 0 when NAME holds.
+
+tests/gpu/test_memory_gpu.py runs each in a fresh process, so a CUDA fault in one cannot poison the
+others and every check starts with a fresh CUDA context.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+
+import torch
+
+from coldsnap.hydrate import CopyItem, HydrationError, hydrate_items
+from coldsnap.memory import AllocationError, reserve
+
+MiB = 1 << 20
+
+
+def vmm_roundtrip() -> None:
+    region = reserve("weights", 1 << 30, backend="cuda", chunk_bytes=64 * MiB)
+    base = region.base
+    region.map()
+    assert region.mapped_bytes == 1 << 30
+    t = region.tensor(torch.int32, (256, MiB // 4))  # 256 MiB
+    t.copy_(torch.arange(t.numel(), device="cuda", dtype=torch.int32).view_as(t))
+    assert int(t[255, -1]) == t.numel() - 1
+    region.unmap()
+    assert region.mapped_bytes == 0 and region.base == base
+    free_after_unmap = torch.cuda.mem_get_info()[0]
+    region.map()
+    assert region.base == base and region.mapped_bytes == 1 << 30
+    assert torch.cuda.mem_get_info()[0] <= free_after_unmap - (1 << 30) + 64 * MiB  # physical memory came back
+    region.zero()
+    again = region.tensor(torch.float32, (256, MiB // 4))
+    assert int(torch.count_nonzero(again)) == 0
+    again.fill_(3.0)
+    assert float(again.sum()) == 3.0 * again.numel()
+    print("vmm round trip at", hex(base))
+
+
+def torch_allocations_land_in_region() -> None:
+    region = reserve("weights", 2 << 30, backend="cuda", chunk_bytes=64 * MiB)
+    outside = torch.empty(16 * MiB, dtype=torch.uint8, device="cuda")
+    from coldsnap.memory import region as use_region
+
+    with use_region("weights"):
+        a = torch.empty(300 * MiB, dtype=torch.uint8, device="cuda")
+        b = torch.ones(1000, 1000, device="cuda")
+    for t in (a, b):
+        assert region.base <= t.data_ptr() < region.base + region.size, hex(t.data_ptr())
+    assert not region.base <= outside.data_ptr() < region.base + region.size
+    assert region.allocations() and region.mapped_bytes >= 300 * MiB
+    assert float(b.sum()) == 1e6
+    # weights survive an unmap/remap only as addresses: the tensor objects stay valid
+    region.unmap()
+    region.map()
+    b.fill_(2.0)
+    assert float(b.sum()) == 2e6
+    print("allocations:", region.allocations()[:4])
+
+
+def allocator_error_is_raised_in_python() -> None:
+    reserve("kv_cache", 64 * MiB, backend="cuda", chunk_bytes=32 * MiB)
+    from coldsnap.memory import region as use_region
+
+    try:
+        with use_region("kv_cache"):
+            torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    except AllocationError as exc:
+        assert "exhausted" in str(exc), exc
+        print("raised:", exc)
+        return
+    raise AssertionError("allocating past the region did not raise AllocationError")
+
+
+def hydration_bit_exact() -> None:
+    size = 1 << 30
+    with tempfile.TemporaryDirectory(dir=os.environ.get("COLDSNAP_GPU_SCRATCH", "/tmp")) as scratch:
+        path = os.path.join(scratch, "source.bin")
+        source = torch.randint(0, 256, (size,), dtype=torch.uint8, device="cuda")
+        source.cpu().numpy().tofile(path)
+        expected = hashlib.sha256(source.cpu().numpy().tobytes()).hexdigest()
+        region = reserve("weights", 2 << 30, backend="cuda", chunk_bytes=64 * MiB)
+        region.map()
+        for threads, direct in ((1, False), (8, True), (16, None)):
+            region.zero()
+            stats = hydrate_items(path, [CopyItem(0, size, region.base)], [region], threads=threads, direct=direct)
+            got = region.tensor(torch.uint8, (size,))
+            assert torch.equal(got, source), f"mismatch with {threads} threads, direct={direct}"
+            print(f"{threads:2d} threads direct={direct}: {stats.gb_per_s:.1f} GB/s, pinned {stats.pinned_bytes >> 20} MiB")
+        assert hashlib.sha256(region.tensor(torch.uint8, (size,)).cpu().numpy().tobytes()).hexdigest() == expected
+        # odd extents: unaligned file offsets, lengths and destinations
+        region.zero()
+        items = [CopyItem(4097, 12345, region.base + 3), CopyItem(size - 5000, 5000, region.base + (1 << 30) + 1)]
+        hydrate_items(path, items, [region], threads=4)
+        flat = region.tensor(torch.uint8, (2 << 30,))
+        assert torch.equal(flat[3:3 + 12345], source[4097:4097 + 12345])
+        assert torch.equal(flat[(1 << 30) + 1:(1 << 30) + 5001], source[size - 5000:])
+        assert int(torch.count_nonzero(flat[:3])) == 0 and int(torch.count_nonzero(flat[12348:(1 << 30)])) == 0
+        # never outside the mapped bytes
+        try:
+            hydrate_items(path, [CopyItem(0, 4096, region.base + region.mapped_bytes - 100)], [region])
+        except HydrationError as exc:
+            assert "outside" in str(exc)
+        else:
+            raise AssertionError("out-of-region hydration was not refused")
+
+
+def host_region_tensor_view() -> None:
+    region = reserve("weights", 4 * MiB, backend="host")
+    region.map()
+    t = region.tensor(torch.bfloat16, (1024,), offset=4096)
+    t.fill_(1.5)
+    assert bytes(region.host_view(4096, 2)) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+
+
+CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
+                                  hydration_bit_exact, host_region_tensor_view)}
+
+if __name__ == "__main__":
+    CHECKS[sys.argv[1]]()
