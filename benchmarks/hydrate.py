@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from coldsnap.contracts.layout import MemoryLayout
-from coldsnap.hydrate import CopyItem, hydrate_items, hydrate_pack, prefetch_file, read_file, write_pack_from_regions
+from coldsnap.hydrate import DEFAULT_CHUNK_BYTES, DEFAULT_RING_BYTES, DEFAULT_THREADS, CopyItem, hydrate_items, hydrate_pack, prefetch_file, read_file, write_pack_from_regions
 from coldsnap.memory import reserve
 from coldsnap.payload import NativePack, verify_file
 
@@ -101,7 +101,7 @@ def python_loop(path: Path, tensors: dict[str, torch.Tensor], data_start: int, o
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="4,16", help="GiB per run, comma-separated (default 4,16)")
-    parser.add_argument("--threads", default="1,2,4,8,16", help="coldsnap thread counts (default 1,2,4,8,16)")
+    parser.add_argument("--threads", default="1,2,4,8,12,16", help="coldsnap thread counts (default 1,2,4,8,12,16)")
     parser.add_argument("--dir", default="/tmp/coldsnap-bench", help="scratch directory for the files")
     parser.add_argument("--out", default="hydrate.json", help="JSON results path")
     parser.add_argument("--comparators-max-gib", type=int, default=16, help="largest size that also runs the other loaders")
@@ -126,7 +126,9 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "comparators": {k: (v if isinstance(v, str) else getattr(v, "__version__", "imported")) for k, v in optional.items()},
-        "ring_bytes_limit": int(os.environ.get("COLDSNAP_HYDRATE_RING_BYTES", str(GiB))),
+        "ring_bytes_limit": DEFAULT_RING_BYTES,
+        "default_threads": DEFAULT_THREADS,
+        "default_chunk_bytes": DEFAULT_CHUNK_BYTES,
     }
 
     def record(size: int, method: str, cache: str, seconds: float, nbytes: int, ok: bool | None, **extra) -> None:
@@ -248,7 +250,7 @@ def main() -> int:
             read_file(st_path, threads=16, direct=False)
         for threads in thread_counts:
             coldsnap_run("warm", threads)
-        for threads in (8, max(thread_counts)):
+        for threads in (DEFAULT_THREADS, max(thread_counts)):
             raw = read_file(written.path, threads=threads, direct=False)
             record(size, f"page cache read only ({threads} thr)", "warm", raw.seconds, raw.bytes, None, threads=threads)
         loader_runs("warm")
@@ -259,7 +261,7 @@ def main() -> int:
         host.zero(0, nbytes)  # fault the pages in, as the memcpy destination below is
         pack = NativePack.open(written.path)
         data_offset = pack.extents[0].file_offset
-        for threads in (1, max(thread_counts)):
+        for threads in (1, DEFAULT_THREADS, max(thread_counts)):
             # One extent of the whole data area: the host target reads straight into place.
             stats = hydrate_items(written.path, [CopyItem(data_offset, nbytes, host.base)], [host], threads=threads)
             ok = bytes(host.host_view(0, 4096)) == pack.read_extent(pack.extents[0])[:4096]
@@ -284,7 +286,7 @@ def main() -> int:
                 drop_caches()
                 buffered = read_file(written.path, threads=max(thread_counts), direct=False)
                 record(size, f"raw read buffered ({buffered.threads} thr)", "cold", buffered.seconds, buffered.bytes, None)
-                for threads, direct in ((8, None), (max(thread_counts), None), (max(thread_counts), False)):
+                for threads, direct in ((DEFAULT_THREADS, None), (max(thread_counts), None), (DEFAULT_THREADS, False)):
                     drop_caches()
                     coldsnap_run("cold", threads, direct)
                 loader_runs("cold")
@@ -326,7 +328,7 @@ def goals(results: list[dict]) -> list[str]:
                          f"{memcpy['gb_per_s']} GB/s; goal >= 0.8 x")
         pinned = [r.get("pinned_bytes", 0) for r in results if r.get("size_gib") == size and "pinned_bytes" in r]
         if pinned:
-            lines.append(f"{size} GiB pinned ring: at most {max(pinned) / GiB:.2f} GiB (bounded by COLDSNAP_HYDRATE_RING_BYTES, default 1 GiB)")
+            lines.append(f"{size} GiB pinned ring: at most {max(pinned) / GiB:.2f} GiB (bounded by COLDSNAP_HYDRATE_RING_BYTES, default 96 MiB)")
     return lines
 
 

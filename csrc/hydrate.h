@@ -27,8 +27,8 @@ struct Options {
   Target target = Target::Cuda;
   int device = 0;
   int threads = 8;
-  std::uint64_t chunk_bytes = 16ull << 20;
-  std::uint64_t ring_bytes = 1ull << 30;  // bound on pinned memory (cuda) / bounce buffers (discard)
+  std::uint64_t chunk_bytes = 2ull << 20;
+  std::uint64_t ring_bytes = 96ull << 20;  // bound on pinned memory (cuda) / bounce buffers (discard)
   // O_DIRECT skips the page cache: right for a cold file, wrong for a cached one (it would read the
   // disk again). Auto measures the file's residency (mincore) and reads buffered when most is cached.
   Direct direct = Direct::Auto;

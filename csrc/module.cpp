@@ -215,7 +215,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("ALLOCATOR_FREE") = "coldsnap_region_free";
 
   m.def("hydrate", &hydrate, py::arg("path"), py::arg("items"), py::arg("target"), py::arg("device") = 0,
-        py::arg("threads") = 8, py::arg("chunk_bytes") = 16ull << 20, py::arg("ring_bytes") = 1ull << 30,
+        py::arg("threads") = 8, py::arg("chunk_bytes") = 2ull << 20, py::arg("ring_bytes") = 96ull << 20,
         py::arg("direct") = py::none(), py::arg("allowed") = std::vector<std::pair<std::uint64_t, std::uint64_t>>{},
         py::arg("progress") = py::none(),
         "Copy file extents (file_offset, length, dst_address) to memory; see csrc/hydrate.h.");
