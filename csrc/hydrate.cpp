@@ -247,7 +247,9 @@ std::uint64_t pinned_bytes() {
 Stats run(const std::string& path, const std::vector<CopyItem>& items, const Options& options,
           const std::function<bool(std::uint64_t, std::uint64_t)>& poll) {
   if (options.threads < 1) throw HydrationError("threads must be >= 1");
-  if (options.chunk_bytes < kMinChunk) throw HydrationError("chunk_bytes must be >= 256 KiB");
+  if (options.chunk_bytes < kMinChunk || options.direct_chunk_bytes < kMinChunk) {
+    throw HydrationError("chunk sizes must be >= 256 KiB");
+  }
   const bool writes = options.target == Target::Cuda || options.target == Target::Host;
   File file(path, options.direct != Direct::Never && options.target != Target::Prefetch);
 
@@ -272,16 +274,24 @@ Stats run(const std::string& path, const std::vector<CopyItem>& items, const Opt
     total += it.length;
   }
 
+  Stats stats;
+  if (options.direct == Direct::Auto && file.direct()) {
+    stats.cached_fraction = file.cached_fraction(items);
+    if (stats.cached_fraction >= 0.5) file.drop_direct();
+  }
+
   // Chunk the work; the pinned ring bounds the chunk size for the GPU path.
   int threads = options.threads;
-  std::uint64_t chunk = round_down(options.chunk_bytes);
+  const bool direct = file.direct();
+  const std::uint64_t ring_bytes = direct ? options.direct_ring_bytes : options.ring_bytes;
+  std::uint64_t chunk = round_down(direct ? options.direct_chunk_bytes : options.chunk_bytes);
   std::uint64_t slots = 1;
   const bool staged = options.target == Target::Cuda || options.target == Target::Discard;
   if (staged) {
     slots = options.target == Target::Cuda ? 2 : 1;
-    const std::uint64_t per_thread = options.ring_bytes / static_cast<std::uint64_t>(threads);
+    const std::uint64_t per_thread = ring_bytes / static_cast<std::uint64_t>(threads);
     if (per_thread < slots * (kMinChunk + 2 * kAlign)) {
-      throw HydrationError("ring_bytes " + std::to_string(options.ring_bytes) + " is too small for " +
+      throw HydrationError("ring_bytes " + std::to_string(ring_bytes) + " is too small for " +
                            std::to_string(threads) + " threads");
     }
     chunk = std::min(chunk, round_down(per_thread / slots - 2 * kAlign));
@@ -297,11 +307,6 @@ Stats run(const std::string& path, const std::vector<CopyItem>& items, const Opt
   threads = static_cast<int>(std::max<std::size_t>(1, std::min<std::size_t>(threads, units.size())));
   const std::uint64_t slot_bytes = chunk + 2 * kAlign;
 
-  Stats stats;
-  if (options.direct == Direct::Auto && file.direct()) {
-    stats.cached_fraction = file.cached_fraction(items);
-    if (stats.cached_fraction >= 0.5) file.drop_direct();
-  }
   stats.threads = threads;
   stats.chunk_bytes = chunk;
   stats.items = items.size();

@@ -27,8 +27,12 @@ struct Options {
   Target target = Target::Cuda;
   int device = 0;
   int threads = 8;
+  // Cached reads are CPU copies: small chunks in a ring that fits the last-level cache are fastest.
   std::uint64_t chunk_bytes = 2ull << 20;
   std::uint64_t ring_bytes = 96ull << 20;  // bound on pinned memory (cuda) / bounce buffers (discard)
+  // O_DIRECT reads go to the disk: large requests keep its queue full. Used whenever O_DIRECT is.
+  std::uint64_t direct_chunk_bytes = 16ull << 20;
+  std::uint64_t direct_ring_bytes = 512ull << 20;
   // O_DIRECT skips the page cache: right for a cold file, wrong for a cached one (it would read the
   // disk again). Auto measures the file's residency (mincore) and reads buffered when most is cached.
   Direct direct = Direct::Auto;

@@ -84,7 +84,8 @@ hy::Target parse_target(const std::string& name) {
 py::dict hydrate(const std::string& path, const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& items,
                  const std::string& target, int device, int threads, std::uint64_t chunk_bytes,
                  std::uint64_t ring_bytes, py::object direct,
-                 const std::vector<std::pair<std::uint64_t, std::uint64_t>>& allowed, py::object progress) {
+                 const std::vector<std::pair<std::uint64_t, std::uint64_t>>& allowed, py::object progress,
+                 std::uint64_t direct_chunk_bytes, std::uint64_t direct_ring_bytes) {
   std::vector<hy::CopyItem> plan;
   plan.reserve(items.size());
   for (const auto& [offset, length, dst] : items) plan.push_back({offset, length, dst});
@@ -96,6 +97,8 @@ py::dict hydrate(const std::string& path, const std::vector<std::tuple<std::uint
   options.ring_bytes = ring_bytes;
   options.direct = direct.is_none() ? hy::Direct::Auto : (direct.cast<bool>() ? hy::Direct::Always : hy::Direct::Never);
   options.allowed = allowed;
+  options.direct_chunk_bytes = direct_chunk_bytes;
+  options.direct_ring_bytes = direct_ring_bytes;
   // The callback runs on this thread with the GIL re-acquired; its exception is re-raised as itself.
   std::unique_ptr<py::error_already_set> callback_error;
   std::function<bool(std::uint64_t, std::uint64_t)> poll;
@@ -217,7 +220,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("hydrate", &hydrate, py::arg("path"), py::arg("items"), py::arg("target"), py::arg("device") = 0,
         py::arg("threads") = 8, py::arg("chunk_bytes") = 2ull << 20, py::arg("ring_bytes") = 96ull << 20,
         py::arg("direct") = py::none(), py::arg("allowed") = std::vector<std::pair<std::uint64_t, std::uint64_t>>{},
-        py::arg("progress") = py::none(),
+        py::arg("progress") = py::none(), py::arg("direct_chunk_bytes") = 16ull << 20,
+        py::arg("direct_ring_bytes") = 512ull << 20,
         "Copy file extents (file_offset, length, dst_address) to memory; see csrc/hydrate.h.");
   m.def("release_pinned", &hy::release_pinned, "Free the cached pinned staging ring.");
   m.def("pinned_bytes", &hy::pinned_bytes, "Bytes of pinned staging memory currently cached.");

@@ -29,6 +29,9 @@ DEFAULT_THREADS = int(os.environ.get("COLDSNAP_HYDRATE_THREADS", str(min(16, max
 DEFAULT_CHUNK_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_CHUNK_BYTES", str(2 << 20)))
 # The pinned ring is the only memory hydration holds, whatever the pack size.
 DEFAULT_RING_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_RING_BYTES", str(96 << 20)))
+# O_DIRECT (cold file) reads are disk-bound and want large requests: their own chunk and ring bound.
+DIRECT_CHUNK_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_DIRECT_CHUNK_BYTES", str(16 << 20)))
+DIRECT_RING_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_DIRECT_RING_BYTES", str(512 << 20)))
 
 Progress = Callable[[int, int], object]
 
@@ -68,7 +71,7 @@ def _run(path: str | os.PathLike[str], items: Sequence[CopyItem], target: str, d
     C = native()
     try:
         raw = C.hydrate(os.fspath(path), [tuple(i) for i in items], target, device, threads, chunk_bytes,
-                        ring_bytes, direct, allowed, progress)
+                        ring_bytes, direct, allowed, progress, DIRECT_CHUNK_BYTES, DIRECT_RING_BYTES)
     except (C.HydrationError, C.CudaError) as exc:
         raise HydrationError(str(exc)) from None
     return HydrationStats(**raw)
