@@ -190,55 +190,45 @@ def main() -> int:
         def loader_runs(cache: str) -> None:
             if not comparators:
                 return
-            st = optional["safetensors.torch"]
-            if not isinstance(st, str):
+            def load_all(method: str, load) -> None:
+                """Time one loader that returns every tensor of the file on the GPU."""
                 if cache == "cold":
                     drop_caches()
-                t0 = time.perf_counter()
-                loaded = st.load_file(str(st_path), device="cuda:0")
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
-                ok = same(loaded, views, names)
-                del loaded
-                record(size, "safetensors.load_file(cuda)", cache, seconds, nbytes, ok)
+                try:
+                    t0 = time.perf_counter()
+                    got = load()
+                    torch.cuda.synchronize()
+                    seconds = time.perf_counter() - t0
+                    ok = same(got, views, names)
+                    del got
+                    record(size, method, cache, seconds, nbytes, ok)
+                except Exception as exc:  # a comparator's failure is a result, not the end of the run
+                    results.append({"size_gib": size, "method": method, "cache": cache, "error": repr(exc)})
+                    log(f"{method} failed: {exc!r}")
+
+            def fastsafetensors_load(module):
+                with module.fastsafe_open(filenames=[str(st_path)], nogds=True, device="cuda:0") as f:
+                    return {k: f.get_tensor(k) for k in f.keys()}
+
+            def instanttensor_load(module):
+                with module.safe_open(str(st_path), framework="pt", device=0) as f:
+                    return dict(f.tensors())
+
+            loaders = {
+                "safetensors.load_file(cuda)": ("safetensors.torch", lambda m: m.load_file(str(st_path), device="cuda:0")),
+                "fastsafetensors (nogds)": ("fastsafetensors", fastsafetensors_load),
+                "instanttensor": ("instanttensor", instanttensor_load),
+            }
+            for method, (module_name, load) in loaders.items():
+                module = optional[module_name]
+                if not isinstance(module, str):
+                    load_all(method, lambda: load(module))
             if cache == "cold":
                 drop_caches()
             weights.zero(0, nbytes)
             t0 = time.perf_counter()
             python_loop(st_path, views, st_start, st_offsets)
             record(size, "python read + copy loop", cache, time.perf_counter() - t0, nbytes, region_ok())
-            fst = optional["fastsafetensors"]
-            if not isinstance(fst, str):
-                if cache == "cold":
-                    drop_caches()
-                try:
-                    t0 = time.perf_counter()
-                    with fst.fastsafe_open(filenames=[str(st_path)], nogds=True, device="cuda:0") as f:
-                        got = {k: f.get_tensor(k) for k in f.keys()}
-                    torch.cuda.synchronize()
-                    seconds = time.perf_counter() - t0
-                    ok = same(got, views, names)
-                    del got
-                    record(size, "fastsafetensors (nogds)", cache, seconds, nbytes, ok)
-                except Exception as exc:
-                    results.append({"size_gib": size, "method": "fastsafetensors (nogds)", "cache": cache, "error": repr(exc)})
-                    log(f"fastsafetensors failed: {exc!r}")
-            it = optional["instanttensor"]
-            if not isinstance(it, str):
-                if cache == "cold":
-                    drop_caches()
-                try:
-                    t0 = time.perf_counter()
-                    with it.safe_open(str(st_path), framework="pt", device=0) as f:
-                        got = dict(f.tensors())
-                    torch.cuda.synchronize()
-                    seconds = time.perf_counter() - t0
-                    ok = same(got, views, names)
-                    del got
-                    record(size, "instanttensor", cache, seconds, nbytes, ok)
-                except Exception as exc:
-                    results.append({"size_gib": size, "method": "instanttensor", "cache": cache, "error": repr(exc)})
-                    log(f"instanttensor failed: {exc!r}")
             torch.cuda.empty_cache()
 
         # ---- warm: everything in the page cache
@@ -334,7 +324,7 @@ def goals(results: list[dict]) -> list[str]:
                          f"{memcpy['gb_per_s']} GB/s; goal >= 0.8 x")
         pinned = [r.get("pinned_bytes", 0) for r in results if r.get("size_gib") == size and "pinned_bytes" in r]
         if pinned:
-            lines.append(f"{size} GiB pinned ring: at most {max(pinned) / GiB:.2f} GiB (bounded by COLDSNAP_HYDRATE_RING_BYTES, default 96 MiB)")
+            lines.append(f"{size} GiB pinned ring: at most {max(pinned) / GiB:.2f} GiB (bounds: COLDSNAP_HYDRATE_RING_BYTES, 96 MiB, for cached reads; COLDSNAP_HYDRATE_DIRECT_RING_BYTES, 512 MiB, for O_DIRECT)")
     return lines
 
 

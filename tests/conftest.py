@@ -49,3 +49,13 @@ def make_request(**overrides) -> dict:
 @pytest.fixture
 def request_document() -> dict:
     return make_request()
+
+
+@pytest.fixture
+def fresh_regions():
+    """Stable regions are process-wide: each test that reserves them starts and ends with none."""
+    from coldsnap.memory import release_all
+
+    release_all()
+    yield
+    release_all()

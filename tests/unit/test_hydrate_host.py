@@ -9,14 +9,10 @@ import pytest
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.hydrate import CopyItem, HydrationError, hydrate_items, prefetch_file, read_file, replay_safetensors
-from coldsnap.memory import release_all, reserve
+from coldsnap.memory import reserve
 
 
-@pytest.fixture(autouse=True)
-def _fresh_regions():
-    release_all()
-    yield
-    release_all()
+pytestmark = pytest.mark.usefixtures("fresh_regions")
 
 
 @pytest.fixture

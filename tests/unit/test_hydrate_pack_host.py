@@ -6,15 +6,11 @@ import pytest
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.hydrate import HydrationError, hydrate_pack, payload_extents, write_pack_from_regions
-from coldsnap.memory import release_all, reserve
+from coldsnap.memory import reserve
 from coldsnap.payload import NativePack, PackKind, check_cover, plan_residual, verify_file
 
 
-@pytest.fixture(autouse=True)
-def _fresh_regions():
-    release_all()
-    yield
-    release_all()
+pytestmark = pytest.mark.usefixtures("fresh_regions")
 
 
 def _layout(size: int) -> MemoryLayout:

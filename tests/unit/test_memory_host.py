@@ -9,11 +9,7 @@ from coldsnap.memory import RegionError, StableRegion, release_all, reserve
 from coldsnap.native import native
 
 
-@pytest.fixture(autouse=True)
-def _fresh_regions():
-    release_all()
-    yield
-    release_all()
+pytestmark = pytest.mark.usefixtures("fresh_regions")
 
 
 def _resident_pages(region: StableRegion) -> int:
