@@ -13,9 +13,22 @@ import os
 import re
 import shutil
 import subprocess
+import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
-__all__ = ["CriuError", "Criu", "CriuCheck", "find_criu", "MINIMUM_VERSION"]
+__all__ = [
+    "CriuError",
+    "Criu",
+    "CriuCheck",
+    "CriuSnapshotter",
+    "DumpResult",
+    "RestoreResult",
+    "SnapshotOptions",
+    "find_criu",
+    "MINIMUM_VERSION",
+]
 
 MINIMUM_VERSION = (4, 2)
 
@@ -31,8 +44,10 @@ class CriuError(RuntimeError):
         self.errno = errno
         self.log_tail = log_tail
         status = f" (status {errno})" if errno is not None else ""
-        tail = f": {log_tail.strip().splitlines()[-1]}" if log_tail.strip() else ""
-        super().__init__(f"criu {op} failed{status}{tail}")
+        lines = log_tail.strip().splitlines()
+        # The first error says why; the last one is CRIU's generic "Dumping FAILED."
+        reason = next((line for line in lines if "Error (" in line), lines[-1] if lines else "")
+        super().__init__(f"criu {op} failed{status}" + (f": {reason}" if reason else ""))
 
 
 @dataclass(frozen=True)
@@ -90,3 +105,116 @@ class Criu:
         result = self._run("check", ["check"], timeout=60)
         output = _tail(result.stdout + result.stderr)
         return CriuCheck(ok=result.returncode == 0 and "Looks good" in result.stdout + result.stderr, output=output)
+
+
+TcpMode = Literal["established", "close"]
+
+
+@dataclass(frozen=True)
+class SnapshotOptions:
+    """How a tree is dumped and restored; the same options must be used for both."""
+
+    tcp: TcpMode = "established"
+    """``established``: live TCP connections are dumped and restored (needs a network lock);
+    ``close``: they are dropped at dump and restored closed."""
+    network_lock: Literal["nftables", "iptables"] = "nftables"
+    """How established connections are frozen; these hosts have no iptables, CRIU's default."""
+    external_unix_sockets: bool = True
+    """Allow unix sockets connected to peers outside the tree (e.g. a journal or a launcher)."""
+    shell_job: bool = False
+    """The tree shares the caller's session/terminal (not needed for ``setsid`` trees)."""
+    ghost_limit_bytes: int = 256 << 20
+    """Largest unlinked-but-open file copied into the image (CRIU's default, 1 MiB, refuses the
+    unlinked shared-memory buffers servers keep in /dev/shm)."""
+
+    def args(self) -> list[str]:
+        out = ["--file-locks", "--manage-cgroups=ignore", "--ghost-limit", str(self.ghost_limit_bytes)]
+        if self.tcp == "established":
+            out += ["--tcp-established", "--network-lock", self.network_lock]
+        else:
+            out += ["--tcp-close"]
+        if self.external_unix_sockets:
+            out += ["--ext-unix-sk"]
+        if self.shell_job:
+            out += ["--shell-job"]
+        return out
+
+
+@dataclass(frozen=True)
+class DumpResult:
+    seconds: float
+    image_bytes: int
+    pids: list[int]
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    pid: int
+    """The restored root process (same pid as at capture)."""
+    seconds: float
+
+
+def _log_tail(path: Path) -> str:
+    try:
+        return _tail(path.read_text(errors="replace"))
+    except OSError:
+        return ""
+
+
+def _tree_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
+
+
+class CriuSnapshotter:
+    """Dump a process tree into an image directory and restore it from there, as many times as needed."""
+
+    def __init__(self, criu: Criu | None = None, options: SnapshotOptions = SnapshotOptions()):
+        self.criu = criu or Criu()
+        self.options = options
+
+    def dump(self, root_pid: int, images: Path, timeout: float = 600) -> DumpResult:
+        """Dump (and so stop) the tree rooted at ``root_pid`` into the empty directory ``images``."""
+        from coldsnap.snapshot import process_tree
+
+        images.mkdir(parents=True, exist_ok=True)
+        if any(images.iterdir()):
+            raise CriuError("dump", None, f"image directory {images} is not empty")
+        pids, written, shm = process_tree.scan_tree(root_pid)
+        if not pids:
+            raise CriuError("dump", None, f"no process {root_pid}")
+        shm_before = {p.name for p in process_tree.SHM_DIR.iterdir()} if process_tree.SHM_DIR.is_dir() else set()
+        started = time.monotonic()
+        # --link-remap: files unlinked while open (semaphores, temp files) are linked back under a new name.
+        args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", "dump.log", "--link-remap", *self.options.args()]
+        result = self.criu._run("dump", args, timeout=timeout)
+        seconds = time.monotonic() - started
+        if result.returncode != 0:
+            raise CriuError("dump", result.returncode, _log_tail(images / "dump.log") or _tail(result.stderr))
+        process_tree.capture_tree_files(images, pids, written, shm, shm_before)
+        return DumpResult(seconds=seconds, image_bytes=_tree_bytes(images), pids=pids)
+
+    def restore(self, images: Path, timeout: float = 600, wait_for_pids_s: float = 10.0) -> RestoreResult:
+        """Restore the tree detached (it keeps running after this returns); returns its root pid.
+
+        On failure CRIU kills whatever it had restored, so nothing of the tree is left running.
+        """
+        from coldsnap.snapshot import process_tree
+
+        try:
+            process_tree.prepare_restore(images, wait_for_pids_s)
+        except process_tree.ImageStateError as exc:
+            raise CriuError("restore", None, str(exc)) from None
+        pidfile = images / "restore.pid"
+        pidfile.unlink(missing_ok=True)
+        log = f"restore-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+        started = time.monotonic()
+        args = ["restore", "-D", str(images), "-d", "-o", log, "--pidfile", str(pidfile), *self.options.args()]
+        result = self.criu._run("restore", args, timeout=timeout)
+        seconds = time.monotonic() - started
+        if result.returncode != 0:
+            raise CriuError("restore", result.returncode, _log_tail(images / log) or _tail(result.stderr))
+        try:
+            pid = int(pidfile.read_text().strip())
+        except (OSError, ValueError):
+            raise CriuError("restore", None, f"CRIU reported success but wrote no pid to {pidfile}") from None
+        return RestoreResult(pid=pid, seconds=seconds)

@@ -1,0 +1,167 @@
+"""What a process tree holds outside its memory, read from /proc: its pids, the files it writes to,
+and its POSIX shared memory. CRIU restores all of it, but three things need help to restore more
+than once from one image (REFERENCE.md, measured on vLLM):
+
+- files in ``/dev/shm`` (vLLM's POSIX semaphores) and the ``link_remap`` files CRIU creates there for
+  unlinked ones are consumed by a restore: they are saved with the image and put back before each;
+- a log file the restored process appended to no longer has the size CRIU recorded ("bad size"):
+  what was appended is moved aside and the file is cut back to its size at dump time;
+- restore reuses the captured pids: it waits until the previous incarnation's pids are gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coldsnap.atomic import write_atomic
+
+__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "capture_tree_files", "prepare_restore", "STATE_FILE"]
+
+STATE_FILE = "coldsnap-tree-files.json"
+SHM_DIR = Path("/dev/shm")
+_WRITE_MODES = os.O_WRONLY | os.O_RDWR
+
+
+class ImageStateError(RuntimeError):
+    """The host is not in a state the image can be restored into (pids taken, a file shrank...)."""
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and all its descendants (threads excluded), parents before children."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    if not os.path.exists(f"/proc/{root}"):
+        return []
+    order, queue = [], [root]
+    while queue:
+        pid = queue.pop(0)
+        order.append(pid)
+        queue.extend(sorted(children.get(pid, [])))
+    return order
+
+
+def _fd_flags(pid: int, fd: str) -> int:
+    with open(f"/proc/{pid}/fdinfo/{fd}") as handle:
+        for line in handle:
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8)
+    return 0
+
+
+@dataclass
+class TreeFiles:
+    """What :func:`prepare_restore` needs, stored next to the CRIU images."""
+
+    pids: list[int]
+    appended: dict[str, int] = field(default_factory=dict)  # path -> size at dump time
+    shm: list[str] = field(default_factory=list)  # names under /dev/shm, saved in IMAGES/devshm/
+
+    def save(self, images: Path) -> None:
+        write_atomic(images / STATE_FILE, (json.dumps(asdict(self), indent=1, sort_keys=True) + "\n").encode())
+
+    @classmethod
+    def load(cls, images: Path) -> "TreeFiles":
+        try:
+            return cls(**json.loads((images / STATE_FILE).read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ImageStateError(f"{images}: no readable {STATE_FILE} ({exc})") from None
+
+
+def scan_tree(root: int) -> tuple[list[int], dict[str, int], set[str]]:
+    """Pids, regular files open for writing (with their sizes) and /dev/shm names of a live tree."""
+    pids = tree_pids(root)
+    written: dict[str, int] = {}
+    shm: set[str] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith(f"{SHM_DIR}/"):
+                    shm.add(target[len(str(SHM_DIR)) + 1:].removesuffix(" (deleted)"))
+                    continue
+                if not target.startswith("/") or target.endswith(" (deleted)"):
+                    continue
+                info = os.stat(f"/proc/{pid}/fd/{fd}")
+                if stat.S_ISREG(info.st_mode) and _fd_flags(pid, fd) & _WRITE_MODES:
+                    written[target] = info.st_size
+            except OSError:
+                continue
+        try:
+            with open(f"/proc/{pid}/maps") as handle:
+                for line in handle:
+                    parts = line.split(maxsplit=5)
+                    path = parts[5].strip() if len(parts) == 6 else ""
+                    if path.startswith(f"{SHM_DIR}/"):
+                        shm.add(path[len(str(SHM_DIR)) + 1:].removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return pids, written, shm
+
+
+def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], shm_in_use: set[str],
+                       shm_before_dump: set[str]) -> TreeFiles:
+    """After a successful dump: save the tree's /dev/shm files and the ones CRIU added (link_remap)."""
+    created = {p.name for p in SHM_DIR.iterdir()} - shm_before_dump if SHM_DIR.is_dir() else set()
+    names = sorted(n for n in (shm_in_use | created) if (SHM_DIR / n).is_file())
+    if names:
+        (images / "devshm").mkdir(exist_ok=True)
+    for name in names:
+        shutil.copy2(SHM_DIR / name, images / "devshm" / name)
+    state = TreeFiles(pids=pids, appended=written, shm=names)
+    state.save(images)
+    return state
+
+
+def prepare_restore(images: Path, wait_for_pids_s: float = 10.0) -> TreeFiles:
+    """Put the host back in the state the image expects; raises :class:`ImageStateError` if it cannot."""
+    state = TreeFiles.load(images)
+    deadline = time.monotonic() + wait_for_pids_s
+    while True:
+        busy = [pid for pid in state.pids if os.path.exists(f"/proc/{pid}")]
+        if not busy:
+            break
+        if time.monotonic() >= deadline:
+            raise ImageStateError(
+                f"pids {busy[:8]} of the image are still in use after {wait_for_pids_s:.0f} s "
+                "(the previous incarnation is still running or not reaped)"
+            )
+        time.sleep(0.02)
+    for name in state.shm:
+        target = SHM_DIR / name
+        if not target.exists():
+            tmp = SHM_DIR / f".{name}.coldsnap-tmp"
+            shutil.copy2(images / "devshm" / name, tmp)
+            os.replace(tmp, target)
+    for path, size in state.appended.items():
+        try:
+            current = os.stat(path).st_size
+        except FileNotFoundError:
+            raise ImageStateError(f"{path} (open for writing at capture) no longer exists") from None
+        if current < size:
+            raise ImageStateError(f"{path} shrank from {size} to {current} bytes since capture")
+        if current > size:
+            # Keep what a previous incarnation wrote: move it aside, then cut back to the captured size.
+            aside = f"{path}.coldsnap-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}"
+            with open(path, "rb") as source, open(aside, "xb") as copy:
+                source.seek(size)
+                shutil.copyfileobj(source, copy)
+            os.truncate(path, size)
+    return state

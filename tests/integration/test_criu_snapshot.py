@@ -1,0 +1,182 @@
+"""Dump and restore a live server tree with real CRIU: TCP (listening and established), unix sockets,
+an unlinked /dev/shm file, an appended log; restore twice from one image; faults leave nothing running."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.process_tree import tree_pids
+
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.skipif(os.geteuid() != 0, reason="CRIU dump/restore needs root"),
+]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _ask(port: int, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(b"inc\n")
+                return conn.recv(64).decode().strip()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _kill_tree(root: int) -> None:
+    try:  # the whole session's process group (CRIU restores it), orphans included
+        os.killpg(root, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    pids = tree_pids(root)
+    for pid in reversed(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        for pid in pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def workload_args() -> list[str]:
+    return []
+
+
+@pytest.fixture
+def server(tmp_path, workload_args):
+    port = _free_port()
+    state = tmp_path / "state"
+    state.mkdir()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.tree_workload", str(port), str(state), *workload_args],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=open(state / "stdout.log", "ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own session: CRIU needs no --shell-job
+    )
+    roots = [process.pid]
+    yield port, state, process, roots
+    for root in roots:
+        _kill_tree(root)
+    if process.poll() is None:
+        process.wait(timeout=10)
+    Path(f"/dev/shm/coldsnap-tree-named-{process.pid}").unlink(missing_ok=True)
+
+
+def _dump(snapshotter, process, images):
+    result = snapshotter.dump(process.pid, images)
+    process.wait(timeout=10)  # reap: the restore reuses its pid
+    return result
+
+
+def test_dump_restore_twice_keeps_sockets_state_and_logs(server, tmp_path):
+    port, state, process, roots = server
+    assert _ask(port) == "count 1 tcp-ok unix-ok"
+    assert _ask(port) == "count 2 tcp-ok unix-ok"
+    snapshotter = CriuSnapshotter()
+    images = tmp_path / "images"
+    dumped = _dump(snapshotter, process, images)
+    assert len(dumped.pids) == 2 and dumped.image_bytes > 2 << 20  # the unlinked 2 MiB shm file is in it
+    named = Path(f"/dev/shm/coldsnap-tree-named-{process.pid}")
+    assert (images / "devshm" / named.name).read_bytes() == b"named"  # the linked one, saved with the image
+    log_at_dump = (state / "server.log").read_text()
+
+    for _ in range(2):  # one image, restored twice
+        restored = snapshotter.restore(images)
+        roots.append(restored.pid)
+        assert restored.pid == process.pid
+        assert _ask(port) == "count 3 tcp-ok unix-ok"  # state from the image, channels alive
+        assert _ask(port) == "count 4 tcp-ok unix-ok"
+        _kill_tree(restored.pid)
+        named.unlink()  # gone with the incarnation (a cleanup, another host): the next restore brings it back
+    assert (state / "server.log").read_text() == log_at_dump + "inc 3\ninc 4\n"
+    set_aside = sorted(state.glob("server.log.coldsnap-*"))
+    assert len(set_aside) == 1 and set_aside[0].read_text() == "inc 3\ninc 4\n"  # nothing lost
+
+
+@pytest.mark.parametrize("workload_args", [["--no-internal-tcp"]])
+def test_tcp_close_mode_drops_outside_connections(server, tmp_path):
+    # Close mode is for trees whose live connections all lead outside (clients): they are dropped.
+    # Connections inside the tree need the established mode (restored closed, their ports would still
+    # be in TIME_WAIT and the rebind fails).
+    port, state, process, roots = server
+    assert _ask(port) == "count 1 tcp-none unix-ok"
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)  # open across the snapshot
+    snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp="close"))
+    images = tmp_path / "images"
+    _dump(snapshotter, process, images)
+    restored = snapshotter.restore(images)
+    roots.append(restored.pid)
+    assert _ask(port) == "count 2 tcp-none unix-ok"
+    with client:
+        client.sendall(b"inc\n")
+        try:
+            answer = client.recv(64)
+        except OSError:
+            answer = b""
+    assert answer == b""  # the old connection did not survive
+
+
+def test_corrupt_image_fails_typed_and_leaves_nothing_running(server, tmp_path):
+    port, state, process, roots = server
+    _ask(port)
+    snapshotter = CriuSnapshotter()
+    images = tmp_path / "images"
+    _dump(snapshotter, process, images)
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    pages.write_bytes(b"")  # the memory pages are gone
+    core = sorted(images.glob("core-*.img"))[0]
+    core.write_bytes(b"\0" * 16)
+    with pytest.raises(CriuError) as caught:
+        snapshotter.restore(images)
+    assert caught.value.op == "restore" and caught.value.errno not in (None, 0)
+    assert caught.value.log_tail  # the reason from restore.log
+    assert not os.path.exists(f"/proc/{process.pid}")  # CRIU killed what it had restored
+
+
+def test_restore_refused_while_pids_are_taken(server, tmp_path):
+    port, state, process, roots = server
+    _ask(port)
+    snapshotter = CriuSnapshotter()
+    images = tmp_path / "images"
+    _dump(snapshotter, process, images)
+    restored = snapshotter.restore(images)
+    roots.append(restored.pid)
+    with pytest.raises(CriuError, match="still in use"):
+        snapshotter.restore(images, wait_for_pids_s=0.2)
+    assert _ask(port) == "count 2 tcp-ok unix-ok"  # the running incarnation is untouched
+
+
+def test_dump_refuses_non_empty_image_dir_and_missing_process(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    (images / "something").write_text("x")
+    with pytest.raises(CriuError, match="not empty"):
+        CriuSnapshotter().dump(os.getpid(), images)
+    with pytest.raises(CriuError, match="no process"):
+        CriuSnapshotter().dump(2**22 + 12345, tmp_path / "other")
