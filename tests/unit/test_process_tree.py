@@ -1,0 +1,57 @@
+"""Restore preparation without CRIU: appended logs, shrunk files, taken pids, saved /dev/shm files."""
+
+import os
+import subprocess
+
+import pytest
+
+from coldsnap.snapshot.process_tree import ImageStateError, TreeFiles, prepare_restore, scan_tree, tree_pids
+
+
+def test_appended_log_is_cut_back_and_the_extra_kept(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("captured\n")
+    TreeFiles(pids=[], appended={str(log): 9}).save(tmp_path)
+    with open(log, "a") as handle:
+        handle.write("written by the last incarnation\n")
+    prepare_restore(tmp_path)
+    assert log.read_text() == "captured\n"
+    (aside,) = tmp_path.glob("server.log.coldsnap-*")
+    assert aside.read_text() == "written by the last incarnation\n"
+
+
+def test_shrunk_or_missing_file_is_refused(tmp_path):
+    log = tmp_path / "server.log"
+    log.write_text("x")
+    TreeFiles(pids=[], appended={str(log): 100}).save(tmp_path)
+    with pytest.raises(ImageStateError, match="shrank"):
+        prepare_restore(tmp_path)
+    log.unlink()
+    with pytest.raises(ImageStateError, match="no longer exists"):
+        prepare_restore(tmp_path)
+
+
+def test_taken_pid_is_waited_for_then_refused(tmp_path):
+    TreeFiles(pids=[os.getpid()]).save(tmp_path)
+    with pytest.raises(ImageStateError, match="still in use"):
+        prepare_restore(tmp_path, wait_for_pids_s=0.1)
+
+
+def test_missing_state_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ImageStateError, match="coldsnap-tree-files.json"):
+        prepare_restore(tmp_path)
+
+
+def test_scan_sees_children_and_written_files(tmp_path):
+    target = tmp_path / "out.log"
+    child = subprocess.Popen(["sh", "-c", f"exec 3>>{target}; sleep 30"])
+    try:
+        for _ in range(100):
+            pids, written, _ = scan_tree(os.getpid())
+            if str(target) in written:
+                break
+        assert child.pid in tree_pids(os.getpid()) and pids[0] == os.getpid()
+        assert written[str(target)] == 0
+    finally:
+        child.kill()
+        child.wait()
