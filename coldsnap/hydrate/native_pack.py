@@ -90,7 +90,8 @@ def hydrate_pack(
         plan = pack.hydration_plan({t: r.base for t, r in used.items()}, {t: r.mapped_bytes for t, r in used.items()})
     except PackError as exc:
         raise HydrationError(str(exc)) from None
-    if not plan:
-        raise HydrationError(f"{path}: the pack holds no extents")
+    if not plan:  # a residual can be empty: every preserved byte was in the payload
+        return HydrationStats(bytes=0, items=0, seconds=0.0, threads=0, chunk_bytes=0, pinned_bytes=0,
+                              direct=False, cached_fraction=-1.0)
     items = [CopyItem(c.file_offset, c.length, c.dst_address) for c in plan]
     return hydrate_items(path, items, used.values(), **engine_options)  # type: ignore[arg-type]

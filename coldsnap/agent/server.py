@@ -1,0 +1,212 @@
+"""Agent server (see the package docstring) and the launcher's client call."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.memory.regions import StableRegion
+from coldsnap.native import native
+
+__all__ = ["AgentHooks", "AgentServer", "AgentError", "start_agent", "request"]
+
+log = logging.getLogger(__name__)
+
+Hook = Callable[[], None]
+
+
+class AgentError(RuntimeError):
+    """The agent refused or failed a command; the message is its own."""
+
+
+@dataclass
+class AgentHooks:
+    """What an engine plugin adds around the memory work (each runs in the agent's thread)."""
+
+    before_release: list[Hook] = field(default_factory=list)
+    """After draining, before the regions are unmapped (e.g. NCCL teardown, graph discard)."""
+    after_resume: list[Hook] = field(default_factory=list)
+    """After hydration and KV remap, before serving again (e.g. NCCL rebuild, graph recapture)."""
+
+
+def _address(control: str) -> str | bytes:
+    return b"\0" + control[1:].encode() if control.startswith("@") else control
+
+
+def _timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
+    started = time.perf_counter()
+    try:
+        return work()
+    finally:
+        seconds[name] = round(time.perf_counter() - started, 6)
+
+
+class AgentServer:
+    def __init__(self, control: str, layout: MemoryLayout, regions: Mapping[str, StableRegion],
+                 serving_lock: threading.Lock, port: int | None = None, hooks: AgentHooks | None = None):
+        self.control = control
+        self.layout = layout
+        self.regions = dict(regions)
+        self.serving_lock = serving_lock
+        self.port = port
+        self.hooks = hooks or AgentHooks()
+        self.state = "serving"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(_address(control))
+        self._listener.listen(4)
+        self._thread = threading.Thread(target=self._serve, name="coldsnap-agent", daemon=True)
+
+    def start(self) -> "AgentServer":
+        self._thread.start()
+        return self
+
+    def _serve(self) -> None:
+        while True:
+            connection, _ = self._listener.accept()
+            with connection:
+                try:
+                    line = connection.makefile("rb").readline()
+                    command = json.loads(line)
+                    reply = {"ok": True, **self.handle(command)}
+                except Exception as exc:  # every failure goes back to the launcher, none kills the engine
+                    log.exception("coldsnap agent command failed")
+                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                try:
+                    connection.sendall(json.dumps(reply).encode() + b"\n")
+                except OSError:
+                    pass
+
+    def handle(self, command: dict[str, Any]) -> dict[str, Any]:
+        name = command.get("command")
+        if name == "status":
+            return self.status()
+        if name == "prepare":
+            return self.prepare(Path(command["pack_dir"]), bool(command.get("generate_pack", True)))
+        if name == "resume":
+            return self.resume(command)
+        raise AgentError(f"unknown command {name!r}")
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "pid": os.getpid(),
+            "port": self.port,
+            "layout_digest": self.layout.digest(),
+            "layout": self.layout.to_json_value(),
+            "regions": {
+                tag: {"backend": r.backend, "device": r.device, "base": r.base, "size": r.size, "mapped": r.mapped_bytes}
+                for tag, r in self.regions.items()
+            },
+        }
+
+    def _allocations(self) -> dict[str, list[tuple[int, int]]]:
+        """The preserved bytes per region: the allocator's blocks, or the layout's tensors where the
+        engine placed tensors itself."""
+        out = {}
+        for region_layout in self.layout.regions:
+            region = self.regions.get(region_layout.tag)
+            if region is None or region_layout.tag == "kv_cache":
+                continue  # KV is discarded, never preserved
+            blocks = region.allocations() or [(t.offset, t.length) for t in region_layout.tensors if t.length]
+            if blocks:
+                out[region_layout.tag] = blocks
+        return out
+
+    def prepare(self, pack_dir: Path, generate_pack: bool) -> dict[str, Any]:
+        if self.state != "serving":
+            raise AgentError(f"prepare needs state serving, not {self.state}")
+        from coldsnap.hydrate import write_pack_from_regions
+        from coldsnap.payload import PackKind, plan_residual
+
+        seconds: dict[str, float] = {}
+        if not _timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
+            raise AgentError("could not drain: a request held the engine for 300 s")
+        try:
+            result: dict[str, Any] = {}
+            if generate_pack:
+                pack_dir.mkdir(parents=True, exist_ok=True)
+                payload = _timed(seconds, "payload_write", lambda: write_pack_from_regions(pack_dir, self.layout, self.regions))
+                residual_plan = plan_residual(self._allocations(), payload.table)
+                residual = _timed(seconds, "residual_write", lambda: write_pack_from_regions(
+                    pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=residual_plan))
+                result["payload"] = {"path": str(payload.path), "sha256": payload.sha256, "size_bytes": payload.size_bytes}
+                result["residual"] = {"path": str(residual.path), "sha256": residual.sha256, "size_bytes": residual.size_bytes}
+            for hook in self.hooks.before_release:
+                hook()
+            for region in self.regions.values():
+                _timed(seconds, f"unmap_{region.tag}", region.unmap)
+            native().release_pinned()
+        except BaseException:
+            self.serving_lock.release()
+            raise
+        self.state = "prepared"
+        return {**result, "layout_digest": self.layout.digest(), "seconds": seconds}
+
+    def resume(self, command: dict[str, Any]) -> dict[str, Any]:
+        if self.state != "prepared":
+            raise AgentError(f"resume needs state prepared, not {self.state}")
+        from coldsnap.hydrate import hydrate_pack, replay_safetensors
+
+        seconds: dict[str, float] = {}
+        digest = command.get("layout_digest") or self.layout.digest()
+        if digest != self.layout.digest():
+            raise AgentError(f"layout digest {digest[:12]}… is not this process's {self.layout.digest()[:12]}…")
+        for region in self.regions.values():
+            _timed(seconds, f"map_{region.tag}", region.map)
+        hydrated: dict[str, Any] = {}
+        weights = {t: r for t, r in self.regions.items() if t != "kv_cache"}
+        if command.get("payload"):
+            stats = _timed(seconds, "hydrate", lambda: hydrate_pack(command["payload"], weights, layout_digest=digest))
+            hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "gb_per_s": round(stats.gb_per_s, 3),
+                        "direct": stats.direct, "cached_fraction": stats.cached_fraction}
+            if command.get("residual"):
+                _timed(seconds, "residual", lambda: hydrate_pack(command["residual"], weights, layout_digest=digest))
+        elif command.get("safetensors"):
+            stats_list = _timed(seconds, "hydrate", lambda: replay_safetensors(command["safetensors"], self.layout, weights))
+            total = sum(s.bytes for s in stats_list)
+            hydrated = {"source": "recovery", "bytes": total, "seconds": seconds["hydrate"]}
+        else:
+            raise AgentError("resume needs a payload pack or safetensors files")
+        kv = self.regions.get("kv_cache")
+        if kv is not None:
+            _timed(seconds, "kv_zero", kv.zero)
+        for hook in self.hooks.after_resume:
+            hook()
+        self.state = "serving"
+        self.serving_lock.release()
+        return {"hydrate": hydrated, "seconds": seconds}
+
+
+_agent: AgentServer | None = None
+
+
+def start_agent(control: str, layout: MemoryLayout, regions: Mapping[str, StableRegion], *,
+                serving_lock: threading.Lock, port: int | None = None, hooks: AgentHooks | None = None) -> AgentServer:
+    """Start this process's agent (once)."""
+    global _agent
+    if _agent is None:
+        _agent = AgentServer(control, layout, regions, serving_lock, port, hooks).start()
+    return _agent
+
+
+def request(control: str, command: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+    """Send one command to the agent at ``control``; raises :class:`AgentError` with its reason."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(timeout)
+        connection.connect(_address(control))
+        connection.sendall(json.dumps(command).encode() + b"\n")
+        line = connection.makefile("rb").readline()
+    if not line:
+        raise AgentError(f"agent at {control} closed the connection without answering")
+    reply = json.loads(line)
+    if not reply.pop("ok", False):
+        raise AgentError(reply.get("error", "unknown agent error"))
+    return reply
