@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
 from typing import Callable
 
 from coldsnap import __version__
@@ -20,7 +22,7 @@ from coldsnap.contracts.profiles import resolve_request
 from coldsnap.contracts.receipt import OperationReceipt
 from coldsnap.contracts.request import OperationRequest
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_ADAPTER
-from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 
 __all__ = ["main", "build_parser"]
 
@@ -190,6 +192,107 @@ file, a name that is not <sha256>.pack/.residual without --expected, a malformed
 """
 
 
+def _infer_engine(command: list[str]) -> str:
+    text = " ".join(command[:4])
+    if "vllm" in text:
+        return "vllm"
+    if "sglang" in text:
+        return "sglang"
+    return "torch-lm"
+
+
+def _option_value(command: list[str], name: str) -> str | None:
+    for index, arg in enumerate(command):
+        if arg == name and index + 1 < len(command):
+            return command[index + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _capture_request(args: argparse.Namespace) -> dict:
+    """The request format 4 document the friendly flags stand for."""
+    if not args.out:
+        raise UsageError("--out DIR is required (or give --request-json)")
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UsageError("give the serving command after --, e.g. coldsnap capture --out DIR -- vllm serve MODEL ...")
+    port = args.port or _option_value(command, "--port")
+    if port is None:
+        raise UsageError("cannot tell the serving port: pass --port P (or give the command a --port option)")
+    engine = args.engine or _infer_engine(command)
+    model = args.model or _option_value(command, "--model") or (command[2] if command[1:2] == ["serve"] and len(command) > 2 else None)
+    if model is None and engine == "torch-lm":
+        model = f"coldsnap-torch-lm-{_option_value(command, '--size') or 'tiny'}"
+    return {
+        "format": 4,
+        "operation": "capture",
+        "operation_id": args.operation_id or time.strftime("capture-%Y%m%dT%H%M%S"),
+        "engine": engine,
+        "snapshot_driver": args.driver,
+        "model": {"name": model or command[0], "revision": None},
+        "units": [{"unit_id": "unit-0", "command": command, "serving_port": int(port),
+                   "workers": [{"worker_id": "worker-0", "rank": 0, "device_slot": 0}]}],
+        "artifact": str(Path(args.out).resolve()),
+    }
+
+
+def _restore_request(args: argparse.Namespace) -> dict:
+    directory = Path(args.artifact).resolve()
+    try:
+        captured = json.loads((directory / "request.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{directory}: not a coldsnap artifact directory (request.json: {exc})") from None
+    captured.update(operation="restore", operation_id=args.operation_id or time.strftime("restore-%Y%m%dT%H%M%S"),
+                    prepare_only=args.prepare_only, artifact=str(directory))
+    return captured
+
+
+def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace], dict], operation: str) -> int:
+    from coldsnap import activation
+    from coldsnap.operation import OperationFailed, run_operation
+
+    try:
+        if args.request_json:
+            source = "<stdin>" if args.request_json == "-" else args.request_json
+            data = _read_input(args.request_json)
+        else:
+            source, data = "flags", json.dumps(build(args)).encode()
+    except UsageError as exc:
+        print(f"coldsnap: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:
+        print(f"coldsnap: {args.request_json}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+    def body(context):
+        if context.request.operation != operation:
+            raise OperationFailed("request.operation", f"`coldsnap {operation}` got a {context.request.operation} request")
+        return activation.capture(context) if operation == "capture" else activation.restore(context)
+
+    return run_operation(data, source, body, args.receipt_json, args.timing_events)
+
+
+def _cmd_capture(args: argparse.Namespace) -> int:
+    return _run_lifecycle(args, _capture_request, "capture")
+
+
+def _cmd_restore(args: argparse.Namespace) -> int:
+    if not args.request_json and not args.artifact:
+        print("coldsnap: give the artifact directory (or --request-json)", file=sys.stderr)
+        return EXIT_USAGE
+    return _run_lifecycle(args, _restore_request, "restore")
+
+
+def _add_operation_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--request-json", metavar="PATH|-", help="strict request (format 4) instead of the friendly flags; - for stdin")
+    p.add_argument("--receipt-json", metavar="PATH|-", help="write the one receipt (format 2) here; - for stdout (progress stays on stderr)")
+    p.add_argument("--timing-events", metavar="PATH|-", help="live NDJSON timing events (needs --receipt-json); a new absolute path or -")
+    p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: capture-/restore-<time>)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coldsnap", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -255,6 +358,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true",
                    help="one JSON object on stdout: file, sha256, size_bytes, method, seconds, verdict")
     p.set_defaults(func=_cmd_payload_verify)
+    p = commands.add_parser(
+        "capture",
+        help="start a serving command, validate it, and capture it into an artifact directory",
+        description="Start CMD (without io_uring, in its own session, output to DIR/logs), wait for coldsnap's "
+        "in-process agent and the HTTP port, record the canary (greedy, through POST /v1/completions), let the "
+        "agent write the native packs and release model memory, CRIU-dump the process tree, and commit "
+        "DIR/artifact.json atomically. Nothing of CMD is left running; a failure commits nothing. "
+        "Exit 0 on success, 1 on a failed capture, 2 for bad input.",
+    )
+    p.add_argument("--out", help="artifact directory (must not hold a committed artifact)")
+    p.add_argument("--port", type=int, help="serving port (default: the command's --port)")
+    p.add_argument("--engine", choices=["vllm", "sglang", "torch-lm"], help="engine adapter (default: from the command)")
+    p.add_argument("--driver", choices=["n610", "n580"], default="n610", help="snapshot driver (default n610)")
+    p.add_argument("--model", help="model name recorded in the artifact (default: from the command)")
+    _add_operation_flags(p)
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the serving command")
+    p.set_defaults(func=_cmd_capture)
+
+    p = commands.add_parser(
+        "restore",
+        help="restore a captured artifact: admission, CRIU restore, hydration, canary",
+        description="Admit the artifact (descriptor, platform, CRIU check, capsule, native packs, serving port) and, "
+        "unless --prepare-only, restore the process tree while the payload is prefetched, let the agent map and "
+        "hydrate the weights and zero the KV cache, and require the canary to give the captured tokens exactly. "
+        "On failure everything restored is killed and the artifact is left as it was. "
+        "Exit 0 when serving, 1 on a failed restore, 2 for bad input.",
+    )
+    p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
+    p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
+    _add_operation_flags(p)
+    p.set_defaults(func=_cmd_restore)
     return parser
 
 

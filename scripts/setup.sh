@@ -38,6 +38,14 @@ else
     stamp_of > "$stamp_file"
 fi
 
+# 1b. A CPU torch for the reference workload (coldsnap itself never pins torch: the engines bring theirs).
+# These machines carry torch 2.13.0+cpu as a local wheel; elsewhere the workload tests skip themselves.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+    log "installing a CPU torch for the reference workload (coldsnap.workloads.torch_lm)"
+    .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0+cpu" 2> >(grep -v "^WARNING: Location" >&2) \
+        || log "no CPU torch wheel available: the reference-workload tests will be skipped"
+fi
+
 # 2. CRIU (root only: it installs into /opt/coldsnap/criu and links /usr/local/bin/criu).
 if [ "$(id -u)" = 0 ]; then
     bash scripts/install-criu.sh

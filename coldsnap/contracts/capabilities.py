@@ -19,7 +19,7 @@ from coldsnap.contracts.common import (
     ReplaySemantics,
     SnapshotDriverName,
 )
-from coldsnap.contracts.profiles import ENGINE_NATIVE_MATERIALIZATION, SNAPSHOT_DRIVERS
+from coldsnap.contracts.profiles import ENGINE_NATIVE_MATERIALIZATION, ENGINE_PACKAGES, SNAPSHOT_DRIVERS
 from coldsnap.contracts.receipt import RECEIPT_FORMAT
 from coldsnap.contracts.request import REQUEST_FORMAT
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_FORMAT
@@ -108,7 +108,7 @@ def build_capabilities(version: str) -> Capabilities:
         engines=[
             EngineCapability(
                 name=name,  # type: ignore[arg-type]
-                python_package=f"coldsnap_{name}",
+                python_package=ENGINE_PACKAGES[name],
                 native_materialization=sorted(modes),
                 default_native_materialization=modes[0],
             )

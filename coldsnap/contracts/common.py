@@ -16,7 +16,8 @@ __all__ = [
     "OperationState",
 ]
 
-EngineName = Literal["vllm", "sglang"]
+EngineName = Literal["vllm", "sglang", "torch-lm"]
+"""``torch-lm`` is coldsnap's own reference workload (``coldsnap.workloads.torch_lm``)."""
 SnapshotDriverName = Literal["n580", "n610"]
 OperationName = Literal["capture", "restore", "sleep", "wake", "status"]
 OperationState = Literal["succeeded", "failed"]

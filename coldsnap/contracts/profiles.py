@@ -24,6 +24,7 @@ __all__ = [
     "SnapshotDriverProfile",
     "SNAPSHOT_DRIVERS",
     "ENGINE_NATIVE_MATERIALIZATION",
+    "ENGINE_PACKAGES",
     "CANARY_PROMPT",
     "CANARY_RESPONSE",
     "resolve_request",
@@ -69,6 +70,14 @@ SNAPSHOT_DRIVERS: dict[str, SnapshotDriverProfile] = {
 ENGINE_NATIVE_MATERIALIZATION: dict[str, tuple[NativeMaterialization, ...]] = {
     "vllm": ("async", "off", "required"),
     "sglang": ("off",),
+    "torch-lm": ("off",),
+}
+
+# The Python package inside the serving image that integrates each engine.
+ENGINE_PACKAGES: dict[str, str] = {
+    "vllm": "coldsnap_vllm",
+    "sglang": "coldsnap_sglang",
+    "torch-lm": "coldsnap.workloads.torch_lm",
 }
 
 

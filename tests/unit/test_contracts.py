@@ -65,7 +65,7 @@ def test_spelled_out_defaults_hash_like_omitted_ones(request_document):
         ({k: v for k, v in make_request().items() if k != "format"}, ["format: missing required field (supported: 4)"]),
         ({k: v for k, v in make_request().items() if k != "engine"}, ["engine: missing required field"]),
         (make_request(prepare_only="yes"), ['prepare_only: input should be a valid boolean, got "yes"']),
-        (make_request(engine="tgi"), ["engine: Input should be 'vllm' or 'sglang', got \"tgi\""]),
+        (make_request(engine="tgi"), ["engine: Input should be 'vllm', 'sglang' or 'torch-lm', got \"tgi\""]),
         (make_request(operation_id="../etc"), None),
         ("{not json", ["not JSON: Expecting property name enclosed in double quotes at line 1 column 2"]),
         ("[1, 2]", ["expected a JSON object, got list"]),

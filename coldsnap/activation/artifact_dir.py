@@ -1,0 +1,94 @@
+"""The artifact directory: where a capture's pieces live, and how they are committed.
+
+    DIR/artifact.json              descriptor (format 9), written last and atomically: the commit
+    DIR/request.json               the resolved capture request (canonical JSON)
+    DIR/payload/<sha256>.pack      native payload, and <sha256>.residual
+    DIR/units/<unit>/images/       CRIU images of the unit's process tree
+    DIR/units/<unit>/capsule.json  the images' manifest (name, size, SHA-256) + activation metadata
+    DIR/logs/<unit>.log            the serving process's output (appended by every incarnation)
+
+Without ``artifact.json`` nothing in DIR is an artifact: a failed capture leaves no descriptor, and a
+capture refuses a DIR that already has one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from coldsnap.atomic import write_atomic
+from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
+from coldsnap.contracts.base import load_document
+from coldsnap.contracts.canonical import canonical_json
+
+__all__ = ["ArtifactDir", "file_ref", "sha256_file"]
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class ArtifactDir:
+    def __init__(self, root: Path):
+        self.root = root
+
+    descriptor_path = property(lambda self: self.root / "artifact.json")
+    request_path = property(lambda self: self.root / "request.json")
+    payload_dir = property(lambda self: self.root / "payload")
+
+    def unit_dir(self, unit_id: str) -> Path:
+        return self.root / "units" / unit_id
+
+    def images(self, unit_id: str) -> Path:
+        return self.unit_dir(unit_id) / "images"
+
+    def capsule_path(self, unit_id: str) -> Path:
+        return self.unit_dir(unit_id) / "capsule.json"
+
+    def log_path(self, unit_id: str) -> Path:
+        return self.root / "logs" / f"{unit_id}.log"
+
+    def committed(self) -> bool:
+        return self.descriptor_path.exists()
+
+    def clear_uncommitted(self, unit_ids: list[str]) -> None:
+        """Remove what a failed earlier capture left (never anything of a committed artifact)."""
+        assert not self.committed()
+        for unit_id in unit_ids:
+            shutil.rmtree(self.unit_dir(unit_id), ignore_errors=True)
+
+    def relative(self, path: Path) -> str:
+        return str(path.resolve().relative_to(self.root.resolve()))
+
+    def write_capsule(self, unit_id: str, metadata: dict[str, Any]) -> FileRef:
+        """Manifest every image file with its SHA-256, plus activation metadata; returns its FileRef."""
+        images = self.images(unit_id)
+        files = [
+            {"path": str(p.relative_to(images)), "size_bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            for p in sorted(images.rglob("*"))
+            if p.is_file() and not p.name.startswith("restore")  # restore logs and pidfiles come later
+        ]
+        document = {"format": 1, "unit_id": unit_id, "files": files, "metadata": metadata}
+        path = self.capsule_path(unit_id)
+        write_atomic(path, canonical_json(document) + b"\n")
+        return file_ref(self, path)
+
+    def read_capsule(self, unit_id: str) -> dict[str, Any]:
+        return json.loads(self.capsule_path(unit_id).read_text())
+
+    def commit(self, descriptor: ArtifactDescriptor) -> None:
+        write_atomic(self.descriptor_path, canonical_json(descriptor.to_json_value()) + b"\n")
+
+    def load(self) -> ArtifactDescriptor:
+        return load_document(ArtifactDescriptor, self.descriptor_path)
+
+
+def file_ref(artifact: ArtifactDir, path: Path, sha256: str | None = None) -> FileRef:
+    return FileRef(path=artifact.relative(path), sha256=sha256 or sha256_file(path), size_bytes=path.stat().st_size)

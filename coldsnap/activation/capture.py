@@ -1,0 +1,122 @@
+"""Capture: start the serving command, prove it right, release its model memory, dump it, commit.
+
+Sequence (one launch unit, snapshot driver n610 semantics: the initialized process is captured):
+launch → agent + HTTP ready → canary recorded → agent ``prepare`` (native packs written, weights and
+KV released) → CRIU dump → capsule manifest → artifact descriptor committed atomically.
+A failure at any step kills what was started and commits nothing; an earlier artifact is never touched.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from pathlib import Path
+
+from coldsnap.activation.artifact_dir import ArtifactDir, file_ref
+from coldsnap.activation.engine_process import EngineProcess, LaunchError, ask_canary, wait_for_agent, wait_for_http
+from coldsnap.agent.server import AgentError, request
+from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
+from coldsnap.contracts.canonical import canonical_json
+from coldsnap.contracts.layout import SemanticManifest
+from coldsnap.doctor import nvidia_kernel_driver
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.snapshot.criu import CriuError, CriuSnapshotter
+
+__all__ = ["capture", "READY_TIMEOUT_S"]
+
+READY_TIMEOUT_S = 900.0
+
+
+def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
+    request_ = context.request
+    if len(request_.units) != 1 or len(request_.units[0].workers) != 1:
+        raise OperationFailed("capture.topology", "this build captures one launch unit with one worker")
+    unit = request_.units[0]
+    worker = unit.workers[0]
+    if unit.serving_port is None:
+        raise OperationFailed("capture.port", "the unit has no serving_port: the canary needs the engine's HTTP port")
+    artifact = ArtifactDir(Path(request_.artifact))
+    if artifact.committed():
+        raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
+    artifact.root.mkdir(parents=True, exist_ok=True)
+    artifact.clear_uncommitted([unit.unit_id])
+    validation = request_.policy.validation
+    timer = context.timer
+
+    with timer.span("capture.launch") as span:
+        engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), dict(unit.env))
+        span["pid"] = engine.pid
+    dumped = False
+    try:
+        context.progress(f"started {unit.command[0]} (pid {engine.pid}); waiting for it to be ready")
+        with timer.span("capture.ready"):
+            status = wait_for_agent(engine.control, engine.alive, ready_timeout)
+            wait_for_http(unit.serving_port, engine.alive, ready_timeout)
+        if any(r["backend"] == "cuda" for r in status["regions"].values()):
+            # The n610 sequence needs cuCheckpointProcessLock/Checkpoint between prepare and dump.
+            raise OperationFailed("capture.cuda_checkpoint",
+                                  "the engine holds CUDA regions; CUDA checkpointing is not implemented in this build yet")
+        with timer.span("capture.canary") as span:
+            canary = ask_canary(unit.serving_port, validation.prompt, validation.max_tokens)
+            span["tokens"] = len(canary.token_ids)
+        context.progress(f"canary answered {canary.text!r} ({len(canary.token_ids)} tokens)")
+        generate = request_.policy.weights.native_generation != "off" or request_.policy.weights.mode != "recovery"
+        with timer.span("capture.prepare") as span:
+            prepared = request(engine.control, {"command": "prepare", "pack_dir": str(artifact.payload_dir),
+                                                "generate_pack": generate})
+            span.update({k: int(v * 1e9) for k, v in prepared["seconds"].items()})
+        with timer.span("capture.criu_dump") as span:
+            snapshotter = CriuSnapshotter()
+            result = snapshotter.dump(engine.pid, artifact.images(unit.unit_id))
+            dumped = True
+            engine.process.wait(timeout=30)
+            span["image_bytes"] = result.image_bytes
+        context.progress(f"dumped {len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB of images "
+                         f"in {result.seconds:.2f} s")
+        with timer.span("capture.commit"):
+            capsule = artifact.write_capsule(unit.unit_id, {
+                "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,
+                "layout": status["layout"], "layout_digest": prepared["layout_digest"],
+                "criu_options": snapshotter.options.args(),
+            })
+            payload = prepared.get("payload")
+            residual = prepared.get("residual")
+            if residual is None:
+                raise OperationFailed("capture.residual", "the agent wrote no residual pack")
+            artifact.request_path.write_bytes(canonical_json(request_.to_json_value()) + b"\n")
+            driver = nvidia_kernel_driver()
+            descriptor = ArtifactDescriptor(
+                format=9,
+                artifact_id=f"{request_.operation_id}",
+                created_unix_ns=time.time_ns(),
+                engine=request_.engine,
+                snapshot_driver=request_.snapshot_driver,
+                request_sha256=context.request_sha256,
+                semantic_manifest_sha256=SemanticManifest.from_request(request_).canonical_sha256(),
+                model=request_.model,
+                graph_policy=request_.policy.graphs.mode or "retain",
+                platform=PlatformRecord(
+                    arch=platform.machine(), kernel=platform.release(), nvidia_driver=driver,
+                    nvidia_driver_floor=int(driver.split(".")[0]) if driver else None,
+                    gpu_model=None, compute_capability=None,
+                    criu_version=".".join(map(str, snapshotter.criu.version())),
+                ),
+                canary=CanaryRecord(prompt=validation.prompt, expected_response=canary.text, token_ids=canary.token_ids),
+                units=[UnitRecord(unit_id=unit.unit_id, capsule=capsule, workers=[WorkerRecord(
+                    worker_id=worker.worker_id, rank=worker.rank, layout_digest=prepared["layout_digest"],
+                    residual=file_ref(artifact, Path(residual["path"]), residual["sha256"]),
+                    payload=file_ref(artifact, Path(payload["path"]), payload["sha256"]) if payload else None,
+                )])],
+            )
+            artifact.commit(descriptor)
+    except (LaunchError, AgentError, CriuError, OSError, ValueError) as exc:
+        tail = engine.log_tail()
+        code = {LaunchError: "capture.launch", AgentError: "capture.agent", CriuError: "capture.criu_dump"}.get(type(exc), "capture.io")
+        raise OperationFailed(code, f"{exc}" + (f" | engine log: {tail.splitlines()[-1]}" if tail else "")) from exc
+    finally:
+        if not dumped or engine.alive():
+            engine.kill()  # never leave the captured command running
+        if not artifact.committed():
+            artifact.clear_uncommitted([unit.unit_id])
+    context.progress(f"committed {artifact.descriptor_path}")
+    return OperationOutcome(artifact=str(artifact.root))

@@ -1,0 +1,155 @@
+"""The serving process as the launcher sees it: started, waited for, asked the canary, killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from coldsnap.agent.server import AgentError, request
+from coldsnap.snapshot.process_tree import tree_pids
+
+__all__ = ["EngineProcess", "LaunchError", "Canary", "ask_canary", "kill_tree", "wait_for_agent", "new_control_name"]
+
+
+class LaunchError(RuntimeError):
+    """The serving process did not come up (exited, or not ready in time)."""
+
+
+def new_control_name() -> str:
+    """An abstract unix socket name: restored by CRIU with the process, no file left behind."""
+    return f"@coldsnap-agent-{uuid.uuid4().hex[:16]}"
+
+
+def kill_tree(root: int, timeout: float = 10.0) -> None:
+    """SIGKILL the tree's process group (orphans too) and every descendant; wait until they are gone."""
+    try:
+        os.killpg(root, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    pids = tree_pids(root)
+    for pid in reversed(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reap our own children; others are init's
+            except ChildProcessError:
+                pass
+            if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid):
+                alive.append(pid)
+        if not alive:
+            return
+        time.sleep(0.02)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return False
+
+
+def wait_for_agent(control: str, alive: Callable[[], bool], timeout: float) -> dict[str, Any]:
+    """Poll the agent's status until it answers (or the process dies, or time runs out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return request(control, {"command": "status"}, timeout=30)
+        except (OSError, AgentError):
+            if not alive():
+                raise LaunchError("the serving process exited before its coldsnap agent answered") from None
+            if time.monotonic() > deadline:
+                raise LaunchError(f"no coldsnap agent answered at {control} within {timeout:.0f} s "
+                                  "(is the engine started with coldsnap's plugin / COLDSNAP_CONTROL?)") from None
+            time.sleep(0.1)
+
+
+@dataclass(frozen=True)
+class Canary:
+    text: str
+    token_ids: list[int]
+    seconds: float
+
+
+def ask_canary(port: int, prompt: str, max_tokens: int, timeout: float = 120.0) -> Canary:
+    """Greedy completion through the engine's own OpenAI-compatible ``POST /v1/completions``."""
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}).encode()
+    started = time.perf_counter()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as response:
+        document = json.loads(response.read())
+    choice = document["choices"][0]
+    return Canary(choice["text"], list(choice.get("token_ids") or []), time.perf_counter() - started)
+
+
+def wait_for_http(port: int, alive: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (OSError, urllib.error.URLError):
+            pass
+        if not alive():
+            raise LaunchError("the serving process exited before it answered /health")
+        if time.monotonic() > deadline:
+            raise LaunchError(f"port {port} did not answer /health within {timeout:.0f} s")
+        time.sleep(0.1)
+
+
+class EngineProcess:
+    """The captured command, started in its own session without io_uring, output to a log file."""
+
+    def __init__(self, command: list[str], log_path: Path, env: dict[str, str]):
+        self.control = new_control_name()
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        # A file, not a pipe: a pipe to the launcher would be a connection CRIU cannot restore.
+        log = open(log_path, "ab")
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "coldsnap.snapshot.no_io_uring", "--", *command],
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env={**os.environ, **env, "COLDSNAP_CONTROL": self.control, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # its own session and process group: no --shell-job, one killpg
+            )
+        except OSError as exc:
+            raise LaunchError(f"cannot start {command[0]}: {exc.strerror or exc}") from None
+        finally:
+            log.close()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        kill_tree(self.pid)
+        if self.process.poll() is None:
+            self.process.wait(timeout=10)

@@ -1,0 +1,161 @@
+"""Restore: admit the artifact, bring the process tree back, hydrate, prove it right.
+
+Admission (all of it before anything starts; ``--prepare-only`` stops after it): descriptor format,
+architecture (and kernel with ``compatibility.kernel=exact``), CRIU version and ``criu check``, the
+capsule manifest, the native packs (stat-bound record or full hash), the serving port free.
+Activation: the payload is prefetched into the page cache *while* CRIU restores the tree; the agent
+then maps the regions at their captured addresses, hydrates them and zeroes the KV cache; the canary
+must give the captured tokens exactly. Any failure kills what was restored and leaves the artifact as
+it was.
+"""
+
+from __future__ import annotations
+
+import platform
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.engine_process import ask_canary, kill_tree
+from coldsnap.agent.server import AgentError, request
+from coldsnap.contracts.artifact import ArtifactDescriptor
+from coldsnap.contracts.base import ContractError
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.payload.errors import PackError
+from coldsnap.payload.validation import verify_file
+from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter
+
+__all__ = ["restore", "admit"]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDescriptor, dict[str, Any]]:
+    """Every check restore can make without starting anything; raises OperationFailed with the first problem."""
+    timer = context.timer
+    with timer.span("restore.admission.descriptor"):
+        if not artifact.committed():
+            raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")
+        try:
+            descriptor = artifact.load()
+        except ContractError as exc:
+            raise OperationFailed("admission.artifact", "; ".join(exc.problems)) from None
+        if descriptor.engine != context.request.engine or descriptor.snapshot_driver != context.request.snapshot_driver:
+            raise OperationFailed("admission.driver", f"artifact is {descriptor.engine}/{descriptor.snapshot_driver}, "
+                                  f"request asks {context.request.engine}/{context.request.snapshot_driver}")
+        if len(descriptor.units) != 1:
+            raise OperationFailed("admission.topology", "this build restores one launch unit")
+    with timer.span("restore.admission.platform"):
+        if descriptor.platform.arch != platform.machine():
+            raise OperationFailed("admission.platform", f"captured on {descriptor.platform.arch}, this is {platform.machine()}")
+        if context.request.policy.compatibility.kernel == "exact" and descriptor.platform.kernel != platform.release():
+            raise OperationFailed("admission.kernel", f"captured on kernel {descriptor.platform.kernel}, this is {platform.release()}")
+        if descriptor.platform.nvidia_driver is not None:
+            raise OperationFailed("admission.cuda", "GPU captures need CUDA restore, not implemented in this build yet")
+    with timer.span("restore.admission.criu"):
+        try:
+            criu = Criu()
+            version = criu.version()
+            check = criu.check()
+        except CriuError as exc:
+            raise OperationFailed("admission.criu", str(exc)) from None
+        if version[:2] < MINIMUM_VERSION:
+            raise OperationFailed("admission.criu", f"CRIU {'.'.join(map(str, version))} is too old (need 4.2+)")
+        if not check.ok:
+            raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
+    unit = descriptor.units[0]
+    with timer.span("restore.admission.capsule"):
+        try:
+            capsule = artifact.read_capsule(unit.unit_id)
+            images = artifact.images(unit.unit_id)
+            for entry in capsule["files"]:
+                path = images / entry["path"]
+                if not path.is_file() or path.stat().st_size != entry["size_bytes"]:
+                    raise OperationFailed("admission.capsule", f"capsule file {entry['path']} is missing or changed size")
+        except (OSError, ValueError, KeyError) as exc:
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} is unreadable: {exc}") from None
+    with timer.span("restore.admission.payload") as span:
+        for worker in unit.workers:
+            for ref in (worker.payload, worker.residual):
+                if ref is None:
+                    continue
+                try:
+                    verdict = verify_file(artifact.root / ref.path, ref.sha256)
+                except (PackError, OSError) as exc:
+                    raise OperationFailed("admission.payload", str(exc)) from None
+                span[f"{Path(ref.path).suffix[1:]}_verified_by"] = verdict.method
+    with timer.span("restore.admission.port"):
+        port = capsule["metadata"]["serving_port"]
+        if not _port_free(port):
+            raise OperationFailed("admission.port", f"serving port {port} is taken")
+    return descriptor, capsule
+
+
+def restore(context: OperationContext) -> OperationOutcome:
+    artifact = ArtifactDir(Path(context.request.artifact))
+    descriptor, capsule = admit(context, artifact)
+    if context.request.prepare_only:
+        context.progress("admission passed; --prepare-only: nothing started")
+        return OperationOutcome(artifact=str(artifact.root))
+    timer = context.timer
+    unit = descriptor.units[0]
+    worker = unit.workers[0]
+    metadata = capsule["metadata"]
+    payload = artifact.root / worker.payload.path if worker.payload else None
+
+    prefetch_error: list[BaseException] = []
+
+    def prefetch() -> None:
+        from coldsnap.hydrate import prefetch_file
+
+        try:
+            if payload is not None:
+                prefetch_file(payload)
+        except BaseException as exc:  # only a hint: hydration still reads the file itself
+            prefetch_error.append(exc)
+
+    restored_pid: int | None = None
+    try:
+        with timer.span("restore.criu_restore") as span:
+            warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
+            warmer.start()
+            result = CriuSnapshotter().restore(artifact.images(unit.unit_id))
+            restored_pid = result.pid
+            warmer.join()
+            span["pid"] = result.pid
+        context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
+        with timer.span("restore.resume") as span:
+            resumed = request(metadata["control"], {
+                "command": "resume",
+                "payload": str(payload) if payload else None,
+                "residual": str(artifact.root / worker.residual.path),
+                "layout_digest": worker.layout_digest,
+            })
+            hydrated = resumed.get("hydrate", {})
+            span.update({"bytes": int(hydrated.get("bytes", 0)), "source": str(hydrated.get("source", ""))})
+        with timer.span("restore.canary") as span:
+            canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
+            span["tokens"] = len(canary.token_ids)
+        if canary.token_ids != descriptor.canary.token_ids or canary.text != descriptor.canary.expected_response:
+            raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {descriptor.canary.expected_response!r}")
+    except BaseException as exc:
+        if restored_pid is not None:
+            kill_tree(restored_pid)
+        if isinstance(exc, CriuError):
+            raise OperationFailed("restore.criu", str(exc)) from None
+        if isinstance(exc, (AgentError, OSError)):
+            raise OperationFailed("restore.resume", f"{type(exc).__name__}: {exc}") from None
+        raise
+    warnings = [f"prefetch failed: {e}" for e in prefetch_error]
+    context.progress(f"ready: pid {restored_pid}, port {metadata['serving_port']}, canary matched")
+    return OperationOutcome(artifact=str(artifact.root), warnings=warnings)

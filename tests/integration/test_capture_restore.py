@@ -1,0 +1,198 @@
+"""coldsnap capture / restore of the reference workload on CPU, with real CRIU, end to end."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root"),
+]
+
+PROMPT_2 = "The second prompt, asked after the restore."
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def coldsnap(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coldsnap", *args], input=stdin, capture_output=True, timeout=timeout)
+
+
+def complete(port: int, prompt: str, max_tokens: int = 12) -> list[int]:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body)
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.loads(response.read())["choices"][0]["token_ids"]
+
+
+def workload(port: int) -> list[str]:
+    return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
+
+
+def serving_pids(port: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cpu --port {port}"], capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def stop(port: int) -> None:
+    for pid in serving_pids(port):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while serving_pids(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    """One capture for the module: (artifact dir, port, reference tokens of PROMPT_2 from a plain cold start)."""
+    root = tmp_path_factory.mktemp("capture")
+    port = _free_port()
+    reference = subprocess.Popen(workload(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                expected = complete(port, PROMPT_2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the reference workload did not start"
+                time.sleep(0.2)
+    finally:
+        reference.kill()
+        reference.wait()
+    artifact = root / "artifact"
+    result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"), "--", *workload(port))
+    assert result.returncode == 0, result.stderr.decode()
+    assert serving_pids(port) == []  # nothing of the captured command left running
+    yield artifact, port, expected, root
+    stop(port)
+
+
+def test_capture_commits_a_valid_artifact_and_receipt(captured):
+    artifact, port, _, root = captured
+    assert coldsnap("validate", "artifact", str(artifact / "artifact.json")).returncode == 0
+    receipt = json.loads((root / "capture-receipt.json").read_text())
+    assert receipt["state"] == "succeeded" and receipt["operation"] == "capture"
+    names = [s["name"] for s in receipt["timing"]["spans"]]
+    for phase in ("capture.launch", "capture.ready", "capture.canary", "capture.prepare", "capture.criu_dump", "capture.commit"):
+        assert phase in names
+    descriptor = json.loads((artifact / "artifact.json").read_text())
+    assert len(descriptor["canary"]["token_ids"]) == 16
+    worker = descriptor["units"][0]["workers"][0]
+    assert worker["payload"]["path"].startswith("payload/") and worker["payload"]["path"].endswith(".pack")
+    images = sum(p.stat().st_size for p in (artifact / "units" / "unit-0" / "images").rglob("*") if p.is_file())
+    weights = worker["payload"]["size_bytes"]
+    assert weights > 0 and images > 0
+
+
+def test_restore_twice_gives_the_same_greedy_tokens(captured):
+    artifact, port, expected, root = captured
+    for attempt in range(2):
+        receipt_path = root / f"restore-{attempt}.json"
+        result = coldsnap("restore", str(artifact), "--receipt-json", str(receipt_path))
+        assert result.returncode == 0, result.stderr.decode()
+        assert b"canary matched" in result.stderr
+        assert complete(port, PROMPT_2) == expected  # same tokens as a cold start of the same model
+        receipt = json.loads(receipt_path.read_text())
+        assert receipt["state"] == "succeeded" and coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
+        resume = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.resume")
+        assert resume["attributes"]["source"] == "native" and resume["attributes"]["bytes"] > 0
+        stop(port)
+
+
+def test_request_json_on_stdin_and_one_receipt_on_stdout(captured):
+    artifact, port, _, _ = captured
+    document = json.loads((artifact / "request.json").read_text())
+    document.update(operation="restore", operation_id="stdin-restore", prepare_only=True)
+    result = coldsnap("restore", "--request-json", "-", "--receipt-json", "-", stdin=json.dumps(document).encode())
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.count(b"\n") == 1
+    receipt = json.loads(result.stdout)
+    assert receipt["operation_id"] == "stdin-restore" and receipt["prepare_only"] is True
+    assert b"--prepare-only: nothing started" in result.stderr and serving_pids(port) == []
+
+
+def test_prepare_only_detects_a_taken_port_and_starts_nothing(captured):
+    artifact, port, _, root = captured
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # earlier tests leave TIME_WAIT
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(1)
+        result = coldsnap("restore", str(artifact), "--prepare-only", "--receipt-json", str(root / "taken.json"))
+    assert result.returncode == 1
+    receipt = json.loads((root / "taken.json").read_text())
+    assert receipt["state"] == "failed" and receipt["error"]["code"] == "admission.port"
+    assert serving_pids(port) == []
+
+
+def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    (copy / "payload" / ".coldsnap-validation.json").unlink(missing_ok=True)
+    pack = next((copy / "payload").glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    data[-100] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    result = coldsnap("restore", str(copy), "--prepare-only", "--receipt-json", "-")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["error"]["code"] == "admission.payload"
+    assert serving_pids(port) == []
+
+
+def test_corrupt_capsule_fails_restore_kills_everything_and_keeps_the_artifact(captured, tmp_path):
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    core = sorted((copy / "units" / "unit-0" / "images").glob("core-*.img"))[0]
+    core.write_bytes(b"\0" * core.stat().st_size)  # same size: passes admission, breaks CRIU
+    before = (copy / "artifact.json").read_bytes()
+    result = coldsnap("restore", str(copy), "--receipt-json", "-")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["error"]["code"] == "restore.criu"
+    assert serving_pids(port) == []
+    assert (copy / "artifact.json").read_bytes() == before
+
+
+def test_capture_refuses_a_directory_with_an_artifact(captured):
+    artifact, port, _, _ = captured
+    before = (artifact / "artifact.json").read_bytes()
+    result = coldsnap("capture", "--out", str(artifact), "--receipt-json", "-", "--", *workload(port))
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["error"]["code"] == "capture.exists"
+    assert (artifact / "artifact.json").read_bytes() == before and serving_pids(port) == []
+
+
+def test_failed_capture_commits_nothing(tmp_path):
+    port = _free_port()
+    out = tmp_path / "artifact"
+    result = coldsnap("capture", "--out", str(out), "--receipt-json", "-", "--",
+                      sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["error"]["code"] == "capture.launch"
+    assert not (out / "artifact.json").exists()
+
+
+def test_friendly_usage_errors():
+    assert coldsnap("capture", "--", "true").returncode == 2
+    no_port = coldsnap("capture", "--out", "/tmp/x", "--", "true")
+    assert no_port.returncode == 2 and b"serving port" in no_port.stderr
+    missing = coldsnap("restore", "/nonexistent/artifact")
+    assert missing.returncode == 2 and b"not a coldsnap artifact directory" in missing.stderr
