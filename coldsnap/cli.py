@@ -286,6 +286,31 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     return _run_lifecycle(args, _restore_request, "restore")
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    import os
+
+    from coldsnap.activation.demo import render_demo, run_demo
+
+    if os.geteuid() != 0:
+        print("coldsnap demo: CRIU needs root; run it as root (or in a privileged container)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        import torch  # noqa: F401  (the reference workload needs it)
+    except ImportError:
+        print("coldsnap demo: the reference workload needs torch (pip install torch)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        result = run_demo(args.size, args.device, Path(args.dir) if args.dir else None, quiet=not args.verbose)
+    except RuntimeError as exc:
+        print(f"coldsnap demo: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    else:
+        print(render_demo(result))
+    return EXIT_OK if result["same_tokens_as_cold_start"] else EXIT_FAILED
+
+
 def _add_operation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-json", metavar="PATH|-", help="strict request (format 4) instead of the friendly flags; - for stdin")
     p.add_argument("--receipt-json", metavar="PATH|-", help="write the one receipt (format 2) here; - for stdout (progress stays on stderr)")
@@ -389,6 +414,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_restore)
+
+    p = commands.add_parser(
+        "demo",
+        help="cold start vs restore of the reference workload on this machine, phase by phase",
+        description="Start the reference workload (coldsnap.workloads.torch_lm) plainly and time process start → "
+        "first token; capture it; restore it and time restore start → first validated token; check that a "
+        "further prompt gets the cold start's tokens; print the phases of both. Needs root (CRIU) and torch.",
+    )
+    p.add_argument("--size", choices=["tiny", "1b", "8b"], default="tiny", help="workload size (default tiny)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dir", help="where to keep the artifact and receipts (default: a new temporary directory)")
+    p.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
+    p.add_argument("--verbose", action="store_true", help="show capture and restore progress")
+    p.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up coldsnap on a fresh machine and run its main job.
 #
-#   bash scripts/setup.sh                 install everything, then run `coldsnap doctor`
+#   bash scripts/setup.sh                 install everything, then run `coldsnap doctor` and `coldsnap demo`
 #   bash scripts/setup.sh --install-only  install only (what scripts/test.sh uses)
 #
 # Installs: a virtual environment .venv with coldsnap and its dev extras (the native extension
@@ -55,5 +55,8 @@ fi
 
 if [ "$run_doctor" = 1 ]; then
     log "coldsnap doctor:"
-    exec .venv/bin/coldsnap doctor
+    .venv/bin/coldsnap doctor
+    # The main job on its embedded default: capture and restore the tiny reference workload here.
+    log "coldsnap demo (tiny reference workload, CPU):"
+    exec .venv/bin/coldsnap demo
 fi

@@ -1,0 +1,142 @@
+"""``coldsnap demo``: cold start vs restore of the reference workload on this machine, phase by phase.
+
+It starts the workload plainly and times process start → first token; captures it; restores it and
+times restore start → first validated token; then checks that a further prompt gets the cold start's
+tokens. Everything runs through the same code as ``coldsnap capture`` / ``coldsnap restore``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from coldsnap.activation.engine_process import ask_canary, kill_tree
+from coldsnap.operation import run_operation
+
+__all__ = ["run_demo", "render_demo"]
+
+CHECK_PROMPT = "A further prompt, to check the restored server."
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _workload(size: str, device: str, port: int) -> list[str]:
+    return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", size, "--device", device, "--port", str(port)]
+
+
+def _first_token(port: int, started: float, process: subprocess.Popen, timeout: float) -> tuple[float, list[int]]:
+    while True:
+        try:
+            canary = ask_canary(port, CHECK_PROMPT, 8, timeout=60)
+            return time.perf_counter() - started, canary.token_ids
+        except OSError:
+            if process.poll() is not None:
+                raise RuntimeError("the workload exited during its cold start") from None
+            if time.perf_counter() - started > timeout:
+                raise RuntimeError(f"the workload did not answer within {timeout:.0f} s") from None
+            time.sleep(0.02)
+
+
+def _spans(receipt: dict[str, Any]) -> dict[str, float]:
+    return {s["name"]: s["duration_ns"] / 1e9 for s in receipt["timing"]["spans"]}
+
+
+def _operation(document: dict[str, Any], receipt_path: Path, quiet: bool) -> dict[str, Any]:
+    from coldsnap import activation
+
+    body = activation.capture if document["operation"] == "capture" else activation.restore
+    stderr = open(os.devnull, "w") if quiet else sys.stderr
+    try:
+        status = run_operation(json.dumps(document).encode(), "demo", body, str(receipt_path), stderr=stderr)
+    finally:
+        if quiet:
+            stderr.close()
+    receipt = json.loads(receipt_path.read_text())
+    if status != 0:
+        error = receipt.get("error") or {}
+        raise RuntimeError(f"{document['operation']} failed: {error.get('code')}: {error.get('message')}")
+    return receipt
+
+
+def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = None, quiet: bool = False) -> dict[str, Any]:
+    """Measure cold start, capture and restore of the reference workload; returns the figures."""
+    work = directory or Path(tempfile.mkdtemp(prefix="coldsnap-demo-"))
+    work.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    command = _workload(size, device, port)
+
+    started = time.perf_counter()
+    cold = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        cold_seconds, cold_tokens = _first_token(port, started, cold, timeout=1800)
+    finally:
+        kill_tree(cold.pid)
+        cold.wait()
+
+    artifact = work / "artifact"
+    request = {
+        "format": 4, "operation": "capture", "operation_id": time.strftime("demo-capture-%Y%m%dT%H%M%S"),
+        "engine": "torch-lm", "snapshot_driver": "n610",
+        "model": {"name": f"coldsnap-torch-lm-{size}", "revision": None},
+        "units": [{"unit_id": "unit-0", "command": command, "serving_port": port,
+                   "workers": [{"worker_id": "worker-0", "rank": 0, "device_slot": 0}]}],
+        "artifact": str(artifact),
+    }
+    capture_receipt = _operation(request, work / "capture-receipt.json", quiet)
+
+    restore_request = {**request, "operation": "restore", "operation_id": time.strftime("demo-restore-%Y%m%dT%H%M%S")}
+    restore_started = time.perf_counter()
+    restore_receipt = _operation(restore_request, work / "restore-receipt.json", quiet)
+    restore_seconds = time.perf_counter() - restore_started
+    try:
+        check = ask_canary(port, CHECK_PROMPT, 8)
+    finally:
+        root = int(json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"])
+        kill_tree(root)
+    return {
+        "size": size,
+        "device": device,
+        "directory": str(work),
+        "cold_start_to_first_token_s": round(cold_seconds, 3),
+        "restore_to_first_validated_token_s": round(restore_seconds, 3),
+        "speedup": round(cold_seconds / restore_seconds, 2),
+        "same_tokens_as_cold_start": check.token_ids == cold_tokens,
+        "capture_phases_s": {k: round(v, 3) for k, v in _spans(capture_receipt).items()},
+        "restore_phases_s": {k: round(v, 3) for k, v in _spans(restore_receipt).items()},
+        "image_bytes": sum(p.stat().st_size for p in (artifact / "units").rglob("*") if p.is_file()),
+        "payload_bytes": sum(p.stat().st_size for p in (artifact / "payload").glob("*.pack")),
+    }
+
+
+def render_demo(result: dict[str, Any]) -> str:
+    lines = [
+        f"coldsnap demo: reference workload {result['size']} on {result['device']}",
+        "",
+        f"  cold start → first token            {result['cold_start_to_first_token_s']:8.3f} s",
+        f"  restore → first validated token     {result['restore_to_first_validated_token_s']:8.3f} s"
+        f"   ({result['speedup']}× faster)",
+        f"  same greedy tokens after restore    {result['same_tokens_as_cold_start']}",
+        f"  process image {result['image_bytes'] / 2**20:.1f} MiB, native payload {result['payload_bytes'] / 2**20:.1f} MiB",
+        "",
+        "  restore phases:",
+    ]
+    for name, seconds in result["restore_phases_s"].items():
+        if name != "controller.restore":
+            lines.append(f"    {name:<34} {seconds:8.3f} s")
+    lines.append("  capture phases:")
+    for name, seconds in result["capture_phases_s"].items():
+        if name != "controller.capture":
+            lines.append(f"    {name:<34} {seconds:8.3f} s")
+    lines.append(f"  artifact and receipts in {result['directory']}")
+    return "\n".join(lines)

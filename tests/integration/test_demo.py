@@ -1,0 +1,22 @@
+"""`coldsnap demo` runs the whole capture/restore cycle and reports it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.criu, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
+
+
+def test_demo_json(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "coldsnap", "demo", "--json", "--dir", str(tmp_path / "demo")],
+                            capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stderr.decode()
+    figures = json.loads(result.stdout)
+    assert figures["same_tokens_as_cold_start"] is True
+    assert figures["cold_start_to_first_token_s"] > 0 and figures["restore_to_first_validated_token_s"] > 0
+    assert "restore.criu_restore" in figures["restore_phases_s"] and "capture.criu_dump" in figures["capture_phases_s"]
+    assert (tmp_path / "demo" / "artifact" / "artifact.json").exists()
