@@ -1,0 +1,133 @@
+"""Restore latency: cold start of the reference workload vs coldsnap restore of its capture, side by side.
+
+    python benchmarks/restore_latency.py --size tiny --device cpu --repeat 3 --out restore.json [--png restore.png]
+
+Cold start: process start → first token. Restore: restore start → first validated token (the canary).
+Both are measured with the page cache warm (repeated) and, when caches can be dropped (root), cold.
+Writes JSON (every run with its phases), prints a table, and draws a phase chart when matplotlib is
+installed. Needs root (CRIU) and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from coldsnap.activation.demo import _first_token, _operation, _workload, run_demo
+from coldsnap.activation.engine_process import kill_tree
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def cold_start(command: list[str], port: int) -> float:
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        seconds, _ = _first_token(port, started, process, timeout=3600)
+    finally:
+        kill_tree(process.pid)
+        process.wait()
+    return seconds
+
+
+def restore_once(request: dict, work: Path, index: int) -> tuple[float, dict[str, float]]:
+    document = {**request, "operation": "restore", "operation_id": f"bench-restore-{index}"}
+    started = time.perf_counter()
+    receipt = _operation(document, work / f"restore-{index}.json", quiet=True)
+    seconds = time.perf_counter() - started
+    capsule = json.loads((Path(request["artifact"]) / "units" / "unit-0" / "capsule.json").read_text())
+    kill_tree(int(capsule["metadata"]["root_pid"]))
+    phases = {s["name"]: s["duration_ns"] / 1e9 for s in receipt["timing"]["spans"] if s["name"].startswith("restore.")
+              and not s["name"].startswith("restore.admission.")}
+    phases["restore.admission"] = sum(s["duration_ns"] for s in receipt["timing"]["spans"]
+                                      if s["name"].startswith("restore.admission.")) / 1e9
+    return seconds, phases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="tiny", choices=["tiny", "1b", "8b"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeat", type=int, default=3, help="warm runs of each (default 3)")
+    parser.add_argument("--out", default="restore_latency.json")
+    parser.add_argument("--png", help="draw the phase chart here (needs matplotlib)")
+    parser.add_argument("--dir", help="work directory (default: a temporary one)")
+    args = parser.parse_args()
+    work = Path(args.dir or tempfile.mkdtemp(prefix="coldsnap-restore-bench-"))
+
+    demo = run_demo(args.size, args.device, work, quiet=True)  # first capture + one of each
+    request = json.loads((work / "artifact" / "request.json").read_text())
+    port = request["units"][0]["serving_port"]
+    command = _workload(args.size, args.device, port)
+    runs = [{"kind": "cold start", "cache": "warm", "seconds": demo["cold_start_to_first_token_s"]},
+            {"kind": "restore", "cache": "warm", "seconds": demo["restore_to_first_validated_token_s"]}]
+    for index in range(args.repeat - 1):
+        runs.append({"kind": "cold start", "cache": "warm", "seconds": round(cold_start(command, port), 3)})
+        seconds, phases = restore_once(request, work, index)
+        runs.append({"kind": "restore", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
+    if drop_caches():
+        runs.append({"kind": "cold start", "cache": "cold", "seconds": round(cold_start(command, port), 3)})
+        drop_caches()
+        seconds, phases = restore_once(request, work, 999)
+        runs.append({"kind": "restore", "cache": "cold", "seconds": round(seconds, 3), "phases": phases})
+
+    summary = {}
+    for kind in ("cold start", "restore"):
+        for cache in ("warm", "cold"):
+            values = [r["seconds"] for r in runs if r["kind"] == kind and r["cache"] == cache]
+            if values:
+                summary[f"{kind} ({cache})"] = round(statistics.median(values), 3)
+    document = {"benchmark": "restore_latency", "size": args.size, "device": args.device, "runs": runs, "summary": summary,
+                "capture_phases_s": demo["capture_phases_s"], "image_bytes": demo["image_bytes"],
+                "payload_bytes": demo["payload_bytes"], "same_tokens_as_cold_start": demo["same_tokens_as_cold_start"]}
+    Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+    print(f"{'what':<24} {'median s':>9}")
+    for name, value in summary.items():
+        print(f"{name:<24} {value:>9.3f}")
+    for cache in ("warm", "cold"):
+        if f"cold start ({cache})" in summary and f"restore ({cache})" in summary:
+            print(f"speedup ({cache}): {summary[f'cold start ({cache})'] / summary[f'restore ({cache})']:.2f}x")
+    last = next((r for r in reversed(runs) if r.get("phases")), None)
+    if last:
+        print("restore phases (last run):")
+        for name, value in last["phases"].items():
+            print(f"  {name:<28} {value:8.3f} s")
+    if args.png:
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            print("matplotlib is not installed: no PNG", file=sys.stderr)
+        else:
+            figure, axis = plt.subplots(figsize=(8, 2.5))
+            axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999")
+            left = 0.0
+            for name, value in (last or {}).get("phases", {}).items():
+                if name == "restore.admission" or name.startswith("restore."):
+                    axis.barh(["restore"], [value], left=left, label=name)
+                    left += value
+            axis.set_xlabel("seconds (page cache warm)")
+            axis.legend(fontsize=7, loc="lower right")
+            figure.tight_layout()
+            figure.savefig(args.png, dpi=120)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
