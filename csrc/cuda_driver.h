@@ -64,12 +64,30 @@ constexpr unsigned int CU_STREAM_NON_BLOCKING = 1;
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
 constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 1;
 
-// Only passed by pointer so far. Whoever first fills one in (checkpoint
-// driver) must replace the forward declaration with a layout copied from cuda.h.
-struct CUcheckpointLockArgs;
-struct CUcheckpointCheckpointArgs;
-struct CUcheckpointRestoreArgs;
-struct CUcheckpointUnlockArgs;
+// CUDA checkpoint argument structs, layouts copied from cuda.h (CUDA 13.0).
+struct CUcheckpointLockArgs {
+  unsigned int timeoutMs;  // 0: no timeout
+  unsigned int reserved0;
+  unsigned long long reserved1[7];
+};
+struct CUcheckpointCheckpointArgs {
+  unsigned long long reserved[8];
+};
+struct CUcheckpointGpuPair {
+  CUuuid oldUuid;
+  CUuuid newUuid;
+};
+struct CUcheckpointRestoreArgs {
+  CUcheckpointGpuPair* gpuPairs;
+  unsigned int gpuPairsCount;
+  char reserved[52 - sizeof(CUcheckpointGpuPair*)];
+  unsigned long long reserved1;
+};
+struct CUcheckpointUnlockArgs {
+  unsigned long long reserved[8];
+};
+static_assert(sizeof(CUcheckpointLockArgs) == 64, "CUcheckpointLockArgs layout");
+static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "CUcheckpointRestoreArgs layout");
 
 // ---- Function pointer types: PFN_<member> ---------------------------------
 // The signature is the one of the *exported symbol* named in the lists below

@@ -134,6 +134,51 @@ py::dict hydrate(const std::string& path, const std::vector<std::tuple<std::uint
   return o;
 }
 
+cu::CUuuid parse_uuid(const std::string& text) {
+  // "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" (nvidia-smi / cuda_probe style) -> 16 bytes
+  std::string hex;
+  for (char c : text.substr(text.rfind("GPU-", 0) == 0 ? 4 : 0)) {
+    if (c != '-') hex += c;
+  }
+  if (hex.size() != 32) throw std::invalid_argument("not a GPU UUID: " + text);
+  cu::CUuuid out{};
+  for (int i = 0; i < 16; ++i) out.bytes[i] = static_cast<char>(std::stoi(hex.substr(2 * i, 2), nullptr, 16));
+  return out;
+}
+
+// The CUDA checkpoint driver API, one process at a time (the Python side sequences a tree).
+void checkpoint_call(const std::string& op, int pid, unsigned int timeout_ms,
+                     const std::vector<std::pair<std::string, std::string>>& gpu_pairs) {
+  const auto& api = cu::initialized_driver();
+  if (!api.has_checkpoint_api()) throw cu::CudaError(api.library + " has no CUDA checkpoint API (driver 550+ needed)");
+  if (op == "lock") {
+    cu::CUcheckpointLockArgs args{};
+    args.timeoutMs = timeout_ms;
+    api.check(api.cuCheckpointProcessLock(pid, &args), "cuCheckpointProcessLock");
+  } else if (op == "checkpoint") {
+    api.check(api.cuCheckpointProcessCheckpoint(pid, nullptr), "cuCheckpointProcessCheckpoint");
+  } else if (op == "restore") {
+    std::vector<cu::CUcheckpointGpuPair> pairs;
+    for (const auto& [old_uuid, new_uuid] : gpu_pairs) pairs.push_back({parse_uuid(old_uuid), parse_uuid(new_uuid)});
+    cu::CUcheckpointRestoreArgs args{};
+    args.gpuPairs = pairs.empty() ? nullptr : pairs.data();
+    args.gpuPairsCount = static_cast<unsigned int>(pairs.size());
+    api.check(api.cuCheckpointProcessRestore(pid, pairs.empty() ? nullptr : &args), "cuCheckpointProcessRestore");
+  } else if (op == "unlock") {
+    api.check(api.cuCheckpointProcessUnlock(pid, nullptr), "cuCheckpointProcessUnlock");
+  } else {
+    throw std::invalid_argument("checkpoint op must be lock, checkpoint, restore or unlock");
+  }
+}
+
+int checkpoint_state(int pid) {
+  const auto& api = cu::initialized_driver();
+  if (!api.has_checkpoint_api()) throw cu::CudaError(api.library + " has no CUDA checkpoint API (driver 550+ needed)");
+  cu::CUprocessState state = 0;
+  api.check(api.cuCheckpointProcessGetState(pid, &state), "cuCheckpointProcessGetState");
+  return state;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -224,6 +269,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("direct_ring_bytes") = 512ull << 20,
         "Copy file extents (file_offset, length, dst_address) to memory; see csrc/hydrate.h.");
   m.def("release_pinned", &hy::release_pinned, "Free the cached pinned staging ring.");
+  m.def("checkpoint_call", &checkpoint_call, py::arg("op"), py::arg("pid"), py::arg("timeout_ms") = 0,
+        py::arg("gpu_pairs") = std::vector<std::pair<std::string, std::string>>{},
+        py::call_guard<py::gil_scoped_release>(),
+        "cuCheckpointProcess{Lock,Checkpoint,Restore,Unlock} on one pid; raises CudaError with the CUresult name.");
+  m.def("checkpoint_state", &checkpoint_state, py::arg("pid"), py::call_guard<py::gil_scoped_release>(),
+        "cuCheckpointProcessGetState: 0 running, 1 locked, 2 checkpointed, 3 failed.");
   m.def("pinned_bytes", &hy::pinned_bytes, "Bytes of pinned staging memory currently cached.");
   m.def(
       "copy_device_to_host",

@@ -117,8 +117,45 @@ def host_region_tensor_view() -> None:
     assert bytes(region.host_view(4096, 2)) == torch.tensor([1.5], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
 
 
+CHILD = r"""
+import sys, torch
+x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+graph, out = torch.cuda.CUDAGraph(), torch.empty_like(x)
+with torch.cuda.graph(graph):
+    out.copy_(x * 2)
+torch.cuda.synchronize()
+print("ready", flush=True)
+sys.stdin.readline()  # the parent checkpoints and restores us meanwhile
+graph.replay()
+torch.cuda.synchronize()
+print("ok" if torch.equal(out, x * 2) and float(x[-1]) == float((1 << 20) - 1) else "wrong", flush=True)
+"""
+
+
+def cuda_checkpoint_roundtrip() -> None:
+    import subprocess
+
+    from coldsnap.snapshot.cuda_checkpoint import NativeCheckpointDriver, TreeCheckpoint, gpu_processes
+
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        assert gpu_processes([child.pid]) == [child.pid]
+        tree = TreeCheckpoint(NativeCheckpointDriver())
+        tree.checkpoint([child.pid])
+        assert NativeCheckpointDriver().state(child.pid) == "checkpointed"
+        tree.restore([child.pid])
+        assert NativeCheckpointDriver().state(child.pid) == "running"
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"  # data and a CUDA graph survive
+    finally:
+        child.kill()
+        child.wait()
+
+
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
-                                  hydration_bit_exact, host_region_tensor_view)}
+                                  hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip)}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()
