@@ -2,7 +2,8 @@
 
 Sequence (one launch unit, snapshot driver n610 semantics: the initialized process is captured):
 launch → agent + HTTP ready → canary recorded → agent ``prepare`` (native packs written, weights and
-KV released) → CRIU dump → capsule manifest → artifact descriptor committed atomically.
+KV released) → CUDA checkpoint of the tree's GPU processes → CRIU dump → capsule manifest → artifact
+descriptor committed atomically.
 A failure at any step kills what was started and commits nothing; an earlier artifact is never touched.
 """
 
@@ -21,6 +22,8 @@ from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter
+from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
+from coldsnap.snapshot.process_tree import tree_pids
 
 __all__ = ["capture", "READY_TIMEOUT_S"]
 
@@ -52,10 +55,6 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         with timer.span("capture.ready"):
             status = wait_for_agent(engine.control, engine.alive, ready_timeout)
             wait_for_http(unit.serving_port, engine.alive, ready_timeout)
-        if any(r["backend"] == "cuda" for r in status["regions"].values()):
-            # The n610 sequence needs cuCheckpointProcessLock/Checkpoint between prepare and dump.
-            raise OperationFailed("capture.cuda_checkpoint",
-                                  "the engine holds CUDA regions; CUDA checkpointing is not implemented in this build yet")
         with timer.span("capture.canary") as span:
             canary = ask_canary(unit.serving_port, validation.prompt, validation.max_tokens)
             span["tokens"] = len(canary.token_ids)
@@ -65,6 +64,17 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             prepared = request(engine.control, {"command": "prepare", "pack_dir": str(artifact.payload_dir),
                                                 "generate_pack": generate})
             span.update({k: int(v * 1e9) for k, v in prepared["seconds"].items()})
+        gpu_pids = gpu_processes(tree_pids(engine.pid))
+        gpus = cuda_devices() if gpu_pids else []
+        if gpu_pids:
+            # n610: the initialized CUDA state goes into the image; weights and KV were released above,
+            # so only contexts, graphs and small buffers are copied out (at ~2 GB/s).
+            with timer.span("capture.cuda_checkpoint") as span:
+                try:
+                    TreeCheckpoint().checkpoint(gpu_pids)
+                except CudaCheckpointError as exc:
+                    raise OperationFailed("capture.cuda_checkpoint", str(exc)) from None
+                span["processes"] = len(gpu_pids)
         with timer.span("capture.criu_dump") as span:
             snapshotter = CriuSnapshotter()
             result = snapshotter.dump(engine.pid, artifact.images(unit.unit_id))
@@ -78,6 +88,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                 "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,
                 "layout": status["layout"], "layout_digest": prepared["layout_digest"],
                 "criu_options": snapshotter.options.args(),
+                "gpu_pids": gpu_pids, "gpu_uuids": [d["uuid"] for d in gpus],
             })
             payload = prepared.get("payload")
             residual = prepared.get("residual")
@@ -98,7 +109,8 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                 platform=PlatformRecord(
                     arch=platform.machine(), kernel=platform.release(), nvidia_driver=driver,
                     nvidia_driver_floor=int(driver.split(".")[0]) if driver else None,
-                    gpu_model=None, compute_capability=None,
+                    gpu_model=gpus[0]["name"] if gpus else None,
+                    compute_capability=gpus[0]["compute_capability"] if gpus else None,
                     criu_version=".".join(map(str, snapshotter.criu.version())),
                 ),
                 canary=CanaryRecord(prompt=validation.prompt, expected_response=canary.text, token_ids=canary.token_ids),

@@ -3,7 +3,8 @@
 Admission (all of it before anything starts; ``--prepare-only`` stops after it): descriptor format,
 architecture (and kernel with ``compatibility.kernel=exact``), CRIU version and ``criu check``, the
 capsule manifest, the native packs (stat-bound record or full hash), the serving port free.
-Activation: the payload is prefetched into the page cache *while* CRIU restores the tree; the agent
+Activation: the payload is prefetched into the page cache *while* CRIU restores the tree; GPU
+processes are CUDA-restored (captured GPU UUIDs remapped onto this host's) and unlocked; the agent
 then maps the regions at their captured addresses, hydrates them and zeroes the KV cache; the canary
 must give the captured tokens exactly. Any failure kills what was restored and leaves the artifact as
 it was.
@@ -25,7 +26,10 @@ from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file
+from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
+from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter
+from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
 
 __all__ = ["restore", "admit"]
 
@@ -38,6 +42,38 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> None:
+    """The snapshot driver's NVIDIA floor (always), the captured floor (unless relaxed), GPU model and CC."""
+    captured = descriptor.platform
+    driver = nvidia_kernel_driver()
+    devices = cuda_devices()
+    if driver is None or not devices:
+        raise OperationFailed("admission.cuda", "the artifact was captured on a GPU; this host has no usable NVIDIA GPU")
+    major = int(driver.split(".")[0])
+    floor = SNAPSHOT_DRIVERS[descriptor.snapshot_driver].minimum_nvidia_driver
+    if major < floor:
+        raise OperationFailed("admission.driver_floor", f"snapshot driver {descriptor.snapshot_driver} needs NVIDIA driver "
+                              f"{floor}+, this host has {driver}")
+    if context.request.policy.compatibility.enforce_captured_driver_floor and major < (captured.nvidia_driver_floor or 0):
+        raise OperationFailed("admission.driver_floor", f"captured on NVIDIA driver {captured.nvidia_driver}, this host "
+                              f"has {driver} (set compatibility.enforce_captured_driver_floor=false to allow)")
+    device = devices[0]
+    if (device["name"], device["compute_capability"]) != (captured.gpu_model, captured.compute_capability):
+        raise OperationFailed("admission.gpu", f"captured on {captured.gpu_model} (cc {captured.compute_capability}), "
+                              f"this host has {device['name']} (cc {device['compute_capability']})")
+    if not native_checkpoint_api():
+        raise OperationFailed("admission.cuda", "this driver has no CUDA checkpoint API")
+
+
+def native_checkpoint_api() -> bool:
+    from coldsnap.native import NativeUnavailable, native
+
+    try:
+        return bool(native().cuda_probe()["checkpoint_api"])
+    except NativeUnavailable:
+        return False
 
 
 def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDescriptor, dict[str, Any]]:
@@ -61,7 +97,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
         if context.request.policy.compatibility.kernel == "exact" and descriptor.platform.kernel != platform.release():
             raise OperationFailed("admission.kernel", f"captured on kernel {descriptor.platform.kernel}, this is {platform.release()}")
         if descriptor.platform.nvidia_driver is not None:
-            raise OperationFailed("admission.cuda", "GPU captures need CUDA restore, not implemented in this build yet")
+            _admit_gpu(context, descriptor)
     with timer.span("restore.admission.criu"):
         try:
             criu = Criu()
@@ -131,8 +167,19 @@ def restore(context: OperationContext) -> OperationOutcome:
             warmer.start()
             result = CriuSnapshotter().restore(artifact.images(unit.unit_id))
             restored_pid = result.pid
-            warmer.join()
             span["pid"] = result.pid
+        gpu_pids = list(metadata.get("gpu_pids") or [])
+        if gpu_pids:
+            with timer.span("restore.cuda_restore") as span:
+                # Same ordinal, maybe another GPU: remap the captured UUIDs onto this host's.
+                current = [d["uuid"] for d in cuda_devices()]
+                pairs = [(old, new) for old, new in zip(metadata.get("gpu_uuids") or [], current) if old != new]
+                try:
+                    TreeCheckpoint().restore(gpu_pids, pairs)
+                except CudaCheckpointError as exc:
+                    raise OperationFailed("restore.cuda", str(exc)) from None
+                span["processes"] = len(gpu_pids)
+        warmer.join()
         context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
         with timer.span("restore.resume") as span:
             resumed = request(metadata["control"], {

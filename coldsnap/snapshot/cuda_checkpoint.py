@@ -25,6 +25,7 @@ __all__ = [
     "NativeCheckpointDriver",
     "TreeCheckpoint",
     "gpu_processes",
+    "cuda_devices",
     "STATES",
 ]
 
@@ -64,6 +65,15 @@ class NativeCheckpointDriver:
             return STATES.get(C.checkpoint_state(pid), "unknown")
         except C.CudaError as exc:
             raise CudaCheckpointError("state", pid, str(exc)) from None
+
+
+def cuda_devices() -> list[dict]:
+    """The GPUs this process sees (``coldsnap._C.cuda_probe``), [] without a driver."""
+    try:
+        probe = native().cuda_probe()
+    except NativeUnavailable:
+        return []
+    return list(probe["devices"]) if probe["available"] else []
 
 
 def gpu_processes(pids: list[int]) -> list[int]:
