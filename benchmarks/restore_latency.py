@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from coldsnap.activation.demo import _first_token, _operation, _workload, run_demo
-from coldsnap.activation.engine_process import kill_tree
+from coldsnap.snapshot.process_tree import kill_tree
 
 
 def drop_caches() -> bool:

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coldsnap.activation.engine_process import ask_canary, kill_tree
+from coldsnap.activation.engine_process import ask_canary
+from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
 __all__ = ["run_demo", "render_demo"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -16,9 +15,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from coldsnap.agent.server import AgentError, request
-from coldsnap.snapshot.process_tree import tree_pids
+from coldsnap.snapshot.process_tree import kill_tree
 
-__all__ = ["EngineProcess", "LaunchError", "Canary", "ask_canary", "kill_tree", "wait_for_agent", "new_control_name"]
+__all__ = ["EngineProcess", "LaunchError", "Canary", "ask_canary", "wait_for_agent", "new_control_name"]
 
 
 class LaunchError(RuntimeError):
@@ -28,41 +27,6 @@ class LaunchError(RuntimeError):
 def new_control_name() -> str:
     """An abstract unix socket name: restored by CRIU with the process, no file left behind."""
     return f"@coldsnap-agent-{uuid.uuid4().hex[:16]}"
-
-
-def kill_tree(root: int, timeout: float = 10.0) -> None:
-    """SIGKILL the tree's process group (orphans too) and every descendant; wait until they are gone."""
-    try:
-        os.killpg(root, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    pids = tree_pids(root)
-    for pid in reversed(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.waitpid(pid, os.WNOHANG)  # reap our own children; others are init's
-            except ChildProcessError:
-                pass
-            if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid):
-                alive.append(pid)
-        if not alive:
-            return
-        time.sleep(0.02)
-
-
-def _is_zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except OSError:
-        return False
 
 
 def wait_for_agent(control: str, alive: Callable[[], bool], timeout: float) -> dict[str, Any]:

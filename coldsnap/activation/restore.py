@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.activation.artifact_dir import ArtifactDir
-from coldsnap.activation.engine_process import ask_canary, kill_tree
+from coldsnap.activation.engine_process import ask_canary
+from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.server import AgentError, request
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError

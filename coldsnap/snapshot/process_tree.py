@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import stat
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "capture_tree_files", "prepare_restore", "STATE_FILE"]
+__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "capture_tree_files", "prepare_restore", "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -52,6 +53,41 @@ def tree_pids(root: int) -> list[int]:
         order.append(pid)
         queue.extend(sorted(children.get(pid, [])))
     return order
+
+
+def kill_tree(root: int, timeout: float = 10.0) -> None:
+    """SIGKILL the tree's process group (orphans too) and every descendant; wait until they are gone."""
+    try:
+        os.killpg(root, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    pids = tree_pids(root)
+    for pid in reversed(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.waitpid(pid, os.WNOHANG)  # reap our own children; others are init's
+            except ChildProcessError:
+                pass
+            if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid):
+                alive.append(pid)
+        if not alive:
+            return
+        time.sleep(0.02)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return False
 
 
 def _fd_flags(pid: int, fd: str) -> int:

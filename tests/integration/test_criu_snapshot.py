@@ -2,7 +2,6 @@
 an unlinked /dev/shm file, an appended log; restore twice from one image; faults leave nothing running."""
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
-from coldsnap.snapshot.process_tree import tree_pids
+from coldsnap.snapshot.process_tree import kill_tree
 
 pytestmark = [
     pytest.mark.criu,
@@ -40,27 +39,6 @@ def _ask(port: int, timeout: float = 10.0) -> str:
             time.sleep(0.05)
 
 
-def _kill_tree(root: int) -> None:
-    try:  # the whole session's process group (CRIU restores it), orphans included
-        os.killpg(root, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    pids = tree_pids(root)
-    for pid in reversed(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
-        for pid in pids:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def workload_args() -> list[str]:
     return []
@@ -82,7 +60,7 @@ def server(tmp_path, workload_args):
     roots = [process.pid]
     yield port, state, process, roots
     for root in roots:
-        _kill_tree(root)
+        kill_tree(root)
     if process.poll() is None:
         process.wait(timeout=10)
     Path(f"/dev/shm/coldsnap-tree-named-{process.pid}").unlink(missing_ok=True)
@@ -112,7 +90,7 @@ def test_dump_restore_twice_keeps_sockets_state_and_logs(server, tmp_path):
         assert restored.pid == process.pid
         assert _ask(port) == "count 3 tcp-ok unix-ok"  # state from the image, channels alive
         assert _ask(port) == "count 4 tcp-ok unix-ok"
-        _kill_tree(restored.pid)
+        kill_tree(restored.pid)
         named.unlink()  # gone with the incarnation (a cleanup, another host): the next restore brings it back
     assert (state / "server.log").read_text() == log_at_dump + "inc 3\ninc 4\n"
     set_aside = sorted(state.glob("server.log.coldsnap-*"))
