@@ -14,13 +14,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from coldsnap.activation.demo import _first_token, _operation, _workload, run_demo
+from coldsnap.activation.demo import _operation, _workload, cold_start, run_demo
 from coldsnap.snapshot.process_tree import kill_tree
 
 
@@ -31,17 +30,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def cold_start(command: list[str], port: int) -> float:
-    started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        seconds, _ = _first_token(port, started, process, timeout=3600)
-    finally:
-        kill_tree(process.pid)
-        process.wait()
-    return seconds
 
 
 def restore_once(request: dict, work: Path, index: int) -> tuple[float, dict[str, float]]:
@@ -76,11 +64,11 @@ def main() -> int:
     runs = [{"kind": "cold start", "cache": "warm", "seconds": demo["cold_start_to_first_token_s"]},
             {"kind": "restore", "cache": "warm", "seconds": demo["restore_to_first_validated_token_s"]}]
     for index in range(args.repeat - 1):
-        runs.append({"kind": "cold start", "cache": "warm", "seconds": round(cold_start(command, port), 3)})
+        runs.append({"kind": "cold start", "cache": "warm", "seconds": round(cold_start(command, port)[0], 3)})
         seconds, phases = restore_once(request, work, index)
         runs.append({"kind": "restore", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
     if drop_caches():
-        runs.append({"kind": "cold start", "cache": "cold", "seconds": round(cold_start(command, port), 3)})
+        runs.append({"kind": "cold start", "cache": "cold", "seconds": round(cold_start(command, port)[0], 3)})
         drop_caches()
         seconds, phases = restore_once(request, work, 999)
         runs.append({"kind": "restore", "cache": "cold", "seconds": round(seconds, 3), "phases": phases})

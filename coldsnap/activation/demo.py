@@ -21,7 +21,7 @@ from coldsnap.activation.engine_process import ask_canary
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
-__all__ = ["run_demo", "render_demo"]
+__all__ = ["run_demo", "render_demo", "cold_start"]
 
 CHECK_PROMPT = "A further prompt, to check the restored server."
 
@@ -47,6 +47,17 @@ def _first_token(port: int, started: float, process: subprocess.Popen, timeout: 
             if time.perf_counter() - started > timeout:
                 raise RuntimeError(f"the workload did not answer within {timeout:.0f} s") from None
             time.sleep(0.02)
+
+
+def cold_start(command: list[str], port: int, timeout: float = 3600) -> tuple[float, list[int]]:
+    """Start the workload plainly; seconds from process start to its first answer, and the tokens."""
+    started = time.perf_counter()
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return _first_token(port, started, process, timeout)
+    finally:
+        kill_tree(process.pid)
+        process.wait()
 
 
 def _spans(receipt: dict[str, Any]) -> dict[str, float]:
@@ -77,13 +88,7 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
     port = _free_port()
     command = _workload(size, device, port)
 
-    started = time.perf_counter()
-    cold = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        cold_seconds, cold_tokens = _first_token(port, started, cold, timeout=1800)
-    finally:
-        kill_tree(cold.pid)
-        cold.wait()
+    cold_seconds, cold_tokens = cold_start(command, port)
 
     artifact = work / "artifact"
     request = {
