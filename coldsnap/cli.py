@@ -252,8 +252,9 @@ def _restore_request(args: argparse.Namespace) -> dict:
 
 def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace], dict], operation: str) -> int:
     from coldsnap import activation
-    from coldsnap.operation import OperationFailed, run_operation
+    from coldsnap.operation import OperationFailed, run_operation, terminate_as_interrupt
 
+    terminate_as_interrupt()
     try:
         if args.request_json:
             source = "<stdin>" if args.request_json == "-" else args.request_json

@@ -41,6 +41,7 @@ __all__ = [
     "OperationOutcome",
     "ReceiptDestination",
     "run_operation",
+    "terminate_as_interrupt",
 ]
 
 EXIT_OK = 0
@@ -137,6 +138,17 @@ class OperationContext:
         self._stderr.flush()
 
 
+def terminate_as_interrupt() -> None:
+    """Make SIGTERM behave like Ctrl-C in this process, so a stopped operation unwinds: what it
+    started is killed by the body's cleanup and a ``failed`` receipt is still published."""
+    import signal
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def _open_events(spec: str | None, receipt: ReceiptDestination, stdout: IO[bytes]) -> IO[bytes] | None:
     if spec is None:
         return None
@@ -196,6 +208,8 @@ def run_operation(
             outcome = body(context)
     except OperationFailed as exc:
         error = ErrorRecord(code=exc.code, message=exc.message)
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM (see terminate_as_interrupt): the body has cleaned up
+        error = ErrorRecord(code="interrupted", message="the operation was interrupted (SIGINT/SIGTERM)")
     except Exception as exc:  # a bug, not a user mistake: still a failed receipt, never a lost one
         error = ErrorRecord(code="internal", message=f"{type(exc).__name__}: {exc}")
     state = "failed" if error else "succeeded"

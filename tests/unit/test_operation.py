@@ -156,3 +156,17 @@ def test_event_output_failure_is_a_warning_only():
         pass
     assert len(timer.envelope().spans) == 1
     assert "stream abandoned" in stream.warnings[0]
+
+
+def test_interrupted_operation_still_publishes_a_failed_receipt(tmp_path):
+    cleaned = []
+
+    def interrupted(context):
+        try:
+            raise KeyboardInterrupt
+        finally:
+            cleaned.append(True)  # what the body started is stopped by its own cleanup
+
+    status, out, err = _run(make_request(), interrupted, "-")
+    assert status == EXIT_FAILED and cleaned == [True]
+    assert decode_document(OperationReceipt, out).error.code == "interrupted"
