@@ -81,8 +81,11 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             dumped = True
             engine.process.wait(timeout=30)
             span["image_bytes"] = result.image_bytes
+            # Goal: the image holds no weights and no KV, so it is about the process's other memory.
+            span["rss_after_release_bytes"] = int(prepared.get("rss_bytes", 0))
         context.progress(f"dumped {len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB of images "
-                         f"in {result.seconds:.2f} s")
+                         f"in {result.seconds:.2f} s (resident memory without model memory: "
+                         f"{int(prepared.get('rss_bytes', 0)) / 2**20:.1f} MiB)")
         with timer.span("capture.commit"):
             capsule = artifact.write_capsule(unit.unit_id, {
                 "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,

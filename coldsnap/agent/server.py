@@ -148,7 +148,8 @@ class AgentServer:
             self.serving_lock.release()
             raise
         self.state = "prepared"
-        return {**result, "layout_digest": self.layout.digest(), "seconds": seconds}
+        # What the process image will hold: its resident memory once model memory is gone.
+        return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes()}
 
     def resume(self, command: dict[str, Any]) -> dict[str, Any]:
         if self.state != "prepared":
@@ -183,6 +184,15 @@ class AgentServer:
         self.state = "serving"
         self.serving_lock.release()
         return {"hydrate": hydrated, "seconds": seconds}
+
+
+def _rss_bytes() -> int:
+    """Resident memory of this process (VmRSS)."""
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 _agent: AgentServer | None = None

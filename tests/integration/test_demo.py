@@ -20,3 +20,4 @@ def test_demo_json(tmp_path):
     assert figures["cold_start_to_first_token_s"] > 0 and figures["restore_to_first_validated_token_s"] > 0
     assert "restore.criu_restore" in figures["restore_phases_s"] and "capture.criu_dump" in figures["capture_phases_s"]
     assert (tmp_path / "demo" / "artifact" / "artifact.json").exists()
+    assert figures["image_to_non_model_rss"] <= 1.1  # the image holds no weights and no KV
