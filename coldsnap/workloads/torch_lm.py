@@ -101,7 +101,7 @@ def parameter_shapes(shape: LmShape) -> list[tuple[str, tuple[int, ...]]]:
 class TorchLM:
     """The model, its weights in the ``weights`` region and its KV cache in the ``kv_cache`` region."""
 
-    def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None):
+    def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None, cuda_graphs: bool = True):
         self.size = size
         self.shape = SIZES[size]
         self.device = torch.device(device)
@@ -131,6 +131,9 @@ class TorchLM:
         self.cache = self.kv.tensor(self.dtype, self.kv_dims(), 0)
         self.initialize_weights()
         self.kv.zero()
+        self._graph: torch.cuda.CUDAGraph | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.capture_decode_graph()
 
     def kv_dims(self) -> tuple[int, ...]:
         s = self.shape
@@ -162,16 +165,13 @@ class TorchLM:
         x1, x2 = x.float()[..., : hd // 2], x.float()[..., hd // 2:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Logits of the last position; writes the keys and values of ``tokens`` at ``start``."""
+    def _decoder(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv_end: int) -> torch.Tensor:
+        """All layers for the tokens at ``positions``: their keys and values go into the cache there, and
+        attention reads the cache's first ``kv_end`` positions under ``mask``. Index ops only, no Python
+        values from the GPU, so the same code is captured into a CUDA graph."""
         s, p = self.shape, self.params
-        steps = tokens.numel()
-        positions = torch.arange(start, start + steps, device=self.device)
-        x = p["model.embed_tokens.weight"][tokens]
+        steps = x.shape[0]
         groups = s.num_attention_heads // s.num_key_value_heads
-        end = start + steps
-        mask = torch.full((steps, end), float("-inf"), device=self.device).triu(start + 1)
         for i in range(s.num_hidden_layers):
             pre = f"model.layers.{i}."
             h = self._rms(x, p[pre + "input_layernorm.weight"])
@@ -179,10 +179,10 @@ class TorchLM:
             k = (h @ p[pre + "self_attn.k_proj.weight"].T).view(steps, s.num_key_value_heads, s.head_dim)
             v = (h @ p[pre + "self_attn.v_proj.weight"].T).view(steps, s.num_key_value_heads, s.head_dim)
             q, k = self._rope(q, positions), self._rope(k, positions)
-            self.cache[i, 0, :, start:end] = k.transpose(0, 1)
-            self.cache[i, 1, :, start:end] = v.transpose(0, 1)
-            keys = self.cache[i, 0, :, :end].repeat_interleave(groups, 0)  # [heads, end, hd]
-            values = self.cache[i, 1, :, :end].repeat_interleave(groups, 0)
+            self.cache[i, 0].index_copy_(1, positions, k.transpose(0, 1))
+            self.cache[i, 1].index_copy_(1, positions, v.transpose(0, 1))
+            keys = self.cache[i, 0, :, :kv_end].repeat_interleave(groups, 0)  # [heads, kv_end, hd]
+            values = self.cache[i, 1, :, :kv_end].repeat_interleave(groups, 0)
             scores = (q.transpose(0, 1).float() @ keys.float().transpose(1, 2)) / math.sqrt(s.head_dim) + mask
             attn = (scores.softmax(-1) @ values.float()).to(x.dtype).transpose(0, 1).reshape(steps, -1)
             x = x + attn @ p[pre + "self_attn.o_proj.weight"].T
@@ -191,6 +191,47 @@ class TorchLM:
             x = x + (gate * (h @ p[pre + "mlp.up_proj.weight"].T)) @ p[pre + "mlp.down_proj.weight"].T
         x = self._rms(x[-1:], p["model.norm.weight"])
         return (x @ p["lm_head.weight"].T)[0]
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits of the last position; writes the keys and values of ``tokens`` at ``start`` (eager)."""
+        steps = tokens.numel()
+        end = start + steps
+        positions = torch.arange(start, end, device=self.device)
+        mask = torch.full((steps, end), float("-inf"), device=self.device).triu(start + 1)
+        return self._decoder(self.params["model.embed_tokens.weight"][tokens], positions, mask, end)
+
+    @torch.no_grad()
+    def _decode_step(self) -> torch.Tensor:
+        """One decode step on the static inputs (``_token``, ``_position``) over the whole cache."""
+        positions = self._position.view(1)
+        visible = torch.arange(self.max_seq, device=self.device) <= self._position
+        mask = torch.where(visible, 0.0, float("-inf"))[None, :]
+        return self._decoder(self.params["model.embed_tokens.weight"][self._token], positions, mask, self.max_seq)
+
+    def capture_decode_graph(self) -> None:
+        """Record the decode step as a CUDA graph (weights and KV are read at their stable addresses,
+        so the graph stays valid across unmap/remap and a process snapshot)."""
+        self._token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._position = torch.zeros((), dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # warm-up outside the graph, as torch requires
+                self._decode_step()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        self._graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self._graph):
+            self._graph_logits = self._decode_step()
+        self.kv.zero()  # the warm-up wrote position 0
+
+    def _decode(self, token: int, position: int) -> torch.Tensor:
+        if self._graph is None:
+            return self.forward(torch.tensor([token], device=self.device), position)
+        self._token.fill_(token)
+        self._position.fill_(position)
+        self._graph.replay()
+        return self._graph_logits
 
     def generate(self, prompt: str, max_tokens: int) -> list[int]:
         """Greedy generation; returns the new token ids."""
@@ -204,7 +245,7 @@ class TorchLM:
             for _ in range(max_tokens):
                 token = int(logits.float().argmax())
                 out.append(token)
-                logits = self.forward(torch.tensor([token], device=self.device), position)
+                logits = self._decode(token, position)
                 position += 1
             return out
 
@@ -288,11 +329,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-seq", type=int, default=None, help="KV cache length (default: the shape's maximum)")
     parser.add_argument("--write-safetensors", metavar="DIR", help="write the weights as safetensors and exit")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on the GPU too")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("--device cuda, but torch sees no GPU")
     started = time.perf_counter()
-    model = TorchLM(args.size, args.device, args.seed, args.max_seq)
+    model = TorchLM(args.size, args.device, args.seed, args.max_seq, cuda_graphs=not args.no_cuda_graphs)
     if args.write_safetensors:
         print(model.write_safetensors(Path(args.write_safetensors)))
         return 0
