@@ -148,8 +148,26 @@ class AgentServer:
             self.serving_lock.release()
             raise
         self.state = "prepared"
+        self._arm_watchdog()
         # What the process image will hold: its resident memory once model memory is gone.
         return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes()}
+
+    def _arm_watchdog(self) -> None:
+        """A restored process that no launcher resumes must not linger frozen (its launcher was killed
+        mid-restore, say): past the deadline it kills its own process group. The deadline runs on the
+        monotonic clock, which CRIU's time namespace carries across the snapshot, so the time the image
+        spent on disk does not count."""
+        prepared_at = time.monotonic()
+        timeout = float(os.environ.get("COLDSNAP_AGENT_RESUME_TIMEOUT_S", "300"))
+
+        def watch() -> None:
+            while self.state == "prepared":
+                if time.monotonic() - prepared_at > timeout:
+                    log.error("coldsnap agent: not resumed within %.0f s of prepare; stopping this process tree", timeout)
+                    os.killpg(os.getpgrp(), 9)
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, name="coldsnap-agent-watchdog", daemon=True).start()
 
     def resume(self, command: dict[str, Any]) -> dict[str, Any]:
         if self.state != "prepared":

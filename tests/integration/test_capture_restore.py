@@ -196,3 +196,27 @@ def test_friendly_usage_errors():
     assert no_port.returncode == 2 and b"serving port" in no_port.stderr
     missing = coldsnap("restore", "/nonexistent/artifact")
     assert missing.returncode == 2 and b"not a coldsnap artifact directory" in missing.stderr
+
+
+def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):
+    """The launcher SIGKILLed between CRIU restore and resume: the agent's watchdog ends the tree."""
+    from coldsnap.snapshot.criu import CriuSnapshotter
+
+    port = _free_port()
+    request = {
+        "format": 4, "operation": "capture", "operation_id": "watchdog", "engine": "torch-lm", "snapshot_driver": "n610",
+        "model": {"name": "tiny", "revision": None},
+        "units": [{"unit_id": "unit-0", "command": workload(port), "serving_port": port,
+                   "env": {"COLDSNAP_AGENT_RESUME_TIMEOUT_S": "4"},
+                   "workers": [{"worker_id": "worker-0", "rank": 0, "device_slot": 0}]}],
+        "artifact": str(tmp_path / "artifact"),
+    }
+    result = coldsnap("capture", "--request-json", "-", "--receipt-json", "-", stdin=json.dumps(request).encode())
+    assert result.returncode == 0, result.stderr.decode()
+    started = time.monotonic()
+    restored = CriuSnapshotter().restore(tmp_path / "artifact" / "units" / "unit-0" / "images")  # no resume follows
+    assert serving_pids(port) == [restored.pid]
+    while serving_pids(port) and time.monotonic() - started < 30:
+        time.sleep(0.2)
+    assert serving_pids(port) == []
+    assert time.monotonic() - started < 15
