@@ -312,6 +312,32 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK if result["same_tokens_as_cold_start"] else EXIT_FAILED
 
 
+def _cmd_coordinator(args: argparse.Namespace) -> int:
+    import logging
+
+    try:
+        token = Path(args.token_file).read_bytes().strip()
+    except OSError as exc:
+        print(f"coldsnap coordinator: --token-file {args.token_file}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        from coldsnap.coord import Coordinator
+    except ImportError:
+        print("coldsnap coordinator: needs pyzmq (pip install pyzmq)", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=logging.INFO, format="coldsnap coordinator: %(message)s", stream=sys.stderr)
+    try:
+        coordinator = Coordinator(args.listen, token, args.ranks, args.ttl,
+                                  Path(args.endpoint_file) if args.endpoint_file else None)
+    except (ValueError, OSError) as exc:
+        print(f"coldsnap coordinator: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    print(f"coldsnap coordinator: listening on {coordinator.endpoint} for {args.ranks} ranks", file=sys.stderr)
+    reason = coordinator.serve()
+    print(f"coldsnap coordinator: done ({reason}); {coordinator.rejected} frames rejected", file=sys.stderr)
+    return EXIT_OK if reason == "complete" else EXIT_FAILED
+
+
 def _add_operation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-json", metavar="PATH|-", help="strict request (format 4) instead of the friendly flags; - for stdin")
     p.add_argument("--receipt-json", metavar="PATH|-", help="write the one receipt (format 2) here; - for stdout (progress stays on stderr)")
@@ -429,6 +455,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
     p.add_argument("--verbose", action="store_true", help="show capture and restore progress")
     p.set_defaults(func=_cmd_demo)
+
+    p = commands.add_parser(
+        "coordinator",
+        help="run the CSKV coordinator of one activation (authenticated barriers and small key/value)",
+        description="Serve barriers and small key/value (<= 64 KiB) to the N ranks of one activation over ZeroMQ. "
+        "Every frame is authenticated with HMAC-SHA256 keyed by the token and sequenced per connection; "
+        "anything else is dropped and logged. Ends when every rank said BYE (exit 0) or the TTL runs out (exit 1).",
+    )
+    p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen; port 0 picks a free one")
+    p.add_argument("--token-file", required=True, metavar="F", help="file holding the activation token (>= 16 bytes)")
+    p.add_argument("--ranks", required=True, type=int, metavar="N", help="number of ranks of the activation")
+    p.add_argument("--ttl", type=float, default=600.0, metavar="SECONDS", help="lifetime limit (default 600)")
+    p.add_argument("--endpoint-file", metavar="PATH", help="write the chosen endpoint here, atomically (JSON)")
+    p.set_defaults(func=_cmd_coordinator)
     return parser
 
 
