@@ -283,7 +283,6 @@ def main() -> int:
         (scratch / ".coldsnap-validation.json").unlink(missing_ok=True)
         if comparators:
             st_path.unlink()
-        del views, flat
 
     document = {"benchmark": "hydrate", "meta": meta, "results": results, "goals": goals(results)}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")

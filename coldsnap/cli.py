@@ -295,9 +295,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         print("coldsnap demo: CRIU needs root; run it as root (or in a privileged container)", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        import torch  # noqa: F401  (the reference workload needs it)
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:  # the reference workload needs it
         print("coldsnap demo: the reference workload needs torch (pip install torch)", file=sys.stderr)
         return EXIT_USAGE
     try:

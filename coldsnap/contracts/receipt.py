@@ -9,7 +9,7 @@ spans are real intervals.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Union
+from typing import ClassVar, Literal, Union
 
 from pydantic import Field, model_validator
 

@@ -2,7 +2,6 @@
 
 import io
 import json
-from pathlib import Path
 
 import pytest
 
