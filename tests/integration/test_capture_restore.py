@@ -219,3 +219,15 @@ def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):
         time.sleep(0.2)
     assert serving_pids(port) == []
     assert time.monotonic() - started < 15
+
+
+def test_prepare_only_detects_a_missing_capsule_file(captured, tmp_path):
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    next((copy / "units" / "unit-0" / "images").glob("pages-*.img")).unlink()
+    result = coldsnap("restore", str(copy), "--prepare-only", "--receipt-json", "-")
+    assert result.returncode == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "admission.capsule" and "pages-" in error["message"]
+    assert serving_pids(port) == []
