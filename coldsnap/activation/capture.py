@@ -21,6 +21,7 @@ from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.process_tree import tree_pids
@@ -61,8 +62,12 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         context.progress(f"canary answered {canary.text!r} ({len(canary.token_ids)} tokens)")
         generate = request_.policy.weights.native_generation != "off" or request_.policy.weights.mode != "recovery"
         with timer.span("capture.prepare") as span:
-            prepared = request(engine.control, {"command": "prepare", "pack_dir": str(artifact.payload_dir),
-                                                "generate_pack": generate})
+            bars = PhaseProgress(f"coldsnap capture [{request_.engine}/{request_.snapshot_driver}]: ")
+            try:
+                prepared = request(engine.control, {"command": "prepare", "pack_dir": str(artifact.payload_dir),
+                                                    "generate_pack": generate}, on_progress=bars)
+            finally:
+                bars.finish()
             span.update({k: int(v * 1e9) for k, v in prepared["seconds"].items()})
         gpu_pids = gpu_processes(tree_pids(engine.pid))
         gpus = cuda_devices() if gpu_pids else []

@@ -26,6 +26,7 @@ from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.payload.errors import PackError
+from coldsnap.progress import PhaseProgress
 from coldsnap.payload.validation import verify_file
 from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
 from coldsnap.doctor import nvidia_kernel_driver
@@ -183,12 +184,16 @@ def restore(context: OperationContext) -> OperationOutcome:
         warmer.join()
         context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
         with timer.span("restore.resume") as span:
-            resumed = request(metadata["control"], {
-                "command": "resume",
-                "payload": str(payload) if payload else None,
-                "residual": str(artifact.root / worker.residual.path),
-                "layout_digest": worker.layout_digest,
-            })
+            bars = PhaseProgress(f"coldsnap restore [{descriptor.engine}/{descriptor.snapshot_driver}]: ")
+            try:
+                resumed = request(metadata["control"], {
+                    "command": "resume",
+                    "payload": str(payload) if payload else None,
+                    "residual": str(artifact.root / worker.residual.path),
+                    "layout_digest": worker.layout_digest,
+                }, on_progress=bars)
+            finally:
+                bars.finish()
             hydrated = resumed.get("hydrate", {})
             span.update({"bytes": int(hydrated.get("bytes", 0)), "source": str(hydrated.get("source", ""))})
         with timer.span("restore.canary") as span:

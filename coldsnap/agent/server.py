@@ -75,7 +75,7 @@ class AgentServer:
                 try:
                     line = connection.makefile("rb").readline()
                     command = json.loads(line)
-                    reply = {"ok": True, **self.handle(command)}
+                    reply = {"ok": True, **self.handle(command, _ProgressLines(connection))}
                 except Exception as exc:  # every failure goes back to the launcher, none kills the engine
                     log.exception("coldsnap agent command failed")
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -84,14 +84,15 @@ class AgentServer:
                 except OSError:
                     pass
 
-    def handle(self, command: dict[str, Any]) -> dict[str, Any]:
+    def handle(self, command: dict[str, Any], progress: "_ProgressLines | None" = None) -> dict[str, Any]:
         name = command.get("command")
+        progress = progress or _ProgressLines(None)
         if name == "status":
             return self.status()
         if name == "prepare":
-            return self.prepare(Path(command["pack_dir"]), bool(command.get("generate_pack", True)))
+            return self.prepare(Path(command["pack_dir"]), bool(command.get("generate_pack", True)), progress)
         if name == "resume":
-            return self.resume(command)
+            return self.resume(command, progress)
         raise AgentError(f"unknown command {name!r}")
 
     def status(self) -> dict[str, Any]:
@@ -120,7 +121,7 @@ class AgentServer:
                 out[region_layout.tag] = blocks
         return out
 
-    def prepare(self, pack_dir: Path, generate_pack: bool) -> dict[str, Any]:
+    def prepare(self, pack_dir: Path, generate_pack: bool, progress: "_ProgressLines") -> dict[str, Any]:
         if self.state != "serving":
             raise AgentError(f"prepare needs state serving, not {self.state}")
         from coldsnap.hydrate import write_pack_from_regions
@@ -133,7 +134,8 @@ class AgentServer:
             result: dict[str, Any] = {}
             if generate_pack:
                 pack_dir.mkdir(parents=True, exist_ok=True)
-                payload = _timed(seconds, "payload_write", lambda: write_pack_from_regions(pack_dir, self.layout, self.regions))
+                payload = _timed(seconds, "payload_write", lambda: write_pack_from_regions(
+                    pack_dir, self.layout, self.regions, progress=progress.phase("writing the native pack")))
                 residual_plan = plan_residual(self._allocations(), payload.table)
                 residual = _timed(seconds, "residual_write", lambda: write_pack_from_regions(
                     pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=residual_plan))
@@ -169,7 +171,7 @@ class AgentServer:
 
         threading.Thread(target=watch, name="coldsnap-agent-watchdog", daemon=True).start()
 
-    def resume(self, command: dict[str, Any]) -> dict[str, Any]:
+    def resume(self, command: dict[str, Any], progress: "_ProgressLines") -> dict[str, Any]:
         if self.state != "prepared":
             raise AgentError(f"resume needs state prepared, not {self.state}")
         from coldsnap.hydrate import hydrate_pack, replay_safetensors
@@ -183,7 +185,8 @@ class AgentServer:
         hydrated: dict[str, Any] = {}
         weights = {t: r for t, r in self.regions.items() if t != "kv_cache"}
         if command.get("payload"):
-            stats = _timed(seconds, "hydrate", lambda: hydrate_pack(command["payload"], weights, layout_digest=digest))
+            stats = _timed(seconds, "hydrate", lambda: hydrate_pack(command["payload"], weights, layout_digest=digest,
+                                                                    progress=progress.phase("hydrating weights")))
             hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "gb_per_s": round(stats.gb_per_s, 3),
                         "direct": stats.direct, "cached_fraction": stats.cached_fraction}
             if command.get("residual"):
@@ -202,6 +205,29 @@ class AgentServer:
         self.state = "serving"
         self.serving_lock.release()
         return {"hydrate": hydrated, "seconds": seconds}
+
+
+class _ProgressLines:
+    """Streams ``{"progress": ...}`` lines to the launcher before the reply (at most ~5 a second)."""
+
+    def __init__(self, connection: socket.socket | None):
+        self.connection = connection
+
+    def phase(self, name: str) -> Callable[[int, int], None]:
+        last = [0.0]
+
+        def report(done: int, total: int) -> None:
+            now = time.monotonic()
+            if self.connection is None or (now - last[0] < 0.2 and done < total):
+                return
+            last[0] = now
+            try:
+                line = {"progress": {"phase": name, "done": done, "total": total}}
+                self.connection.sendall(json.dumps(line).encode() + b"\n")
+            except OSError:
+                self.connection = None  # the launcher stopped listening; the work goes on
+
+        return report
 
 
 def _rss_bytes() -> int:
@@ -225,13 +251,22 @@ def start_agent(control: str, layout: MemoryLayout, regions: Mapping[str, Stable
     return _agent
 
 
-def request(control: str, command: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-    """Send one command to the agent at ``control``; raises :class:`AgentError` with its reason."""
+def request(control: str, command: dict[str, Any], timeout: float = 600,
+            on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Send one command to the agent at ``control``; raises :class:`AgentError` with its reason.
+    Progress lines the agent streams before its reply go to ``on_progress(phase, done, total)``."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.settimeout(timeout)
         connection.connect(_address(control))
         connection.sendall(json.dumps(command).encode() + b"\n")
-        line = connection.makefile("rb").readline()
+        reader = connection.makefile("rb")
+        while True:
+            line = reader.readline()
+            if not line or b'"progress"' not in line[:16]:
+                break
+            if on_progress is not None:
+                update = json.loads(line)["progress"]
+                on_progress(update["phase"], update["done"], update["total"])
     if not line:
         raise AgentError(f"agent at {control} closed the connection without answering")
     reply = json.loads(line)
