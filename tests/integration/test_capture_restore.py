@@ -214,11 +214,14 @@ def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):
     assert result.returncode == 0, result.stderr.decode()
     started = time.monotonic()
     restored = CriuSnapshotter().restore(tmp_path / "artifact" / "units" / "unit-0" / "images")  # no resume follows
-    assert serving_pids(port) == [restored.pid]
-    while serving_pids(port) and time.monotonic() - started < 30:
-        time.sleep(0.2)
-    assert serving_pids(port) == []
-    assert time.monotonic() - started < 15
+    try:
+        assert serving_pids(port) == [restored.pid]
+        while serving_pids(port) and time.monotonic() - started < 30:
+            time.sleep(0.2)
+        assert serving_pids(port) == []
+        assert time.monotonic() - started < 15
+    finally:
+        stop(port)  # even when the watchdog failed, leave nothing behind
 
 
 def test_prepare_only_detects_a_missing_capsule_file(captured, tmp_path):
