@@ -234,3 +234,20 @@ def test_prepare_only_detects_a_missing_capsule_file(captured, tmp_path):
     error = json.loads(result.stdout)["error"]
     assert error["code"] == "admission.capsule" and "pages-" in error["message"]
     assert serving_pids(port) == []
+
+
+def test_restore_timing_events_match_the_receipt(captured, tmp_path):
+    artifact, port, _, _ = captured
+    events = tmp_path / "events.ndjson"
+    result = coldsnap("restore", str(artifact), "--receipt-json", "-", "--timing-events", str(events))
+    stop(port)
+    assert result.returncode == 0, result.stderr.decode()
+    assert coldsnap("validate", "timing-events", str(events)).returncode == 0
+    from coldsnap.contracts import canonical_sha256
+
+    lines = [json.loads(line) for line in events.read_text().splitlines()]
+    receipt = json.loads(result.stdout)
+    assert lines[-1]["event"] == "stream_complete" and lines[-1]["state"] == "succeeded"
+    assert lines[-1]["timing_envelope_sha256"] == canonical_sha256(receipt["timing"])
+    started = {line["name"] for line in lines if line["event"] == "span_start"}
+    assert {"restore.criu_restore", "restore.resume", "restore.canary"} <= started
