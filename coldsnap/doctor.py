@@ -14,7 +14,7 @@ from typing import Any
 
 from coldsnap import __version__
 from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
-from coldsnap.native import NativeUnavailable, native
+from coldsnap.native import probe_cuda
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError
 
 __all__ = ["collect_report", "render_table", "nvidia_kernel_driver"]
@@ -54,19 +54,11 @@ def _criu_section() -> dict[str, Any]:
     return section
 
 
-def _cuda_section() -> dict[str, Any]:
-    try:
-        probe = native().cuda_probe()
-    except NativeUnavailable as exc:
-        return {"available": False, "reason": str(exc), "native_extension": False, "devices": []}
-    return {"native_extension": True, **probe}
-
-
 def collect_report() -> dict[str, Any]:
     """Everything doctor knows, as JSON values."""
     driver = nvidia_kernel_driver()
     driver_major = int(driver.split(".")[0]) if driver else None
-    cuda = _cuda_section()
+    cuda = probe_cuda()
     criu = _criu_section()
     drivers = {}
     for name, profile in SNAPSHOT_DRIVERS.items():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
-__all__ = ["NativeUnavailable", "native"]
+__all__ = ["NativeUnavailable", "native", "probe_cuda"]
 
 
 class NativeUnavailable(ImportError):
@@ -27,3 +27,14 @@ def native() -> ModuleType:
     if isinstance(loaded, str):
         raise NativeUnavailable(loaded)
     return loaded
+
+
+def probe_cuda() -> dict:
+    """``coldsnap._C.cuda_probe()`` plus ``native_extension``; never raises. Without the extension it
+    reports CUDA unavailable with the reason."""
+    try:
+        probe = native().cuda_probe()
+    except NativeUnavailable as exc:
+        return {"available": False, "reason": str(exc), "native_extension": False, "devices": [],
+                "checkpoint_api": False, "vmm_api": False}
+    return {"native_extension": True, **probe}

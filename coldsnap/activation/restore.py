@@ -25,6 +25,7 @@ from coldsnap.agent.server import AgentError, request
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.native import probe_cuda
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import PhaseProgress
 from coldsnap.payload.validation import verify_file
@@ -50,7 +51,8 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
     """The snapshot driver's NVIDIA floor (always), the captured floor (unless relaxed), GPU model and CC."""
     captured = descriptor.platform
     driver = nvidia_kernel_driver()
-    devices = cuda_devices()
+    probe = probe_cuda()  # one probe: devices and the checkpoint API
+    devices = probe["devices"] if probe["available"] else []
     if driver is None or not devices:
         raise OperationFailed("admission.cuda", "the artifact was captured on a GPU; this host has no usable NVIDIA GPU")
     major = int(driver.split(".")[0])
@@ -65,17 +67,8 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
     if (device["name"], device["compute_capability"]) != (captured.gpu_model, captured.compute_capability):
         raise OperationFailed("admission.gpu", f"captured on {captured.gpu_model} (cc {captured.compute_capability}), "
                               f"this host has {device['name']} (cc {device['compute_capability']})")
-    if not native_checkpoint_api():
+    if not probe["checkpoint_api"]:
         raise OperationFailed("admission.cuda", "this driver has no CUDA checkpoint API")
-
-
-def native_checkpoint_api() -> bool:
-    from coldsnap.native import NativeUnavailable, native
-
-    try:
-        return bool(native().cuda_probe()["checkpoint_api"])
-    except NativeUnavailable:
-        return False
 
 
 def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDescriptor, dict[str, Any]]:

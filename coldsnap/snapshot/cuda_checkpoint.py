@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coldsnap.native import NativeUnavailable, native
+from coldsnap.native import NativeUnavailable, native, probe_cuda
 
 __all__ = [
     "CudaCheckpointError",
@@ -69,10 +69,7 @@ class NativeCheckpointDriver:
 
 def cuda_devices() -> list[dict]:
     """The GPUs this process sees (``coldsnap._C.cuda_probe``), [] without a driver."""
-    try:
-        probe = native().cuda_probe()
-    except NativeUnavailable:
-        return []
+    probe = probe_cuda()
     return list(probe["devices"]) if probe["available"] else []
 
 
