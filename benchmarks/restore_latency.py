@@ -46,6 +46,31 @@ def restore_once(request: dict, work: Path, index: int) -> tuple[float, dict[str
     return seconds, phases
 
 
+def draw_phase_chart(document: dict, png: Path) -> bool:
+    """Cold start beside restore's phases (page cache warm); False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
+        return False
+    summary = document["summary"]
+    figure, axis = plt.subplots(figsize=(9, 2.8))
+    axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999", label="cold start")
+    left = 0.0
+    for name, value in document.get("phases_last_restore", {}).items():
+        axis.barh(["restore"], [value], left=left, label=name)
+        left += value
+    axis.set_xlabel("seconds (page cache warm)")
+    axis.set_title(f"torch_lm {document['size']} on {document['device']}: cold start vs coldsnap restore", fontsize=9)
+    axis.legend(fontsize=7, loc="lower right")
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+    return True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="tiny", choices=["tiny", "1b", "8b"])
@@ -54,7 +79,13 @@ def main() -> int:
     parser.add_argument("--out", default="restore_latency.json")
     parser.add_argument("--png", help="draw the phase chart here (needs matplotlib)")
     parser.add_argument("--dir", help="work directory (default: a temporary one)")
+    parser.add_argument("--png-from", metavar="JSON", help="only draw --png from an earlier run's JSON (e.g. one brought "
+                        "back from a GPU host without matplotlib)")
     args = parser.parse_args()
+    if args.png_from:
+        if not args.png:
+            parser.error("--png-from needs --png")
+        return 0 if draw_phase_chart(json.loads(Path(args.png_from).read_text()), Path(args.png)) else 1
     work = Path(args.dir or tempfile.mkdtemp(prefix="coldsnap-restore-bench-"))
 
     demo = run_demo(args.size, args.device, work, quiet=True)  # first capture + one of each
@@ -73,14 +104,16 @@ def main() -> int:
         seconds, phases = restore_once(request, work, 999)
         runs.append({"kind": "restore", "cache": "cold", "seconds": round(seconds, 3), "phases": phases})
 
+    last = next((r for r in reversed(runs) if r.get("phases") and r["cache"] == "warm"), None)
     summary = {}
     for kind in ("cold start", "restore"):
         for cache in ("warm", "cold"):
             values = [r["seconds"] for r in runs if r["kind"] == kind and r["cache"] == cache]
             if values:
                 summary[f"{kind} ({cache})"] = round(statistics.median(values), 3)
-    document = {"benchmark": "restore_latency", "size": args.size, "device": args.device, "runs": runs, "summary": summary,
+    document = {"benchmark": "restore_latency", "phases_last_restore": (last or {}).get("phases", {}), "size": args.size, "device": args.device, "runs": runs, "summary": summary,
                 "capture_phases_s": demo["capture_phases_s"], "image_bytes": demo["image_bytes"],
+                "non_model_bytes": demo["non_model_bytes"], "image_to_non_model_rss": demo["image_to_non_model_rss"],
                 "payload_bytes": demo["payload_bytes"], "same_tokens_as_cold_start": demo["same_tokens_as_cold_start"]}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     print(f"{'what':<24} {'median s':>9}")
@@ -89,31 +122,14 @@ def main() -> int:
     for cache in ("warm", "cold"):
         if f"cold start ({cache})" in summary and f"restore ({cache})" in summary:
             print(f"speedup ({cache}): {summary[f'cold start ({cache})'] / summary[f'restore ({cache})']:.2f}x")
-    last = next((r for r in reversed(runs) if r.get("phases")), None)
+    print(f"process image {document['image_bytes'] / 2**20:.1f} MiB = {document['image_to_non_model_rss']}x the "
+          f"non-model memory ({document['non_model_bytes'] / 2**20:.1f} MiB); payload {document['payload_bytes'] / 2**30:.2f} GiB")
     if last:
-        print("restore phases (last run):")
+        print("restore phases (last warm run):")
         for name, value in last["phases"].items():
             print(f"  {name:<28} {value:8.3f} s")
     if args.png:
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            print("matplotlib is not installed: no PNG", file=sys.stderr)
-        else:
-            figure, axis = plt.subplots(figsize=(8, 2.5))
-            axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999")
-            left = 0.0
-            for name, value in (last or {}).get("phases", {}).items():
-                if name == "restore.admission" or name.startswith("restore."):
-                    axis.barh(["restore"], [value], left=left, label=name)
-                    left += value
-            axis.set_xlabel("seconds (page cache warm)")
-            axis.legend(fontsize=7, loc="lower right")
-            figure.tight_layout()
-            figure.savefig(args.png, dpi=120)
+        draw_phase_chart(document, Path(args.png))
     return 0
 
 

@@ -130,6 +130,12 @@ class OperationContext:
     request_sha256: str
     timer: OperationTimer
     _stderr: IO[str]
+    warnings: list[str] = field(default_factory=list)
+    """Warnings raised while the body runs; they go into the receipt whether it succeeds or fails."""
+
+    def warn(self, message: str) -> None:
+        """A warning for the receipt, shown on stderr at the end with the others."""
+        self.warnings.append(message)
 
     def progress(self, message: str) -> None:
         """One progress line on stderr, always naming the operation and the snapshot driver."""
@@ -215,7 +221,7 @@ def run_operation(
     state = "failed" if error else "succeeded"
     envelope = timer.envelope()
     timer.complete(state, envelope)
-    warnings = [*outcome.warnings, *timer.warnings, *(events.warnings if events else [])]
+    warnings = [*context.warnings, *outcome.warnings, *timer.warnings, *(events.warnings if events else [])]
     receipt = OperationReceipt(
         format=2,
         operation=request.operation,

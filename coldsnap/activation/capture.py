@@ -19,6 +19,7 @@ from coldsnap.agent.server import AgentError, request
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
+from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.progress import PhaseProgress
@@ -72,6 +73,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         gpu_pids = gpu_processes(tree_pids(engine.pid))
         gpus = cuda_devices() if gpu_pids else []
         if gpu_pids:
+            check_driver_floor(context, request_.snapshot_driver, nvidia_kernel_driver() or "0", "capture.driver_floor")
             # n610: the initialized CUDA state goes into the image; weights and KV were released above,
             # so only contexts, graphs and small buffers are copied out (at ~2 GB/s).
             with timer.span("capture.cuda_checkpoint") as span:
@@ -88,9 +90,11 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             span["image_bytes"] = result.image_bytes
             # Goal: the image holds no weights and no KV, so it is about the process's other memory.
             span["rss_after_release_bytes"] = int(prepared.get("rss_bytes", 0))
+            span["device_bytes_after_release"] = int(prepared.get("device_bytes", 0))
         context.progress(f"dumped {len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB of images "
                          f"in {result.seconds:.2f} s (resident memory without model memory: "
-                         f"{int(prepared.get('rss_bytes', 0)) / 2**20:.1f} MiB)")
+                         f"{int(prepared.get('rss_bytes', 0)) / 2**20:.1f} MiB host"
+                         f" + {int(prepared.get('device_bytes', 0)) / 2**20:.1f} MiB GPU)")
         with timer.span("capture.commit"):
             capsule = artifact.write_capsule(unit.unit_id, {
                 "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,

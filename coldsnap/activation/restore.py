@@ -29,7 +29,7 @@ from coldsnap.native import probe_cuda
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import PhaseProgress
 from coldsnap.payload.validation import verify_file
-from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
+from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
@@ -56,10 +56,7 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
     if driver is None or not devices:
         raise OperationFailed("admission.cuda", "the artifact was captured on a GPU; this host has no usable NVIDIA GPU")
     major = int(driver.split(".")[0])
-    floor = SNAPSHOT_DRIVERS[descriptor.snapshot_driver].minimum_nvidia_driver
-    if major < floor:
-        raise OperationFailed("admission.driver_floor", f"snapshot driver {descriptor.snapshot_driver} needs NVIDIA driver "
-                              f"{floor}+, this host has {driver}")
+    check_driver_floor(context, descriptor.snapshot_driver, driver, "admission.driver_floor")
     if context.request.policy.compatibility.enforce_captured_driver_floor and major < (captured.nvidia_driver_floor or 0):
         raise OperationFailed("admission.driver_floor", f"captured on NVIDIA driver {captured.nvidia_driver}, this host "
                               f"has {driver} (set compatibility.enforce_captured_driver_floor=false to allow)")

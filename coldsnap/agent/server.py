@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -152,7 +153,8 @@ class AgentServer:
         self.state = "prepared"
         self._arm_watchdog()
         # What the process image will hold: its resident memory once model memory is gone.
-        return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes()}
+        return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
+                "device_bytes": _torch_device_bytes()}
 
     def _arm_watchdog(self) -> None:
         """A restored process that no launcher resumes must not linger frozen (its launcher was killed
@@ -237,6 +239,15 @@ def _rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _torch_device_bytes() -> int:
+    """GPU memory torch's caching allocator still holds outside the stable regions (graph pools,
+    activations): the CUDA checkpoint copies it into the process image. 0 without CUDA torch."""
+    torch = sys.modules.get("torch")  # never import an engine's torch ourselves
+    if torch is None or not torch.cuda.is_initialized():
+        return 0
+    return sum(torch.cuda.memory_reserved(d) for d in range(torch.cuda.device_count()))
 
 
 _agent: AgentServer | None = None

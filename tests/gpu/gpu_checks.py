@@ -168,34 +168,114 @@ def torch_lm_cuda_graph_decode() -> None:
     print("graph vs eager agree on", sum(a == b for a, b in zip(graphed, eager)), "of 16 tokens")
 
 
+GPU_FILLER = """
+import sys, torch
+held = []
+for step in (1 << 30, 64 << 20, 4 << 20):
+    while True:
+        try:
+            held.append(torch.empty(step, dtype=torch.uint8, device="cuda"))
+        except torch.OutOfMemoryError:
+            break
+print("full", torch.cuda.mem_get_info()[0], flush=True)
+sys.stdin.readline()
+"""
+
+
 def capture_restore_on_gpu() -> None:
+    """The n610 sequence end to end on this GPU: capture (CUDA checkpoint + CRIU dump) of the CUDA-graph
+    workload, restore twice with the same greedy tokens as a cold start, the driver floor, and a CUDA
+    restore that fails (no GPU memory left) cleaning up after itself."""
     import json
     import socket
     import subprocess
+    import time
+    import urllib.request
 
+    from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
     from coldsnap.doctor import nvidia_kernel_driver
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    unqualified = int(nvidia_kernel_driver().split(".")[0]) < 610  # n610's floor (seeds)
+    allowed = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1"}
+    strict = {k: v for k, v in os.environ.items() if k != ALLOW_UNQUALIFIED_DRIVER_ENV}
+    prompt = "The second prompt, asked after the restore."
+
+    def complete(port: int) -> list[int]:
+        body = json.dumps({"prompt": prompt, "max_tokens": 12, "temperature": 0}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body), timeout=60) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]
+
+    def coldsnap(*args: str, env: dict) -> tuple[int, dict, str]:
+        done = subprocess.run([sys.executable, "-m", "coldsnap", *args, "--receipt-json", "-"], capture_output=True,
+                              text=True, timeout=600, env=env)
+        return done.returncode, json.loads(done.stdout), done.stderr
+
+    def serving(port: int) -> bool:
+        return subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cuda --port {port}"], capture_output=True).returncode == 0
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
+    workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
+    reference = subprocess.Popen(workload, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                expected = complete(port)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and reference.poll() is None, "the reference workload did not start"
+                time.sleep(0.2)
+    finally:
+        reference.kill()
+        reference.wait()
+
     with tempfile.TemporaryDirectory() as scratch:
         artifact = os.path.join(scratch, "artifact")
-        workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
-        captured = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", artifact, "--receipt-json", "-", "--", *workload],
-                                  capture_output=True, text=True, timeout=600)
-        print(captured.stderr[-3000:])
-        assert captured.returncode == 0, captured.stdout
-        receipt = json.loads(captured.stdout)
-        assert "capture.cuda_checkpoint" in [s["name"] for s in receipt["timing"]["spans"]]
-        restored = subprocess.run([sys.executable, "-m", "coldsnap", "restore", artifact, "--receipt-json", "-"],
-                                  capture_output=True, text=True, timeout=600)
-        print(restored.stderr[-3000:])
-        outcome = json.loads(restored.stdout)
-        if int(nvidia_kernel_driver().split(".")[0]) < 610:  # n610's floor (seeds): refused, nothing started
-            assert restored.returncode == 1 and outcome["error"]["code"] == "admission.driver_floor", outcome
-        else:
-            assert restored.returncode == 0, outcome
-            subprocess.run(["pkill", "-9", "-f", f"--port {port}"])
+        if unqualified:
+            status, receipt, err = coldsnap("capture", "--out", artifact, "--", *workload, env=strict)
+            assert status == 1 and receipt["error"]["code"] == "capture.driver_floor", receipt
+            assert not serving(port) and not os.path.exists(os.path.join(artifact, "artifact.json"))
+        status, receipt, err = coldsnap("capture", "--out", artifact, "--", *workload, env=allowed)
+        print(err[-3000:])
+        assert status == 0, receipt
+        assert not serving(port)  # nothing of the captured command left running
+        spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+        print("capture phases:", {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+        assert "capture.cuda_checkpoint" in spans and spans["capture.cuda_checkpoint"]["attributes"]["processes"] == 1
+        assert any("unqualified" in w for w in receipt["warnings"]) == unqualified
+        descriptor_bytes = open(os.path.join(artifact, "artifact.json"), "rb").read()
+        root_pid = json.load(open(os.path.join(artifact, "units", "unit-0", "capsule.json")))["metadata"]["root_pid"]
+
+        if unqualified:  # refused at admission without the host owner's override, nothing started
+            status, receipt, _ = coldsnap("restore", artifact, "--prepare-only", env=strict)
+            assert status == 1 and receipt["error"]["code"] == "admission.driver_floor", receipt
+        for attempt in range(2):
+            status, receipt, err = coldsnap("restore", artifact, env=allowed)
+            print(err[-2000:])
+            assert status == 0, receipt
+            spans = {s["name"]: s["duration_ns"] / 1e9 for s in receipt["timing"]["spans"]}
+            print(f"restore {attempt} phases:", {n: round(v, 3) for n, v in spans.items()})
+            assert "restore.cuda_restore" in spans
+            assert complete(port) == expected  # same greedy tokens as a cold start, through the CUDA graph
+            kill_tree(root_pid)
+
+        # CUDA restore failing: another process holds all GPU memory, so the restored context cannot come back
+        filler = subprocess.Popen([sys.executable, "-c", GPU_FILLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            print("filler:", filler.stdout.readline().strip())
+            status, receipt, err = coldsnap("restore", artifact, env=allowed)
+            print(err[-2000:])
+            assert status == 1 and receipt["error"]["code"] in ("restore.cuda", "restore.resume"), receipt
+            print("CUDA restore without GPU memory failed with", receipt["error"])
+        finally:
+            filler.kill()
+            filler.wait()
+        time.sleep(0.5)
+        assert not serving(port), "a restored process was left running after the failed restore"
+        assert open(os.path.join(artifact, "artifact.json"), "rb").read() == descriptor_bytes  # artifact untouched
 
 
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,

@@ -169,3 +169,28 @@ def test_interrupted_operation_still_publishes_a_failed_receipt(tmp_path):
     status, out, err = _run(make_request(), interrupted, "-")
     assert status == EXIT_FAILED and cleaned == [True]
     assert decode_document(OperationReceipt, out).error.code == "interrupted"
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+def test_driver_floor_refuses_or_warns_only_with_the_host_owners_override(monkeypatch, allowed):
+    from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV, check_driver_floor
+
+    if allowed:
+        monkeypatch.setenv(ALLOW_UNQUALIFIED_DRIVER_ENV, "1")
+    else:
+        monkeypatch.delenv(ALLOW_UNQUALIFIED_DRIVER_ENV, raising=False)
+
+    def body(context):
+        check_driver_floor(context, "n580", "580.159.04", "admission.driver_floor")  # at the floor: silent
+        check_driver_floor(context, "n610", "580.159.04", "admission.driver_floor")
+        return OperationOutcome()
+
+    status, out, err = _run(make_request(), body, "-")
+    receipt = decode_document(OperationReceipt, out, "receipt")
+    if allowed:
+        assert status == EXIT_OK and receipt.warnings == [
+            f"unqualified: snapshot driver n610 needs NVIDIA driver 610+, this host has 580.159.04 ({ALLOW_UNQUALIFIED_DRIVER_ENV}=1)"]
+        assert "warning: unqualified" in err
+    else:
+        assert status == EXIT_FAILED and receipt.error.code == "admission.driver_floor"
+        assert ALLOW_UNQUALIFIED_DRIVER_ENV in receipt.error.message and not receipt.warnings
