@@ -74,7 +74,7 @@ StableRegion::StableRegion(std::string tag, Backend backend, int device, std::ui
 
 StableRegion::~StableRegion() {
   try {
-    release();
+      release();
   } catch (...) {
     // Destructors must not throw; the address range leaks, which is harmless at exit.
   }
@@ -96,6 +96,19 @@ void StableRegion::map_chunks_locked(std::uint64_t end) {
                       std::to_string(size_));
   }
   const std::uint64_t want = round_up(end, chunk_) / chunk_;
+  const std::size_t first_new = handles_.size();
+  // CUDA chunks get their access in one call after the loop; a failure inside it gives back every
+  // chunk this call mapped, so no chunk is ever left mapped without access.
+  auto give_back_new = [&] {
+    if (backend_ != Backend::Cuda) return;
+    const auto& api = cuda::use_device(device_);
+    for (std::size_t i = first_new; i < handles_.size(); ++i) {
+      api.cuMemUnmap(base_ + i * chunk_, chunk_);
+      api.cuMemRelease(handles_[i]);
+    }
+    handles_.resize(first_new);
+  };
+  try {
   while (handles_.size() < want) {
     const std::uint64_t offset = handles_.size() * chunk_;
     if (backend_ == Backend::Host) {
@@ -113,17 +126,27 @@ void StableRegion::map_chunks_locked(std::uint64_t end) {
         api.cuMemRelease(h);
         api.check(rc, "cuMemMap");
       }
-      CUmemAccessDesc access{};
-      access.location.type = cuda::CU_MEM_LOCATION_TYPE_DEVICE;
-      access.location.id = device_;
-      access.flags = cuda::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      rc = api.cuMemSetAccess(base_ + offset, chunk_, &access, 1);
-      if (rc != cuda::CUDA_SUCCESS) {
-        api.cuMemUnmap(base_ + offset, chunk_);
-        api.cuMemRelease(h);
-        api.check(rc, "cuMemSetAccess");
-      }
       handles_.push_back(h);
+    }
+  }
+  } catch (...) {
+    give_back_new();
+    throw;
+  }
+  if (backend_ == Backend::Cuda && handles_.size() > first_new) {
+    // One access change over everything mapped above: each call updates the GPU's page tables, so
+    // per-chunk calls cost a multiple of one (16 GiB in 64 MiB chunks is 256 calls).
+    const auto& api = cuda::use_device(device_);
+    const std::uint64_t from = first_new * chunk_;
+    const std::uint64_t length = (handles_.size() - first_new) * chunk_;
+    CUmemAccessDesc access{};
+    access.location.type = cuda::CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = device_;
+    access.flags = cuda::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    const cuda::CUresult rc = api.cuMemSetAccess(base_ + from, length, &access, 1);
+    if (rc != cuda::CUDA_SUCCESS) {
+      give_back_new();
+      api.check(rc, "cuMemSetAccess");
     }
   }
   if (handles_.size() * chunk_ > high_water_) high_water_ = handles_.size() * chunk_;

@@ -25,7 +25,7 @@ from coldsnap.operation import OperationContext, OperationFailed, OperationOutco
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
-from coldsnap.snapshot.process_tree import tree_pids
+from coldsnap.snapshot.process_tree import anonymous_bytes, tree_pids
 
 __all__ = ["capture", "READY_TIMEOUT_S"]
 
@@ -70,8 +70,10 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             finally:
                 bars.finish()
             span.update({k: int(v * 1e9) for k, v in prepared["seconds"].items()})
-        gpu_pids = gpu_processes(tree_pids(engine.pid))
+        pids = tree_pids(engine.pid)
+        gpu_pids = gpu_processes(pids)
         gpus = cuda_devices() if gpu_pids else []
+        anonymous_before_checkpoint = anonymous_bytes(pids)
         if gpu_pids:
             check_driver_floor(context, request_.snapshot_driver, nvidia_kernel_driver() or "0", "capture.driver_floor")
             # n610: the initialized CUDA state goes into the image; weights and KV were released above,
@@ -82,6 +84,9 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                 except CudaCheckpointError as exc:
                     raise OperationFailed("capture.cuda_checkpoint", str(exc)) from None
                 span["processes"] = len(gpu_pids)
+                # What the checkpoint moved from the GPU into the process image (contexts, graph pools).
+                span["anonymous_bytes_before"] = anonymous_before_checkpoint
+                span["anonymous_bytes_after"] = anonymous_bytes(pids)
         with timer.span("capture.criu_dump") as span:
             snapshotter = CriuSnapshotter()
             result = snapshotter.dump(engine.pid, artifact.images(unit.unit_id))

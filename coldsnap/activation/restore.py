@@ -186,6 +186,7 @@ def restore(context: OperationContext) -> OperationOutcome:
                 bars.finish()
             hydrated = resumed.get("hydrate", {})
             span.update({"bytes": int(hydrated.get("bytes", 0)), "source": str(hydrated.get("source", ""))})
+            span.update({f"{step}_ns": int(seconds * 1e9) for step, seconds in resumed.get("seconds", {}).items()})
         with timer.span("restore.canary") as span:
             canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
             span["tokens"] = len(canary.token_ids)

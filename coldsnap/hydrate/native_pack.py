@@ -13,6 +13,7 @@ from coldsnap.memory.regions import StableRegion
 from coldsnap.native import native
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.pack import NativePack, PackKind, PlannedExtent, WrittenPack, write_pack
+from coldsnap.payload.validation import record_written_file
 
 __all__ = ["payload_extents", "write_pack_from_regions", "hydrate_pack"]
 
@@ -69,7 +70,10 @@ def write_pack_from_regions(
     missing = sorted({e.region for e in planned} - set(regions))
     if missing:
         raise HydrationError(f"no region given for {', '.join(missing)}")
-    return write_pack(Path(directory), kind, layout.digest(), planned, _region_reader(regions), progress=progress)
+    written = write_pack(Path(directory), kind, layout.digest(), planned, _region_reader(regions), progress=progress)
+    if not written.reused:  # a reused file keeps (or earns) its own record
+        record_written_file(written.path, written.sha256)
+    return written
 
 
 def hydrate_pack(

@@ -46,6 +46,7 @@ __all__ = [
     "Verification",
     "verify_file",
     "read_validation_record",
+    "record_written_file",
 ]
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,8 @@ class ValidationEntry(Contract):
     ctime_ns: int
     """``st_ctime_ns`` when hashed (changes on every write and ``utime``; cannot be set back)."""
     verified_unix_ns: int = Field(ge=0)
-    """Unix time, in nanoseconds, when the full hash started."""
+    """Unix time, in nanoseconds, when the full hash started (for a file coldsnap wrote itself: when
+    its writer vouched for it, past the racy window after the file's last change)."""
 
 
 class ValidationRecord(Contract):
@@ -269,3 +271,24 @@ def verify_file(path: str | Path, expected_sha256: str | None = None) -> Verific
             ),
         )
     return Verification(path, actual, hashed, "full-hash", time.perf_counter() - started)
+
+
+def record_written_file(path: str | Path, sha256: str) -> None:
+    """Record a file its writer has just finished (fsync'd and renamed into place), using the digest
+    the writer computed over every byte it wrote: that single pass is the file's full hash, so the
+    first restore after a capture trusts the record instead of hashing tens of GiB again.
+
+    The entry is vouched for only once the file's last change is a racy window old (this waits at
+    most :data:`RACY_WINDOW_NS`), so the same rule as a verifier's entry holds for it. Best effort,
+    like every record update."""
+    path = Path(path)
+    status = os.stat(path)
+    identity = _identity(status)
+    wait_ns = max(identity.mtime_ns, identity.ctime_ns) + RACY_WINDOW_NS - time.time_ns()
+    if wait_ns > 0:
+        time.sleep(wait_ns / 1e9)
+    if _identity(os.stat(path)) != identity or max(identity) > INT64_MAX:
+        return  # changed meanwhile: leave it to a full verification
+    _update_record(path.parent, path.name, ValidationEntry(
+        sha256=sha256, size_bytes=identity.size_bytes, st_dev=identity.st_dev, st_ino=identity.st_ino,
+        mtime_ns=identity.mtime_ns, ctime_ns=identity.ctime_ns, verified_unix_ns=time.time_ns()))

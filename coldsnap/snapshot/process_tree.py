@@ -22,7 +22,7 @@ from pathlib import Path
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "capture_tree_files", "prepare_restore", "STATE_FILE"]
+__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "capture_tree_files", "prepare_restore", "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -201,3 +201,18 @@ def prepare_restore(images: Path, wait_for_pids_s: float = 10.0) -> TreeFiles:
                 shutil.copyfileobj(source, copy)
             os.truncate(path, size)
     return state
+
+
+def anonymous_bytes(pids: list[int]) -> int:
+    """Anonymous memory of ``pids`` (``smaps_rollup``): what CRIU copies into the image, roughly.
+    Processes that exited meanwhile count 0."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as handle:
+                for line in handle:
+                    if line.startswith("Anonymous:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            continue
+    return total

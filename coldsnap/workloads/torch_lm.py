@@ -344,8 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("COLDSNAP_CONTROL"):
         from coldsnap.agent import start_agent
 
+        from coldsnap.agent.server import AgentHooks
+
+        hooks = AgentHooks()
+        if model.device.type == "cuda":
+            # As vLLM's sleep does: hand torch's cached free blocks back before the CUDA checkpoint
+            # copies device memory into the process image. The decode graph's private pool stays.
+            hooks.before_release.append(torch.cuda.empty_cache)
         start_agent(os.environ["COLDSNAP_CONTROL"], model.layout, {"weights": model.weights, "kv_cache": model.kv},
-                    serving_lock=model.lock, port=args.port)
+                    serving_lock=model.lock, port=args.port, hooks=hooks)
     sys.stderr.write(f"torch_lm: {args.size} on {args.device} ready on {args.host}:{args.port} "
                      f"in {time.perf_counter() - started:.2f} s\n")
     sys.stderr.flush()

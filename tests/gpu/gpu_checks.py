@@ -207,7 +207,7 @@ def capture_restore_on_gpu() -> None:
             return json.loads(r.read())["choices"][0]["token_ids"]
 
     def coldsnap(*args: str, env: dict) -> tuple[int, dict, str]:
-        done = subprocess.run([sys.executable, "-m", "coldsnap", *args, "--receipt-json", "-"], capture_output=True,
+        done = subprocess.run([sys.executable, "-m", "coldsnap", args[0], "--receipt-json", "-", *args[1:]], capture_output=True,
                               text=True, timeout=600, env=env)
         return done.returncode, json.loads(done.stdout), done.stderr
 

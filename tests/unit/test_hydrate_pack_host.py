@@ -36,6 +36,9 @@ def test_pack_from_live_host_region_round_trips(tmp_path):
     ]
     written = write_pack_from_regions(tmp_path, layout, {"weights": weights})
     assert written.path.name == f"{written.sha256}.pack"
+    # the writer's own single-pass hash is recorded: the first restore does not hash it again
+    assert verify_file(written.path).method == "record"
+    os.utime(written.path, ns=(1, 1))  # ...until its identity changes
     assert verify_file(written.path).method == "full-hash"
 
     weights.unmap()  # what prepare does before the snapshot
