@@ -139,6 +139,13 @@ class OperationTimer:
                 )
             )
 
+    def add_timeline_span(self, name: str, start_ns: int, end_ns: int, **attributes: str | int | bool) -> None:
+        """A phase that ran beside the current one (in another thread), measured with :meth:`now_ns`;
+        recorded under the current parent when it is joined."""
+        self.add_span(Span(span_id=f"s{next(self._ids)}", parent_id=self._stack[-1] if self._stack else None,
+                           name=name, clock_id=self.CONTROLLER_CLOCK, placement="timeline", start_ns=start_ns,
+                           duration_ns=max(0, end_ns - start_ns), attributes=dict(attributes)))
+
     def envelope(self) -> TimingEnvelope:
         return TimingEnvelope(clocks=list(self._clocks), spans=list(self._spans))
 

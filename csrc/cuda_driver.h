@@ -60,6 +60,7 @@ constexpr int CU_MEM_LOCATION_TYPE_DEVICE = 1;
 constexpr int CU_MEM_ALLOCATION_TYPE_PINNED = 1;
 constexpr int CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3;
 constexpr int CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0;
+constexpr int CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1;
 constexpr unsigned int CU_STREAM_NON_BLOCKING = 1;
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
 constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 1;
@@ -123,6 +124,8 @@ using PFN_cuMemSetAccess = CUresult (*)(CUdeviceptr, std::size_t, const CUmemAcc
 using PFN_cuMemUnmap = CUresult (*)(CUdeviceptr, std::size_t);
 using PFN_cuMemRelease = CUresult (*)(CUmemGenericAllocationHandle);
 using PFN_cuMemAddressFree = CUresult (*)(CUdeviceptr, std::size_t);
+using PFN_cuMemExportToShareableHandle = CUresult (*)(void*, CUmemGenericAllocationHandle, int, unsigned long long);
+using PFN_cuMemImportFromShareableHandle = CUresult (*)(CUmemGenericAllocationHandle*, void*, int);
 using PFN_cuMemGetAllocationGranularity = CUresult (*)(std::size_t*, const CUmemAllocationProp*,
                                                        CUmemAllocationGranularity_flags);
 
@@ -185,7 +188,9 @@ using PFN_cuMemGetInfo = CUresult (*)(std::size_t*, std::size_t*);
   X(cuMemUnmap, "cuMemUnmap")                       \
   X(cuMemRelease, "cuMemRelease")                   \
   X(cuMemAddressFree, "cuMemAddressFree")           \
-  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity")
+  X(cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity") \
+  X(cuMemExportToShareableHandle, "cuMemExportToShareableHandle")   \
+  X(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle")
 
 // Legacy-default-stream (non _ptds/_ptsz) symbols: every copy goes to an explicit stream anyway.
 #define COLDSNAP_CUDA_COPY(X)                                 \

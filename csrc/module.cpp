@@ -221,14 +221,14 @@ PYBIND11_MODULE(_C, m) {
                                 "A reserved virtual address range whose physical memory can be dropped and "
                                 "mapped again at the same address.")
       .def(py::init([](const std::string& tag, const std::string& backend, int device, std::uint64_t size,
-                       std::uint64_t chunk_bytes, std::uint64_t fixed_address) {
+                       std::uint64_t chunk_bytes, std::uint64_t fixed_address, bool shareable) {
              if (backend != "host" && backend != "cuda") throw std::invalid_argument("backend must be host or cuda");
              py::gil_scoped_release nogil;
              return new mem::StableRegion(tag, backend == "host" ? mem::Backend::Host : mem::Backend::Cuda, device,
-                                          size, chunk_bytes, fixed_address);
+                                          size, chunk_bytes, fixed_address, shareable);
            }),
            py::arg("tag"), py::arg("backend"), py::arg("device"), py::arg("size"), py::arg("chunk_bytes"),
-           py::arg("fixed_address") = 0)
+           py::arg("fixed_address") = 0, py::arg("shareable") = false)
       .def_property_readonly("tag", &mem::StableRegion::tag)
       .def_property_readonly("backend", [](const mem::StableRegion& r) {
         return r.backend() == mem::Backend::Host ? "host" : "cuda";
@@ -249,7 +249,11 @@ PYBIND11_MODULE(_C, m) {
       .def("release", &mem::StableRegion::release, py::call_guard<py::gil_scoped_release>())
       .def("allocate", &mem::StableRegion::allocate, py::arg("length"), py::arg("alignment"))
       .def("deallocate", &mem::StableRegion::deallocate, py::arg("offset"))
-      .def("allocations", &mem::StableRegion::allocations);
+      .def("allocations", &mem::StableRegion::allocations)
+      .def("export_chunks", &mem::StableRegion::export_chunks, py::call_guard<py::gil_scoped_release>(),
+           "POSIX fds of the mapped chunks, in address order; the caller closes them (shareable cuda regions).")
+      .def("adopt_chunks", &mem::StableRegion::adopt_chunks, py::arg("fds"), py::call_guard<py::gil_scoped_release>(),
+           "Map chunks another process exported after what is mapped here (all or nothing); fds stay open.");
 
   m.def("register_region", &mem::register_region, py::arg("region"),
         "Make a region reachable by the torch allocator hooks; returns its id.");

@@ -4,6 +4,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 namespace coldsnap::memory {
@@ -20,19 +22,20 @@ std::string errno_text(const char* what) {
   return std::string(what) + ": " + std::strerror(errno);
 }
 
-CUmemAllocationProp device_prop(int device) {
+CUmemAllocationProp device_prop(int device, bool shareable = false) {
   CUmemAllocationProp prop{};
   prop.type = cuda::CU_MEM_ALLOCATION_TYPE_PINNED;
   prop.location.type = cuda::CU_MEM_LOCATION_TYPE_DEVICE;
   prop.location.id = device;
+  if (shareable) prop.requestedHandleTypes = cuda::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
   return prop;
 }
 
 }  // namespace
 
 StableRegion::StableRegion(std::string tag, Backend backend, int device, std::uint64_t size,
-                           std::uint64_t chunk_bytes, std::uint64_t fixed_address)
-    : tag_(std::move(tag)), backend_(backend), device_(device) {
+                           std::uint64_t chunk_bytes, std::uint64_t fixed_address, bool shareable)
+    : tag_(std::move(tag)), backend_(backend), device_(device), shareable_(shareable && backend == Backend::Cuda) {
   if (size == 0) throw RegionError("region '" + tag_ + "': size must be > 0");
   if (backend_ == Backend::Host) {
     granularity_ = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
@@ -97,57 +100,106 @@ void StableRegion::map_chunks_locked(std::uint64_t end) {
   }
   const std::uint64_t want = round_up(end, chunk_) / chunk_;
   const std::size_t first_new = handles_.size();
-  // CUDA chunks get their access in one call after the loop; a failure inside it gives back every
-  // chunk this call mapped, so no chunk is ever left mapped without access.
-  auto give_back_new = [&] {
-    if (backend_ != Backend::Cuda) return;
-    const auto& api = cuda::use_device(device_);
-    for (std::size_t i = first_new; i < handles_.size(); ++i) {
-      api.cuMemUnmap(base_ + i * chunk_, chunk_);
-      api.cuMemRelease(handles_[i]);
-    }
-    handles_.resize(first_new);
-  };
+  // CUDA chunks get their access in one call after the loop (each call updates the GPU's page
+  // tables: 16 GiB in 64 MiB chunks would be 256 calls); a failure gives back every chunk this call
+  // mapped, so no chunk is ever left mapped without access.
   try {
-  while (handles_.size() < want) {
-    const std::uint64_t offset = handles_.size() * chunk_;
-    if (backend_ == Backend::Host) {
-      void* p = mmap(reinterpret_cast<void*>(base_ + offset), chunk_, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
-      if (p == MAP_FAILED) throw RegionError("region '" + tag_ + "': " + errno_text("mmap map"));
-      handles_.push_back(0);
-    } else {
-      const auto& api = cuda::use_device(device_);
-      CUmemAllocationProp prop = device_prop(device_);
+    while (handles_.size() < want) {
+      const std::uint64_t offset = handles_.size() * chunk_;
+      if (backend_ == Backend::Host) {
+        void* p = mmap(reinterpret_cast<void*>(base_ + offset), chunk_, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+        if (p == MAP_FAILED) throw RegionError("region '" + tag_ + "': " + errno_text("mmap map"));
+        handles_.push_back(0);
+      } else {
+        const auto& api = cuda::use_device(device_);
+        CUmemAllocationProp prop = device_prop(device_, shareable_);
+        CUmemGenericAllocationHandle h = 0;
+        api.check(api.cuMemCreate(&h, chunk_, &prop, 0), "cuMemCreate");
+        cuda::CUresult rc = api.cuMemMap(base_ + offset, chunk_, 0, h, 0);
+        if (rc != cuda::CUDA_SUCCESS) {
+          api.cuMemRelease(h);
+          api.check(rc, "cuMemMap");
+        }
+        handles_.push_back(h);
+      }
+    }
+    if (backend_ == Backend::Cuda) set_access_locked(first_new);
+  } catch (...) {
+    give_back_locked(first_new);
+    throw;
+  }
+  if (handles_.size() * chunk_ > high_water_) high_water_ = handles_.size() * chunk_;
+}
+
+void StableRegion::set_access_locked(std::size_t first_chunk) {
+  if (handles_.size() <= first_chunk) return;
+  const auto& api = cuda::use_device(device_);
+  CUmemAccessDesc access{};
+  access.location.type = cuda::CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device_;
+  access.flags = cuda::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  api.check(api.cuMemSetAccess(base_ + first_chunk * chunk_, (handles_.size() - first_chunk) * chunk_, &access, 1),
+            "cuMemSetAccess");
+}
+
+void StableRegion::give_back_locked(std::size_t first_chunk) {
+  if (backend_ != Backend::Cuda) return;  // host chunks are usable as mapped; unmap() drops them
+  const auto& api = cuda::use_device(device_);
+  for (std::size_t i = first_chunk; i < handles_.size(); ++i) {
+    api.cuMemUnmap(base_ + i * chunk_, chunk_);
+    api.cuMemRelease(handles_[i]);
+  }
+  handles_.resize(std::min(handles_.size(), first_chunk));
+}
+
+std::vector<int> StableRegion::export_chunks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_live();
+  if (!shareable_) throw RegionError("region '" + tag_ + "': not created shareable (cuda, shareable=True)");
+  const auto& api = cuda::use_device(device_);
+  std::vector<int> fds;
+  fds.reserve(handles_.size());
+  for (const auto h : handles_) {
+    int fd = -1;
+    const cuda::CUresult rc = api.cuMemExportToShareableHandle(&fd, h, cuda::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    if (rc != cuda::CUDA_SUCCESS) {
+      for (int open_fd : fds) close(open_fd);
+      api.check(rc, "cuMemExportToShareableHandle");
+    }
+    fds.push_back(fd);
+  }
+  return fds;
+}
+
+void StableRegion::adopt_chunks(const std::vector<int>& fds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  check_live();
+  if (backend_ != Backend::Cuda) throw RegionError("region '" + tag_ + "': only cuda regions adopt exported chunks");
+  if ((handles_.size() + fds.size()) * chunk_ > size_) {
+    throw RegionError("region '" + tag_ + "': " + std::to_string(fds.size()) + " adopted chunks of " +
+                      std::to_string(chunk_) + " bytes exceed its " + std::to_string(size_));
+  }
+  const std::size_t first_new = handles_.size();
+  const auto& api = cuda::use_device(device_);
+  try {
+    for (const int fd : fds) {
       CUmemGenericAllocationHandle h = 0;
-      api.check(api.cuMemCreate(&h, chunk_, &prop, 0), "cuMemCreate");
-      cuda::CUresult rc = api.cuMemMap(base_ + offset, chunk_, 0, h, 0);
+      api.check(api.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<std::intptr_t>(fd)),
+                                                   cuda::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+                "cuMemImportFromShareableHandle");
+      // A chunk of another size fails here (the mapping must cover the whole allocation).
+      const cuda::CUresult rc = api.cuMemMap(base_ + handles_.size() * chunk_, chunk_, 0, h, 0);
       if (rc != cuda::CUDA_SUCCESS) {
         api.cuMemRelease(h);
-        api.check(rc, "cuMemMap");
+        api.check(rc, "cuMemMap (adopted chunk)");
       }
       handles_.push_back(h);
     }
-  }
+    set_access_locked(first_new);
   } catch (...) {
-    give_back_new();
+    give_back_locked(first_new);
     throw;
-  }
-  if (backend_ == Backend::Cuda && handles_.size() > first_new) {
-    // One access change over everything mapped above: each call updates the GPU's page tables, so
-    // per-chunk calls cost a multiple of one (16 GiB in 64 MiB chunks is 256 calls).
-    const auto& api = cuda::use_device(device_);
-    const std::uint64_t from = first_new * chunk_;
-    const std::uint64_t length = (handles_.size() - first_new) * chunk_;
-    CUmemAccessDesc access{};
-    access.location.type = cuda::CU_MEM_LOCATION_TYPE_DEVICE;
-    access.location.id = device_;
-    access.flags = cuda::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    const cuda::CUresult rc = api.cuMemSetAccess(base_ + from, length, &access, 1);
-    if (rc != cuda::CUDA_SUCCESS) {
-      give_back_new();
-      api.check(rc, "cuMemSetAccess");
-    }
   }
   if (handles_.size() * chunk_ > high_water_) high_water_ = handles_.size() * chunk_;
 }

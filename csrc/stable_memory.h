@@ -30,8 +30,9 @@ class StableRegion {
  public:
   // Reserves `size` bytes (rounded up to the chunk size). `fixed_address` != 0 demands exactly that
   // address (fails if it is taken). `chunk_bytes` is rounded up to the backend's granularity.
+  // `shareable` (cuda): chunks are created exportable as POSIX file descriptors (export_chunks).
   StableRegion(std::string tag, Backend backend, int device, std::uint64_t size,
-               std::uint64_t chunk_bytes, std::uint64_t fixed_address);
+               std::uint64_t chunk_bytes, std::uint64_t fixed_address, bool shareable = false);
   ~StableRegion();
   StableRegion(const StableRegion&) = delete;
   StableRegion& operator=(const StableRegion&) = delete;
@@ -56,6 +57,13 @@ class StableRegion {
   // Give the address range back (the region is unusable afterwards).
   void release();
 
+  // Cross-process hand-over of physical memory (cuda). export_chunks: one POSIX file descriptor per
+  // mapped chunk, in address order; the caller owns and closes them (needs shareable). adopt_chunks:
+  // map chunks another process exported, with this region's chunk size, right after what is mapped
+  // here; all or nothing. The memory lives until every process holding it has unmapped it.
+  std::vector<int> export_chunks() const;
+  void adopt_chunks(const std::vector<int>& fds);
+
   // Sub-allocation inside the region (first fit, coalescing free list). Maps as needed.
   // Returns the offset; throws RegionError when the region is exhausted.
   std::uint64_t allocate(std::uint64_t length, std::uint64_t alignment);
@@ -65,12 +73,15 @@ class StableRegion {
 
  private:
   void map_chunks_locked(std::uint64_t end);
+  void set_access_locked(std::size_t first_chunk);  // cuda: read-write access from first_chunk on
+  void give_back_locked(std::size_t first_chunk);   // cuda: unmap + release chunks from first_chunk on
   void unmap_locked();
   void check_live() const;
 
   std::string tag_;
   Backend backend_;
   int device_;
+  bool shareable_ = false;
   std::uint64_t base_ = 0;
   std::uint64_t size_ = 0;
   std::uint64_t chunk_ = 0;

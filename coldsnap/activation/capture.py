@@ -104,6 +104,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             capsule = artifact.write_capsule(unit.unit_id, {
                 "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,
                 "layout": status["layout"], "layout_digest": prepared["layout_digest"],
+                "regions": prepared.get("regions", {}),
                 "criu_options": snapshotter.options.args(),
                 "gpu_pids": gpu_pids, "gpu_uuids": [d["uuid"] for d in gpus],
             })

@@ -12,6 +12,7 @@ it was.
 
 from __future__ import annotations
 
+import os
 import platform
 import socket
 import threading
@@ -30,6 +31,7 @@ from coldsnap.payload.errors import PackError
 from coldsnap.progress import PhaseProgress
 from coldsnap.payload.validation import verify_file
 from coldsnap.activation.qualification import check_driver_floor
+from coldsnap.activation.staging import WeightStager
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
@@ -141,6 +143,12 @@ def restore(context: OperationContext) -> OperationOutcome:
     metadata = capsule["metadata"]
     payload = artifact.root / worker.payload.path if worker.payload else None
 
+    residual = artifact.root / worker.residual.path
+    regions = metadata.get("regions") or {}
+    # GPU weights: hydrated by the launcher during CRIU + CUDA restore and handed over at resume;
+    # otherwise the agent hydrates, and the page cache is warmed meanwhile.
+    stager = (WeightStager(regions, payload, residual, worker.layout_digest, timer.now_ns)
+              if payload is not None and WeightStager.applies(regions) else None)
     prefetch_error: list[BaseException] = []
 
     def prefetch() -> None:
@@ -155,8 +163,12 @@ def restore(context: OperationContext) -> OperationOutcome:
     restored_pid: int | None = None
     try:
         with timer.span("restore.criu_restore") as span:
-            warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
-            warmer.start()
+            if stager is not None:
+                stager.start()
+                warmer = None
+            else:
+                warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
+                warmer.start()
             result = CriuSnapshotter().restore(artifact.images(unit.unit_id))
             restored_pid = result.pid
             span["pid"] = result.pid
@@ -171,21 +183,38 @@ def restore(context: OperationContext) -> OperationOutcome:
                 except CudaCheckpointError as exc:
                     raise OperationFailed("restore.cuda", str(exc)) from None
                 span["processes"] = len(gpu_pids)
-        warmer.join()
+        adopted: dict[str, int] = {}
+        fds: list[int] = []
+        if stager is not None:
+            with timer.span("restore.stage_wait"):
+                staged = stager.join()
+            timer.add_timeline_span("restore.stage_weights", stager.started_ns, stager.finished_ns,
+                                    **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
+            if staged:
+                adopted, fds = stager.export()
+            else:
+                context.warn(f"staging the weights failed ({stager.error}); the process hydrates them itself")
+        if warmer is not None:
+            warmer.join()
         context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
         with timer.span("restore.resume") as span:
             bars = PhaseProgress(f"coldsnap restore [{descriptor.engine}/{descriptor.snapshot_driver}]: ")
+            command = {"command": "resume", "layout_digest": worker.layout_digest}
+            if adopted:
+                command.update(adopted=adopted, staged=stager.stats)
+            else:
+                command.update(payload=str(payload) if payload else None, residual=str(residual))
             try:
-                resumed = request(metadata["control"], {
-                    "command": "resume",
-                    "payload": str(payload) if payload else None,
-                    "residual": str(artifact.root / worker.residual.path),
-                    "layout_digest": worker.layout_digest,
-                }, on_progress=bars)
+                resumed = request(metadata["control"], command, on_progress=bars, fds=fds)
             finally:
                 bars.finish()
+                for fd in fds:
+                    os.close(fd)
+                if stager is not None:
+                    stager.release()
             hydrated = resumed.get("hydrate", {})
-            span.update({"bytes": int(hydrated.get("bytes", 0)), "source": str(hydrated.get("source", ""))})
+            span.update({"bytes": int(hydrated.get("bytes", 0)), "source": str(hydrated.get("source", "")),
+                         "staged": bool(hydrated.get("staged", False))})
             span.update({f"{step}_ns": int(seconds * 1e9) for step, seconds in resumed.get("seconds", {}).items()})
         with timer.span("restore.canary") as span:
             canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
@@ -193,6 +222,9 @@ def restore(context: OperationContext) -> OperationOutcome:
         if canary.token_ids != descriptor.canary.token_ids or canary.text != descriptor.canary.expected_response:
             raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {descriptor.canary.expected_response!r}")
     except BaseException as exc:
+        if stager is not None:
+            stager.join()
+            stager.release()
         if restored_pid is not None:
             kill_tree(restored_pid)
         if isinstance(exc, CriuError):

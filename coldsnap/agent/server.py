@@ -73,19 +73,24 @@ class AgentServer:
         while True:
             connection, _ = self._listener.accept()
             with connection:
+                fds: list[int] = []
                 try:
-                    line = connection.makefile("rb").readline()
+                    line, fds = _receive_line(connection)
                     command = json.loads(line)
-                    reply = {"ok": True, **self.handle(command, _ProgressLines(connection))}
+                    reply = {"ok": True, **self.handle(command, _ProgressLines(connection), fds)}
                 except Exception as exc:  # every failure goes back to the launcher, none kills the engine
                     log.exception("coldsnap agent command failed")
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                finally:
+                    for fd in fds:  # adopted memory holds its own references
+                        os.close(fd)
                 try:
                     connection.sendall(json.dumps(reply).encode() + b"\n")
                 except OSError:
                     pass
 
-    def handle(self, command: dict[str, Any], progress: "_ProgressLines | None" = None) -> dict[str, Any]:
+    def handle(self, command: dict[str, Any], progress: "_ProgressLines | None" = None,
+               fds: list[int] | None = None) -> dict[str, Any]:
         name = command.get("command")
         progress = progress or _ProgressLines(None)
         if name == "status":
@@ -93,7 +98,7 @@ class AgentServer:
         if name == "prepare":
             return self.prepare(Path(command["pack_dir"]), bool(command.get("generate_pack", True)), progress)
         if name == "resume":
-            return self.resume(command, progress)
+            return self.resume(command, progress, fds or [])
         raise AgentError(f"unknown command {name!r}")
 
     def status(self) -> dict[str, Any]:
@@ -104,7 +109,8 @@ class AgentServer:
             "layout_digest": self.layout.digest(),
             "layout": self.layout.to_json_value(),
             "regions": {
-                tag: {"backend": r.backend, "device": r.device, "base": r.base, "size": r.size, "mapped": r.mapped_bytes}
+                tag: {"backend": r.backend, "device": r.device, "base": r.base, "size": r.size, "mapped": r.mapped_bytes,
+                      "high_water": r.high_water, "chunk_bytes": r.chunk_bytes}
                 for tag, r in self.regions.items()
             },
         }
@@ -154,6 +160,7 @@ class AgentServer:
         self._arm_watchdog()
         # What the process image will hold: its resident memory once model memory is gone.
         return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
+                "regions": self.status()["regions"],
                 "device_bytes": _torch_device_bytes()}
 
     def _arm_watchdog(self) -> None:
@@ -173,7 +180,9 @@ class AgentServer:
 
         threading.Thread(target=watch, name="coldsnap-agent-watchdog", daemon=True).start()
 
-    def resume(self, command: dict[str, Any], progress: "_ProgressLines") -> dict[str, Any]:
+    def resume(self, command: dict[str, Any], progress: "_ProgressLines", fds: list[int]) -> dict[str, Any]:
+        """Map the regions again and fill them: from chunks the launcher already hydrated (``adopted``:
+        tag → chunk count, the file descriptors in that order), else from the pack or safetensors."""
         if self.state != "prepared":
             raise AgentError(f"resume needs state prepared, not {self.state}")
         from coldsnap.hydrate import hydrate_pack, replay_safetensors
@@ -182,11 +191,27 @@ class AgentServer:
         digest = command.get("layout_digest") or self.layout.digest()
         if digest != self.layout.digest():
             raise AgentError(f"layout digest {digest[:12]}… is not this process's {self.layout.digest()[:12]}…")
+        adopted: dict[str, int] = command.get("adopted") or {}
+        if sum(adopted.values()) != len(fds) or not set(adopted) <= set(self.regions):
+            raise AgentError(f"adopted chunks {adopted} do not match the {len(fds)} descriptors sent or this process's regions")
+        taken = 0
         for region in self.regions.values():
-            _timed(seconds, f"map_{region.tag}", region.map)
+            count = adopted.get(region.tag, 0)
+            if count and count * region.chunk_bytes != region.high_water:
+                raise AgentError(f"region {region.tag!r}: {count} adopted chunks do not cover the "
+                                 f"{region.high_water} bytes mapped before the snapshot")
+        for tag, count in adopted.items():  # descriptors arrive in this order
+            region = self.regions[tag]
+            _timed(seconds, f"adopt_{tag}", lambda: region.adopt_chunks(fds[taken:taken + count]))
+            taken += count
+        for region in self.regions.values():
+            if region.tag not in adopted:
+                _timed(seconds, f"map_{region.tag}", region.map)
         hydrated: dict[str, Any] = {}
         weights = {t: r for t, r in self.regions.items() if t != "kv_cache"}
-        if command.get("payload"):
+        if adopted and set(weights) <= set(adopted):  # the launcher hydrated payload and residual
+            hydrated = {"source": "native", "staged": True, **(command.get("staged") or {})}
+        elif command.get("payload"):
             stats = _timed(seconds, "hydrate", lambda: hydrate_pack(command["payload"], weights, layout_digest=digest,
                                                                     progress=progress.phase("hydrating weights")))
             hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "gb_per_s": round(stats.gb_per_s, 3),
@@ -262,14 +287,37 @@ def start_agent(control: str, layout: MemoryLayout, regions: Mapping[str, Stable
     return _agent
 
 
+MAX_FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253 descriptors per message on Linux
+
+
+def _receive_line(connection: socket.socket) -> tuple[bytes, list[int]]:
+    """One command line and every file descriptor sent with it (SCM_RIGHTS, in order)."""
+    data, fds = b"", []
+    while b"\n" not in data:
+        chunk, received, _, _ = socket.recv_fds(connection, 1 << 16, MAX_FDS_PER_MESSAGE)
+        fds += received
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0], fds
+
+
 def request(control: str, command: dict[str, Any], timeout: float = 600,
-            on_progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+            on_progress: Callable[[str, int, int], None] | None = None, fds: list[int] | None = None) -> dict[str, Any]:
     """Send one command to the agent at ``control``; raises :class:`AgentError` with its reason.
-    Progress lines the agent streams before its reply go to ``on_progress(phase, done, total)``."""
+    Progress lines the agent streams before its reply go to ``on_progress(phase, done, total)``.
+    ``fds`` travel with the command (SCM_RIGHTS); the caller still owns and closes its copies."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
         connection.settimeout(timeout)
         connection.connect(_address(control))
-        connection.sendall(json.dumps(command).encode() + b"\n")
+        line = json.dumps(command).encode() + b"\n"
+        batches = [list(fds[i:i + MAX_FDS_PER_MESSAGE]) for i in range(0, len(fds or []), MAX_FDS_PER_MESSAGE)]
+        for batch in batches[:-1]:
+            socket.send_fds(connection, [b" "], batch)  # JSON allows leading blanks
+        if batches:
+            socket.send_fds(connection, [line], batches[-1])
+        else:
+            connection.sendall(line)
         reader = connection.makefile("rb")
         while True:
             line = reader.readline()

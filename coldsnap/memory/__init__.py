@@ -16,6 +16,7 @@ from coldsnap.memory.regions import (
     regions,
     release_all,
     reserve,
+    reserve_staging,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "regions",
     "release_all",
     "reserve",
+    "reserve_staging",
 ]

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 from coldsnap.native import native
 
 __all__ = [
+    "reserve_staging",
     "REGION_TAGS",
     "RegionError",
     "AllocationError",
@@ -66,6 +67,8 @@ class StableRegion:
             return getattr(self._handle, method)(*args)
         except C.RegionError as exc:
             raise RegionError(str(exc)) from None
+        except C.CudaError as exc:
+            raise RegionError(f"region {self.tag!r}: {exc}") from None
 
     def map(self, length: int | None = None) -> None:
         """Back ``[0, length)`` with physical memory; by default what was mapped before the last
@@ -93,6 +96,17 @@ class StableRegion:
     def allocations(self) -> list[tuple[int, int]]:
         """``(offset, length)`` of every live allocation: the bytes a snapshot must preserve."""
         return self._call("allocations")
+
+    def export_chunks(self) -> list[int]:
+        """One POSIX file descriptor per mapped chunk, in address order, for another process's
+        :meth:`adopt_chunks`; the caller closes them. Only regions from :func:`reserve_staging`."""
+        return self._call("export_chunks")
+
+    def adopt_chunks(self, fds: list[int]) -> None:
+        """Map chunks another process exported (same chunk size) right after what is mapped here, all
+        or nothing; the file descriptors stay open (the caller closes them). The bytes are whatever
+        the exporter wrote: this is how weights hydrated outside the process arrive at their address."""
+        self._call("adopt_chunks", list(fds))
 
     def release(self) -> None:
         """Give the address range back; the region cannot be used afterwards."""
@@ -181,6 +195,20 @@ def reserve(
             raise RegionError(f"region {tag!r}: {exc}") from None
         created = _regions[tag] = StableRegion(handle)
         return created
+
+
+def reserve_staging(tag: str, size: int, *, device: int = 0, chunk_bytes: int) -> StableRegion:
+    """A GPU region whose chunks can be exported to another process, outside the per-tag registry
+    (a launcher stages several restores one after another). ``chunk_bytes`` must be the chunk size of
+    the region that will adopt the chunks. Release it when done; adopted memory lives on."""
+    C = native()
+    try:
+        handle = C.StableRegion(tag, "cuda", device, size, chunk_bytes, 0, True)
+    except C.RegionError as exc:
+        raise RegionError(str(exc)) from None
+    except C.CudaError as exc:
+        raise RegionError(f"staging region {tag!r}: {exc}") from None
+    return StableRegion(handle)
 
 
 def get_region(tag: str) -> StableRegion:

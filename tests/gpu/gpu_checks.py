@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from coldsnap.hydrate import CopyItem, HydrationError, hydrate_items
-from coldsnap.memory import AllocationError, reserve
+from coldsnap.memory import AllocationError, RegionError, reserve
 
 MiB = 1 << 20
 
@@ -168,6 +168,59 @@ def torch_lm_cuda_graph_decode() -> None:
     print("graph vs eager agree on", sum(a == b for a, b in zip(graphed, eager)), "of 16 tokens")
 
 
+STAGING_CHILD = """
+import socket, sys, torch
+from coldsnap.memory import reserve_staging
+total = int(sys.argv[3])
+staging = reserve_staging("weights", total, device=0, chunk_bytes=int(sys.argv[2]))
+staging.map(total)
+view = staging.tensor(torch.int32, (total // 4,))
+view.copy_(torch.arange(view.numel(), dtype=torch.int32, device="cuda"))
+torch.cuda.synchronize()
+fds = staging.export_chunks()
+socket.send_fds(socket.socket(fileno=int(sys.argv[1])), [b"x"], fds)
+staging.release()  # the exporter lets go (and exits) before anyone adopts
+"""
+
+
+def staged_chunks_adopted_by_another_process() -> None:
+    """The hand-over restore uses: chunks hydrated in one process, exported as fds, mapped at another
+    process's stable address after the exporter exited; a chunk-size mismatch changes nothing."""
+    import socket
+    import subprocess
+
+    def staged_fds(chunk_bytes: int, total: int = 256 * MiB) -> list[int]:
+        parent, child = socket.socketpair()
+        with parent, child:
+            subprocess.run([sys.executable, "-c", STAGING_CHILD, str(child.fileno()), str(chunk_bytes), str(total)],
+                           pass_fds=[child.fileno()], check=True, timeout=120)
+            _, fds, _, _ = socket.recv_fds(parent, 16, 64)
+        return fds
+
+    region = reserve("weights", 256 * MiB, backend="cuda", chunk_bytes=64 * MiB)
+    wrong = staged_fds(32 * MiB, 128 * MiB)  # 4 chunks, each half this region's chunk size
+    try:
+        region.adopt_chunks(wrong)
+        raise AssertionError("chunks of another size were adopted")
+    except RegionError as exc:
+        print("refused:", exc)
+    finally:
+        for fd in wrong:
+            os.close(fd)
+    assert region.mapped_bytes == 0
+    fds = staged_fds(64 * MiB)
+    region.adopt_chunks(fds)
+    for fd in fds:
+        os.close(fd)
+    assert region.mapped_bytes == 256 * MiB
+    t = region.tensor(torch.int32, (64 * MiB,))
+    assert torch.equal(t, torch.arange(t.numel(), dtype=torch.int32, device="cuda"))
+    region.unmap()
+    region.map()  # after an unmap, ordinary chunks again
+    assert region.mapped_bytes == 256 * MiB
+    print("adopted 4 chunks at", hex(region.base))
+
+
 GPU_FILLER = """
 import sys, torch
 held = []
@@ -259,6 +312,9 @@ def capture_restore_on_gpu() -> None:
             spans = {s["name"]: s["duration_ns"] / 1e9 for s in receipt["timing"]["spans"]}
             print(f"restore {attempt} phases:", {n: round(v, 3) for n, v in spans.items()})
             assert "restore.cuda_restore" in spans
+            resume = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.resume")["attributes"]
+            print("resume:", resume)
+            assert resume["staged"] is True and resume["source"] == "native"  # the launcher hydrated, the agent adopted
             assert complete(port) == expected  # same greedy tokens as a cold start, through the CUDA graph
             kill_tree(root_pid)
 
@@ -280,7 +336,8 @@ def capture_restore_on_gpu() -> None:
 
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
                                   hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip,
-                                  torch_lm_cuda_graph_decode, capture_restore_on_gpu)}
+                                  torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
+                                  capture_restore_on_gpu)}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

@@ -1,0 +1,105 @@
+"""Weights hydrated by the launcher while CRIU and the CUDA driver restore the process.
+
+The restored process cannot take bytes before it exists, so hydrating inside it serializes the pack
+copy (~0.3 s for 16 GB at 50+ GB/s, more when cold) after CRIU restore + CUDA restore. Instead the
+launcher maps shareable GPU chunks of the captured chunk size, hydrates the payload and residual into
+them while the process tree is restored, and hands the chunks over as POSIX file descriptors with the
+``resume`` command; the agent maps them at the region's stable address (``adopt_chunks``, ~10 ms for
+16 GiB). The launcher then drops its own mapping; the memory lives on in the restored process.
+
+Used for CUDA regions with a native pack; host regions and recovery replay hydrate in the agent.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coldsnap.hydrate import hydrate_pack
+from coldsnap.memory import RegionError, StableRegion, reserve_staging
+from coldsnap.native import native
+
+__all__ = ["WeightStager"]
+
+
+@dataclass
+class WeightStager:
+    """Runs the staging in a thread; :meth:`join` returns once the chunks are ready (or failed)."""
+
+    regions: dict[str, Any]
+    """The capsule's region records (tag → backend, device, high_water, chunk_bytes)."""
+    payload: Path
+    residual: Path | None
+    layout_digest: str
+    now_ns: Any
+    staged: dict[str, StableRegion] = field(default_factory=dict)
+    error: BaseException | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+    started_ns: int = 0
+    finished_ns: int = 0
+    _thread: threading.Thread | None = None
+
+    @staticmethod
+    def applies(regions: dict[str, Any]) -> bool:
+        """Whether there is anything to stage: GPU regions other than KV with bytes to fill."""
+        return any(tag != "kv_cache" and r.get("backend") == "cuda" and r.get("high_water") and r.get("chunk_bytes")
+                   for tag, r in regions.items())
+
+    def start(self) -> "WeightStager":
+        self._thread = threading.Thread(target=self._run, name="coldsnap-stage-weights", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        self.started_ns = self.now_ns()
+        try:
+            for tag, record in self.regions.items():
+                if tag == "kv_cache" or record.get("backend") != "cuda" or not record.get("high_water"):
+                    continue
+                region = reserve_staging(tag, record["high_water"], device=record["device"], chunk_bytes=record["chunk_bytes"])
+                self.staged[tag] = region
+                region.map(record["high_water"])
+            payload = hydrate_pack(self.payload, self.staged, layout_digest=self.layout_digest)
+            seconds = payload.seconds
+            if self.residual is not None:
+                seconds += hydrate_pack(self.residual, self.staged, layout_digest=self.layout_digest).seconds
+            self.stats = {"bytes": payload.bytes, "seconds": round(seconds, 4), "gb_per_s": round(payload.gb_per_s, 3),
+                          "direct": payload.direct, "cached_fraction": payload.cached_fraction}
+        except BaseException as exc:  # never lost: the launcher falls back to hydrating in the agent
+            self.error = exc
+            self.release()
+        finally:
+            native().release_pinned()
+            self.finished_ns = self.now_ns()
+
+    def join(self) -> bool:
+        """Wait for the staging; True when every chunk is hydrated and can be handed over."""
+        if self._thread is not None:
+            self._thread.join()
+        return self.error is None and bool(self.staged)
+
+    def export(self) -> tuple[dict[str, int], list[int]]:
+        """``adopted`` (tag → chunk count, in descriptor order) and the descriptors; close them after sending."""
+        adopted, fds = {}, []
+        try:
+            for tag, region in self.staged.items():
+                chunks = region.export_chunks()
+                adopted[tag] = len(chunks)
+                fds += chunks
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        return adopted, fds
+
+    def release(self) -> None:
+        """Drop the launcher's mappings and addresses (memory already adopted stays with the process)."""
+        for region in self.staged.values():
+            try:
+                region.release()
+            except RegionError:
+                pass
+        self.staged.clear()
