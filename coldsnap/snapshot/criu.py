@@ -185,7 +185,7 @@ class CriuSnapshotter:
         shm_before = {p.name for p in process_tree.SHM_DIR.iterdir()} if process_tree.SHM_DIR.is_dir() else set()
         started = time.monotonic()
         # --link-remap: files unlinked while open (semaphores, temp files) are linked back under a new name.
-        args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", "dump.log", "--link-remap", *self.options.args()]
+        args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", "dump.log", "--link-remap", *self.options.args(), *_log_level()]
         result = self.criu._run("dump", args, timeout=timeout)
         seconds = time.monotonic() - started
         if result.returncode != 0:
@@ -208,7 +208,8 @@ class CriuSnapshotter:
         pidfile.unlink(missing_ok=True)
         log = f"restore-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
         started = time.monotonic()
-        args = ["restore", "-D", str(images), "-d", "-o", log, "--pidfile", str(pidfile), *self.options.args()]
+        args = ["restore", "-D", str(images), "-d", "-o", log, "--pidfile", str(pidfile), *self.options.args(),
+                *_log_level()]
         result = self.criu._run("restore", args, timeout=timeout)
         seconds = time.monotonic() - started
         if result.returncode != 0:
@@ -218,3 +219,10 @@ class CriuSnapshotter:
         except (OSError, ValueError):
             raise CriuError("restore", None, f"CRIU reported success but wrote no pid to {pidfile}") from None
         return RestoreResult(pid=pid, seconds=seconds)
+
+
+def _log_level() -> list[str]:
+    """``COLDSNAP_CRIU_LOG_LEVEL=4`` (0-4) makes CRIU's logs verbose and timestamped, for diagnosing
+    where a dump or restore spends its time; unset, CRIU's default (warnings and errors)."""
+    level = os.environ.get("COLDSNAP_CRIU_LOG_LEVEL", "")
+    return [f"-v{level}"] if level in ("0", "1", "2", "3", "4") else []
