@@ -23,9 +23,9 @@ from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.progress import PhaseProgress
-from coldsnap.snapshot.criu import CriuError, CriuSnapshotter
+from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
-from coldsnap.snapshot.process_tree import anonymous_bytes, tree_pids
+from coldsnap.snapshot.process_tree import anonymous_bytes, connected_tcp_sockets, tree_pids
 
 __all__ = ["capture", "READY_TIMEOUT_S"]
 
@@ -88,7 +88,11 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                 span["anonymous_bytes_before"] = anonymous_before_checkpoint
                 span["anonymous_bytes_after"] = anonymous_bytes(pids)
         with timer.span("capture.criu_dump") as span:
-            snapshotter = CriuSnapshotter()
+            # No connected TCP socket (the canary's connection is closed): no --tcp-established and no
+            # network lock, which saves nftables work at dump and at every restore.
+            tcp = "established" if connected_tcp_sockets(pids) else "none"
+            snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp=tcp))
+            span["tcp"] = tcp
             result = snapshotter.dump(engine.pid, artifact.images(unit.unit_id))
             dumped = True
             engine.process.wait(timeout=30)
@@ -105,7 +109,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                 "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,
                 "layout": status["layout"], "layout_digest": prepared["layout_digest"],
                 "regions": prepared.get("regions", {}),
-                "criu_options": snapshotter.options.args(),
+                "criu_options": snapshotter.options.args(), "criu_tcp": snapshotter.options.tcp,
                 "gpu_pids": gpu_pids, "gpu_uuids": [d["uuid"] for d in gpus],
             })
             payload = prepared.get("payload")

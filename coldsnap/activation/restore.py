@@ -33,7 +33,7 @@ from coldsnap.payload.validation import verify_file
 from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.activation.staging import WeightStager
 from coldsnap.doctor import nvidia_kernel_driver
-from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter
+from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
 
 __all__ = ["restore", "admit"]
@@ -85,6 +85,18 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
                                   f"request asks {context.request.engine}/{context.request.snapshot_driver}")
         if len(descriptor.units) != 1:
             raise OperationFailed("admission.topology", "this build restores one launch unit")
+    # `criu check` (~0.1 s) runs while the platform is probed (~0.1 s, CUDA init); its span is the wait.
+    criu_checked: dict[str, Any] = {}
+
+    def check_criu() -> None:
+        try:
+            criu = Criu()
+            criu_checked["version"], criu_checked["check"] = criu.version(), criu.check()
+        except CriuError as exc:
+            criu_checked["error"] = exc
+
+    checker = threading.Thread(target=check_criu, name="coldsnap-criu-check", daemon=True)
+    checker.start()
     with timer.span("restore.admission.platform"):
         if descriptor.platform.arch != platform.machine():
             raise OperationFailed("admission.platform", f"captured on {descriptor.platform.arch}, this is {platform.machine()}")
@@ -93,12 +105,10 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
         if descriptor.platform.nvidia_driver is not None:
             _admit_gpu(context, descriptor)
     with timer.span("restore.admission.criu"):
-        try:
-            criu = Criu()
-            version = criu.version()
-            check = criu.check()
-        except CriuError as exc:
-            raise OperationFailed("admission.criu", str(exc)) from None
+        checker.join()
+        if "error" in criu_checked:
+            raise OperationFailed("admission.criu", str(criu_checked["error"])) from None
+        version, check = criu_checked["version"], criu_checked["check"]
         if version[:2] < MINIMUM_VERSION:
             raise OperationFailed("admission.criu", f"CRIU {'.'.join(map(str, version))} is too old (need 4.2+)")
         if not check.ok:
@@ -169,7 +179,8 @@ def restore(context: OperationContext) -> OperationOutcome:
             else:
                 warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
                 warmer.start()
-            result = CriuSnapshotter().restore(artifact.images(unit.unit_id))
+            options = SnapshotOptions(tcp=metadata.get("criu_tcp", "established"))  # as dumped
+            result = CriuSnapshotter(options=options).restore(artifact.images(unit.unit_id))
             restored_pid = result.pid
             span["pid"] = result.pid
         gpu_pids = list(metadata.get("gpu_pids") or [])

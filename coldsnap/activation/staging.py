@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.hydrate import hydrate_pack
-from coldsnap.memory import RegionError, StableRegion, reserve_staging
+from coldsnap.memory import DISCARDED_TAGS, RegionError, StableRegion, reserve_staging
 from coldsnap.native import native
 
 __all__ = ["WeightStager"]
@@ -45,7 +45,7 @@ class WeightStager:
     @staticmethod
     def applies(regions: dict[str, Any]) -> bool:
         """Whether there is anything to stage: GPU regions other than KV with bytes to fill."""
-        return any(tag != "kv_cache" and r.get("backend") == "cuda" and r.get("high_water") and r.get("chunk_bytes")
+        return any(tag not in DISCARDED_TAGS and r.get("backend") == "cuda" and r.get("high_water") and r.get("chunk_bytes")
                    for tag, r in regions.items())
 
     def start(self) -> "WeightStager":
@@ -57,7 +57,7 @@ class WeightStager:
         self.started_ns = self.now_ns()
         try:
             for tag, record in self.regions.items():
-                if tag == "kv_cache" or record.get("backend") != "cuda" or not record.get("high_water"):
+                if tag in DISCARDED_TAGS or record.get("backend") != "cuda" or not record.get("high_water"):
                     continue
                 region = reserve_staging(tag, record["high_water"], device=record["device"], chunk_bytes=record["chunk_bytes"])
                 self.staged[tag] = region

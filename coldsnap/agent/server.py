@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from coldsnap.contracts.layout import MemoryLayout
-from coldsnap.memory.regions import StableRegion
+from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
 from coldsnap.native import native
 
 __all__ = ["AgentHooks", "AgentServer", "AgentError", "start_agent", "request"]
@@ -121,8 +121,8 @@ class AgentServer:
         out = {}
         for region_layout in self.layout.regions:
             region = self.regions.get(region_layout.tag)
-            if region is None or region_layout.tag == "kv_cache":
-                continue  # KV is discarded, never preserved
+            if region is None or region_layout.tag in DISCARDED_TAGS:
+                continue  # KV and graph scratch are discarded, never preserved
             blocks = region.allocations() or [(t.offset, t.length) for t in region_layout.tensors if t.length]
             if blocks:
                 out[region_layout.tag] = blocks
@@ -208,7 +208,7 @@ class AgentServer:
             if region.tag not in adopted:
                 _timed(seconds, f"map_{region.tag}", region.map)
         hydrated: dict[str, Any] = {}
-        weights = {t: r for t, r in self.regions.items() if t != "kv_cache"}
+        weights = {t: r for t, r in self.regions.items() if t not in DISCARDED_TAGS}
         if adopted and set(weights) <= set(adopted):  # the launcher hydrated payload and residual
             hydrated = {"source": "native", "staged": True, **(command.get("staged") or {})}
         elif command.get("payload"):
@@ -224,9 +224,9 @@ class AgentServer:
             hydrated = {"source": "recovery", "bytes": total, "seconds": seconds["hydrate"]}
         else:
             raise AgentError("resume needs a payload pack or safetensors files")
-        kv = self.regions.get("kv_cache")
-        if kv is not None:
-            _timed(seconds, "kv_zero", kv.zero)
+        for tag in DISCARDED_TAGS:
+            if tag in self.regions:
+                _timed(seconds, f"zero_{tag}", self.regions[tag].zero)
         for hook in self.hooks.after_resume:
             hook()
         self.state = "serving"

@@ -7,11 +7,13 @@ Nothing here imports torch or touches a GPU until a region is reserved or a tens
 """
 
 from coldsnap.memory.regions import (
+    DISCARDED_TAGS,
     REGION_TAGS,
     AllocationError,
     RegionError,
     StableRegion,
     get_region,
+    graph_pool,
     region,
     regions,
     release_all,
@@ -20,11 +22,13 @@ from coldsnap.memory.regions import (
 )
 
 __all__ = [
+    "DISCARDED_TAGS",
     "REGION_TAGS",
     "AllocationError",
     "RegionError",
     "StableRegion",
     "get_region",
+    "graph_pool",
     "region",
     "regions",
     "release_all",

@@ -11,6 +11,8 @@ from typing import Any, Iterator
 from coldsnap.native import native
 
 __all__ = [
+    "DISCARDED_TAGS",
+    "graph_pool",
     "reserve_staging",
     "REGION_TAGS",
     "RegionError",
@@ -28,6 +30,11 @@ REGION_TAGS = ("weights", "kv_cache", "cudagraph", "runtime")
 # Physical memory is mapped in chunks as allocations reach it. GPU chunks are large (few VMM handles,
 # fast remap); host chunks are small (no memory committed before it is used).
 DEFAULT_CHUNK_BYTES = {"cuda": 64 << 20, "host": 2 << 20}
+
+
+DISCARDED_TAGS = ("kv_cache", "cudagraph")
+"""Regions whose bytes a snapshot drops: KV is recomputed, graph memory is scratch between replays.
+They are never packed or staged; resume maps them again and zeroes them."""
 
 
 class RegionError(RuntimeError):
@@ -263,6 +270,34 @@ def region(tag: str) -> Iterator[StableRegion]:
     try:
         with torch.cuda.use_mem_pool(pool, device=torch.device("cuda", created.device)):
             yield created
+    except Exception as exc:
+        stored = C.take_allocator_error()
+        if stored:
+            raise AllocationError(f"region {tag!r}: {stored}") from exc
+        raise
+    finally:
+        C.set_active_region(previous)
+    stored = C.take_allocator_error()
+    if stored:
+        raise AllocationError(f"region {tag!r}: {stored}")
+
+
+@contextlib.contextmanager
+def graph_pool(tag: str = "cudagraph") -> Iterator[Any]:
+    """``with graph_pool() as pool: with torch.cuda.graph(g, pool=pool): ...`` puts the graph's private
+    memory in the stable region ``tag``. Between replays that memory is scratch (every replay rewrites
+    it before reading), so a snapshot discards it like the KV cache: the CUDA checkpoint does not copy
+    it into the process image, and resume maps it again at the same addresses the graph captured."""
+    created = get_region(tag)
+    if created.backend != "cuda":
+        raise RegionError(f"region {tag!r} is a host region; CUDA graphs need a CUDA region")
+    C = native()
+    pool = _torch_pool(created)
+    C.take_allocator_error()
+    previous = C.active_region()
+    C.set_active_region(created.id)
+    try:
+        yield pool.id
     except Exception as exc:
         stored = C.take_allocator_error()
         if stored:

@@ -107,7 +107,7 @@ class Criu:
         return CriuCheck(ok=result.returncode == 0 and "Looks good" in result.stdout + result.stderr, output=output)
 
 
-TcpMode = Literal["established", "close"]
+TcpMode = Literal["established", "close", "none"]
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,10 @@ class SnapshotOptions:
 
     tcp: TcpMode = "established"
     """``established``: live TCP connections are dumped and restored (needs a network lock);
-    ``close``: they are dropped at dump and restored closed."""
+    ``close``: they are dropped at dump and restored closed; ``none``: the tree has no connected TCP
+    socket (listening ones are fine), so no flag and no network lock — CRIU then neither probes
+    nftables nor unlocks anything, ~0.25 s less per dump and per restore. A connection that appears
+    anyway makes the dump fail cleanly."""
     network_lock: Literal["nftables", "iptables"] = "nftables"
     """How established connections are frozen; these hosts have no iptables, CRIU's default."""
     external_unix_sockets: bool = True
@@ -131,7 +134,7 @@ class SnapshotOptions:
         out = ["--file-locks", "--manage-cgroups=ignore", "--ghost-limit", str(self.ghost_limit_bytes)]
         if self.tcp == "established":
             out += ["--tcp-established", "--network-lock", self.network_lock]
-        else:
+        elif self.tcp == "close":
             out += ["--tcp-close"]
         if self.external_unix_sockets:
             out += ["--ext-unix-sk"]

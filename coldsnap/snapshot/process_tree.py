@@ -22,7 +22,7 @@ from pathlib import Path
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "capture_tree_files", "prepare_restore", "STATE_FILE"]
+__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "connected_tcp_sockets", "capture_tree_files", "prepare_restore", "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -216,3 +216,35 @@ def anonymous_bytes(pids: list[int]) -> int:
         except OSError:
             continue
     return total
+
+
+def connected_tcp_sockets(pids: list[int]) -> int:
+    """TCP sockets of ``pids`` that are not listening (established, closing...): what needs CRIU's
+    ``--tcp-established``. Read from each process's own network namespace view."""
+    inodes: set[str] = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    if not inodes:
+        return 0
+    connected = set()
+    for pid in pids[:1]:  # one tree, one network namespace
+        for table in ("tcp", "tcp6"):
+            try:
+                with open(f"/proc/{pid}/net/{table}") as handle:
+                    next(handle, None)
+                    for row in handle:
+                        fields = row.split()
+                        if len(fields) > 9 and fields[3] not in ("0A", "07") and fields[9] in inodes:  # LISTEN, CLOSE
+                            connected.add(fields[9])
+            except OSError:
+                continue
+    return len(connected)

@@ -30,12 +30,13 @@ from pathlib import Path
 import torch
 
 from coldsnap.contracts.layout import MemoryLayout
-from coldsnap.memory import reserve
+from coldsnap.memory import graph_pool, reserve
 
 __all__ = ["LmShape", "SIZES", "TorchLM", "encode", "decode", "main"]
 
 ALIGN = 4096  # tensor offsets in the weights region (O_DIRECT-friendly pack extents)
 BYTE_OFFSET = 3  # 0 pad, 1 bos, 2 eos
+GRAPH_REGION_BYTES = 16 << 30  # address space for the decode graph's memory (8b needs ~0.3 GiB)
 
 
 @dataclass(frozen=True)
@@ -121,10 +122,14 @@ class TorchLM:
         kv_bytes = self.kv_shape_numel() * element
         self.weights = reserve("weights", offset, backend=backend, device=self.device.index or 0)
         self.kv = reserve("kv_cache", kv_bytes, backend=backend, device=self.device.index or 0)
-        self.layout = MemoryLayout.model_validate({"format": 1, "regions": [
-            {"tag": "weights", "size_bytes": self.weights.size, "tensors": tensors},
-            {"tag": "kv_cache", "size_bytes": self.kv.size, "tensors": []},
-        ]})
+        regions = [{"tag": "weights", "size_bytes": self.weights.size, "tensors": tensors},
+                   {"tag": "kv_cache", "size_bytes": self.kv.size, "tensors": []}]
+        # The decode graph's private memory: address space only, mapped as the capture allocates.
+        self.graph_memory = (reserve("cudagraph", GRAPH_REGION_BYTES, backend="cuda", device=self.device.index or 0)
+                             if cuda_graphs and self.device.type == "cuda" else None)
+        if self.graph_memory is not None:
+            regions.append({"tag": "cudagraph", "size_bytes": self.graph_memory.size, "tensors": []})
+        self.layout = MemoryLayout.model_validate({"format": 1, "regions": regions})
         self.weights.map(offset)
         self.kv.map(kv_bytes)
         self.params = {t["name"]: self.weights.tensor(self.dtype, t["shape"], t["offset"]) for t in tensors}
@@ -221,8 +226,16 @@ class TorchLM:
                 self._decode_step()
         torch.cuda.current_stream(self.device).wait_stream(side)
         self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._graph_logits = self._decode_step()
+        try:
+            # Relaxed: the region maps physical memory (cuMemCreate/cuMemMap) as the capture allocates.
+            with graph_pool("cudagraph") as pool, torch.cuda.graph(self._graph, pool=pool, capture_error_mode="relaxed"):
+                self._graph_logits = self._decode_step()
+        except RuntimeError as exc:  # still serve, with the graph memory in torch's own pool (and the image)
+            sys.stderr.write(f"torch_lm: capturing the decode graph into the cudagraph region failed ({exc}); "
+                             "using torch's graph pool\n")
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._graph_logits = self._decode_step()
         self.kv.zero()  # the warm-up wrote position 0
 
     def _decode(self, token: int, position: int) -> torch.Tensor:
@@ -351,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
             # As vLLM's sleep does: hand torch's cached free blocks back before the CUDA checkpoint
             # copies device memory into the process image. The decode graph's private pool stays.
             hooks.before_release.append(torch.cuda.empty_cache)
-        start_agent(os.environ["COLDSNAP_CONTROL"], model.layout, {"weights": model.weights, "kv_cache": model.kv},
+        regions = {"weights": model.weights, "kv_cache": model.kv}
+        if model.graph_memory is not None:
+            regions["cudagraph"] = model.graph_memory
+        start_agent(os.environ["COLDSNAP_CONTROL"], model.layout, regions,
                     serving_lock=model.lock, port=args.port, hooks=hooks)
     sys.stderr.write(f"torch_lm: {args.size} on {args.device} ready on {args.host}:{args.port} "
                      f"in {time.perf_counter() - started:.2f} s\n")

@@ -55,3 +55,20 @@ def test_scan_sees_children_and_written_files(tmp_path):
     finally:
         child.kill()
         child.wait()
+
+
+def test_connected_tcp_sockets_counts_connections_not_listeners():
+    import socket
+
+    from coldsnap.snapshot.process_tree import connected_tcp_sockets
+
+    me = [os.getpid()]
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        before = connected_tcp_sockets(me)
+        with socket.create_connection(listener.getsockname()) as client:
+            server, _ = listener.accept()
+            with server:
+                assert connected_tcp_sockets(me) == before + 2  # both ends live in this process
+    assert connected_tcp_sockets(me) == before
