@@ -57,12 +57,22 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
         print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
         return False
     summary = document["summary"]
-    figure, axis = plt.subplots(figsize=(9, 2.8))
+    phases = dict(document.get("phases_last_restore", {}))
+    # The launcher hydrates the weights beside CRIU + CUDA restore: its own row, from CRIU's start.
+    staged = phases.pop("restore.stage_weights", None)
+    order = ["restore.admission", "restore.criu_restore", "restore.cuda_restore", "restore.stage_wait",
+             "restore.resume", "restore.canary"]
+    sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items() if n not in order]
+    figure, axis = plt.subplots(figsize=(9, 3.2))
     axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999", label="cold start")
     left = 0.0
-    for name, value in document.get("phases_last_restore", {}).items():
-        axis.barh(["restore"], [value], left=left, label=name)
+    for name, value in sequential:
+        axis.barh(["restore"], [value], left=left, label=name.removeprefix("restore."))
         left += value
+    if staged is not None:
+        axis.barh(["weights staged\n(in parallel)"], [staged], left=phases.get("restore.admission", 0.0), color="#d62728",
+                  label="stage_weights (launcher)")
+    axis.invert_yaxis()
     axis.set_xlabel("seconds (page cache warm)")
     axis.set_title(f"torch_lm {document['size']} on {document['device']}: cold start vs coldsnap restore", fontsize=9)
     axis.legend(fontsize=7, loc="lower right")
