@@ -262,6 +262,10 @@ def capture_restore_on_gpu() -> None:
     def coldsnap(*args: str, env: dict) -> tuple[int, dict, str]:
         done = subprocess.run([sys.executable, "-m", "coldsnap", args[0], "--receipt-json", "-", *args[1:]], capture_output=True,
                               text=True, timeout=600, env=env)
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as receipt:  # every receipt passes the strict validator
+            receipt.write(done.stdout)
+            receipt.flush()
+            assert subprocess.run([sys.executable, "-m", "coldsnap", "validate", "receipt", receipt.name]).returncode == 0
         return done.returncode, json.loads(done.stdout), done.stderr
 
     def serving(port: int) -> bool:
