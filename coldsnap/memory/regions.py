@@ -252,24 +252,19 @@ def _torch_pool(created: StableRegion) -> Any:
 
 
 @contextlib.contextmanager
-def region(tag: str) -> Iterator[StableRegion]:
-    """Torch CUDA allocations inside the block come from the stable region ``tag``.
-
-    Allocation failures inside the native hook cannot raise through torch; they are stored and raised
-    here as :class:`AllocationError` with the hook's own message.
-    """
+def _allocating_in(tag: str) -> Iterator[tuple[StableRegion, Any]]:
+    """The CUDA region ``tag`` active for the allocator hooks, with its torch pool; errors the native
+    hook stored (it cannot raise through torch) are raised here as :class:`AllocationError`."""
     created = get_region(tag)
     if created.backend != "cuda":
         raise RegionError(f"region {tag!r} is a host region; torch pools exist only for CUDA regions")
-    torch = importlib.import_module("torch")
     C = native()
     pool = _torch_pool(created)
     C.take_allocator_error()  # a stale error from elsewhere must not be blamed on this block
     previous = C.active_region()
     C.set_active_region(created.id)
     try:
-        with torch.cuda.use_mem_pool(pool, device=torch.device("cuda", created.device)):
-            yield created
+        yield created, pool
     except Exception as exc:
         stored = C.take_allocator_error()
         if stored:
@@ -283,28 +278,23 @@ def region(tag: str) -> Iterator[StableRegion]:
 
 
 @contextlib.contextmanager
+def region(tag: str) -> Iterator[StableRegion]:
+    """Torch CUDA allocations inside the block come from the stable region ``tag``.
+
+    Allocation failures inside the native hook cannot raise through torch; they are stored and raised
+    here as :class:`AllocationError` with the hook's own message.
+    """
+    torch = importlib.import_module("torch")
+    with _allocating_in(tag) as (created, pool):
+        with torch.cuda.use_mem_pool(pool, device=torch.device("cuda", created.device)):
+            yield created
+
+
+@contextlib.contextmanager
 def graph_pool(tag: str = "cudagraph") -> Iterator[Any]:
     """``with graph_pool() as pool: with torch.cuda.graph(g, pool=pool): ...`` puts the graph's private
     memory in the stable region ``tag``. Between replays that memory is scratch (every replay rewrites
     it before reading), so a snapshot discards it like the KV cache: the CUDA checkpoint does not copy
     it into the process image, and resume maps it again at the same addresses the graph captured."""
-    created = get_region(tag)
-    if created.backend != "cuda":
-        raise RegionError(f"region {tag!r} is a host region; CUDA graphs need a CUDA region")
-    C = native()
-    pool = _torch_pool(created)
-    C.take_allocator_error()
-    previous = C.active_region()
-    C.set_active_region(created.id)
-    try:
+    with _allocating_in(tag) as (_, pool):
         yield pool.id
-    except Exception as exc:
-        stored = C.take_allocator_error()
-        if stored:
-            raise AllocationError(f"region {tag!r}: {stored}") from exc
-        raise
-    finally:
-        C.set_active_region(previous)
-    stored = C.take_allocator_error()
-    if stored:
-        raise AllocationError(f"region {tag!r}: {stored}")
