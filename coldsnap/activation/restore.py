@@ -228,7 +228,10 @@ def restore(context: OperationContext) -> OperationOutcome:
                          "staged": bool(hydrated.get("staged", False))})
             span.update({f"{step}_ns": int(seconds * 1e9) for step, seconds in resumed.get("seconds", {}).items()})
         with timer.span("restore.canary") as span:
-            canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
+            try:
+                canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
+            except OSError as exc:  # HTTP errors included: the restored server did not answer right
+                raise OperationFailed("restore.canary", f"the canary request failed: {exc}") from None
             span["tokens"] = len(canary.token_ids)
         if canary.token_ids != descriptor.canary.token_ids or canary.text != descriptor.canary.expected_response:
             raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {descriptor.canary.expected_response!r}")

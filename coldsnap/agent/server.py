@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.agent.xstate import dynamic_permissions, request_permissions
 from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
 from coldsnap.native import native
 
@@ -60,6 +61,7 @@ class AgentServer:
         self.port = port
         self.hooks = hooks or AgentHooks()
         self.state = "serving"
+        self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(_address(control))
         self._listener.listen(4)
@@ -157,6 +159,7 @@ class AgentServer:
             self.serving_lock.release()
             raise
         self.state = "prepared"
+        self._xstate = dynamic_permissions()  # CRIU does not carry AMX permission; resume asks again
         self._arm_watchdog()
         # What the process image will hold: its resident memory once model memory is gone.
         return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
@@ -188,6 +191,9 @@ class AgentServer:
         from coldsnap.hydrate import hydrate_pack, replay_safetensors
 
         seconds: dict[str, float] = {}
+        refused = request_permissions(self._xstate)
+        if refused:
+            raise AgentError(f"the kernel refused x86 state features {refused} this process used before the snapshot")
         digest = command.get("layout_digest") or self.layout.digest()
         if digest != self.layout.digest():
             raise AgentError(f"layout digest {digest[:12]}… is not this process's {self.layout.digest()[:12]}…")

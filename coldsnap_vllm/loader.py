@@ -1,0 +1,139 @@
+"""``--load-format coldsnap`` for vLLM: weights and KV cache in coldsnap's stable regions, and the agent.
+
+    vllm serve MODEL --load-format coldsnap [--model-loader-extra-config '{"mode": "auto"}']
+
+The loader builds and loads the model exactly as vLLM's default loader does (weights come through
+vLLM's own iteration of the model's safetensors: the *recovery* path), runs
+``process_weights_after_loading``, then moves every parameter and buffer into the ``weights`` region.
+vLLM's KV cache backing buffer is allocated in the ``kv_cache`` region. Once both exist, and when
+``COLDSNAP_CONTROL`` is set (``coldsnap capture`` sets it), the in-process agent starts: ``prepare``
+writes the native pack from the regions and releases them, ``resume`` hydrates them at the same
+addresses and zeroes the KV cache (vLLM does not zero on wake; coldsnap does).
+
+On CPUs, vLLM normally repacks linear weights for oneDNN/SGL kernels into buffers it owns (dropping
+the originals), which would put the weights back into the process image; the loader keeps them as
+plain tensors in the region and lets vLLM use ``torch.nn.functional.linear`` on them.
+
+Options (``--model-loader-extra-config``): ``mode`` = ``auto`` | ``recovery`` | ``cache-only-auto``
+(the same today: startup always loads through vLLM; restores use the pack) or ``native`` (refused:
+starting from a pack without a snapshot is not built yet). Other keys go to vLLM's default loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import threading
+from typing import Any, Iterator
+
+import torch
+import vllm.v1.worker.gpu_model_runner as gpu_model_runner
+import vllm.v1.worker.utils as worker_utils
+from vllm.model_executor.model_loader import register_model_loader
+from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.logger import init_logger
+from vllm.platforms import current_platform
+
+from coldsnap_vllm.placement import PlacedModel, call_with_kv_region, layout_for, place_model_in_region
+
+__all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES"]
+
+log = init_logger("vllm.coldsnap")  # vLLM's logger: the lines show in vLLM's own log format
+LOAD_FORMAT = "coldsnap"
+MODES = ("auto", "native", "recovery", "cache-only-auto")
+OPTION_KEYS = ("mode",)
+
+
+class _Process:
+    """This process's coldsnap state: the placed weights, then the KV region, then the agent."""
+
+    placed: PlacedModel | None = None
+    agent: Any = None
+
+
+def _options(extra: dict[str, Any]) -> str:
+    mode = extra.get("mode", "auto")
+    if mode not in MODES:
+        raise ValueError(f"--model-loader-extra-config mode must be one of {', '.join(MODES)}, not {mode!r}")
+    if mode == "native":
+        raise ValueError("coldsnap mode 'native' (starting from a native pack without a snapshot) is not built yet; "
+                         "use 'auto': startup loads through vLLM and `coldsnap restore` hydrates from the pack")
+    return mode
+
+
+@contextlib.contextmanager
+def _plain_cpu_linear() -> Iterator[None]:
+    """On CPU, keep linear weights as tensors (vLLM would repack them into kernel-owned buffers)."""
+    if not current_platform.is_cpu():
+        yield
+        return
+    import vllm.model_executor.layers.utils as layer_utils
+
+    original = layer_utils.dispatch_cpu_unquantized_gemm
+
+    def keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
+        layer.cpu_linear = torch.nn.functional.linear
+
+    layer_utils.dispatch_cpu_unquantized_gemm = keep_weight
+    try:
+        yield
+    finally:
+        layer_utils.dispatch_cpu_unquantized_gemm = original
+
+
+@register_model_loader(LOAD_FORMAT)
+class ColdsnapModelLoader(DefaultModelLoader):
+    """vLLM's default loading, then the model's tensors moved into the ``weights`` region."""
+
+    def __init__(self, load_config: Any):
+        extra = dict(load_config.model_loader_extra_config or {})
+        self.mode = _options(extra)
+        # vLLM's default loading reads the checkpoint by load format: safetensors (the pinned model's
+        # files). A copy, so the shared config still says `coldsnap` to the next get_model_loader().
+        inner = copy.copy(load_config)
+        inner.load_format = "safetensors"
+        inner.model_loader_extra_config = {k: v for k, v in extra.items() if k not in OPTION_KEYS}
+        super().__init__(inner)
+
+    def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
+        with _plain_cpu_linear():
+            model = super().load_model(vllm_config, model_config, prefix)
+        _Process.placed = place_model_in_region(model)
+        log.info("coldsnap: %d bytes of weights in the stable region at 0x%x (mode %s)",
+                 _Process.placed.bytes, _Process.placed.region.base, self.mode)
+        return model
+
+
+def _allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
+    """vLLM's ``allocate_kv_cache`` with its backing buffer in the ``kv_cache`` region (coldsnap models only)."""
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
+    if _Process.placed is None or not tensors or _Process.agent is not None:
+        return _ORIGINAL_ALLOCATE(kv_cache_config, device, *args, **kwargs)
+    size = tensors[0].size
+    result, region = call_with_kv_region(_ORIGINAL_ALLOCATE, worker_utils, size, torch.device(device), kv_cache_config,
+                                         device, *args, **kwargs)
+    if region is None:
+        log.warning("coldsnap: vLLM's KV cache allocation changed shape; the KV cache stays in ordinary memory")
+    _start_agent(region)
+    return result
+
+
+def _start_agent(kv: Any) -> None:
+    control = os.environ.get("COLDSNAP_CONTROL")
+    if not control or _Process.placed is None:
+        return
+    from coldsnap.agent import start_agent
+
+    regions = {"weights": _Process.placed.region}
+    if kv is not None:
+        regions["kv_cache"] = kv
+    # vLLM's engine loop is idle whenever the launcher drives the agent (after the canary, before
+    # resume); the lock only keeps two agent commands from overlapping.
+    _Process.agent = start_agent(control, layout_for(_Process.placed, kv), regions, serving_lock=threading.Lock())
+    log.info("coldsnap: agent listening at %s", control)
+
+
+_ORIGINAL_ALLOCATE = worker_utils.allocate_kv_cache
+worker_utils.allocate_kv_cache = _allocate_kv_cache
+gpu_model_runner.allocate_kv_cache = _allocate_kv_cache  # bound by name there
