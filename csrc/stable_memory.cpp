@@ -248,7 +248,19 @@ void StableRegion::zero(std::uint64_t offset, std::uint64_t length) {
   }
   if (length == 0) return;
   if (backend_ == Backend::Host) {
-    std::memset(reinterpret_cast<void*>(base_ + offset), 0, length);
+    // Whole pages are dropped instead of written: private anonymous memory reads back as zeros after
+    // MADV_DONTNEED, and the pages stay out of the resident set (zeroing a 1 GiB KV cache with
+    // memset took 0.5-0.9 s and made all of it resident). Only the unaligned edges are written.
+    const std::uint64_t page = static_cast<std::uint64_t>(sysconf(_SC_PAGESIZE));
+    const std::uint64_t begin = base_ + offset, end = begin + length;
+    const std::uint64_t inner_begin = round_up(begin, page), inner_end = end / page * page;
+    if (inner_begin < inner_end &&
+        madvise(reinterpret_cast<void*>(inner_begin), inner_end - inner_begin, MADV_DONTNEED) == 0) {
+      std::memset(reinterpret_cast<void*>(begin), 0, inner_begin - begin);
+      std::memset(reinterpret_cast<void*>(inner_end), 0, end - inner_end);
+    } else {
+      std::memset(reinterpret_cast<void*>(begin), 0, length);
+    }
   } else {
     const auto& api = cuda::use_device(device_);
     api.check(api.cuMemsetD8(base_ + offset, 0, length), "cuMemsetD8");

