@@ -1,7 +1,10 @@
-"""Restore latency: cold start of the reference workload vs coldsnap restore of its capture, side by side.
+"""Restore latency: cold start of a server vs coldsnap restore of its capture, side by side.
 
     python benchmarks/restore_latency.py --size tiny --device cpu --repeat 3 --out restore.json [--png restore.png]
+    python benchmarks/restore_latency.py --engine vllm --out vllm.json     # = benchmarks/vllm_startup.py
 
+Engines as in ``coldsnap demo``: the reference workload (torch-lm), or ``vllm serve`` of a tiny Llama on
+vLLM's CPU build (cold start with vLLM's own loader; the capture with ``--load-format coldsnap``).
 Cold start: process start → first token. Restore: restore start → first validated token (the canary).
 Both are measured with the page cache warm (repeated) and, when caches can be dropped (root), cold.
 Writes JSON (every run with its phases), prints a table, and draws a phase chart when matplotlib is
@@ -14,12 +17,13 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from coldsnap.activation.demo import _operation, _workload, cold_start, run_demo
+from coldsnap.activation.demo import cold_start, engine_commands, run_demo
 from coldsnap.snapshot.process_tree import kill_tree
 
 
@@ -33,16 +37,26 @@ def drop_caches() -> bool:
 
 
 def restore_once(request: dict, work: Path, index: int) -> tuple[float, dict[str, float]]:
+    """One `coldsnap restore` as a user runs it (a new process: interpreter start and imports count),
+    from its start to its exit after the canary matched; the tree is killed afterwards."""
     document = {**request, "operation": "restore", "operation_id": f"bench-restore-{index}"}
+    receipt_path = work / f"restore-{index}.json"
+    receipt_path.unlink(missing_ok=True)
     started = time.perf_counter()
-    receipt = _operation(document, work / f"restore-{index}.json", quiet=True)
+    done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", "--request-json", "-", "--receipt-json",
+                           str(receipt_path)], input=json.dumps(document).encode(), capture_output=True)
     seconds = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"restore failed: {done.stderr.decode().strip().splitlines()[-1:]}")
+    receipt = json.loads(receipt_path.read_text())
     capsule = json.loads((Path(request["artifact"]) / "units" / "unit-0" / "capsule.json").read_text())
     kill_tree(int(capsule["metadata"]["root_pid"]))
     phases = {s["name"]: s["duration_ns"] / 1e9 for s in receipt["timing"]["spans"] if s["name"].startswith("restore.")
               and not s["name"].startswith("restore.admission.")}
     phases["restore.admission"] = sum(s["duration_ns"] for s in receipt["timing"]["spans"]
                                       if s["name"].startswith("restore.admission.")) / 1e9
+    controller = next(s["duration_ns"] for s in receipt["timing"]["spans"] if s["name"] == "controller.restore")
+    phases["cli start (interpreter, imports)"] = max(0.0, seconds - controller / 1e9)
     return seconds, phases
 
 
@@ -60,7 +74,7 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     phases = dict(document.get("phases_last_restore", {}))
     # The launcher hydrates the weights beside CRIU + CUDA restore: its own row, from CRIU's start.
     staged = phases.pop("restore.stage_weights", None)
-    order = ["restore.admission", "restore.criu_restore", "restore.cuda_restore", "restore.stage_wait",
+    order = ["cli start (interpreter, imports)", "restore.admission", "restore.criu_restore", "restore.cuda_restore", "restore.stage_wait",
              "restore.resume", "restore.canary"]
     sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items() if n not in order]
     figure, axis = plt.subplots(figsize=(9, 3.2))
@@ -70,21 +84,25 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
         axis.barh(["restore"], [value], left=left, label=name.removeprefix("restore."))
         left += value
     if staged is not None:
-        axis.barh(["weights staged\n(in parallel)"], [staged], left=phases.get("restore.admission", 0.0), color="#d62728",
+        before = phases.get("cli start (interpreter, imports)", 0.0) + phases.get("restore.admission", 0.0)
+        axis.barh(["weights staged\n(in parallel)"], [staged], left=before, color="#d62728",
                   label="stage_weights (launcher)")
     axis.invert_yaxis()
     axis.set_xlabel("seconds (page cache warm)")
-    axis.set_title(f"torch_lm {document['size']} on {document['device']}: cold start vs coldsnap restore", fontsize=9)
+    axis.set_title(f"{document.get('engine', 'torch-lm')} {document['size']} on {document['device']}: "
+                   "cold start vs coldsnap restore", fontsize=9)
     axis.legend(fontsize=7, loc="lower right")
     figure.tight_layout()
     figure.savefig(png, dpi=120)
     return True
 
 
-def main() -> int:
+def main(engine: str = "torch-lm") -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", default=engine, choices=["torch-lm", "vllm"])
     parser.add_argument("--size", default="tiny", choices=["tiny", "1b", "8b"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     parser.add_argument("--repeat", type=int, default=3, help="warm runs of each (default 3)")
     parser.add_argument("--out", default="restore_latency.json")
     parser.add_argument("--png", help="draw the phase chart here (needs matplotlib)")
@@ -98,18 +116,21 @@ def main() -> int:
         return 0 if draw_phase_chart(json.loads(Path(args.png_from).read_text()), Path(args.png)) else 1
     work = Path(args.dir or tempfile.mkdtemp(prefix="coldsnap-restore-bench-"))
 
-    demo = run_demo(args.size, args.device, work, quiet=True)  # first capture + one of each
+    eager = not args.compile
+    demo = run_demo(args.size, args.device, work, quiet=True, engine=args.engine, eager=eager)  # capture + one of each
     request = json.loads((work / "artifact" / "request.json").read_text())
     port = request["units"][0]["serving_port"]
-    command = _workload(args.size, args.device, port)
-    runs = [{"kind": "cold start", "cache": "warm", "seconds": demo["cold_start_to_first_token_s"]},
-            {"kind": "restore", "cache": "warm", "seconds": demo["restore_to_first_validated_token_s"]}]
-    for index in range(args.repeat - 1):
-        runs.append({"kind": "cold start", "cache": "warm", "seconds": round(cold_start(command, port)[0], 3)})
+    command, _, env, _ = engine_commands(args.engine, args.size, args.device, port, work, eager)
+    # The demo's own restore ran inside this process; every restore below is a `coldsnap restore` process.
+    runs = [{"kind": "cold start", "cache": "warm", "seconds": demo["cold_start_to_first_token_s"]}]
+    seconds, phases = restore_once(request, work, 0)
+    runs.append({"kind": "restore", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
+    for index in range(1, args.repeat):
+        runs.append({"kind": "cold start", "cache": "warm", "seconds": round(cold_start(command, port, env=env)[0], 3)})
         seconds, phases = restore_once(request, work, index)
         runs.append({"kind": "restore", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
     if drop_caches():
-        runs.append({"kind": "cold start", "cache": "cold", "seconds": round(cold_start(command, port)[0], 3)})
+        runs.append({"kind": "cold start", "cache": "cold", "seconds": round(cold_start(command, port, env=env)[0], 3)})
         drop_caches()
         seconds, phases = restore_once(request, work, 999)
         runs.append({"kind": "restore", "cache": "cold", "seconds": round(seconds, 3), "phases": phases})
@@ -121,7 +142,8 @@ def main() -> int:
             values = [r["seconds"] for r in runs if r["kind"] == kind and r["cache"] == cache]
             if values:
                 summary[f"{kind} ({cache})"] = round(statistics.median(values), 3)
-    document = {"benchmark": "restore_latency", "phases_last_restore": (last or {}).get("phases", {}), "size": args.size, "device": args.device, "runs": runs, "summary": summary,
+    document = {"benchmark": "restore_latency", "engine": args.engine, "size": demo["size"], "device": args.device,
+                "eager": eager, "restore_measured": "coldsnap restore CLI process, start to exit", "phases_last_restore": (last or {}).get("phases", {}), "runs": runs, "summary": summary,
                 "capture_phases_s": demo["capture_phases_s"], "image_bytes": demo["image_bytes"],
                 "non_model_bytes": demo["non_model_bytes"], "image_to_non_model_rss": demo["image_to_non_model_rss"],
                 "payload_bytes": demo["payload_bytes"], "same_tokens_as_cold_start": demo["same_tokens_as_cold_start"]}

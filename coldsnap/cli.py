@@ -297,11 +297,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     import importlib.util
 
-    if importlib.util.find_spec("torch") is None:  # the reference workload needs it
+    if args.engine == "torch-lm" and importlib.util.find_spec("torch") is None:  # the reference workload needs it
         print("coldsnap demo: the reference workload needs torch (pip install torch)", file=sys.stderr)
         return EXIT_USAGE
+    if args.engine == "vllm" and args.device != "cpu":
+        print("coldsnap demo: --engine vllm runs vLLM's CPU build (--device cpu)", file=sys.stderr)
+        return EXIT_USAGE
     try:
-        result = run_demo(args.size, args.device, Path(args.dir) if args.dir else None, quiet=not args.verbose)
+        result = run_demo(args.size, args.device, Path(args.dir) if args.dir else None, quiet=not args.verbose,
+                          engine=args.engine, eager=not args.compile)
     except RuntimeError as exc:
         print(f"coldsnap demo: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -444,11 +448,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = commands.add_parser(
         "demo",
-        help="cold start vs restore of the reference workload on this machine, phase by phase",
-        description="Start the reference workload (coldsnap.workloads.torch_lm) plainly and time process start → "
-        "first token; capture it; restore it and time restore start → first validated token; check that a "
-        "further prompt gets the cold start's tokens; print the phases of both. Needs root (CRIU) and torch.",
+        help="cold start vs restore of a serving process on this machine, phase by phase",
+        description="Start a server plainly and time process start → first token; capture it; restore it and "
+        "time restore start → first validated token; check that a further prompt gets the cold start's tokens; "
+        "print the phases of both. --engine torch-lm (default): the reference workload "
+        "(coldsnap.workloads.torch_lm; needs torch). --engine vllm: `vllm serve` of a tiny Llama built on the "
+        "spot, on vLLM's CPU build (installed into .venv-vllm the first time, a few minutes), cold start with "
+        "vLLM's own loader against the restore of `--load-format coldsnap`. Needs root (CRIU).",
     )
+    p.add_argument("--engine", choices=["torch-lm", "vllm"], default="torch-lm", help="what to serve (default torch-lm)")
+    p.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     p.add_argument("--size", choices=["tiny", "1b", "8b"], default="tiny", help="workload size (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dir", help="where to keep the artifact and receipts (default: a new temporary directory)")

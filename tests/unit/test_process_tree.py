@@ -20,6 +20,29 @@ def test_appended_log_is_cut_back_and_the_extra_kept(tmp_path):
     assert aside.read_text() == "written by the last incarnation\n"
 
 
+def test_shm_files_are_put_back_as_captured_even_when_a_previous_incarnation_left_its_own(tmp_path):
+    name = f"coldsnap-test-shm-{os.getpid()}"
+    (tmp_path / "devshm").mkdir()
+    (tmp_path / "devshm" / name).write_bytes(b"captured queue state")
+    TreeFiles(pids=[], shm=[name]).save(tmp_path)
+    live = f"/dev/shm/{name}"
+    try:
+        with open(live, "wb") as handle:  # what a killed restored tree leaves behind
+            handle.write(b"advanced by the last incarnation")
+        with open(live, "rb") as held:  # a process still holding the old file keeps its bytes
+            prepare_restore(tmp_path)
+            assert held.read() == b"advanced by the last incarnation"
+        with open(live, "rb") as handle:
+            assert handle.read() == b"captured queue state"
+        os.unlink(live)
+        prepare_restore(tmp_path)  # and a missing one is put back too
+        with open(live, "rb") as handle:
+            assert handle.read() == b"captured queue state"
+    finally:
+        if os.path.exists(live):
+            os.unlink(live)
+
+
 def test_shrunk_or_missing_file_is_refused(tmp_path):
     log = tmp_path / "server.log"
     log.write_text("x")
