@@ -35,9 +35,10 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
+from coldsnap.agent.memory import ModelMemory
 from coldsnap_vllm.placement import PlacedModel, call_with_kv_region, layout_for, place_model_in_region
 
-__all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES"]
+__all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES", "process_memory"]
 
 log = init_logger("vllm.coldsnap")  # vLLM's logger: the lines show in vLLM's own log format
 LOAD_FORMAT = "coldsnap"
@@ -49,7 +50,14 @@ class _Process:
     """This process's coldsnap state: the placed weights, then the KV region, then the agent."""
 
     placed: PlacedModel | None = None
+    kv: Any = None
+    memory: ModelMemory | None = None
     agent: Any = None
+
+
+def process_memory() -> ModelMemory | None:
+    """This process's model memory once weights and KV cache are in their regions (else None)."""
+    return _Process.memory
 
 
 def _options(extra: dict[str, Any]) -> str:
@@ -108,29 +116,31 @@ class ColdsnapModelLoader(DefaultModelLoader):
 def _allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
     """vLLM's ``allocate_kv_cache`` with its backing buffer in the ``kv_cache`` region (coldsnap models only)."""
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
-    if _Process.placed is None or not tensors or _Process.agent is not None:
+    if _Process.placed is None or not tensors or _Process.memory is not None:
         return _ORIGINAL_ALLOCATE(kv_cache_config, device, *args, **kwargs)
     size = tensors[0].size
     result, region = call_with_kv_region(_ORIGINAL_ALLOCATE, worker_utils, size, torch.device(device), kv_cache_config,
                                          device, *args, **kwargs)
     if region is None:
         log.warning("coldsnap: vLLM's KV cache allocation changed shape; the KV cache stays in ordinary memory")
-    _start_agent(region)
+    regions = {"weights": _Process.placed.region}
+    if region is not None:
+        regions["kv_cache"] = region
+    _Process.kv = region
+    _Process.memory = ModelMemory(layout_for(_Process.placed, region), regions)
+    _start_agent()
     return result
 
 
-def _start_agent(kv: Any) -> None:
+def _start_agent() -> None:
     control = os.environ.get("COLDSNAP_CONTROL")
-    if not control or _Process.placed is None:
+    if not control or _Process.memory is None:
         return
     from coldsnap.agent import start_agent
 
-    regions = {"weights": _Process.placed.region}
-    if kv is not None:
-        regions["kv_cache"] = kv
     # vLLM's engine loop is idle whenever the launcher drives the agent (after the canary, before
     # resume); the lock only keeps two agent commands from overlapping.
-    _Process.agent = start_agent(control, layout_for(_Process.placed, kv), regions, serving_lock=threading.Lock())
+    _Process.agent = start_agent(control, _Process.memory.layout, _Process.memory.regions, serving_lock=threading.Lock())
     log.info("coldsnap: agent listening at %s", control)
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.agent.memory import ModelMemory, timed as _timed
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
-from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
-from coldsnap.native import native
+from coldsnap.memory.regions import StableRegion
 
 __all__ = ["AgentHooks", "AgentServer", "AgentError", "start_agent", "request"]
 
@@ -43,20 +43,13 @@ def _address(control: str) -> str | bytes:
     return b"\0" + control[1:].encode() if control.startswith("@") else control
 
 
-def _timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
-    started = time.perf_counter()
-    try:
-        return work()
-    finally:
-        seconds[name] = round(time.perf_counter() - started, 6)
-
-
 class AgentServer:
     def __init__(self, control: str, layout: MemoryLayout, regions: Mapping[str, StableRegion],
                  serving_lock: threading.Lock, port: int | None = None, hooks: AgentHooks | None = None):
         self.control = control
         self.layout = layout
         self.regions = dict(regions)
+        self.memory = ModelMemory(layout, self.regions)
         self.serving_lock = serving_lock
         self.port = port
         self.hooks = hooks or AgentHooks()
@@ -117,44 +110,15 @@ class AgentServer:
             },
         }
 
-    def _allocations(self) -> dict[str, list[tuple[int, int]]]:
-        """The preserved bytes per region: the allocator's blocks, or the layout's tensors where the
-        engine placed tensors itself."""
-        out = {}
-        for region_layout in self.layout.regions:
-            region = self.regions.get(region_layout.tag)
-            if region is None or region_layout.tag in DISCARDED_TAGS:
-                continue  # KV and graph scratch are discarded, never preserved
-            blocks = region.allocations() or [(t.offset, t.length) for t in region_layout.tensors if t.length]
-            if blocks:
-                out[region_layout.tag] = blocks
-        return out
-
     def prepare(self, pack_dir: Path, generate_pack: bool, progress: "_ProgressLines") -> dict[str, Any]:
         if self.state != "serving":
             raise AgentError(f"prepare needs state serving, not {self.state}")
-        from coldsnap.hydrate import write_pack_from_regions
-        from coldsnap.payload import PackKind, plan_residual
-
         seconds: dict[str, float] = {}
         if not _timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
             raise AgentError("could not drain: a request held the engine for 300 s")
         try:
-            result: dict[str, Any] = {}
-            if generate_pack:
-                pack_dir.mkdir(parents=True, exist_ok=True)
-                payload = _timed(seconds, "payload_write", lambda: write_pack_from_regions(
-                    pack_dir, self.layout, self.regions, progress=progress.phase("writing the native pack")))
-                residual_plan = plan_residual(self._allocations(), payload.table)
-                residual = _timed(seconds, "residual_write", lambda: write_pack_from_regions(
-                    pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=residual_plan))
-                result["payload"] = {"path": str(payload.path), "sha256": payload.sha256, "size_bytes": payload.size_bytes}
-                result["residual"] = {"path": str(residual.path), "sha256": residual.sha256, "size_bytes": residual.size_bytes}
-            for hook in self.hooks.before_release:
-                hook()
-            for region in self.regions.values():
-                _timed(seconds, f"unmap_{region.tag}", region.unmap)
-            native().release_pinned()
+            result = self.memory.release(seconds, pack_dir if generate_pack else None,
+                                         progress.phase("writing the native pack"), self._before_release)
         except BaseException:
             self.serving_lock.release()
             raise
@@ -165,6 +129,10 @@ class AgentServer:
         return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
                 "regions": self.status()["regions"],
                 "device_bytes": _torch_device_bytes()}
+
+    def _before_release(self) -> None:
+        for hook in self.hooks.before_release:
+            hook()
 
     def _arm_watchdog(self) -> None:
         """A restored process that no launcher resumes must not linger frozen (its launcher was killed
@@ -188,51 +156,14 @@ class AgentServer:
         tag → chunk count, the file descriptors in that order), else from the pack or safetensors."""
         if self.state != "prepared":
             raise AgentError(f"resume needs state prepared, not {self.state}")
-        from coldsnap.hydrate import hydrate_pack, replay_safetensors
-
         seconds: dict[str, float] = {}
         refused = request_permissions(self._xstate)
         if refused:
             raise AgentError(f"the kernel refused x86 state features {refused} this process used before the snapshot")
-        digest = command.get("layout_digest") or self.layout.digest()
-        if digest != self.layout.digest():
-            raise AgentError(f"layout digest {digest[:12]}… is not this process's {self.layout.digest()[:12]}…")
-        adopted: dict[str, int] = command.get("adopted") or {}
-        if sum(adopted.values()) != len(fds) or not set(adopted) <= set(self.regions):
-            raise AgentError(f"adopted chunks {adopted} do not match the {len(fds)} descriptors sent or this process's regions")
-        taken = 0
-        for region in self.regions.values():
-            count = adopted.get(region.tag, 0)
-            if count and count * region.chunk_bytes != region.high_water:
-                raise AgentError(f"region {region.tag!r}: {count} adopted chunks do not cover the "
-                                 f"{region.high_water} bytes mapped before the snapshot")
-        for tag, count in adopted.items():  # descriptors arrive in this order
-            region = self.regions[tag]
-            _timed(seconds, f"adopt_{tag}", lambda: region.adopt_chunks(fds[taken:taken + count]))
-            taken += count
-        for region in self.regions.values():
-            if region.tag not in adopted:
-                _timed(seconds, f"map_{region.tag}", region.map)
-        hydrated: dict[str, Any] = {}
-        weights = {t: r for t, r in self.regions.items() if t not in DISCARDED_TAGS}
-        if adopted and set(weights) <= set(adopted):  # the launcher hydrated payload and residual
-            hydrated = {"source": "native", "staged": True, **(command.get("staged") or {})}
-        elif command.get("payload"):
-            stats = _timed(seconds, "hydrate", lambda: hydrate_pack(command["payload"], weights, layout_digest=digest,
-                                                                    progress=progress.phase("hydrating weights")))
-            hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "gb_per_s": round(stats.gb_per_s, 3),
-                        "direct": stats.direct, "cached_fraction": stats.cached_fraction}
-            if command.get("residual"):
-                _timed(seconds, "residual", lambda: hydrate_pack(command["residual"], weights, layout_digest=digest))
-        elif command.get("safetensors"):
-            stats_list = _timed(seconds, "hydrate", lambda: replay_safetensors(command["safetensors"], self.layout, weights))
-            total = sum(s.bytes for s in stats_list)
-            hydrated = {"source": "recovery", "bytes": total, "seconds": seconds["hydrate"]}
-        else:
-            raise AgentError("resume needs a payload pack or safetensors files")
-        for tag in DISCARDED_TAGS:
-            if tag in self.regions:
-                _timed(seconds, f"zero_{tag}", self.regions[tag].zero)
+        hydrated = self.memory.restore(
+            seconds, layout_digest=command.get("layout_digest"), payload=command.get("payload"),
+            residual=command.get("residual"), safetensors=command.get("safetensors"), adopted=command.get("adopted"),
+            fds=fds, staged=command.get("staged"), progress=progress.phase("hydrating weights"))
         for hook in self.hooks.after_resume:
             hook()
         self.state = "serving"

@@ -125,6 +125,42 @@ def test_the_plugin_registers_the_load_format_once_per_process():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+SLEEP_SCRIPT = """
+import os, sys, torch
+from coldsnap.agent.memory import ModelMemory
+from coldsnap.memory import reserve
+from coldsnap_vllm import loader, placement, register
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+register()
+backend_class = SleepModeBackendFactory.get_backend_class("coldsnap")
+model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+placed = placement.place_model_in_region(model)
+kv = reserve("kv_cache", 1 << 20, backend="host")
+kv.map()
+kv.host_view()[:] = b"\\x01" * kv.mapped_bytes
+loader._Process.memory = ModelMemory(placement.layout_for(placed, kv), {"weights": placed.region, "kv_cache": kv})
+x = torch.randn(2, 64)
+expected = model(x)
+backend = backend_class()
+backend.suspend(1)  # weights to the pack, every region unmapped; the addresses stay
+assert placed.region.mapped_bytes == 0 and kv.mapped_bytes == 0 and backend.state() == "SUSPENDED"
+backend.resume(["kv_cache"])  # vLLM wakes KV and weights separately
+assert backend.state() == "SUSPENDED" and bytes(kv.host_view()) == bytes(kv.mapped_bytes)  # KV back zeroed
+backend.resume(["weights"])
+assert backend.state() == "RUNNING" and torch.equal(model(x), expected)  # same tensors, same bytes
+backend.discard(("kv_cache",))
+assert kv.mapped_bytes == 0
+print("ok", backend_class.__name__, sorted(backend.seconds))
+"""
+
+
+def test_sleep_backend_releases_and_brings_back_the_regions(tmp_path):
+    result = subprocess.run([str(VENV / "bin" / "python"), "-c", SLEEP_SCRIPT], capture_output=True, text=True, timeout=300,
+                            env={**ENV, "COLDSNAP_SLEEP_PACK_DIR": str(tmp_path / "packs")})
+    assert result.returncode == 0 and result.stdout.startswith("ok ColdsnapSleepBackend"), result.stderr[-3000:]
+
+
 def test_restores_answer_like_vllms_default_loader(captured, reference):
     artifact, port, root = captured
     capture = json.loads((root / "capture.json").read_text())

@@ -90,7 +90,7 @@ def test_connected_tcp_sockets_counts_connections_not_listeners():
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
         before = connected_tcp_sockets(me)
-        with socket.create_connection(listener.getsockname()) as client:
+        with socket.create_connection(listener.getsockname()):
             server, _ = listener.accept()
             with server:
                 assert connected_tcp_sockets(me) == before + 2  # both ends live in this process

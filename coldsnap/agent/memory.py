@@ -1,0 +1,125 @@
+"""One process's model memory — its layout and stable regions — released and brought back.
+
+``release`` writes the native pack and residual from the live regions (when asked) and unmaps every
+region; ``restore`` maps them again at the same addresses and fills them: chunks another process
+already hydrated (adopted), the pack, or recovery replay from safetensors; discarded regions (KV
+cache, graph scratch) come back zeroed. The in-process agent does this around a process snapshot,
+an engine's sleep backend around sleep/wake; neither owns the mechanics.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
+from coldsnap.native import native
+
+__all__ = ["ModelMemory", "ModelMemoryError"]
+
+Progress = Callable[[int, int], None]
+
+
+class ModelMemoryError(RuntimeError):
+    """The request does not fit this process's memory (layout, adopted chunks, missing source)."""
+
+
+def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
+    started = time.perf_counter()
+    try:
+        return work()
+    finally:
+        seconds[name] = round(time.perf_counter() - started, 6)
+
+
+class ModelMemory:
+    def __init__(self, layout: MemoryLayout, regions: Mapping[str, StableRegion]):
+        self.layout = layout
+        self.regions = dict(regions)
+
+    def allocations(self) -> dict[str, list[tuple[int, int]]]:
+        """The preserved bytes per region: the allocator's blocks, or the layout's tensors where the
+        engine placed tensors itself. Discarded regions preserve nothing."""
+        out = {}
+        for region_layout in self.layout.regions:
+            region = self.regions.get(region_layout.tag)
+            if region is None or region_layout.tag in DISCARDED_TAGS:
+                continue
+            blocks = region.allocations() or [(t.offset, t.length) for t in region_layout.tensors if t.length]
+            if blocks:
+                out[region_layout.tag] = blocks
+        return out
+
+    def release(self, seconds: dict[str, float], pack_dir: Path | None = None, progress: Progress | None = None,
+                before_unmap: Callable[[], None] | None = None) -> dict[str, Any]:
+        """Write the payload and residual packs into ``pack_dir`` (when given), then unmap every region."""
+        from coldsnap.hydrate import write_pack_from_regions
+        from coldsnap.payload import PackKind, plan_residual
+
+        result: dict[str, Any] = {}
+        if pack_dir is not None:
+            pack_dir.mkdir(parents=True, exist_ok=True)
+            payload = timed(seconds, "payload_write", lambda: write_pack_from_regions(
+                pack_dir, self.layout, self.regions, progress=progress))
+            residual_plan = plan_residual(self.allocations(), payload.table)
+            residual = timed(seconds, "residual_write", lambda: write_pack_from_regions(
+                pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=residual_plan))
+            result["payload"] = {"path": str(payload.path), "sha256": payload.sha256, "size_bytes": payload.size_bytes}
+            result["residual"] = {"path": str(residual.path), "sha256": residual.sha256, "size_bytes": residual.size_bytes}
+        if before_unmap is not None:
+            before_unmap()
+        for region in self.regions.values():
+            timed(seconds, f"unmap_{region.tag}", region.unmap)
+        native().release_pinned()
+        return result
+
+    def restore(self, seconds: dict[str, float], *, layout_digest: str | None = None, payload: str | None = None,
+                residual: str | None = None, safetensors: list[str] | None = None, adopted: dict[str, int] | None = None,
+                fds: list[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
+                tags: Iterable[str] | None = None) -> dict[str, Any]:
+        """Map the regions (``tags``, default all) at their addresses and fill them; returns what
+        hydrated them. ``adopted`` (tag → chunk count) takes the chunks from ``fds`` in that order."""
+        from coldsnap.hydrate import hydrate_pack, replay_safetensors
+
+        digest = layout_digest or self.layout.digest()
+        if digest != self.layout.digest():
+            raise ModelMemoryError(f"layout digest {digest[:12]}… is not this process's {self.layout.digest()[:12]}…")
+        selected = {t: r for t, r in self.regions.items() if tags is None or t in set(tags)}
+        adopted = adopted or {}
+        if sum(adopted.values()) != len(fds) or not set(adopted) <= set(selected):
+            raise ModelMemoryError(f"adopted chunks {adopted} do not match the {len(fds)} descriptors sent "
+                                   "or this process's regions")
+        for tag, count in adopted.items():
+            if count * selected[tag].chunk_bytes != selected[tag].high_water:
+                raise ModelMemoryError(f"region {tag!r}: {count} adopted chunks do not cover the "
+                                       f"{selected[tag].high_water} bytes mapped before the release")
+        taken = 0
+        for tag, count in adopted.items():  # descriptors arrive in this order
+            timed(seconds, f"adopt_{tag}", lambda: selected[tag].adopt_chunks(list(fds[taken:taken + count])))
+            taken += count
+        for region in selected.values():
+            if region.tag not in adopted:
+                timed(seconds, f"map_{region.tag}", region.map)
+        weights = {t: r for t, r in selected.items() if t not in DISCARDED_TAGS}
+        hydrated: dict[str, Any] = {}
+        if not weights:
+            hydrated = {"source": "none", "bytes": 0}
+        elif adopted and set(weights) <= set(adopted):  # another process hydrated payload and residual
+            hydrated = {"source": "native", "staged": True, **(staged or {})}
+        elif payload:
+            stats = timed(seconds, "hydrate", lambda: hydrate_pack(payload, weights, layout_digest=digest, progress=progress))
+            hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds,
+                        "gb_per_s": round(stats.gb_per_s, 3), "direct": stats.direct, "cached_fraction": stats.cached_fraction}
+            if residual:
+                timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
+        elif safetensors:
+            stats_list = timed(seconds, "hydrate", lambda: replay_safetensors(safetensors, self.layout, weights))
+            hydrated = {"source": "recovery", "bytes": sum(s.bytes for s in stats_list), "seconds": seconds["hydrate"]}
+        else:
+            raise ModelMemoryError("restoring the weights needs a payload pack or safetensors files")
+        for tag in DISCARDED_TAGS:
+            if tag in selected:
+                timed(seconds, f"zero_{tag}", selected[tag].zero)
+        return hydrated
