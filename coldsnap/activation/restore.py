@@ -237,6 +237,7 @@ def restore(context: OperationContext) -> OperationOutcome:
             raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {descriptor.canary.expected_response!r}")
     except BaseException as exc:
         if stager is not None:
+            stager.cancel()
             stager.join()
             stager.release()
         if restored_pid is not None:

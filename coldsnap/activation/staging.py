@@ -41,6 +41,7 @@ class WeightStager:
     started_ns: int = 0
     finished_ns: int = 0
     _thread: threading.Thread | None = None
+    _cancelled: threading.Event = field(default_factory=threading.Event)
 
     @staticmethod
     def applies(regions: dict[str, Any]) -> bool:
@@ -62,10 +63,12 @@ class WeightStager:
                 region = reserve_staging(tag, record["high_water"], device=record["device"], chunk_bytes=record["chunk_bytes"])
                 self.staged[tag] = region
                 region.map(record["high_water"])
-            payload = hydrate_pack(self.payload, self.staged, layout_digest=self.layout_digest)
+            keep_going = self._keep_going
+            payload = hydrate_pack(self.payload, self.staged, layout_digest=self.layout_digest, progress=keep_going)
             seconds = payload.seconds
             if self.residual is not None:
-                seconds += hydrate_pack(self.residual, self.staged, layout_digest=self.layout_digest).seconds
+                seconds += hydrate_pack(self.residual, self.staged, layout_digest=self.layout_digest,
+                                        progress=keep_going).seconds
             self.stats = {"bytes": payload.bytes, "seconds": round(seconds, 4), "gb_per_s": round(payload.gb_per_s, 3),
                           "direct": payload.direct, "cached_fraction": payload.cached_fraction}
         except BaseException as exc:  # never lost: the launcher falls back to hydrating in the agent
@@ -74,6 +77,13 @@ class WeightStager:
         finally:
             native().release_pinned()
             self.finished_ns = self.now_ns()
+
+    def _keep_going(self, done: int, total: int) -> bool:
+        return not self._cancelled.is_set()  # False stops the hydration engine within ~50 ms
+
+    def cancel(self) -> None:
+        """Stop the staging early (the restore failed); join() then returns False."""
+        self._cancelled.set()
 
     def join(self) -> bool:
         """Wait for the staging; True when every chunk is hydrated and can be handed over."""
