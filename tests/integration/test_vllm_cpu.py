@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -191,3 +192,37 @@ def test_an_unknown_mode_stops_vllm_with_a_clear_error(model, tmp_path):
                             start_new_session=True)
     assert result.returncode != 0
     assert "mode must be one of auto, native, recovery, cache-only-auto, not 'bogus'" in result.stdout + result.stderr
+
+
+def test_wake_up_proves_itself_with_the_canary(model):
+    """coldsnap's /sleep and /wake_up replace vLLM's (VLLM_PLUGINS=coldsnap, dev mode). vLLM's CPU worker
+    ignores sleep itself, so this shows the routes and the canary on a real vLLM; the failing wake is
+    tests/unit/test_vllm_canary_gate.py."""
+    port = _free_port()
+    env = {**ENV, "VLLM_PLUGINS": "coldsnap", "VLLM_SERVER_DEV_MODE": "1"}
+    process = subprocess.Popen(serve(model, port, "--load-format", "coldsnap"), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                before = complete(port, PROMPT_2)
+                break
+            except OSError:
+                assert process.poll() is None and time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(0.5)
+
+        def post(path: str) -> tuple[int, dict]:
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=120) as response:
+                    return response.status, json.loads(response.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        assert post("/sleep?level=1") == (200, {"status": "sleeping", "level": 1})
+        assert post("/wake_up") == (200, {"status": "awake", "tags": None, "canary": "matched"})
+        assert complete(port, PROMPT_2) == before
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
