@@ -25,6 +25,7 @@ import contextlib
 import copy
 import os
 import threading
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -32,18 +33,23 @@ import vllm.v1.worker.gpu_model_runner as gpu_model_runner
 import vllm.v1.worker.utils as worker_utils
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+from vllm.model_executor.model_loader.utils import process_weights_after_loading
+from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from coldsnap.agent.memory import ModelMemory
-from coldsnap_vllm.placement import PlacedModel, call_with_kv_region, layout_for, place_model_in_region
+from coldsnap.hydrate import hydrate_pack
+from coldsnap.payload import NativePack, verify_file
+from coldsnap.payload.errors import PackError
+from coldsnap_vllm.placement import PlacedModel, call_with_kv_region, layout_for, place_model_in_region, planned_extents
 
 __all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES", "process_memory"]
 
 log = init_logger("vllm.coldsnap")  # vLLM's logger: the lines show in vLLM's own log format
 LOAD_FORMAT = "coldsnap"
 MODES = ("auto", "native", "recovery", "cache-only-auto")
-OPTION_KEYS = ("mode",)
+OPTION_KEYS = ("mode", "pack")
 
 
 class _Process:
@@ -60,14 +66,31 @@ def process_memory() -> ModelMemory | None:
     return _Process.memory
 
 
-def _options(extra: dict[str, Any]) -> str:
+def _options(extra: dict[str, Any]) -> tuple[str, Path | None]:
     mode = extra.get("mode", "auto")
     if mode not in MODES:
         raise ValueError(f"--model-loader-extra-config mode must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "native":
-        raise ValueError("coldsnap mode 'native' (starting from a native pack without a snapshot) is not built yet; "
-                         "use 'auto': startup loads through vLLM and `coldsnap restore` hydrates from the pack")
-    return mode
+    pack = extra.get("pack")
+    if pack is not None and not isinstance(pack, str):
+        raise ValueError(f"--model-loader-extra-config pack must be a path to a native pack, not {pack!r}")
+    if mode == "native" and not pack:
+        raise ValueError("coldsnap mode 'native' needs --model-loader-extra-config pack=<native pack written by "
+                         "coldsnap capture>; use mode 'auto' to load through vLLM when there is none")
+    return mode, Path(pack) if pack else None
+
+
+class PackDoesNotFit(ValueError):
+    """The native pack was written for another model, dtype or vLLM build: its tensors are not this model's."""
+
+
+def _check_pack_fits(pack: Any, extents: set[tuple[int, int]]) -> None:
+    """Every weight storage of this model at the same offset and length in the pack, and nothing else."""
+    theirs = {(t.offset, t.length) for e in pack.extents if e.region == "weights" for t in e.tensors}
+    if extents != theirs:
+        missing, extra = len(extents - theirs), len(theirs - extents)
+        raise PackDoesNotFit(f"native pack {pack.path.name} does not fit this model: {missing} of its {len(extents)} "
+                             f"weight tensors are not in the pack and {extra} of the pack's are not the model's "
+                             "(another model, dtype or vLLM build)")
 
 
 @contextlib.contextmanager
@@ -96,7 +119,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
 
     def __init__(self, load_config: Any):
         extra = dict(load_config.model_loader_extra_config or {})
-        self.mode = _options(extra)
+        self.mode, self.pack = _options(extra)
         # vLLM's default loading reads the checkpoint by load format: safetensors (the pinned model's
         # files). A copy, so the shared config still says `coldsnap` to the next get_model_loader().
         inner = copy.copy(load_config)
@@ -105,12 +128,59 @@ class ColdsnapModelLoader(DefaultModelLoader):
         super().__init__(inner)
 
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
-        with _plain_cpu_linear():
-            model = super().load_model(vllm_config, model_config, prefix)
-        _Process.placed = place_model_in_region(model)
-        log.info("coldsnap: %d bytes of weights in the stable region at 0x%x (mode %s)",
-                 _Process.placed.bytes, _Process.placed.region.base, self.mode)
+        """vLLM's BaseModelLoader.load_model with one fork: when a native pack fits the freshly built
+        model, its weights come from the pack (after placement) instead of the checkpoint. The model
+        is built once either way (vLLM refuses to register its attention layers twice)."""
+        if _has_online_quant_config(vllm_config):  # quantized while loading: only vLLM's own path
+            with _plain_cpu_linear():
+                model = super().load_model(vllm_config, model_config, prefix)
+            return self._place(model, None)
+        load_device = vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
+        target_device = torch.device(load_device)
+        with set_default_torch_dtype(model_config.dtype):
+            with target_device:
+                model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+            pack = self._fitting_pack(model)
+            if pack is None:
+                self.load_weights(model, model_config)  # recovery: vLLM's iteration of the checkpoint
+            with _plain_cpu_linear():
+                process_weights_after_loading(model, model_config, target_device)
+        return self._place(model, pack).eval()
+
+    def _fitting_pack(self, model: torch.nn.Module) -> NativePack | None:
+        if self.pack is None:
+            return None
+        try:
+            verify_file(self.pack)  # the digest its name claims (a stat-bound record makes this cheap)
+            pack = NativePack.open(self.pack)
+            _check_pack_fits(pack, planned_extents(model))
+            return pack
+        except (PackDoesNotFit, PackError) as exc:
+            if self.mode == "native":
+                raise ValueError(f"coldsnap mode 'native': {exc}") from None
+            log.warning("coldsnap: %s; loading the weights through vLLM instead (recovery)", exc)
+            return None
+
+    def _place(self, model: torch.nn.Module, pack: NativePack | None) -> torch.nn.Module:
+        placed = place_model_in_region(model)
+        if pack is not None:
+            # Weight post-processing could have changed the layout the pack was checked against.
+            _check_pack_fits(pack, {(t["offset"], t["length"]) for t in placed.tensors})
+            stats = hydrate_pack(pack.path, {"weights": placed.region})
+            log.info("coldsnap: %d bytes of weights hydrated from %s at %.2f GB/s (native)", stats.bytes,
+                     pack.path.name, stats.gb_per_s)
+        else:
+            log.info("coldsnap: %d bytes of weights in the stable region at 0x%x (recovery, mode %s)",
+                     placed.bytes, placed.region.base, self.mode)
+        _Process.placed = placed
         return model
+
+
+def _has_online_quant_config(vllm_config: Any) -> bool:
+    """Online quantization (weights quantized while they load) takes vLLM's own load_model."""
+    from vllm.model_executor.model_loader.base_loader import _get_online_quantization_config
+
+    return _get_online_quantization_config(vllm_config) is not None
 
 
 def _allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:

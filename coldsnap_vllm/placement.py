@@ -16,7 +16,7 @@ from typing import Any
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory import StableRegion, reserve
 
-__all__ = ["PlacedModel", "place_model_in_region", "layout_for", "call_with_kv_region"]
+__all__ = ["PlacedModel", "place_model_in_region", "planned_extents", "layout_for", "call_with_kv_region"]
 
 ALIGN = 4096
 
@@ -34,10 +34,9 @@ def _backend(device: Any) -> tuple[str, int]:
     return ("host", 0) if device.type == "cpu" else ("cuda", device.index or 0)
 
 
-def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
-    """Copy every parameter and buffer of ``model`` into the region ``tag`` and rebind them there."""
-    import torch
-
+def _storages(model: Any) -> tuple[list[tuple[Any, str, str, Any]], dict[int, dict[str, Any]], int]:
+    """Every parameter and buffer slot, their distinct storages with planned region offsets, and the
+    bytes the region needs (4 KiB-aligned storages, each once)."""
     slots: list[tuple[Any, str, str, Any]] = []  # (module, kind, name, tensor)
     for module in model.modules():
         for kind in ("_parameters", "_buffers"):
@@ -48,8 +47,8 @@ def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
     if not slots:
         raise ValueError("the model has no parameters or buffers to place")
     device = slots[0][3].device
-    storages: dict[int, dict[str, Any]] = {}
     names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+    storages: dict[int, dict[str, Any]] = {}
     offset = 0
     for _, _, name, tensor in slots:
         if tensor.device != device:
@@ -57,9 +56,22 @@ def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
         if key not in storages:
-            storages[key] = {"name": names.get(id(tensor), name), "nbytes": storage.nbytes(), "offset": offset,
-                             "dtype": tensor.dtype}
+            storages[key] = {"name": names.get(id(tensor), name), "nbytes": storage.nbytes(), "offset": offset}
             offset = -(-(offset + storage.nbytes()) // ALIGN) * ALIGN
+    return slots, storages, offset
+
+
+def planned_extents(model: Any) -> set[tuple[int, int]]:
+    """(offset, length) of every storage as :func:`place_model_in_region` would lay it out."""
+    return {(entry["offset"], entry["nbytes"]) for entry in _storages(model)[1].values()}
+
+
+def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
+    """Copy every parameter and buffer of ``model`` into the region ``tag`` and rebind them there."""
+    import torch
+
+    slots, storages, offset = _storages(model)
+    device = slots[0][3].device
     backend, index = _backend(device)
     region = reserve(tag, max(offset, ALIGN), backend=backend, device=index)
     region.map(max(offset, ALIGN))

@@ -226,3 +226,63 @@ def test_wake_up_proves_itself_with_the_canary(model):
     finally:
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+
+def _first_answer(command: list[str], port: int) -> tuple[list[int] | None, str]:
+    """Start `command`, return its greedy tokens for PROMPT_2 (None when it exits first) and its log."""
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                return complete(port, PROMPT_2), ""
+            except OSError:
+                if process.poll() is not None:
+                    return None, process.stdout.read()
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(0.5)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _foreign_pack(directory: Path) -> Path:
+    """A real native pack whose one tensor is not this model's (what a pack of another model looks like)."""
+    from coldsnap.contracts.layout import TensorExtent
+    from coldsnap.payload import PackKind
+    from coldsnap.payload.pack import PlannedExtent, write_pack
+
+    tensor = TensorExtent(name="model.embed_tokens.weight", dtype="uint8", shape=[8192], offset=0, length=8192)
+    extent = PlannedExtent(region="weights", region_offset=0, length=8192, tensors=[tensor])
+    return write_pack(directory, PackKind.PAYLOAD, "0" * 64, [extent], lambda tag, offset, dest: None).path
+
+
+def test_native_mode_starts_from_the_captured_pack(model, captured, reference):
+    artifact, _, _ = captured
+    worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
+    pack = artifact / worker["payload"]["path"]
+    port = _free_port()
+    options = json.dumps({"mode": "native", "pack": str(pack)})
+    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", options), port)
+    assert tokens == reference["tokens"], log[-3000:]  # weights from the pack, not the safetensors
+
+
+def test_a_pack_of_another_model_is_refused_in_native_mode_and_recovered_from_in_auto(model, reference, tmp_path):
+    pack = _foreign_pack(tmp_path)
+    port = _free_port()
+    native = json.dumps({"mode": "native", "pack": str(pack)})
+    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", native), port)
+    assert tokens is None and "does not fit this model" in log
+    port = _free_port()
+    auto = json.dumps({"mode": "auto", "pack": str(pack)})
+    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", auto), port)
+    assert tokens == reference["tokens"], log[-3000:]  # recovery through vLLM's own loading
+
+
+def test_native_mode_without_a_pack_is_a_clear_error(model):
+    port = _free_port()
+    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config",
+                                      '{"mode": "native"}'), port)
+    assert tokens is None and "coldsnap mode 'native' needs --model-loader-extra-config pack=" in log
