@@ -14,9 +14,10 @@ On CPUs, vLLM normally repacks linear weights for oneDNN/SGL kernels into buffer
 the originals), which would put the weights back into the process image; the loader keeps them as
 plain tensors in the region and lets vLLM use ``torch.nn.functional.linear`` on them.
 
-Options (``--model-loader-extra-config``): ``mode`` = ``auto`` | ``recovery`` | ``cache-only-auto``
-(the same today: startup always loads through vLLM; restores use the pack) or ``native`` (refused:
-starting from a pack without a snapshot is not built yet). Other keys go to vLLM's default loader.
+Options (``--model-loader-extra-config``): ``pack`` — a native pack to start from; ``mode`` — ``auto``
+(default) and ``cache-only-auto`` use the pack when it fits this model, else load through vLLM;
+``native`` requires a fitting pack; ``recovery`` always loads through vLLM. Other keys go to vLLM's
+default loader.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return self._place(model, pack).eval()
 
     def _fitting_pack(self, model: torch.nn.Module) -> NativePack | None:
-        if self.pack is None:
+        if self.pack is None or self.mode == "recovery":
             return None
         try:
             verify_file(self.pack)  # the digest its name claims (a stat-bound record makes this cheap)
