@@ -95,3 +95,23 @@ def test_connected_tcp_sockets_counts_connections_not_listeners():
             with server:
                 assert connected_tcp_sockets(me) == before + 2  # both ends live in this process
     assert connected_tcp_sockets(me) == before
+
+
+def test_copy_sparse_keeps_the_bytes_and_writes_only_data(tmp_path):
+    from coldsnap.snapshot.process_tree import copy_sparse
+
+    source = tmp_path / "queue"
+    with open(source, "wb") as handle:
+        handle.truncate(64 << 20)  # a hole
+        handle.seek(5 << 20)
+        handle.write(b"\0" * (2 << 20))  # written zeros: data to the file system, zeros to us
+        handle.seek((9 << 20) + 17)
+        handle.write(b"message")
+        handle.seek((64 << 20) - 3)
+        handle.write(b"end")
+    os.chmod(source, 0o600)
+    target = tmp_path / "copy"
+    written = copy_sparse(source, target)
+    assert target.read_bytes() == source.read_bytes()
+    assert written <= 2 << 20 and oct(target.stat().st_mode & 0o777) == "0o600"
+    assert target.stat().st_blocks * 512 <= 4 << 20  # a sparse copy, not 64 MiB
