@@ -36,10 +36,11 @@ from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
 
-__all__ = ["restore", "admit"]
+__all__ = ["restore", "admit", "port_free"]
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
+    """Whether a listener could bind ``port`` on the loopback address now."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -136,7 +137,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
                 span[f"{Path(ref.path).suffix[1:]}_verified_by"] = verdict.method
     with timer.span("restore.admission.port"):
         port = capsule["metadata"]["serving_port"]
-        if not _port_free(port):
+        if not port_free(port):
             raise OperationFailed("admission.port", f"serving port {port} is taken")
     return descriptor, capsule
 

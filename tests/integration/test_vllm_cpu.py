@@ -49,13 +49,9 @@ def complete(port: int, prompt: str, max_tokens: int = 12) -> list[int]:
 
 
 def port_taken(port: int) -> bool:
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
+    from coldsnap.activation.restore import port_free
+
+    return not port_free(port)
 
 
 def stop_restored(artifact: Path, port: int) -> None:
