@@ -163,6 +163,13 @@ def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], s
         copy_sparse(SHM_DIR / name, images / "devshm" / name)
     state = TreeFiles(pids=pids, appended=written, shm=names)
     state.save(images)
+    # The dumped tree is gone (CRIU kills it); its /dev/shm files live on in the image and are put back
+    # before each restore. Left in /dev/shm they would only pile up (vLLM's are 400 MB each).
+    for name in names:
+        try:
+            (SHM_DIR / name).unlink()
+        except OSError:
+            pass
     return state
 
 
