@@ -54,10 +54,9 @@ OPTION_KEYS = ("mode", "pack")
 
 
 class _Process:
-    """This process's coldsnap state: the placed weights, then the KV region, then the agent."""
+    """This process's coldsnap state: the placed weights, then its model memory (with the KV region), then the agent."""
 
     placed: PlacedModel | None = None
-    kv: Any = None
     memory: ModelMemory | None = None
     agent: Any = None
 
@@ -197,7 +196,6 @@ def _allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: 
     regions = {"weights": _Process.placed.region}
     if region is not None:
         regions["kv_cache"] = region
-    _Process.kv = region
     _Process.memory = ModelMemory(layout_for(_Process.placed, region), regions)
     _start_agent()
     return result
@@ -211,7 +209,7 @@ def _start_agent() -> None:
 
     # vLLM's engine loop is idle whenever the launcher drives the agent (after the canary, before
     # resume); the lock only keeps two agent commands from overlapping.
-    _Process.agent = start_agent(control, _Process.memory.layout, _Process.memory.regions, serving_lock=threading.Lock())
+    _Process.agent = start_agent(control, _Process.memory, serving_lock=threading.Lock())
     log.info("coldsnap: agent listening at %s", control)
 
 

@@ -73,8 +73,8 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         pids = tree_pids(engine.pid)
         gpu_pids = gpu_processes(pids)
         gpus = cuda_devices() if gpu_pids else []
-        anonymous_before_checkpoint = anonymous_bytes(pids)
         if gpu_pids:
+            anonymous_before_checkpoint = anonymous_bytes(pids)
             check_driver_floor(context, request_.snapshot_driver, nvidia_kernel_driver() or "0", "capture.driver_floor")
             # n610: the initialized CUDA state goes into the image; weights and KV were released above,
             # so only contexts, graphs and small buffers are copied out (at ~2 GB/s).

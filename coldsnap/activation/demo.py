@@ -159,11 +159,9 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
         root = int(json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"])
         kill_tree(root)
     dump = next(s for s in capture_receipt["timing"]["spans"] if s["name"] == "capture.criu_dump")["attributes"]
-    checkpoint = next((s["attributes"] for s in capture_receipt["timing"]["spans"] if s["name"] == "capture.cuda_checkpoint"), {})
     # Non-model memory: the tree's resident memory once weights and KV are released (after the CUDA
     # checkpoint that includes the device memory it moved into the processes).
-    non_model = dump.get("tree_rss_bytes") or (dump["rss_after_release_bytes"] + max(
-        0, checkpoint.get("anonymous_bytes_after", 0) - checkpoint.get("anonymous_bytes_before", 0)))
+    non_model = dump["tree_rss_bytes"]
     return {
         "engine": engine,
         "size": size if engine == "torch-lm" else "tiny-llama",

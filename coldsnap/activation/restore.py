@@ -159,7 +159,7 @@ def restore(context: OperationContext) -> OperationOutcome:
     # GPU weights: hydrated by the launcher during CRIU + CUDA restore and handed over at resume;
     # otherwise the agent hydrates, and the page cache is warmed meanwhile.
     stager = (WeightStager(regions, payload, residual, worker.layout_digest, timer.now_ns)
-              if payload is not None and WeightStager.applies(regions) else None)
+              if payload is not None and WeightStager.stageable(regions) else None)
     prefetch_error: list[BaseException] = []
 
     def prefetch() -> None:

@@ -44,10 +44,10 @@ class WeightStager:
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     @staticmethod
-    def applies(regions: dict[str, Any]) -> bool:
-        """Whether there is anything to stage: GPU regions other than KV with bytes to fill."""
-        return any(tag not in DISCARDED_TAGS and r.get("backend") == "cuda" and r.get("high_water") and r.get("chunk_bytes")
-                   for tag, r in regions.items())
+    def stageable(regions: dict[str, Any]) -> dict[str, Any]:
+        """The records worth staging: GPU regions that are not discarded and had bytes mapped."""
+        return {tag: r for tag, r in regions.items()
+                if tag not in DISCARDED_TAGS and r.get("backend") == "cuda" and r.get("high_water") and r.get("chunk_bytes")}
 
     def start(self) -> "WeightStager":
         self._thread = threading.Thread(target=self._run, name="coldsnap-stage-weights", daemon=True)
@@ -57,9 +57,7 @@ class WeightStager:
     def _run(self) -> None:
         self.started_ns = self.now_ns()
         try:
-            for tag, record in self.regions.items():
-                if tag in DISCARDED_TAGS or record.get("backend") != "cuda" or not record.get("high_water"):
-                    continue
+            for tag, record in self.stageable(self.regions).items():
                 region = reserve_staging(tag, record["high_water"], device=record["device"], chunk_bytes=record["chunk_bytes"])
                 self.staged[tag] = region
                 region.map(record["high_water"])

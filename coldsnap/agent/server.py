@@ -11,12 +11,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
-from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.agent.memory import ModelMemory, timed as _timed
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
-from coldsnap.memory.regions import StableRegion
 
 __all__ = ["AgentHooks", "AgentServer", "AgentError", "start_agent", "request"]
 
@@ -44,12 +42,10 @@ def _address(control: str) -> str | bytes:
 
 
 class AgentServer:
-    def __init__(self, control: str, layout: MemoryLayout, regions: Mapping[str, StableRegion],
-                 serving_lock: threading.Lock, port: int | None = None, hooks: AgentHooks | None = None):
+    def __init__(self, control: str, memory: ModelMemory, serving_lock: threading.Lock, port: int | None = None,
+                 hooks: AgentHooks | None = None):
         self.control = control
-        self.layout = layout
-        self.regions = dict(regions)
-        self.memory = ModelMemory(layout, self.regions)
+        self.memory = memory
         self.serving_lock = serving_lock
         self.port = port
         self.hooks = hooks or AgentHooks()
@@ -101,12 +97,12 @@ class AgentServer:
             "state": self.state,
             "pid": os.getpid(),
             "port": self.port,
-            "layout_digest": self.layout.digest(),
-            "layout": self.layout.to_json_value(),
+            "layout_digest": self.memory.layout.digest(),
+            "layout": self.memory.layout.to_json_value(),
             "regions": {
                 tag: {"backend": r.backend, "device": r.device, "base": r.base, "size": r.size, "mapped": r.mapped_bytes,
                       "high_water": r.high_water, "chunk_bytes": r.chunk_bytes}
-                for tag, r in self.regions.items()
+                for tag, r in self.memory.regions.items()
             },
         }
 
@@ -126,7 +122,7 @@ class AgentServer:
         self._xstate = dynamic_permissions()  # CRIU does not carry AMX permission; resume asks again
         self._arm_watchdog()
         # What the process image will hold: its resident memory once model memory is gone.
-        return {**result, "layout_digest": self.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
+        return {**result, "layout_digest": self.memory.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
                 "regions": self.status()["regions"],
                 "device_bytes": _torch_device_bytes()}
 
@@ -215,12 +211,12 @@ def _torch_device_bytes() -> int:
 _agent: AgentServer | None = None
 
 
-def start_agent(control: str, layout: MemoryLayout, regions: Mapping[str, StableRegion], *,
-                serving_lock: threading.Lock, port: int | None = None, hooks: AgentHooks | None = None) -> AgentServer:
-    """Start this process's agent (once)."""
+def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lock, port: int | None = None,
+                hooks: AgentHooks | None = None) -> AgentServer:
+    """Start this process's agent (once) over its model memory."""
     global _agent
     if _agent is None:
-        _agent = AgentServer(control, layout, regions, serving_lock, port, hooks).start()
+        _agent = AgentServer(control, memory, serving_lock, port, hooks).start()
     return _agent
 
 

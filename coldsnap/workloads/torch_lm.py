@@ -356,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     _Handler.model_name = f"coldsnap-torch-lm-{args.size}"
     if os.environ.get("COLDSNAP_CONTROL"):
         from coldsnap.agent import start_agent
+        from coldsnap.agent.memory import ModelMemory
 
         from coldsnap.agent.server import AgentHooks
 
@@ -367,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         regions = {"weights": model.weights, "kv_cache": model.kv}
         if model.graph_memory is not None:
             regions["cudagraph"] = model.graph_memory
-        start_agent(os.environ["COLDSNAP_CONTROL"], model.layout, regions,
+        start_agent(os.environ["COLDSNAP_CONTROL"], ModelMemory(model.layout, regions),
                     serving_lock=model.lock, port=args.port, hooks=hooks)
     sys.stderr.write(f"torch_lm: {args.size} on {args.device} ready on {args.host}:{args.port} "
                      f"in {time.perf_counter() - started:.2f} s\n")

