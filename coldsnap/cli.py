@@ -210,6 +210,10 @@ def _option_value(command: list[str], name: str) -> str | None:
     return None
 
 
+# How serving commands spell their tensor-parallel size (torch_lm and SGLang --tp, vLLM -tp, ...).
+TP_OPTIONS = ("--tp", "--tensor-parallel-size", "-tp", "--tp-size")
+
+
 def _capture_request(args: argparse.Namespace) -> dict:
     """The request format 4 document the friendly flags stand for."""
     if not args.out:
@@ -223,6 +227,15 @@ def _capture_request(args: argparse.Namespace) -> dict:
     if port is None:
         raise UsageError("cannot tell the serving port: pass --port P (or give the command a --port option)")
     engine = args.engine or _infer_engine(command)
+    ranks = args.ranks
+    if ranks is None:
+        given = next((v for v in (_option_value(command, o) for o in TP_OPTIONS) if v is not None), "1")
+        try:
+            ranks = int(given)
+        except ValueError:
+            raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
+    if ranks < 1:
+        raise UsageError("--ranks must be at least 1")
     model = args.model or _option_value(command, "--model") or (command[2] if command[1:2] == ["serve"] and len(command) > 2 else None)
     if model is None and engine == "torch-lm":
         model = f"coldsnap-torch-lm-{_option_value(command, '--size') or 'tiny'}"
@@ -234,7 +247,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
         "snapshot_driver": args.driver,
         "model": {"name": model or command[0], "revision": None},
         "units": [{"unit_id": "unit-0", "command": command, "serving_port": int(port),
-                   "workers": [{"worker_id": "worker-0", "rank": 0, "device_slot": 0}]}],
+                   "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
         "artifact": str(Path(args.out).resolve()),
     }
 
@@ -428,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["vllm", "sglang", "torch-lm"], help="engine adapter (default: from the command)")
     p.add_argument("--driver", choices=["n610", "n580"], default="n610", help="snapshot driver (default n610)")
     p.add_argument("--model", help="model name recorded in the artifact (default: from the command)")
+    p.add_argument("--ranks", type=int, metavar="N",
+                   help="tensor-parallel ranks, one worker each (default: the command's --tp / "
+                   "--tensor-parallel-size / --tp-size, else 1)")
     _add_operation_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the serving command")
     p.set_defaults(func=_cmd_capture)

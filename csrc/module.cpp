@@ -9,18 +9,21 @@
 
 #include "cuda_driver.h"
 #include "hydrate.h"
+#include "nccl_bridge.h"
 #include "stable_memory.h"
 
 namespace py = pybind11;
 namespace cu = coldsnap::cuda;
 namespace mem = coldsnap::memory;
 namespace hy = coldsnap::hydrate;
+namespace nc = coldsnap::nccl;
 
 namespace {
 
 // The CudaError type object. Owned by pybind11's register_exception storage,
 // which lives until interpreter shutdown, so a borrowed pointer is fine.
 PyObject* g_cuda_error = nullptr;
+PyObject* g_nccl_error = nullptr;
 
 py::dict device_to_dict(const cu::DeviceInfo& d) {
   py::dict o;
@@ -205,6 +208,61 @@ PYBIND11_MODULE(_C, m) {
       }
     }  // anything else propagates to the next translator
   });
+
+  // NcclError(RuntimeError) with .code: the ncclResult_t, or None (library or symbol missing).
+  auto& nccl_exc = py::register_exception<nc::NcclError>(m, "NcclError", PyExc_RuntimeError);
+  nccl_exc.attr("code") = py::none();
+  g_nccl_error = nccl_exc.ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const nc::NcclError& e) {
+      try {
+        py::object inst = py::handle(g_nccl_error)(e.what());
+        if (e.code()) inst.attr("code") = *e.code();
+        PyErr_SetObject(g_nccl_error, inst.ptr());
+      } catch (py::error_already_set&) {
+        PyErr_SetString(g_nccl_error, e.what());
+      }
+    }
+  });
+  m.def(
+      "nccl_load",
+      [](const std::string& library) {
+        nc::LoadInfo info = nc::load(library);
+        py::dict o;
+        o["library"] = info.library;
+        o["version_code"] = info.version;
+        o["version"] = nc::version_string(info.version);
+        return o;
+      },
+      py::arg("library") = "",
+      "dlopen NCCL (\"\": libnccl.so.2) once per process; returns {library, version, version_code}. "
+      "Raises NcclError for a missing library or symbol, or an NCCL older than 2.14.");
+  m.attr("NCCL_MINIMUM_VERSION") = nc::version_string(nc::kMinimumVersion);
+  m.def(
+      "nccl_unique_id", [] { return py::bytes(nc::unique_id()); },
+      "ncclGetUniqueId: 128 bytes (this process becomes the rendezvous root until every rank joined).");
+  m.def(
+      "nccl_comm_init",
+      [](const py::bytes& id, int world, int rank, int device) {
+        std::string raw = id;
+        py::gil_scoped_release nogil;
+        return nc::comm_init(raw, world, rank, device);
+      },
+      py::arg("unique_id"), py::arg("world"), py::arg("rank"), py::arg("device"),
+      "ncclCommInitRank on device (blocks until every rank joined); returns the communicator handle.");
+  m.def("nccl_comm_finalize", &nc::comm_finalize, py::arg("comm"), py::call_guard<py::gil_scoped_release>(),
+        "ncclCommFinalize: flush the communicator's work (every rank calls it).");
+  m.def("nccl_comm_destroy", &nc::comm_destroy, py::arg("comm"), py::call_guard<py::gil_scoped_release>());
+  m.def("nccl_comm_abort", &nc::comm_abort, py::arg("comm"), py::call_guard<py::gil_scoped_release>(),
+        "ncclCommAbort: free the communicator without waiting for peers (after a failure).");
+  m.def("nccl_comm_async_error", &nc::comm_async_error, py::arg("comm"),
+        "The communicator's asynchronous error (\"\" when none).");
+  m.def("nccl_all_reduce", &nc::all_reduce, py::arg("comm"), py::arg("send"), py::arg("recv"), py::arg("count"),
+        py::arg("dtype"), py::arg("op"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "ncclAllReduce of count elements (addresses and stream as integers; in place when send == recv).");
 
   m.def("cuda_probe", &cuda_probe,
         "Probe the CUDA driver; never raises. Returns a dict (see _C.pyi: CudaProbe).");

@@ -1,9 +1,10 @@
 """Capture: start the serving command, prove it right, release its model memory, dump it, commit.
 
 Sequence (one launch unit, snapshot driver n610 semantics: the initialized process is captured):
-launch → agent + HTTP ready → canary recorded → agent ``prepare`` (native packs written, weights and
-KV released) → CUDA checkpoint of the tree's GPU processes → CRIU dump → capsule manifest → artifact
-descriptor committed atomically.
+launch → every rank's agent + HTTP ready → canary recorded → ``prepare`` on every rank at once (drain,
+graphs the policy drops, NCCL teardown between coordinator barriers, native packs written, weights
+and KV released) → CUDA checkpoint of the tree's GPU processes → CRIU dump of the whole tree →
+capsule manifest → artifact descriptor committed atomically.
 A failure at any step kills what was started and commits nothing; an earlier artifact is never touched.
 """
 
@@ -15,7 +16,8 @@ from pathlib import Path
 
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, ask_canary, wait_for_agent, wait_for_http
-from coldsnap.agent.server import AgentError, request
+from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank
+from coldsnap.agent.server import AgentError, rank_control, request
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
@@ -34,10 +36,11 @@ READY_TIMEOUT_S = 900.0
 
 def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
     request_ = context.request
-    if len(request_.units) != 1 or len(request_.units[0].workers) != 1:
-        raise OperationFailed("capture.topology", "this build captures one launch unit with one worker")
+    if len(request_.units) != 1:
+        raise OperationFailed("capture.topology", "this build captures one launch unit (one process tree)")
     unit = request_.units[0]
-    worker = unit.workers[0]
+    workers = sorted(unit.workers, key=lambda w: w.rank)
+    world = len(workers)
     if unit.serving_port is None:
         raise OperationFailed("capture.port", "the unit has no serving_port: the canary needs the engine's HTTP port")
     artifact = ArtifactDir(Path(request_.artifact))
@@ -54,22 +57,41 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
     dumped = False
     try:
         context.progress(f"started {unit.command[0]} (pid {engine.pid}); waiting for it to be ready")
-        with timer.span("capture.ready"):
+        controls = [rank_control(engine.control, w.rank) for w in workers]
+        with timer.span("capture.ready") as span:
             status = wait_for_agent(engine.control, engine.alive, ready_timeout)
+            if int(status.get("world_size", 1)) != world:
+                raise OperationFailed("capture.topology", f"the engine runs {status.get('world_size', 1)} rank(s), the "
+                                      f"request lists {world} worker(s): capture with one worker per rank "
+                                      "(coldsnap capture --ranks N)")
+            statuses = [status] + [wait_for_agent(control, engine.alive, ready_timeout) for control in controls[1:]]
             wait_for_http(unit.serving_port, engine.alive, ready_timeout)
+            span["ranks"] = world
         with timer.span("capture.canary") as span:
             canary = ask_canary(unit.serving_port, validation.prompt, validation.max_tokens)
             span["tokens"] = len(canary.token_ids)
         context.progress(f"canary answered {canary.text!r} ({len(canary.token_ids)} tokens)")
         generate = request_.policy.weights.native_generation != "off" or request_.policy.weights.mode != "recovery"
-        with timer.span("capture.prepare") as span:
+        graph_policy = request_.policy.graphs.mode or "retain"
+        with timer.span("capture.prepare") as span, ActivationCoordinator(world) as coordinator:
             bars = PhaseProgress(f"coldsnap capture [{request_.engine}/{request_.snapshot_driver}]: ")
+            command = {"command": "prepare", "pack_dir": str(artifact.payload_dir), "generate_pack": generate,
+                       "graph_policy": graph_policy, "coordinator": coordinator.command_field()}
             try:
-                prepared = request(engine.control, {"command": "prepare", "pack_dir": str(artifact.payload_dir),
-                                                    "generate_pack": generate}, on_progress=bars)
+                # Progress bars follow rank 0; the ranks write their packs at the same time.
+                prepared_ranks = call_every_rank(
+                    [(w.rank, lambda c=c, r=w.rank: request(c, command, on_progress=bars if r == 0 else None))
+                     for w, c in zip(workers, controls)], coordinator)
             finally:
                 bars.finish()
-            span.update({k: int(v * 1e9) for k, v in prepared["seconds"].items()})
+            for rank, prepared in enumerate(prepared_ranks):
+                prefix = "" if rank == 0 else f"rank{rank}."
+                span.update({f"{prefix}{k}_ns": int(v * 1e9) for k, v in prepared["seconds"].items()})
+                if prepared.get("graphs_released"):
+                    span[f"{prefix}graphs_released"] = ",".join(prepared["graphs_released"])
+        prepared = prepared_ranks[0]
+        rss_after_release = sum(int(p.get("rss_bytes", 0)) for p in prepared_ranks)
+        device_after_release = sum(int(p.get("device_bytes", 0)) for p in prepared_ranks)
         pids = tree_pids(engine.pid)
         gpu_pids = gpu_processes(pids)
         gpus = cuda_devices() if gpu_pids else []
@@ -99,25 +121,31 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             engine.process.wait(timeout=30)
             span["image_bytes"] = result.image_bytes
             # Goal: the image holds no weights and no KV, so it is about the process's other memory.
-            span["rss_after_release_bytes"] = int(prepared.get("rss_bytes", 0))
+            span["rss_after_release_bytes"] = rss_after_release  # the ranks' own processes
             span["tree_rss_bytes"] = tree_rss  # every process of the tree, model memory released
-            span["device_bytes_after_release"] = int(prepared.get("device_bytes", 0))
+            span["device_bytes_after_release"] = device_after_release
         context.progress(f"dumped {len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB of images "
                          f"in {result.seconds:.2f} s (resident memory without model memory: "
-                         f"{int(prepared.get('rss_bytes', 0)) / 2**20:.1f} MiB host"
-                         f" + {int(prepared.get('device_bytes', 0)) / 2**20:.1f} MiB GPU)")
+                         f"{rss_after_release / 2**20:.1f} MiB host + {device_after_release / 2**20:.1f} MiB GPU)")
         with timer.span("capture.commit"):
             capsule = artifact.write_capsule(unit.unit_id, {
                 "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,
-                "layout": status["layout"], "layout_digest": prepared["layout_digest"],
-                "regions": prepared.get("regions", {}),
+                "workers": [{"rank": w.rank, "control": c, "pid": s["pid"], "layout": s["layout"],
+                             "layout_digest": p["layout_digest"], "regions": p.get("regions", {}),
+                             "graphs_released": p.get("graphs_released", [])}
+                            for w, c, s, p in zip(workers, controls, statuses, prepared_ranks)],
                 "criu_options": snapshotter.options.args(), "criu_tcp": snapshotter.options.tcp,
                 "gpu_pids": gpu_pids, "gpu_uuids": [d["uuid"] for d in gpus],
             })
-            payload = prepared.get("payload")
-            residual = prepared.get("residual")
-            if residual is None:
-                raise OperationFailed("capture.residual", "the agent wrote no residual pack")
+            worker_records = []
+            for w, p in zip(workers, prepared_ranks):
+                payload, residual = p.get("payload"), p.get("residual")
+                if residual is None:
+                    raise OperationFailed("capture.residual", f"the agent of rank {w.rank} wrote no residual pack")
+                worker_records.append(WorkerRecord(
+                    worker_id=w.worker_id, rank=w.rank, layout_digest=p["layout_digest"],
+                    residual=file_ref(artifact, Path(residual["path"]), residual["sha256"]),
+                    payload=file_ref(artifact, Path(payload["path"]), payload["sha256"]) if payload else None))
             artifact.request_path.write_bytes(canonical_json(request_.to_json_value()) + b"\n")
             driver = nvidia_kernel_driver()
             descriptor = ArtifactDescriptor(
@@ -129,7 +157,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                 request_sha256=context.request_sha256,
                 semantic_manifest_sha256=SemanticManifest.from_request(request_).canonical_sha256(),
                 model=request_.model,
-                graph_policy=request_.policy.graphs.mode or "retain",
+                graph_policy=graph_policy,
                 platform=PlatformRecord(
                     arch=platform.machine(), kernel=platform.release(), nvidia_driver=driver,
                     nvidia_driver_floor=int(driver.split(".")[0]) if driver else None,
@@ -138,11 +166,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                     criu_version=".".join(map(str, snapshotter.criu.version())),
                 ),
                 canary=CanaryRecord(prompt=validation.prompt, expected_response=canary.text, token_ids=canary.token_ids),
-                units=[UnitRecord(unit_id=unit.unit_id, capsule=capsule, workers=[WorkerRecord(
-                    worker_id=worker.worker_id, rank=worker.rank, layout_digest=prepared["layout_digest"],
-                    residual=file_ref(artifact, Path(residual["path"]), residual["sha256"]),
-                    payload=file_ref(artifact, Path(payload["path"]), payload["sha256"]) if payload else None,
-                )])],
+                units=[UnitRecord(unit_id=unit.unit_id, capsule=capsule, workers=worker_records)],
             )
             artifact.commit(descriptor)
     except (LaunchError, AgentError, CriuError, OSError, ValueError) as exc:

@@ -3,11 +3,13 @@
 Admission (all of it before anything starts; ``--prepare-only`` stops after it): descriptor format,
 architecture (and kernel with ``compatibility.kernel=exact``), CRIU version and ``criu check``, the
 capsule manifest, the native packs (stat-bound record or full hash), the serving port free.
-Activation: the payload is prefetched into the page cache *while* CRIU restores the tree; GPU
-processes are CUDA-restored (captured GPU UUIDs remapped onto this host's) and unlocked; the agent
-then maps the regions at their captured addresses, hydrates them and zeroes the KV cache; the canary
-must give the captured tokens exactly. Any failure kills what was restored and leaves the artifact as
-it was.
+Activation: each rank's GPU weights are hydrated by the launcher into shareable chunks (or its
+payload prefetched into the page cache) *while* CRIU restores the tree; GPU processes are
+CUDA-restored (captured GPU UUIDs remapped onto this host's) and unlocked; every rank's agent then
+maps its regions at their captured addresses, fills them and zeroes the KV cache, and the ranks
+rebuild their NCCL communicators together through the activation's coordinator; the canary must give
+the captured tokens exactly. Any failure — of any rank — kills what was restored and leaves the
+artifact as it was.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any
 
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.server import AgentError, request
 from coldsnap.contracts.artifact import ArtifactDescriptor
@@ -150,36 +153,38 @@ def restore(context: OperationContext) -> OperationOutcome:
         return OperationOutcome(artifact=str(artifact.root))
     timer = context.timer
     unit = descriptor.units[0]
-    worker = unit.workers[0]
+    workers = sorted(unit.workers, key=lambda w: w.rank)
     metadata = capsule["metadata"]
-    payload = artifact.root / worker.payload.path if worker.payload else None
+    records = {record["rank"]: record for record in metadata["workers"]}
 
-    residual = artifact.root / worker.residual.path
-    regions = metadata.get("regions") or {}
+    def pack(ref) -> Path | None:
+        return artifact.root / ref.path if ref is not None else None
+
     # GPU weights: hydrated by the launcher during CRIU + CUDA restore and handed over at resume;
     # otherwise the agent hydrates, and the page cache is warmed meanwhile.
-    stager = (WeightStager(regions, payload, residual, worker.layout_digest, timer.now_ns)
-              if payload is not None and WeightStager.stageable(regions) else None)
+    stagers = {w.rank: WeightStager(records[w.rank].get("regions") or {}, pack(w.payload), pack(w.residual),
+                                    w.layout_digest, timer.now_ns)
+               for w in workers if w.payload is not None and WeightStager.stageable(records[w.rank].get("regions") or {})}
     prefetch_error: list[BaseException] = []
 
     def prefetch() -> None:
         from coldsnap.hydrate import prefetch_file
 
         try:
-            if payload is not None:
-                prefetch_file(payload)
+            for w in workers:
+                if w.payload is not None and w.rank not in stagers:
+                    prefetch_file(pack(w.payload))
         except BaseException as exc:  # only a hint: hydration still reads the file itself
             prefetch_error.append(exc)
 
     restored_pid: int | None = None
+    handed_over: list[int] = []
     try:
         with timer.span("restore.criu_restore") as span:
-            if stager is not None:
+            for stager in stagers.values():
                 stager.start()
-                warmer = None
-            else:
-                warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
-                warmer.start()
+            warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
+            warmer.start()
             options = SnapshotOptions(tcp=metadata.get("criu_tcp", "established"))  # as dumped
             result = CriuSnapshotter(options=options).restore(artifact.images(unit.unit_id))
             restored_pid = result.pid
@@ -195,39 +200,50 @@ def restore(context: OperationContext) -> OperationOutcome:
                 except CudaCheckpointError as exc:
                     raise OperationFailed("restore.cuda", str(exc)) from None
                 span["processes"] = len(gpu_pids)
-        adopted: dict[str, int] = {}
-        fds: list[int] = []
-        if stager is not None:
+        commands: dict[int, dict[str, Any]] = {}
+        fds_by_rank: dict[int, list[int]] = {}
+        if stagers:
             with timer.span("restore.stage_wait"):
-                staged = stager.join()
-            timer.add_timeline_span("restore.stage_weights", stager.started_ns, stager.finished_ns,
-                                    **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
-            if staged:
-                adopted, fds = stager.export()
-            else:
-                context.warn(f"staging the weights failed ({stager.error}); the process hydrates them itself")
-        if warmer is not None:
-            warmer.join()
+                staged = {rank: stager.join() for rank, stager in stagers.items()}
+            for rank, stager in stagers.items():
+                timer.add_timeline_span("restore.stage_weights" + (f".rank{rank}" if rank else ""), stager.started_ns,
+                                        stager.finished_ns,
+                                        **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
+                if staged[rank]:
+                    adopted, fds_by_rank[rank] = stager.export()
+                    handed_over += fds_by_rank[rank]
+                    commands[rank] = {"adopted": adopted, "staged": stager.stats}
+                else:
+                    context.warn(f"rank {rank}: staging the weights failed ({stager.error}); the process hydrates them itself")
+        warmer.join()
         context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
-        with timer.span("restore.resume") as span:
+        with timer.span("restore.resume") as span, ActivationCoordinator(len(workers)) as coordinator:
             bars = PhaseProgress(f"coldsnap restore [{descriptor.engine}/{descriptor.snapshot_driver}]: ")
-            command = {"command": "resume", "layout_digest": worker.layout_digest}
-            if adopted:
-                command.update(adopted=adopted, staged=stager.stats)
-            else:
-                command.update(payload=str(payload) if payload else None, residual=str(residual))
+
+            def resume(w) -> dict[str, Any]:
+                command = {"command": "resume", "layout_digest": w.layout_digest, "coordinator": coordinator.command_field(),
+                           **(commands.get(w.rank) or {"payload": str(pack(w.payload)) if w.payload else None,
+                                                      "residual": str(pack(w.residual))})}
+                return request(records[w.rank]["control"], command, on_progress=bars if w.rank == 0 else None,
+                               fds=fds_by_rank.get(w.rank, []))
+
             try:
-                resumed = request(metadata["control"], command, on_progress=bars, fds=fds)
+                resumed_ranks = call_every_rank([(w.rank, lambda w=w: resume(w)) for w in workers], coordinator)
             finally:
                 bars.finish()
-                for fd in fds:
+                for fd in handed_over:
                     os.close(fd)
-                if stager is not None:
+                handed_over.clear()
+                for stager in stagers.values():
                     stager.release()
-            hydrated = resumed.get("hydrate", {})
-            span.update({"bytes": int(hydrated.get("bytes", 0)), "source": str(hydrated.get("source", "")),
-                         "staged": bool(hydrated.get("staged", False))})
-            span.update({f"{step}_ns": int(seconds * 1e9) for step, seconds in resumed.get("seconds", {}).items()})
+            for rank, resumed in enumerate(resumed_ranks):
+                prefix = "" if rank == 0 else f"rank{rank}."
+                hydrated = resumed.get("hydrate", {})
+                span.update({f"{prefix}bytes": int(hydrated.get("bytes", 0)), f"{prefix}source": str(hydrated.get("source", "")),
+                             f"{prefix}staged": bool(hydrated.get("staged", False))})
+                span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.get("seconds", {}).items()})
+                if resumed.get("graphs_recaptured"):
+                    span[f"{prefix}graphs_recaptured"] = ",".join(resumed["graphs_recaptured"])
         with timer.span("restore.canary") as span:
             try:
                 canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
@@ -237,10 +253,13 @@ def restore(context: OperationContext) -> OperationOutcome:
         if canary.token_ids != descriptor.canary.token_ids or canary.text != descriptor.canary.expected_response:
             raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {descriptor.canary.expected_response!r}")
     except BaseException as exc:
-        if stager is not None:
+        for stager in stagers.values():
             stager.cancel()
+        for stager in stagers.values():
             stager.join()
             stager.release()
+        for fd in handed_over:
+            os.close(fd)
         if restored_pid is not None:
             kill_tree(restored_pid)
         if isinstance(exc, CriuError):

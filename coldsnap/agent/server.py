@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -11,12 +12,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from coldsnap.agent.memory import ModelMemory, timed as _timed
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
 
-__all__ = ["AgentHooks", "AgentServer", "AgentError", "start_agent", "request"]
+if TYPE_CHECKING:
+    from coldsnap.collective import RankCollectives
+    from coldsnap.collective.group import Rendezvous
+
+__all__ = ["AgentHooks", "AgentServer", "AgentError", "rank_control", "start_agent", "request"]
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +37,21 @@ class AgentHooks:
     """What an engine plugin adds around the memory work (each runs in the agent's thread)."""
 
     before_release: list[Hook] = field(default_factory=list)
-    """After draining, before the regions are unmapped (e.g. NCCL teardown, graph discard)."""
+    """After draining and the collectives' teardown, before the regions are unmapped (e.g. handing
+    cached allocator blocks back)."""
     after_resume: list[Hook] = field(default_factory=list)
-    """After hydration and KV remap, before serving again (e.g. NCCL rebuild, graph recapture)."""
+    """After hydration, KV remap and the collectives' rebuild, before graphs are recaptured."""
+    release_graphs: Callable[[str], list[str]] | None = None
+    """Given the graph policy (``retain`` | ``recreate``), drop the CUDA graphs that will not be kept and
+    return their names. Graphs holding NCCL kernels are always dropped: a rebuilt communicator is a new
+    one, and kernels captured against the old one must not replay. Runs before the teardown."""
+    recapture_graphs: Callable[[], list[str]] | None = None
+    """Capture again what ``release_graphs`` dropped (every rank at once: warm-ups run collectives)."""
+
+
+def rank_control(control: str, rank: int) -> str:
+    """The control socket of ``rank``: the engine's ``COLDSNAP_CONTROL`` for rank 0, suffixed for others."""
+    return control if rank == 0 else f"{control}.rank{rank}"
 
 
 def _address(control: str) -> str | bytes:
@@ -43,8 +60,15 @@ def _address(control: str) -> str | bytes:
 
 class AgentServer:
     def __init__(self, control: str, memory: ModelMemory, serving_lock: threading.Lock, port: int | None = None,
-                 hooks: AgentHooks | None = None):
-        self.control = control
+                 hooks: AgentHooks | None = None, rank: int = 0, world: int = 1,
+                 collectives: RankCollectives | None = None):
+        if collectives is not None and (collectives.rank, collectives.world) != (rank, world):
+            raise ValueError(f"collectives are rank {collectives.rank} of {collectives.world}, the agent {rank} of {world}")
+        self.control = rank_control(control, rank)
+        self.rank = rank
+        self.world = world
+        self.collectives = collectives
+        self.graphs_released: list[str] = []
         self.memory = memory
         self.serving_lock = serving_lock
         self.port = port
@@ -52,7 +76,7 @@ class AgentServer:
         self.state = "serving"
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(_address(control))
+        self._listener.bind(_address(self.control))
         self._listener.listen(4)
         self._thread = threading.Thread(target=self._serve, name="coldsnap-agent", daemon=True)
 
@@ -87,7 +111,9 @@ class AgentServer:
         if name == "status":
             return self.status()
         if name == "prepare":
-            return self.prepare(Path(command["pack_dir"]), bool(command.get("generate_pack", True)), progress)
+            return self.prepare(Path(command["pack_dir"]), bool(command.get("generate_pack", True)), progress,
+                                graph_policy=str(command.get("graph_policy") or "retain"),
+                                coordinator=command.get("coordinator"))
         if name == "resume":
             return self.resume(command, progress, fds or [])
         raise AgentError(f"unknown command {name!r}")
@@ -97,6 +123,8 @@ class AgentServer:
             "state": self.state,
             "pid": os.getpid(),
             "port": self.port,
+            "rank": self.rank,
+            "world_size": self.world,
             "layout_digest": self.memory.layout.digest(),
             "layout": self.memory.layout.to_json_value(),
             "regions": {
@@ -106,25 +134,52 @@ class AgentServer:
             },
         }
 
-    def prepare(self, pack_dir: Path, generate_pack: bool, progress: "_ProgressLines") -> dict[str, Any]:
+    def prepare(self, pack_dir: Path, generate_pack: bool, progress: "_ProgressLines", graph_policy: str = "retain",
+                coordinator: dict[str, Any] | None = None) -> dict[str, Any]:
         if self.state != "serving":
             raise AgentError(f"prepare needs state serving, not {self.state}")
         seconds: dict[str, float] = {}
-        if not _timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
-            raise AgentError("could not drain: a request held the engine for 300 s")
-        try:
-            result = self.memory.release(seconds, pack_dir if generate_pack else None,
-                                         progress.phase("writing the native pack"), self._before_release)
-        except BaseException:
-            self.serving_lock.release()
-            raise
+        with _rendezvous(coordinator, self.rank, self.world) as rendezvous:
+            self._drain(rendezvous, seconds)
+            try:
+                if self.hooks.release_graphs is not None:
+                    self.graphs_released = _timed(seconds, "release_graphs", lambda: self.hooks.release_graphs(graph_policy))
+                if self.collectives is not None:
+                    self.collectives.teardown(rendezvous, seconds)
+                result = self.memory.release(seconds, pack_dir if generate_pack else None,
+                                             progress.phase("writing the native pack"), self._before_release)
+            except BaseException:
+                self.serving_lock.release()
+                raise
         self.state = "prepared"
         self._xstate = dynamic_permissions()  # CRIU does not carry AMX permission; resume asks again
         self._arm_watchdog()
         # What the process image will hold: its resident memory once model memory is gone.
         return {**result, "layout_digest": self.memory.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
-                "regions": self.status()["regions"],
+                "regions": self.status()["regions"], "graphs_released": self.graphs_released,
                 "device_bytes": _torch_device_bytes()}
+
+    def _drain(self, rendezvous: "Rendezvous | None", seconds: dict[str, float]) -> None:
+        """Stop serving. Ranks > 0 only follow rank 0's requests, and one may be waiting in a collective
+        for rank 0 right now: they drain after rank 0 has (barrier ``drained``), so their last request
+        can finish instead of deadlocking against a drained leader."""
+        def acquire() -> None:
+            if not _timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
+                raise AgentError("could not drain: a request held the engine for 300 s")
+
+        if rendezvous is None:
+            acquire()
+            return
+        if self.rank == 0:
+            acquire()
+        try:
+            _timed(seconds, "drain_barrier", lambda: rendezvous.barrier("agent.drained", 330))
+        except BaseException:
+            if self.rank == 0:
+                self.serving_lock.release()
+            raise
+        if self.rank != 0:
+            acquire()
 
     def _before_release(self) -> None:
         for hook in self.hooks.before_release:
@@ -149,22 +204,59 @@ class AgentServer:
 
     def resume(self, command: dict[str, Any], progress: "_ProgressLines", fds: list[int]) -> dict[str, Any]:
         """Map the regions again and fill them: from chunks the launcher already hydrated (``adopted``:
-        tag → chunk count, the file descriptors in that order), else from the pack or safetensors."""
+        tag → chunk count, the file descriptors in that order), else from the pack or safetensors.
+        Then the collectives are rebuilt and dropped graphs recaptured, every rank together."""
         if self.state != "prepared":
             raise AgentError(f"resume needs state prepared, not {self.state}")
         seconds: dict[str, float] = {}
         refused = request_permissions(self._xstate)
         if refused:
             raise AgentError(f"the kernel refused x86 state features {refused} this process used before the snapshot")
-        hydrated = self.memory.restore(
-            seconds, layout_digest=command.get("layout_digest"), payload=command.get("payload"),
-            residual=command.get("residual"), safetensors=command.get("safetensors"), adopted=command.get("adopted"),
-            fds=fds, staged=command.get("staged"), progress=progress.phase("hydrating weights"))
-        for hook in self.hooks.after_resume:
-            hook()
+        with _rendezvous(command.get("coordinator"), self.rank, self.world) as rendezvous:
+            hydrated = self.memory.restore(
+                seconds, layout_digest=command.get("layout_digest"), payload=command.get("payload"),
+                residual=command.get("residual"), safetensors=command.get("safetensors"), adopted=command.get("adopted"),
+                fds=fds, staged=command.get("staged"), progress=progress.phase("hydrating weights"))
+            if self.collectives is not None:
+                self.collectives.rebuild(rendezvous, seconds)
+            for hook in self.hooks.after_resume:
+                hook()
+            recaptured: list[str] = []
+            if self.graphs_released and self.hooks.recapture_graphs is not None:
+                recaptured = _timed(seconds, "recapture_graphs", self.hooks.recapture_graphs)
+            if rendezvous is not None:  # every rank is whole again before any serves
+                _timed(seconds, "resumed_barrier", lambda: rendezvous.barrier("agent.resumed", 120))
+        self.graphs_released = []
         self.state = "serving"
         self.serving_lock.release()
-        return {"hydrate": hydrated, "seconds": seconds}
+        return {"hydrate": hydrated, "seconds": seconds, "graphs_recaptured": recaptured, "rank": self.rank}
+
+
+@contextlib.contextmanager
+def _rendezvous(coordinator: dict[str, Any] | None, rank: int, world: int) -> Iterator["Rendezvous | None"]:
+    """The activation's coordinator for one command (none for a single rank). Its own ZeroMQ context
+    is terminated before the command returns: no connection to the launcher outlives it, so none is in
+    the process when CRIU dumps it."""
+    if world == 1:
+        yield None
+        return
+    if not coordinator:
+        raise AgentError(f"rank {rank} of {world} needs the activation's coordinator in the command")
+    import zmq
+
+    from coldsnap.coord import CoordinatorClient
+
+    context = zmq.Context()
+    try:
+        client = CoordinatorClient(coordinator["endpoint"], bytes.fromhex(coordinator["token"]), rank, context=context)
+        completed = False
+        try:
+            yield client
+            completed = True
+        finally:
+            client.close(completed=completed)
+    finally:
+        context.term()
 
 
 class _ProgressLines:
@@ -212,11 +304,13 @@ _agent: AgentServer | None = None
 
 
 def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lock, port: int | None = None,
-                hooks: AgentHooks | None = None) -> AgentServer:
-    """Start this process's agent (once) over its model memory."""
+                hooks: AgentHooks | None = None, rank: int = 0, world: int = 1,
+                collectives: RankCollectives | None = None) -> AgentServer:
+    """Start this process's agent (once) over its model memory; rank ``rank`` of a tensor-parallel
+    ``world`` listens at :func:`rank_control` of ``control``."""
     global _agent
     if _agent is None:
-        _agent = AgentServer(control, memory, serving_lock, port, hooks).start()
+        _agent = AgentServer(control, memory, serving_lock, port, hooks, rank, world, collectives).start()
     return _agent
 
 

@@ -75,6 +75,7 @@ class Coordinator:
         self.done: set[int] = set()
         self.last_seen: dict[int, float] = {}
         self._stop = False
+        self._abort_reason: str | None = None
         self.rejected = 0
 
     # ---- replies ----------------------------------------------------------------------------------
@@ -120,6 +121,9 @@ class Coordinator:
         self.last_seen[rank] = time.monotonic()
         if frame.kind == Kind.HEARTBEAT:
             return  # liveness only; never answered
+        if self._abort_reason is not None and frame.kind in (Kind.BARRIER, Kind.GET):
+            self._reply(identity, Kind.ERROR, reason=self._abort_reason)
+            return
         if frame.kind == Kind.BARRIER:
             name = str(frame.body.get("name", ""))
             timeout = int(frame.body.get("timeout_ms", 60_000)) / 1000
@@ -169,6 +173,20 @@ class Coordinator:
             self.gets.remove(pending)
             self._reply(pending[2], Kind.ERROR, reason=f"no value for key {pending[0]!r} in time")
 
+    def abort(self, reason: str) -> None:
+        """Fail every pending and later barrier and get with ``reason`` (from another thread): the
+        launcher saw one rank fail, and the others must not wait for it until their timeouts."""
+        self._abort_reason = reason
+
+    def _apply_abort(self) -> None:
+        reason = self._abort_reason
+        for name, barrier in list(self.barriers.items()):
+            if not barrier.failed:
+                self._fail_barrier(name, reason)
+        for pending in list(self.gets):
+            self.gets.remove(pending)
+            self._reply(pending[2], Kind.ERROR, reason=reason)
+
     def stop(self) -> None:
         """Make :meth:`serve` return at its next tick (from another thread)."""
         self._stop = True
@@ -194,6 +212,8 @@ class Coordinator:
                         continue
                     identity, data = parts
                     self._receive(identity, data)
+                if self._abort_reason is not None:
+                    self._apply_abort()
                 self._expire()
         finally:
             self.socket.close(0)

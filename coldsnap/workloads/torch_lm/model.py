@@ -1,38 +1,35 @@
-"""Reference workload: a Llama-shaped causal LM with seeded random weights, served over HTTP.
+"""The reference model: a Llama-shaped causal LM with seeded random weights, optionally tensor-parallel.
 
-    python -m coldsnap.workloads.torch_lm --size tiny|1b|8b --device cpu|cuda --port P
-    python -m coldsnap.workloads.torch_lm --size tiny --write-safetensors DIR
+Weights live in the ``weights`` stable region (their layout is a
+:class:`~coldsnap.contracts.layout.MemoryLayout`), a static KV cache in the ``kv_cache`` region, and the
+decode CUDA graph's memory in the ``cudagraph`` region. The same size, seed and tensor-parallel world
+give the same weights on every start. Tokens are bytes (id = byte + 3), so any prompt works without a
+tokenizer download.
 
-It qualifies a host without an engine installed and is what the snapshot tests and benchmarks run.
-It uses coldsnap the way an engine plugin does: weights live in the ``weights`` stable region (their
-layout is a :class:`~coldsnap.contracts.layout.MemoryLayout`), a static KV cache lives in the
-``kv_cache`` region, and when ``COLDSNAP_CONTROL`` is set an in-process agent lets the launcher release
-and restore both around a snapshot.
-
-The same size and seed give the same weights on every start. Tokens are bytes (id = byte + 3), so any
-prompt works without a tokenizer download. ``POST /v1/completions`` takes ``prompt``, ``max_tokens``
-and ``temperature`` (only 0, greedy) and answers with the text and the token ids.
+Tensor parallel (``world`` > 1, Megatron style): attention heads and MLP columns are split across
+ranks, the attention output and MLP down projections are row-parallel and summed with one all-reduce
+each per layer; embeddings, norms and the LM head are replicated (drawn from the shared seed, so every
+rank computes the same logits and picks the same token).
 """
+
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
+import socket
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory import graph_pool, reserve
 
-__all__ = ["LmShape", "SIZES", "TorchLM", "encode", "decode", "main"]
+__all__ = ["LmShape", "SIZES", "TorchLM", "encode", "decode", "parameter_shapes"]
 
 ALIGN = 4096  # tensor offsets in the weights region (O_DIRECT-friendly pack extents)
 BYTE_OFFSET = 3  # 0 pad, 1 bos, 2 eos
@@ -78,33 +75,58 @@ def decode(ids: list[int]) -> str:
     return bytes(i - BYTE_OFFSET for i in ids if BYTE_OFFSET <= i < 256 + BYTE_OFFSET).decode("utf-8", "replace")
 
 
-def parameter_shapes(shape: LmShape) -> list[tuple[str, tuple[int, ...]]]:
-    """Parameters in a fixed order, named as transformers names Llama's."""
+SHARDED = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+           "up_proj.weight", "down_proj.weight")
+"""Parameters split across tensor-parallel ranks (the rest is replicated)."""
+
+
+def check_world(shape: LmShape, world: int) -> None:
+    for what, count in (("attention heads", shape.num_attention_heads), ("KV heads", shape.num_key_value_heads),
+                        ("MLP columns", shape.intermediate_size)):
+        if count % world:
+            raise ValueError(f"{count} {what} do not split across {world} tensor-parallel ranks")
+
+
+def parameter_shapes(shape: LmShape, world: int = 1) -> list[tuple[str, tuple[int, ...]]]:
+    """One rank's parameters in a fixed order, named as transformers names Llama's (the shards of a
+    ``world``-way tensor-parallel split: heads and MLP columns divided by ``world``)."""
+    check_world(shape, world)
     h, hd = shape.hidden_size, shape.head_dim
+    heads, kv_heads, inter = shape.num_attention_heads // world, shape.num_key_value_heads // world, shape.intermediate_size // world
     params = [("model.embed_tokens.weight", (shape.vocab_size, h))]
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
         params += [
             (p + "input_layernorm.weight", (h,)),
-            (p + "self_attn.q_proj.weight", (shape.num_attention_heads * hd, h)),
-            (p + "self_attn.k_proj.weight", (shape.num_key_value_heads * hd, h)),
-            (p + "self_attn.v_proj.weight", (shape.num_key_value_heads * hd, h)),
-            (p + "self_attn.o_proj.weight", (h, shape.num_attention_heads * hd)),
+            (p + "self_attn.q_proj.weight", (heads * hd, h)),
+            (p + "self_attn.k_proj.weight", (kv_heads * hd, h)),
+            (p + "self_attn.v_proj.weight", (kv_heads * hd, h)),
+            (p + "self_attn.o_proj.weight", (h, heads * hd)),
             (p + "post_attention_layernorm.weight", (h,)),
-            (p + "mlp.gate_proj.weight", (shape.intermediate_size, h)),
-            (p + "mlp.up_proj.weight", (shape.intermediate_size, h)),
-            (p + "mlp.down_proj.weight", (h, shape.intermediate_size)),
+            (p + "mlp.gate_proj.weight", (inter, h)),
+            (p + "mlp.up_proj.weight", (inter, h)),
+            (p + "mlp.down_proj.weight", (h, inter)),
         ]
     params += [("model.norm.weight", (h,)), ("lm_head.weight", (shape.vocab_size, h))]
     return params
 
 
 class TorchLM:
-    """The model, its weights in the ``weights`` region and its KV cache in the ``kv_cache`` region."""
+    """The model (one rank's shard of it), its weights in the ``weights`` region and its KV cache in the
+    ``kv_cache`` region. With ``world`` > 1, ``communicator`` sums the row-parallel outputs and
+    ``followers`` (rank 0 only) are the channels every request is forwarded on before it runs."""
 
-    def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None, cuda_graphs: bool = True):
+    def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None, cuda_graphs: bool = True,
+                 rank: int = 0, world: int = 1, communicator: Any = None, followers: list[socket.socket] | None = None):
         self.size = size
         self.shape = SIZES[size]
+        check_world(self.shape, world)
+        if world > 1 and communicator is None:
+            raise ValueError("tensor parallel needs a communicator")
+        self.rank, self.world, self.communicator = rank, world, communicator
+        self.followers = followers or []
+        self.heads = self.shape.num_attention_heads // world
+        self.kv_heads = self.shape.num_key_value_heads // world
         self.device = torch.device(device)
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.seed = seed
@@ -114,7 +136,7 @@ class TorchLM:
         element = torch.empty((), dtype=self.dtype).element_size()
 
         tensors, offset = [], 0
-        for name, dims in parameter_shapes(self.shape):
+        for name, dims in parameter_shapes(self.shape, world):
             length = math.prod(dims) * element
             tensors.append({"name": name, "dtype": str(self.dtype).removeprefix("torch."), "shape": list(dims),
                             "offset": offset, "length": length})
@@ -142,20 +164,28 @@ class TorchLM:
 
     def kv_dims(self) -> tuple[int, ...]:
         s = self.shape
-        return (s.num_hidden_layers, 2, s.num_key_value_heads, self.max_seq, s.head_dim)
+        return (s.num_hidden_layers, 2, self.kv_heads, self.max_seq, s.head_dim)
 
     def kv_shape_numel(self) -> int:
         return math.prod(self.kv_dims())
 
     def initialize_weights(self) -> None:
-        """Seeded, device-independent in distribution: normal(0, 0.02) matrices, unit norms."""
-        generator = torch.Generator(device=self.device).manual_seed(self.seed)
+        """Seeded, device-independent in distribution: normal(0, 0.02) matrices, unit norms. Replicated
+        tensors come from the shared seed (the same on every rank); shards from a per-rank one."""
+        shared = torch.Generator(device=self.device).manual_seed(self.seed)
+        local = (torch.Generator(device=self.device).manual_seed(self.seed + 1 + self.rank) if self.world > 1 else shared)
         with torch.no_grad():
             for name, tensor in self.params.items():
                 if name.endswith("norm.weight"):
                     tensor.fill_(1.0)
                 else:
-                    tensor.normal_(0.0, 0.02, generator=generator)
+                    tensor.normal_(0.0, 0.02, generator=local if name.endswith(SHARDED) else shared)
+
+    def _sum_over_ranks(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            x = x.contiguous()
+            self.communicator.all_reduce(x)
+        return x
 
     # ---- the forward pass ---------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -176,13 +206,13 @@ class TorchLM:
         values from the GPU, so the same code is captured into a CUDA graph."""
         s, p = self.shape, self.params
         steps = x.shape[0]
-        groups = s.num_attention_heads // s.num_key_value_heads
+        groups = self.heads // self.kv_heads
         for i in range(s.num_hidden_layers):
             pre = f"model.layers.{i}."
             h = self._rms(x, p[pre + "input_layernorm.weight"])
-            q = (h @ p[pre + "self_attn.q_proj.weight"].T).view(steps, s.num_attention_heads, s.head_dim)
-            k = (h @ p[pre + "self_attn.k_proj.weight"].T).view(steps, s.num_key_value_heads, s.head_dim)
-            v = (h @ p[pre + "self_attn.v_proj.weight"].T).view(steps, s.num_key_value_heads, s.head_dim)
+            q = (h @ p[pre + "self_attn.q_proj.weight"].T).view(steps, self.heads, s.head_dim)
+            k = (h @ p[pre + "self_attn.k_proj.weight"].T).view(steps, self.kv_heads, s.head_dim)
+            v = (h @ p[pre + "self_attn.v_proj.weight"].T).view(steps, self.kv_heads, s.head_dim)
             q, k = self._rope(q, positions), self._rope(k, positions)
             self.cache[i, 0].index_copy_(1, positions, k.transpose(0, 1))
             self.cache[i, 1].index_copy_(1, positions, v.transpose(0, 1))
@@ -190,10 +220,10 @@ class TorchLM:
             values = self.cache[i, 1, :, :kv_end].repeat_interleave(groups, 0)
             scores = (q.transpose(0, 1).float() @ keys.float().transpose(1, 2)) / math.sqrt(s.head_dim) + mask
             attn = (scores.softmax(-1) @ values.float()).to(x.dtype).transpose(0, 1).reshape(steps, -1)
-            x = x + attn @ p[pre + "self_attn.o_proj.weight"].T
+            x = x + self._sum_over_ranks(attn @ p[pre + "self_attn.o_proj.weight"].T)
             h = self._rms(x, p[pre + "post_attention_layernorm.weight"])
             gate = torch.nn.functional.silu(h @ p[pre + "mlp.gate_proj.weight"].T)
-            x = x + (gate * (h @ p[pre + "mlp.up_proj.weight"].T)) @ p[pre + "mlp.down_proj.weight"].T
+            x = x + self._sum_over_ranks((gate * (h @ p[pre + "mlp.up_proj.weight"].T)) @ p[pre + "mlp.down_proj.weight"].T)
         x = self._rms(x[-1:], p["model.norm.weight"])
         return (x @ p["lm_head.weight"].T)[0]
 
@@ -238,6 +268,21 @@ class TorchLM:
                 self._graph_logits = self._decode_step()
         self.kv.zero()  # the warm-up wrote position 0
 
+    def release_graphs(self, policy: str) -> list[str]:
+        """The agent's graph hook: drop the decode graph unless the policy keeps it and it holds no
+        NCCL kernels (tensor parallel on GPU: its all-reduces belong to a communicator that a snapshot
+        destroys)."""
+        if self._graph is None or (policy == "retain" and self.world == 1):
+            return []
+        self._graph.reset()
+        self._graph = None
+        return ["decode"]
+
+    def recapture_graphs(self) -> list[str]:
+        with torch.cuda.device(self.device):  # the agent's thread has no current device of its own
+            self.capture_decode_graph()
+        return ["decode"]
+
     def _decode(self, token: int, position: int) -> torch.Tensor:
         if self._graph is None:
             return self.forward(torch.tensor([token], device=self.device), position)
@@ -252,6 +297,8 @@ class TorchLM:
         if len(ids) + max_tokens > self.max_seq:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {self.max_seq}")
         with self.lock:
+            for follower in self.followers:  # under the lock: followers run requests in this order
+                follower.sendall(json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode() + b"\n")
             out: list[int] = []
             logits = self.forward(torch.tensor(ids, device=self.device), 0)
             position = len(ids)
@@ -264,6 +311,8 @@ class TorchLM:
 
     def write_safetensors(self, directory: Path) -> Path:
         """The weights as ``model.safetensors`` + ``config.json`` (the recovery source for restores)."""
+        if self.world > 1:
+            raise ValueError("safetensors are written for the unsplit model (--tp 1)")
         from coldsnap.hydrate.replay import SAFETENSORS_DTYPES
 
         codes = {torch_name: code for code, (torch_name, _) in SAFETENSORS_DTYPES.items()}
@@ -281,101 +330,3 @@ class TorchLM:
                 handle.write(self.params[t.name].contiguous().view(torch.uint8).cpu().numpy().tobytes())
         (directory / "config.json").write_text(json.dumps(self.shape.config_json(), indent=2) + "\n")
         return path
-
-
-class _Handler(BaseHTTPRequestHandler):
-    model: TorchLM
-    model_name: str
-
-    def log_message(self, format: str, *args) -> None:  # one line per request on stderr, not stdout noise
-        sys.stderr.write(f"torch_lm: {self.command} {self.path} {args[1] if len(args) > 1 else ''}\n")
-
-    def _reply(self, status: int, document: dict) -> None:
-        body = json.dumps(document).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
-        if self.path == "/health":
-            self._reply(200, {"status": "ok"})
-        elif self.path == "/v1/models":
-            self._reply(200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
-        else:
-            self._reply(404, {"error": "not found"})
-
-    def do_POST(self) -> None:
-        if self.path != "/v1/completions":
-            self._reply(404, {"error": "not found"})
-            return
-        try:
-            request = json.loads(self.rfile.read(int(self.headers.get("Content-Length", "0"))))
-            prompt = request["prompt"]
-            max_tokens = int(request.get("max_tokens", 16))
-            if float(request.get("temperature", 0)) != 0:
-                raise ValueError("only temperature 0 (greedy) is supported")
-            if not isinstance(prompt, str) or not 1 <= max_tokens <= 4096:
-                raise ValueError("prompt must be a string and max_tokens in 1..4096")
-            started = time.perf_counter()
-            ids = self.model.generate(prompt, max_tokens)
-        except (ValueError, KeyError, TypeError) as exc:
-            self._reply(400, {"error": str(exc)})
-            return
-        self._reply(200, {
-            "object": "text_completion",
-            "model": self.model_name,
-            "choices": [{"index": 0, "text": decode(ids), "token_ids": ids, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": len(encode(prompt)), "completion_tokens": len(ids),
-                      "seconds": round(time.perf_counter() - started, 4)},
-        })
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coldsnap.workloads.torch_lm", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-seq", type=int, default=None, help="KV cache length (default: the shape's maximum)")
-    parser.add_argument("--write-safetensors", metavar="DIR", help="write the weights as safetensors and exit")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on the GPU too")
-    args = parser.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda, but torch sees no GPU")
-    started = time.perf_counter()
-    model = TorchLM(args.size, args.device, args.seed, args.max_seq, cuda_graphs=not args.no_cuda_graphs)
-    if args.write_safetensors:
-        print(model.write_safetensors(Path(args.write_safetensors)))
-        return 0
-    server = ThreadingHTTPServer((args.host, args.port), _Handler)
-    _Handler.model = model
-    _Handler.model_name = f"coldsnap-torch-lm-{args.size}"
-    if os.environ.get("COLDSNAP_CONTROL"):
-        from coldsnap.agent import start_agent
-        from coldsnap.agent.memory import ModelMemory
-
-        from coldsnap.agent.server import AgentHooks
-
-        hooks = AgentHooks()
-        if model.device.type == "cuda":
-            # As vLLM's sleep does: hand torch's cached free blocks back before the CUDA checkpoint
-            # copies device memory into the process image. The decode graph's private pool stays.
-            hooks.before_release.append(torch.cuda.empty_cache)
-        regions = {"weights": model.weights, "kv_cache": model.kv}
-        if model.graph_memory is not None:
-            regions["cudagraph"] = model.graph_memory
-        start_agent(os.environ["COLDSNAP_CONTROL"], ModelMemory(model.layout, regions),
-                    serving_lock=model.lock, port=args.port, hooks=hooks)
-    sys.stderr.write(f"torch_lm: {args.size} on {args.device} ready on {args.host}:{args.port} "
-                     f"in {time.perf_counter() - started:.2f} s\n")
-    sys.stderr.flush()
-    server.serve_forever()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

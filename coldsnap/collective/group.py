@@ -1,0 +1,137 @@
+"""Every communicator of one rank, and the teardown/rebuild sequence around a process snapshot."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from coldsnap.collective.base import Backend, CollectiveError, Communicator
+
+__all__ = ["ManagedCommunicator", "RankCollectives", "Rendezvous"]
+
+
+class Rendezvous(Protocol):
+    """What the sequence needs from the activation's coordinator (``CoordinatorClient``)."""
+
+    def barrier(self, name: str, timeout: float = 60.0) -> None: ...
+
+    def put(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str, timeout: float = 60.0) -> str: ...
+
+
+class ManagedCommunicator:
+    """The handle an engine keeps: its connection is replaced by a rebuild, the handle stays."""
+
+    def __init__(self, name: str, backend: Backend, communicator: Communicator):
+        self.name = name
+        self.backend = backend
+        self.current: Communicator | None = communicator
+        self.generation = 0  # how many times it was rebuilt
+
+    @property
+    def rank(self) -> int:
+        return self._live().rank
+
+    @property
+    def world(self) -> int:
+        return self._live().world
+
+    def _live(self) -> Communicator:
+        if self.current is None:
+            raise CollectiveError(f"communicator {self.name!r} is torn down (the process is being snapshotted)")
+        return self.current
+
+    def all_reduce(self, tensor: Any) -> None:
+        self._live().all_reduce(tensor)
+
+
+@dataclass
+class _Timing:
+    seconds: dict[str, float]
+
+    def __call__(self, name: str, started: float) -> None:
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - started, 6)
+
+
+class RankCollectives:
+    """The communicators of rank ``rank`` of ``world``, by name (torn down and rebuilt in name order,
+    which is the same on every rank)."""
+
+    def __init__(self, rank: int, world: int):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is not in a world of {world}")
+        self.rank = rank
+        self.world = world
+        self.communicators: dict[str, ManagedCommunicator] = {}
+
+    def connect(self, name: str, backend: Backend, unique_id: bytes) -> ManagedCommunicator:
+        """Join communicator ``name`` at first start (the engine exchanged ``unique_id`` its own way)."""
+        if name in self.communicators:
+            raise CollectiveError(f"communicator {name!r} exists already")
+        managed = ManagedCommunicator(name, backend, backend.connect(unique_id, self.world, self.rank))
+        self.communicators[name] = managed
+        return managed
+
+    @property
+    def live(self) -> bool:
+        return all(c.current is not None for c in self.communicators.values())
+
+    def teardown(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 120.0) -> None:
+        """Close every communicator: a barrier first (no rank is still inside a collective), then the
+        orderly close on every rank, then a barrier (none is half closed when the snapshot starts)."""
+        timing = _Timing(seconds)
+        started = time.perf_counter()
+        rendezvous.barrier("collectives.teardown", timeout)
+        timing("teardown_barrier", started)
+        started = time.perf_counter()
+        try:
+            for name in sorted(self.communicators):
+                managed = self.communicators[name]
+                if managed.current is not None:
+                    communicator, managed.current = managed.current, None
+                    communicator.close()
+        except BaseException:
+            self.abort()
+            raise
+        timing("teardown", started)
+        started = time.perf_counter()
+        rendezvous.barrier("collectives.torn_down", timeout)
+        timing("teardown_barrier", started)
+
+    def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
+        """Create every communicator again: rank 0 makes each unique id and publishes it through the
+        coordinator, every rank joins, and a last barrier acknowledges the whole group at once."""
+        timing = _Timing(seconds)
+        started = time.perf_counter()
+        rendezvous.barrier("collectives.rebuild", timeout)
+        timing("rebuild_barrier", started)
+        started = time.perf_counter()
+        try:
+            for name in sorted(self.communicators):
+                managed = self.communicators[name]
+                if managed.current is not None:
+                    raise CollectiveError(f"communicator {name!r} was not torn down")
+                key = f"collective/{name}/{managed.generation + 1}/unique_id"
+                if self.rank == 0:
+                    unique_id = managed.backend.create_unique_id()
+                    rendezvous.put(key, unique_id.hex())
+                else:
+                    unique_id = bytes.fromhex(rendezvous.get(key, timeout))
+                managed.current = managed.backend.connect(unique_id, self.world, self.rank)
+                managed.generation += 1
+        except BaseException:
+            self.abort()
+            raise
+        timing("rebuild", started)
+        started = time.perf_counter()
+        rendezvous.barrier("collectives.rebuilt", timeout)
+        timing("rebuild_barrier", started)
+
+    def abort(self) -> None:
+        """Abort whatever is still connected (a failed step: the launcher discards this process)."""
+        for managed in self.communicators.values():
+            if managed.current is not None:
+                communicator, managed.current = managed.current, None
+                communicator.abort()
