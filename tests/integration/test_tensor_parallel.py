@@ -1,0 +1,169 @@
+"""Tensor parallel (TP2) capture and restore on the CPU: the reference workload's two ranks all-reduce
+over loopback TCP communicators that are torn down before the dump and rebuilt after restore through
+the activation's coordinator — the NCCL sequence, with the host backend standing in for NCCL."""
+
+import importlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("zmq")
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root"),
+]
+
+from tests.integration.test_capture_restore import PROMPT_2, _free_port, coldsnap, complete  # noqa: E402
+
+
+def workload(port: int) -> list[str]:
+    return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--tp", "2",
+            "--port", str(port)]
+
+
+def serving_pids(port: int) -> list[int]:
+    """The supervisor and both ranks."""
+    out = subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cpu --tp 2 --port {port}"],
+                         capture_output=True, text=True)
+    return [int(p) for p in out.stdout.split()]
+
+
+def stop(port: int) -> None:
+    for pid in serving_pids(port):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 10
+    while serving_pids(port) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def cold_tokens(port: int) -> list[int]:
+    reference = subprocess.Popen(workload(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                return complete(port, PROMPT_2)
+            except OSError:
+                assert time.monotonic() < deadline, "the TP2 reference workload did not start"
+                time.sleep(0.2)
+    finally:
+        reference.terminate()
+        reference.wait(30)
+        stop(port)
+
+
+@pytest.fixture(scope="module")
+def tp_captured(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-capture")
+    port = _free_port()
+    expected = cold_tokens(port)
+    artifact = root / "artifact"
+    result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"),
+                      "--", *workload(port))
+    assert result.returncode == 0, result.stderr.decode()
+    assert serving_pids(port) == []
+    yield artifact, port, expected, root
+    stop(port)
+
+
+def test_tp2_capture_records_a_worker_per_rank(tp_captured):
+    artifact, _, _, root = tp_captured
+    assert coldsnap("validate", "artifact", str(artifact / "artifact.json")).returncode == 0
+    descriptor = json.loads((artifact / "artifact.json").read_text())
+    workers = descriptor["units"][0]["workers"]
+    assert [w["rank"] for w in workers] == [0, 1]
+    assert workers[0]["payload"]["path"] != workers[1]["payload"]["path"]  # each rank its own shard
+    capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]
+    assert [w["control"].endswith(".rank1") for w in capsule["workers"]] == [False, True]
+    prepare = next(s for s in json.loads((root / "capture-receipt.json").read_text())["timing"]["spans"]
+                   if s["name"] == "capture.prepare")["attributes"]
+    for rank_prefix in ("", "rank1."):  # both ranks drained in order and tore their communicator down
+        assert {f"{rank_prefix}drain_barrier_ns", f"{rank_prefix}teardown_ns"} <= set(prepare)
+
+
+def test_tp2_restore_twice_gives_the_cold_start_tokens(tp_captured):
+    artifact, port, expected, root = tp_captured
+    for attempt in range(2):
+        receipt_path = root / f"restore-{attempt}.json"
+        result = coldsnap("restore", str(artifact), "--receipt-json", str(receipt_path))
+        assert result.returncode == 0, result.stderr.decode()
+        assert b"canary matched" in result.stderr
+        assert complete(port, PROMPT_2) == expected  # rank 1 follows again over a rebuilt communicator
+        assert len(serving_pids(port)) == 3
+        assert coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
+        resume = next(s for s in json.loads(receipt_path.read_text())["timing"]["spans"]
+                      if s["name"] == "restore.resume")["attributes"]
+        for rank_prefix in ("", "rank1."):
+            assert resume[f"{rank_prefix}source"] == "native"
+            assert {f"{rank_prefix}rebuild_ns", f"{rank_prefix}resumed_barrier_ns"} <= set(resume)
+        stop(port)
+
+
+def _in_process(argv: list[str]) -> int:
+    from coldsnap.cli import main
+
+    return main(argv)
+
+
+def test_one_rank_failing_its_resume_fails_both_at_once(tp_captured, tmp_path, monkeypatch):
+    """Rank 1's agent refuses its resume (wrong layout digest): the launcher aborts the coordinator, so
+    rank 0 — hydrated and waiting to rebuild NCCL — fails at once too; the receipt names rank 1, nothing
+    is left running, the artifact is untouched."""
+    restore_module = importlib.import_module("coldsnap.activation.restore")
+
+    artifact, port, _, _ = tp_captured
+    real_request = restore_module.request
+
+    def rank1_refused(control, command, **kwargs):
+        if control.endswith(".rank1"):
+            command = {**command, "layout_digest": "0" * 64}
+        return real_request(control, command, **kwargs)
+
+    monkeypatch.setattr(restore_module, "request", rank1_refused)
+    before = (artifact / "artifact.json").read_bytes()
+    receipt = tmp_path / "receipt.json"
+    started = time.monotonic()
+    assert _in_process(["restore", str(artifact), "--receipt-json", str(receipt)]) == 1
+    assert time.monotonic() - started < 30  # not the 300 s rebuild barrier timeout
+    error = json.loads(receipt.read_text())["error"]
+    assert error["code"] == "restore.resume" and "rank 1" in error["message"] and "layout digest" in error["message"]
+    assert serving_pids(port) == []
+    assert (artifact / "artifact.json").read_bytes() == before
+
+
+def test_one_rank_failing_its_prepare_commits_nothing(tmp_path, monkeypatch):
+    capture_module = importlib.import_module("coldsnap.activation.capture")
+
+    port = _free_port()
+    real_request = capture_module.request
+
+    def rank1_cannot_write(control, command, **kwargs):
+        if control.endswith(".rank1") and command.get("command") == "prepare":
+            command = {**command, "pack_dir": "/proc/version/payload"}  # not a directory anyone can create
+        return real_request(control, command, **kwargs)
+
+    monkeypatch.setattr(capture_module, "request", rank1_cannot_write)
+    out = tmp_path / "artifact"
+    receipt = tmp_path / "receipt.json"
+    assert _in_process(["capture", "--out", str(out), "--receipt-json", str(receipt), "--", *workload(port)]) == 1
+    error = json.loads(receipt.read_text())["error"]
+    assert error["code"] == "capture.agent" and "rank 1" in error["message"]
+    assert not (out / "artifact.json").exists() and serving_pids(port) == []
+
+
+def test_capture_refuses_a_rank_count_the_engine_does_not_run(tmp_path):
+    port = _free_port()
+    result = coldsnap("capture", "--out", str(tmp_path / "a"), "--ranks", "1", "--receipt-json", "-", "--", *workload(port))
+    assert result.returncode == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "capture.topology" and "2 rank(s)" in error["message"]
+    assert serving_pids(port) == []
