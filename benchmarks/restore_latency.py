@@ -1,6 +1,7 @@
 """Restore latency: cold start of a server vs coldsnap restore of its capture, side by side.
 
     python benchmarks/restore_latency.py --size tiny --device cpu --repeat 3 --out restore.json [--png restore.png]
+    python benchmarks/restore_latency.py --size 8b --device cuda --tp 2 --out tp2.json   # two GPUs
     python benchmarks/restore_latency.py --engine vllm --out vllm.json     # = benchmarks/vllm_startup.py
 
 Engines as in ``coldsnap demo``: the reference workload (torch-lm), or ``vllm serve`` of a tiny Llama on
@@ -73,7 +74,9 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     summary = document["summary"]
     phases = dict(document.get("phases_last_restore", {}))
     # The launcher hydrates the weights beside CRIU + CUDA restore: its own row, from CRIU's start.
-    staged = phases.pop("restore.stage_weights", None)
+    # (one row per rank under tensor parallel: the longest is drawn)
+    staged_ranks = [phases.pop(n) for n in [n for n in phases if n.startswith("restore.stage_weights")]]
+    staged = max(staged_ranks) if staged_ranks else None
     order = ["cli start (interpreter, imports)", "restore.admission", "restore.criu_restore", "restore.cuda_restore", "restore.stage_wait",
              "restore.resume", "restore.canary"]
     sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items() if n not in order]
@@ -89,7 +92,8 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
                   label="stage_weights (launcher)")
     axis.invert_yaxis()
     axis.set_xlabel("seconds (page cache warm)")
-    axis.set_title(f"{document.get('engine', 'torch-lm')} {document['size']} on {document['device']}: "
+    tp = f" TP{document['tp']}" if document.get("tp", 1) > 1 else ""
+    axis.set_title(f"{document.get('engine', 'torch-lm')} {document['size']}{tp} on {document['device']}: "
                    "cold start vs coldsnap restore", fontsize=9)
     axis.legend(fontsize=7, loc="lower right")
     figure.tight_layout()
@@ -102,6 +106,7 @@ def main(engine: str = "torch-lm") -> int:
     parser.add_argument("--engine", default=engine, choices=["torch-lm", "vllm"])
     parser.add_argument("--size", default="tiny", choices=["tiny", "1b", "8b"])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tp", type=int, default=1, help="torch-lm: tensor-parallel ranks, one GPU each (default 1)")
     parser.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     parser.add_argument("--repeat", type=int, default=3, help="warm runs of each (default 3)")
     parser.add_argument("--out", default="restore_latency.json")
@@ -117,10 +122,10 @@ def main(engine: str = "torch-lm") -> int:
     work = Path(args.dir or tempfile.mkdtemp(prefix="coldsnap-restore-bench-"))
 
     eager = not args.compile
-    demo = run_demo(args.size, args.device, work, quiet=True, engine=args.engine, eager=eager)  # capture + one of each
+    demo = run_demo(args.size, args.device, work, quiet=True, engine=args.engine, eager=eager, tp=args.tp)  # capture + one of each
     request = json.loads((work / "artifact" / "request.json").read_text())
     port = request["units"][0]["serving_port"]
-    command, _, env, _ = engine_commands(args.engine, args.size, args.device, port, work, eager)
+    command, _, env, _ = engine_commands(args.engine, args.size, args.device, port, work, eager, args.tp)
     # The demo's own restore ran inside this process; every restore below is a `coldsnap restore` process.
     runs = [{"kind": "cold start", "cache": "warm", "seconds": demo["cold_start_to_first_token_s"]}]
     seconds, phases = restore_once(request, work, 0)
@@ -143,6 +148,7 @@ def main(engine: str = "torch-lm") -> int:
             if values:
                 summary[f"{kind} ({cache})"] = round(statistics.median(values), 3)
     document = {"benchmark": "restore_latency", "engine": args.engine, "size": demo["size"], "device": args.device,
+                "tp": args.tp,
                 "eager": eager, "restore_measured": "coldsnap restore CLI process, start to exit", "phases_last_restore": (last or {}).get("phases", {}), "runs": runs, "summary": summary,
                 "capture_phases_s": demo["capture_phases_s"], "image_bytes": demo["image_bytes"],
                 "non_model_bytes": demo["non_model_bytes"], "image_to_non_model_rss": demo["image_to_non_model_rss"],

@@ -313,12 +313,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "torch-lm" and importlib.util.find_spec("torch") is None:  # the reference workload needs it
         print("coldsnap demo: the reference workload needs torch (pip install torch)", file=sys.stderr)
         return EXIT_USAGE
+    if args.tp < 1 or (args.tp > 1 and args.engine != "torch-lm"):
+        print("coldsnap demo: --tp N (N >= 1) runs the reference workload (--engine torch-lm)", file=sys.stderr)
+        return EXIT_USAGE
     if args.engine == "vllm" and args.device != "cpu":
         print("coldsnap demo: --engine vllm runs vLLM's CPU build (--device cpu)", file=sys.stderr)
         return EXIT_USAGE
     try:
         result = run_demo(args.size, args.device, Path(args.dir) if args.dir else None, quiet=not args.verbose,
-                          engine=args.engine, eager=not args.compile)
+                          engine=args.engine, eager=not args.compile, tp=args.tp)
     except RuntimeError as exc:
         print(f"coldsnap demo: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -476,6 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     p.add_argument("--size", choices=["tiny", "1b", "8b"], default="tiny", help="workload size (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="torch-lm: tensor-parallel ranks (one GPU each with --device cuda; default 1)")
     p.add_argument("--dir", help="where to keep the artifact and receipts (default: a new temporary directory)")
     p.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
     p.add_argument("--verbose", action="store_true", help="show capture and restore progress")

@@ -38,8 +38,9 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _workload(size: str, device: str, port: int) -> list[str]:
-    return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", size, "--device", device, "--port", str(port)]
+def _workload(size: str, device: str, port: int, tp: int = 1) -> list[str]:
+    return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", size, "--device", device, "--port", str(port),
+            *(["--tp", str(tp)] if tp > 1 else [])]
 
 
 CHECKOUT = Path(__file__).resolve().parents[2]
@@ -62,13 +63,15 @@ def vllm_venv(install: bool = True) -> Path:
 
 
 def engine_commands(engine: str, size: str, device: str, port: int, work: Path,
-                    eager: bool = True) -> tuple[list[str], list[str], dict[str, str], str]:
-    """(cold-start command, capture command, environment, model name) for ``engine``."""
+                    eager: bool = True, tp: int = 1) -> tuple[list[str], list[str], dict[str, str], str]:
+    """(cold-start command, capture command, environment, model name) for ``engine`` on ``tp`` ranks."""
     if engine == "torch-lm":
-        command = _workload(size, device, port)
+        command = _workload(size, device, port, tp)
         return command, command, {}, f"coldsnap-torch-lm-{size}"
     if engine != "vllm":
         raise RuntimeError(f"the demo runs torch-lm or vllm, not {engine!r}")
+    if tp != 1:
+        raise RuntimeError("the vLLM demo runs vLLM's CPU build on one rank")
     venv = vllm_venv()
     model = work / "tiny-llama"
     if not (model / "model.safetensors").exists():
@@ -129,12 +132,13 @@ def _operation(document: dict[str, Any], receipt_path: Path, quiet: bool) -> dic
 
 
 def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = None, quiet: bool = False,
-             engine: str = "torch-lm", eager: bool = True) -> dict[str, Any]:
-    """Measure cold start, capture and restore of ``engine`` serving on this machine; returns the figures."""
+             engine: str = "torch-lm", eager: bool = True, tp: int = 1) -> dict[str, Any]:
+    """Measure cold start, capture and restore of ``engine`` serving on this machine (``tp``
+    tensor-parallel ranks); returns the figures."""
     work = directory or Path(tempfile.mkdtemp(prefix="coldsnap-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    command, captured_command, env, model = engine_commands(engine, size, device, port, work, eager)
+    command, captured_command, env, model = engine_commands(engine, size, device, port, work, eager, tp)
 
     cold_seconds, cold_tokens = cold_start(command, port, env=env)
 
@@ -144,7 +148,7 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
         "engine": engine, "snapshot_driver": "n610",
         "model": {"name": model, "revision": None},
         "units": [{"unit_id": "unit-0", "command": captured_command, "serving_port": port, "env": env,
-                   "workers": [{"worker_id": "worker-0", "rank": 0, "device_slot": 0}]}],
+                   "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(tp)]}],
         "artifact": str(artifact),
     }
     capture_receipt = _operation(request, work / "capture-receipt.json", quiet)
@@ -166,6 +170,7 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
         "engine": engine,
         "size": size if engine == "torch-lm" else "tiny-llama",
         "device": device,
+        "tp": tp,
         "directory": str(work),
         "cold_start_to_first_token_s": round(cold_seconds, 3),
         "restore_to_first_validated_token_s": round(restore_seconds, 3),
@@ -182,7 +187,8 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
 
 def render_demo(result: dict[str, Any]) -> str:
     lines = [
-        f"coldsnap demo: {result.get('engine', 'torch-lm')} ({result['size']}) on {result['device']}",
+        f"coldsnap demo: {result.get('engine', 'torch-lm')} ({result['size']}) on {result['device']}"
+        + (f", {result['tp']} tensor-parallel ranks" if result.get("tp", 1) > 1 else ""),
         "",
         f"  cold start → first token            {result['cold_start_to_first_token_s']:8.3f} s",
         f"  restore → first validated token     {result['restore_to_first_validated_token_s']:8.3f} s"

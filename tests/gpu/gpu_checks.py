@@ -338,10 +338,173 @@ def capture_restore_on_gpu() -> None:
         assert open(os.path.join(artifact, "artifact.json"), "rb").read() == descriptor_bytes  # artifact untouched
 
 
+class NeedsMoreGpus(Exception):
+    """The check cannot run on this host (exit status SKIP: reported as skipped, never as passed)."""
+
+
+SKIP = 77
+
+
+def _two_gpus() -> None:
+    if torch.cuda.device_count() < 2:
+        raise NeedsMoreGpus(f"needs 2 GPUs, this host has {torch.cuda.device_count()}")
+
+
+def _nccl_rank(rank: int, rendezvous_dir: str) -> None:
+    """One rank of nccl_bridge_two_ranks: two communicator generations (the second one from a fresh
+    unique id, as after a restore), an all-reduce eager and inside a CUDA graph, and an abort."""
+    import time
+
+    from coldsnap.collective import NcclBackend
+
+    torch.cuda.set_device(rank)
+    backend = NcclBackend(rank)
+    print(f"rank {rank}: NCCL {backend.loaded['version']} from {backend.loaded['library']}", flush=True)
+
+    def exchanged(name: str) -> bytes:
+        path = os.path.join(rendezvous_dir, name)
+        if rank == 0:
+            unique_id = backend.create_unique_id()
+            with open(path + ".tmp", "wb") as handle:
+                handle.write(unique_id)
+            os.rename(path + ".tmp", path)
+            return unique_id
+        deadline = time.monotonic() + 60
+        while not os.path.exists(path):
+            assert time.monotonic() < deadline, f"no unique id {name} from rank 0"
+            time.sleep(0.01)
+        return open(path, "rb").read()
+
+    for generation in range(2):
+        started = time.perf_counter()
+        comm = backend.connect(exchanged(f"id{generation}"), 2, rank)
+        joined = time.perf_counter() - started
+        values = torch.full((1 << 20,), float(rank + 1), device=f"cuda:{rank}", dtype=torch.bfloat16)
+        comm.all_reduce(values)
+        torch.cuda.synchronize()
+        assert bool((values == 3.0).all()), values[:4]
+        graph, x = torch.cuda.CUDAGraph(), torch.ones(4096, device=f"cuda:{rank}", dtype=torch.float32)
+        with torch.cuda.graph(graph):
+            comm.all_reduce(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert bool((x == 2.0).all()), x[:4]  # captured all-reduce replays
+        del graph
+        started = time.perf_counter()
+        comm.close()
+        print(f"rank {rank}: generation {generation}: joined in {joined:.3f} s, closed in "
+              f"{time.perf_counter() - started:.3f} s", flush=True)
+    comm = backend.connect(exchanged("id-abort"), 2, rank)
+    comm.abort()
+    print(f"rank {rank}: aborted a third communicator", flush=True)
+
+
+def nccl_bridge_two_ranks() -> None:
+    """coldsnap._C's NCCL bridge in two processes, one GPU each (torch's own NCCL, dlopen'd)."""
+    import subprocess
+
+    _two_gpus()
+    with tempfile.TemporaryDirectory() as rendezvous:
+        ranks = [subprocess.Popen([sys.executable, "-m", "tests.gpu.gpu_checks", "_nccl_rank", str(r), rendezvous],
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        outputs = [p.communicate(timeout=240)[0] for p in ranks]
+    for rank, (process, output) in enumerate(zip(ranks, outputs)):
+        print(output)
+        assert process.returncode == 0, f"rank {rank} failed"
+
+
+def tp2_capture_restore_on_gpu() -> None:
+    """torch_lm --tp 2 on two GPUs: NCCL torn down before the CUDA checkpoint and CRIU dump, rebuilt
+    through the coordinator after restore, the decode graphs (which hold NCCL kernels) recaptured; the
+    same greedy tokens as a cold start, twice; a rank failing its resume fails the restore at once."""
+    import json
+    import socket
+    import subprocess
+    import time
+    import urllib.request
+
+    from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    _two_gpus()
+    env = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1", "NCCL_NVLS_ENABLE": "0"}
+    prompt = "The second prompt, asked after the restore."
+
+    def complete(port: int) -> list[int]:
+        body = json.dumps({"prompt": prompt, "max_tokens": 12, "temperature": 0}).encode()
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body), timeout=60) as r:
+            return json.loads(r.read())["choices"][0]["token_ids"]
+
+    def coldsnap(*args: str) -> tuple[int, dict, str]:
+        done = subprocess.run([sys.executable, "-m", "coldsnap", args[0], "--receipt-json", "-", *args[1:]],
+                              capture_output=True, text=True, timeout=600, env=env)
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as receipt:
+            receipt.write(done.stdout)
+            receipt.flush()
+            assert subprocess.run([sys.executable, "-m", "coldsnap", "validate", "receipt", receipt.name]).returncode == 0
+        return done.returncode, json.loads(done.stdout), done.stderr
+
+    def serving(port: int) -> bool:
+        return subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cuda --tp 2 --port {port}"], capture_output=True).returncode == 0
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda",
+                "--tp", "2", "--port", str(port)]
+    reference = subprocess.Popen(workload, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                expected = complete(port)
+                break
+            except OSError:
+                assert time.monotonic() < deadline and reference.poll() is None, "the TP2 reference workload did not start"
+                time.sleep(0.2)
+    finally:
+        kill_tree(reference.pid)
+        reference.wait()
+
+    with tempfile.TemporaryDirectory() as scratch:
+        artifact = os.path.join(scratch, "artifact")
+        status, receipt, err = coldsnap("capture", "--out", artifact, "--", *workload)
+        print(err[-3000:])
+        assert status == 0, receipt
+        assert not serving(port)
+        spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+        print("capture phases:", {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+        print("prepare:", spans["capture.prepare"]["attributes"])
+        assert spans["capture.cuda_checkpoint"]["attributes"]["processes"] == 2
+        assert spans["capture.prepare"]["attributes"]["rank1.graphs_released"] == "decode"
+        root_pid = json.load(open(os.path.join(artifact, "units", "unit-0", "capsule.json")))["metadata"]["root_pid"]
+        for attempt in range(2):
+            status, receipt, err = coldsnap("restore", artifact)
+            print(err[-2000:])
+            assert status == 0, receipt
+            spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+            print(f"restore {attempt} phases:", {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+            resume = spans["restore.resume"]["attributes"]
+            print("resume:", resume)
+            assert resume["staged"] is True and resume["rank1.staged"] is True
+            assert resume["graphs_recaptured"] == "decode" == resume["rank1.graphs_recaptured"]
+            assert complete(port) == expected  # same tokens as the cold start, through the recaptured graphs
+            kill_tree(root_pid)
+        time.sleep(0.5)
+        assert not serving(port)
+
+
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
                                   hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip,
                                   torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
-                                  capture_restore_on_gpu)}
+                                  capture_restore_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu)}
 
 if __name__ == "__main__":
-    CHECKS[sys.argv[1]]()
+    if sys.argv[1] == "_nccl_rank":
+        _nccl_rank(int(sys.argv[2]), sys.argv[3])
+        sys.exit(0)
+    try:
+        CHECKS[sys.argv[1]]()
+    except NeedsMoreGpus as exc:
+        print(f"skipped: {exc}")
+        sys.exit(SKIP)
