@@ -33,35 +33,85 @@ std::string hex(std::uint64_t v) {
 std::uint64_t round_down(std::uint64_t v) { return v / kAlign * kAlign; }
 std::uint64_t round_up(std::uint64_t v) { return (v + kAlign - 1) / kAlign * kAlign; }
 
-// Pinned staging memory survives between runs: allocating it costs far more than a warm copy.
+// Pinned staging memory survives between runs: allocating it costs far more than a warm copy. A run
+// leases the cached buffer; a run that finds it leased (another rank's hydration in this process, say)
+// gets a buffer of its own, freed when it ends, so two runs never share staging slots.
 struct PinnedPool {
   std::mutex mutex;
   void* ptr = nullptr;
   std::uint64_t size = 0;
   int device = -1;
+  bool leased = false;
+  bool release_when_returned = false;
 } pinned_pool;
 
-void free_pinned_locked() {
-  if (pinned_pool.ptr) {
-    const auto& api = cuda::use_device(pinned_pool.device);
-    api.cuMemFreeHost(pinned_pool.ptr);
+void free_pinned(void* ptr, int device) {
+  if (ptr) {
+    const auto& api = cuda::use_device(device);
+    api.cuMemFreeHost(ptr);
   }
+}
+
+void free_pinned_locked() {
+  free_pinned(pinned_pool.ptr, pinned_pool.device);
   pinned_pool.ptr = nullptr;
   pinned_pool.size = 0;
 }
 
-char* acquire_pinned(std::uint64_t size, int device) {
-  std::lock_guard<std::mutex> lock(pinned_pool.mutex);
-  if (pinned_pool.ptr && pinned_pool.size >= size) return static_cast<char*>(pinned_pool.ptr);
-  free_pinned_locked();
-  const auto& api = cuda::use_device(device);
-  void* p = nullptr;
-  api.check(api.cuMemHostAlloc(&p, size, cuda::CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
-  pinned_pool.ptr = p;
-  pinned_pool.size = size;
-  pinned_pool.device = device;
-  return static_cast<char*>(p);
-}
+// The staging buffer of one run; returns the pooled buffer to the pool, frees a private one.
+class PinnedLease {
+ public:
+  PinnedLease() = default;
+  PinnedLease(const PinnedLease&) = delete;
+  PinnedLease& operator=(const PinnedLease&) = delete;
+  ~PinnedLease() { reset(); }
+
+  char* acquire(std::uint64_t size, int device) {
+    {
+      std::lock_guard<std::mutex> lock(pinned_pool.mutex);
+      if (!pinned_pool.leased) {
+        if (!pinned_pool.ptr || pinned_pool.size < size) {
+          free_pinned_locked();
+          const auto& api = cuda::use_device(device);
+          void* p = nullptr;
+          api.check(api.cuMemHostAlloc(&p, size, cuda::CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+          pinned_pool.ptr = p;
+          pinned_pool.size = size;
+          pinned_pool.device = device;
+        }
+        pinned_pool.leased = true;
+        pooled_ = true;
+        ptr_ = pinned_pool.ptr;
+        return static_cast<char*>(ptr_);
+      }
+    }
+    const auto& api = cuda::use_device(device);
+    api.check(api.cuMemHostAlloc(&ptr_, size, cuda::CU_MEMHOSTALLOC_PORTABLE), "cuMemHostAlloc");
+    device_ = device;
+    return static_cast<char*>(ptr_);
+  }
+
+  void reset() {
+    if (!ptr_) return;
+    if (pooled_) {
+      std::lock_guard<std::mutex> lock(pinned_pool.mutex);
+      pinned_pool.leased = false;
+      if (pinned_pool.release_when_returned) {
+        pinned_pool.release_when_returned = false;
+        free_pinned_locked();
+      }
+    } else {
+      free_pinned(ptr_, device_);
+    }
+    ptr_ = nullptr;
+    pooled_ = false;
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  int device_ = 0;
+  bool pooled_ = false;
+};
 
 struct Unit {
   std::uint64_t file_offset, length, dst;
@@ -236,7 +286,11 @@ void worker(int index, const File& file, const std::vector<Unit>& units, const O
 
 void release_pinned() {
   std::lock_guard<std::mutex> lock(pinned_pool.mutex);
-  free_pinned_locked();
+  if (pinned_pool.leased) {
+    pinned_pool.release_when_returned = true;  // a run still copies through it
+  } else {
+    free_pinned_locked();
+  }
 }
 
 std::uint64_t pinned_bytes() {
@@ -313,8 +367,9 @@ Stats run(const std::string& path, const std::vector<CopyItem>& items, const Opt
   stats.direct = file.direct();
   char* staging = nullptr;
   std::unique_ptr<char, decltype(&std::free)> discard_buffers(nullptr, &std::free);
+  PinnedLease pinned;  // declared before the workers: outlives every use of the staging slots
   if (options.target == Target::Cuda) {
-    staging = acquire_pinned(static_cast<std::uint64_t>(threads) * slots * slot_bytes, options.device);
+    staging = pinned.acquire(static_cast<std::uint64_t>(threads) * slots * slot_bytes, options.device);
     stats.pinned_bytes = static_cast<std::uint64_t>(threads) * slots * slot_bytes;
   } else if (options.target == Target::Discard) {
     void* p = nullptr;

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from coldsnap.hydrate import CopyItem, HydrationError, hydrate_items
-from coldsnap.memory import AllocationError, RegionError, reserve
+from coldsnap.memory import AllocationError, RegionError, reserve, reserve_staging
 
 MiB = 1 << 20
 
@@ -109,6 +109,45 @@ def hydration_bit_exact() -> None:
             raise AssertionError("out-of-region hydration was not refused")
 
 
+def concurrent_hydrations_bit_exact() -> None:
+    """Two hydrations at once from two threads (the launcher stages every rank's weights in
+    parallel), one per GPU when there are two: neither may see the other's staging slots."""
+    import threading
+
+    devices = [0, 1] if torch.cuda.device_count() > 1 else [0, 0]
+    size = 512 * MiB
+    with tempfile.TemporaryDirectory(dir=os.environ.get("COLDSNAP_GPU_SCRATCH", "/tmp")) as scratch:
+        sources, paths, regions = [], [], []
+        for index, device in enumerate(devices):
+            source = torch.randint(0, 256, (size,), dtype=torch.uint8, device=f"cuda:{device}")
+            path = os.path.join(scratch, f"source{index}.bin")
+            source.cpu().numpy().tofile(path)
+            region = reserve_staging(f"staged{index}", size, device=device, chunk_bytes=64 * MiB)
+            region.map(size)
+            sources.append(source), paths.append(path), regions.append(region)
+        for round_ in range(3):
+            for region in regions:
+                region.zero()
+            errors: list[BaseException] = []
+
+            def run(index: int) -> None:
+                try:
+                    hydrate_items(paths[index], [CopyItem(0, size, regions[index].base)], [regions[index]], threads=8)
+                except BaseException as exc:  # collected: the check fails below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert not errors, errors
+            for index, device in enumerate(devices):
+                got = regions[index].tensor(torch.uint8, (size,))
+                assert torch.equal(got, sources[index]), f"round {round_}: hydration {index} (cuda:{device}) corrupted"
+        print(f"two concurrent hydrations on cuda:{devices[0]} and cuda:{devices[1]}: bit-exact, 3 rounds")
+
+
 def host_region_tensor_view() -> None:
     region = reserve("weights", 4 * MiB, backend="host")
     region.map()
@@ -170,7 +209,6 @@ def torch_lm_cuda_graph_decode() -> None:
 
 STAGING_CHILD = """
 import socket, sys, torch
-from coldsnap.memory import reserve_staging
 total = int(sys.argv[3])
 staging = reserve_staging("weights", total, device=0, chunk_bytes=int(sys.argv[2]))
 staging.map(total)
@@ -497,7 +535,8 @@ def tp2_capture_restore_on_gpu() -> None:
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
                                   hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip,
                                   torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
-                                  capture_restore_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu)}
+                                  capture_restore_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu,
+                                  concurrent_hydrations_bit_exact)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "_nccl_rank":

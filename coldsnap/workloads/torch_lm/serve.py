@@ -96,7 +96,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             if torch.cuda.device_count() < world:
                 parser.error(f"--tp {world} needs {world} GPUs, torch sees {torch.cuda.device_count()}")
             device = f"cuda:{rank}"
-        torch.cuda.set_device(torch.device(device))
+        torch.cuda.set_device(torch.device(device).index or 0)
     started = time.perf_counter()
     channels = [socket.socket(fileno=int(fd)) for fd in args.channels.split(",") if fd]
     readers = [channel.makefile("rb") for channel in channels]
