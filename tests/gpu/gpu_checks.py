@@ -209,6 +209,7 @@ def torch_lm_cuda_graph_decode() -> None:
 
 STAGING_CHILD = """
 import socket, sys, torch
+from coldsnap.memory import reserve_staging
 total = int(sys.argv[3])
 staging = reserve_staging("weights", total, device=0, chunk_bytes=int(sys.argv[2]))
 staging.map(total)
