@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,6 +86,10 @@ class NcclBackend:
 
     def __init__(self, device: int, library: str | None = None):
         self.device = device
+        # NCCL's RAS service (2.24+) keeps a thread and TCP connections between the ranks' processes
+        # that outlive every communicator: a snapshot would carry connections to peers that a restore
+        # replaces. Off unless the operator asked for it (NCCL reads this at its first init).
+        os.environ.setdefault("NCCL_RAS_ENABLE", "0")
         C = native()
         try:
             self.loaded = C.nccl_load(nccl_library() if library is None else library)
