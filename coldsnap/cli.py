@@ -436,7 +436,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start CMD (without io_uring, in its own session, output to DIR/logs), wait for coldsnap's "
         "in-process agent and the HTTP port, record the canary (greedy, through POST /v1/completions), let the "
         "agent write the native packs and release model memory, CRIU-dump the process tree, and commit "
-        "DIR/artifact.json atomically. Nothing of CMD is left running; a failure commits nothing. "
+        "DIR/artifact.json atomically. A tensor-parallel command (--ranks N, or its own --tp / "
+        "--tensor-parallel-size) is captured with one agent per rank; their NCCL communicators are torn "
+        "down through a coordinator before the dump and rebuilt at restore. Nothing of CMD is left running; a failure commits nothing. "
         "Exit 0 on success, 1 on a failed capture, 2 for bad input.",
     )
     p.add_argument("--out", help="artifact directory (must not hold a committed artifact)")

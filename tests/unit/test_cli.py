@@ -91,3 +91,30 @@ def test_validate_truncated_timing_events(tmp_path):
     result = coldsnap("validate", "timing-events", str(path))
     assert result.returncode == 2 and b"Traceback" not in result.stderr
     assert b"truncated" in result.stderr
+
+
+@pytest.mark.parametrize("command, ranks", [
+    (["python", "-m", "coldsnap.workloads.torch_lm", "--port", "8000"], 1),
+    (["python", "-m", "coldsnap.workloads.torch_lm", "--tp", "2", "--port", "8000"], 2),
+    (["vllm", "serve", "m", "--tensor-parallel-size=4", "--port", "8000"], 4),
+    (["vllm", "serve", "m", "-tp", "2", "--port", "8000"], 2),
+    (["python", "-m", "sglang.launch_server", "--tp-size", "8", "--port", "8000"], 8),
+])
+def test_capture_request_has_one_worker_per_rank(command, ranks):
+    import argparse
+
+    from coldsnap.cli import _capture_request
+
+    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None,
+                              operation_id="op", driver="n610")
+    workers = _capture_request(args)["units"][0]["workers"]
+    assert [(w["rank"], w["device_slot"], w["worker_id"]) for w in workers] == [(r, r, f"worker-{r}") for r in range(ranks)]
+
+
+def test_capture_ranks_errors_are_usage_errors():
+    bad = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", "/tmp/x", "--", "serve", "--tp", "two",
+                          "--port", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--ranks" in bad.stderr
+    zero = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", "/tmp/x", "--ranks", "0", "--", "serve",
+                           "--port", "1"], capture_output=True, text=True)
+    assert zero.returncode == 2 and "at least 1" in zero.stderr
