@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from coldsnap.collective.base import Backend, CollectiveError, Communicator
 
@@ -47,12 +46,19 @@ class ManagedCommunicator:
         self._live().all_reduce(tensor)
 
 
-@dataclass
-class _Timing:
-    seconds: dict[str, float]
+def _between_barriers(rendezvous: Rendezvous, seconds: dict[str, float], step: str, barriers: tuple[str, str],
+                      timeout: float, work: Callable[[], None]) -> None:
+    """Barrier, ``work`` (its time as ``step``), barrier (both as ``step_barrier``)."""
+    def timed(name: str, call: Callable[[], None]) -> None:
+        started = time.perf_counter()
+        try:
+            call()
+        finally:
+            seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
 
-    def __call__(self, name: str, started: float) -> None:
-        self.seconds[name] = round(self.seconds.get(name, 0.0) + time.perf_counter() - started, 6)
+    timed(f"{step}_barrier", lambda: rendezvous.barrier(barriers[0], timeout))
+    timed(step, work)
+    timed(f"{step}_barrier", lambda: rendezvous.barrier(barriers[1], timeout))
 
 
 class RankCollectives:
@@ -81,53 +87,43 @@ class RankCollectives:
     def teardown(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 120.0) -> None:
         """Close every communicator: a barrier first (no rank is still inside a collective), then the
         orderly close on every rank, then a barrier (none is half closed when the snapshot starts)."""
-        timing = _Timing(seconds)
-        started = time.perf_counter()
-        rendezvous.barrier("collectives.teardown", timeout)
-        timing("teardown_barrier", started)
-        started = time.perf_counter()
-        try:
-            for name in sorted(self.communicators):
-                managed = self.communicators[name]
-                if managed.current is not None:
-                    communicator, managed.current = managed.current, None
-                    communicator.close()
-        except BaseException:
-            self.abort()
-            raise
-        timing("teardown", started)
-        started = time.perf_counter()
-        rendezvous.barrier("collectives.torn_down", timeout)
-        timing("teardown_barrier", started)
+        def close_all() -> None:
+            try:
+                for name in sorted(self.communicators):
+                    managed = self.communicators[name]
+                    if managed.current is not None:
+                        communicator, managed.current = managed.current, None
+                        communicator.close()
+            except BaseException:
+                self.abort()
+                raise
+
+        _between_barriers(rendezvous, seconds, "teardown", ("collectives.teardown", "collectives.torn_down"), timeout,
+                          close_all)
 
     def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
         """Create every communicator again: rank 0 makes each unique id and publishes it through the
         coordinator, every rank joins, and a last barrier acknowledges the whole group at once."""
-        timing = _Timing(seconds)
-        started = time.perf_counter()
-        rendezvous.barrier("collectives.rebuild", timeout)
-        timing("rebuild_barrier", started)
-        started = time.perf_counter()
-        try:
-            for name in sorted(self.communicators):
-                managed = self.communicators[name]
-                if managed.current is not None:
-                    raise CollectiveError(f"communicator {name!r} was not torn down")
-                key = f"collective/{name}/{managed.generation + 1}/unique_id"
-                if self.rank == 0:
-                    unique_id = managed.backend.create_unique_id()
-                    rendezvous.put(key, unique_id.hex())
-                else:
-                    unique_id = bytes.fromhex(rendezvous.get(key, timeout))
-                managed.current = managed.backend.connect(unique_id, self.world, self.rank)
-                managed.generation += 1
-        except BaseException:
-            self.abort()
-            raise
-        timing("rebuild", started)
-        started = time.perf_counter()
-        rendezvous.barrier("collectives.rebuilt", timeout)
-        timing("rebuild_barrier", started)
+        def connect_all() -> None:
+            try:
+                for name in sorted(self.communicators):
+                    managed = self.communicators[name]
+                    if managed.current is not None:
+                        raise CollectiveError(f"communicator {name!r} was not torn down")
+                    key = f"collective/{name}/{managed.generation + 1}/unique_id"
+                    if self.rank == 0:
+                        unique_id = managed.backend.create_unique_id()
+                        rendezvous.put(key, unique_id.hex())
+                    else:
+                        unique_id = bytes.fromhex(rendezvous.get(key, timeout))
+                    managed.current = managed.backend.connect(unique_id, self.world, self.rank)
+                    managed.generation += 1
+            except BaseException:
+                self.abort()
+                raise
+
+        _between_barriers(rendezvous, seconds, "rebuild", ("collectives.rebuild", "collectives.rebuilt"), timeout,
+                          connect_all)
 
     def abort(self) -> None:
         """Abort whatever is still connected (a failed step: the launcher discards this process)."""

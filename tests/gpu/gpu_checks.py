@@ -274,15 +274,74 @@ sys.stdin.readline()
 """
 
 
+PROMPT_2 = "The second prompt, asked after the restore."
+
+
+def _complete(port: int) -> list[int]:
+    import json
+    import urllib.request
+
+    body = json.dumps({"prompt": PROMPT_2, "max_tokens": 12, "temperature": 0}).encode()
+    with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body), timeout=60) as r:
+        return json.loads(r.read())["choices"][0]["token_ids"]
+
+
+def _coldsnap(*args: str, env: dict) -> tuple[int, dict, str]:
+    """`coldsnap OP --receipt-json - ...`: status, the receipt (which must pass the strict validator), stderr."""
+    import json
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "coldsnap", args[0], "--receipt-json", "-", *args[1:]], capture_output=True,
+                          text=True, timeout=600, env=env)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as receipt:
+        receipt.write(done.stdout)
+        receipt.flush()
+        assert subprocess.run([sys.executable, "-m", "coldsnap", "validate", "receipt", receipt.name]).returncode == 0
+    return done.returncode, json.loads(done.stdout), done.stderr
+
+
+def _serving(command_line: str) -> bool:
+    import subprocess
+
+    return subprocess.run(["pgrep", "-f", command_line], capture_output=True).returncode == 0
+
+
+def _cold_start_tokens(workload: list[str], port: int, env: dict | None = None) -> list[int]:
+    """Start ``workload`` plainly, ask PROMPT_2 once it answers, stop it."""
+    import subprocess
+    import time
+
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    reference = subprocess.Popen(workload, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                return _complete(port)
+            except OSError:
+                assert time.monotonic() < deadline and reference.poll() is None, "the reference workload did not start"
+                time.sleep(0.2)
+    finally:
+        kill_tree(reference.pid)
+        reference.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def capture_restore_on_gpu() -> None:
     """The n610 sequence end to end on this GPU: capture (CUDA checkpoint + CRIU dump) of the CUDA-graph
     workload, restore twice with the same greedy tokens as a cold start, the driver floor, and a CUDA
     restore that fails (no GPU memory left) cleaning up after itself."""
     import json
-    import socket
     import subprocess
     import time
-    import urllib.request
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
     from coldsnap.doctor import nvidia_kernel_driver
@@ -291,42 +350,17 @@ def capture_restore_on_gpu() -> None:
     unqualified = int(nvidia_kernel_driver().split(".")[0]) < 610  # n610's floor (seeds)
     allowed = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1"}
     strict = {k: v for k, v in os.environ.items() if k != ALLOW_UNQUALIFIED_DRIVER_ENV}
-    prompt = "The second prompt, asked after the restore."
-
-    def complete(port: int) -> list[int]:
-        body = json.dumps({"prompt": prompt, "max_tokens": 12, "temperature": 0}).encode()
-        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body), timeout=60) as r:
-            return json.loads(r.read())["choices"][0]["token_ids"]
+    port = _free_port()
+    workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
+    expected = _cold_start_tokens(workload, port)
 
     def coldsnap(*args: str, env: dict) -> tuple[int, dict, str]:
-        done = subprocess.run([sys.executable, "-m", "coldsnap", args[0], "--receipt-json", "-", *args[1:]], capture_output=True,
-                              text=True, timeout=600, env=env)
-        with tempfile.NamedTemporaryFile("w", suffix=".json") as receipt:  # every receipt passes the strict validator
-            receipt.write(done.stdout)
-            receipt.flush()
-            assert subprocess.run([sys.executable, "-m", "coldsnap", "validate", "receipt", receipt.name]).returncode == 0
-        return done.returncode, json.loads(done.stdout), done.stderr
+        return _coldsnap(*args, env=env)
 
     def serving(port: int) -> bool:
-        return subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cuda --port {port}"], capture_output=True).returncode == 0
+        return _serving(f"torch_lm --size tiny --device cuda --port {port}")
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
-    reference = subprocess.Popen(workload, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                expected = complete(port)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and reference.poll() is None, "the reference workload did not start"
-                time.sleep(0.2)
-    finally:
-        reference.kill()
-        reference.wait()
+    complete = _complete
 
     with tempfile.TemporaryDirectory() as scratch:
         artifact = os.path.join(scratch, "artifact")
@@ -455,55 +489,28 @@ def nccl_bridge_two_ranks() -> None:
 def tp2_capture_restore_on_gpu() -> None:
     """torch_lm --tp 2 on two GPUs: NCCL torn down before the CUDA checkpoint and CRIU dump, rebuilt
     through the coordinator after restore, the decode graphs (which hold NCCL kernels) recaptured; the
-    same greedy tokens as a cold start, twice; a rank failing its resume fails the restore at once."""
+    same greedy tokens as a cold start, twice (a rank failing is tested on the CPU, where the sequence is
+    the same: tests/integration/test_tensor_parallel.py)."""
     import json
-    import socket
-    import subprocess
     import time
-    import urllib.request
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
     from coldsnap.snapshot.process_tree import kill_tree
 
     _two_gpus()
     env = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1", "NCCL_NVLS_ENABLE": "0"}
-    prompt = "The second prompt, asked after the restore."
-
-    def complete(port: int) -> list[int]:
-        body = json.dumps({"prompt": prompt, "max_tokens": 12, "temperature": 0}).encode()
-        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body), timeout=60) as r:
-            return json.loads(r.read())["choices"][0]["token_ids"]
-
-    def coldsnap(*args: str) -> tuple[int, dict, str]:
-        done = subprocess.run([sys.executable, "-m", "coldsnap", args[0], "--receipt-json", "-", *args[1:]],
-                              capture_output=True, text=True, timeout=600, env=env)
-        with tempfile.NamedTemporaryFile("w", suffix=".json") as receipt:
-            receipt.write(done.stdout)
-            receipt.flush()
-            assert subprocess.run([sys.executable, "-m", "coldsnap", "validate", "receipt", receipt.name]).returncode == 0
-        return done.returncode, json.loads(done.stdout), done.stderr
-
-    def serving(port: int) -> bool:
-        return subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cuda --tp 2 --port {port}"], capture_output=True).returncode == 0
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = _free_port()
     workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda",
                 "--tp", "2", "--port", str(port)]
-    reference = subprocess.Popen(workload, env=env, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                expected = complete(port)
-                break
-            except OSError:
-                assert time.monotonic() < deadline and reference.poll() is None, "the TP2 reference workload did not start"
-                time.sleep(0.2)
-    finally:
-        kill_tree(reference.pid)
-        reference.wait()
+    expected = _cold_start_tokens(workload, port, env)
+
+    def coldsnap(*args: str) -> tuple[int, dict, str]:
+        return _coldsnap(*args, env=env)
+
+    def serving(port: int) -> bool:
+        return _serving(f"torch_lm --size tiny --device cuda --tp 2 --port {port}")
+
+    complete = _complete
 
     with tempfile.TemporaryDirectory() as scratch:
         artifact = os.path.join(scratch, "artifact")

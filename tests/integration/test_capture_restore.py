@@ -42,20 +42,28 @@ def workload(port: int) -> list[str]:
     return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
 
 
-def serving_pids(port: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cpu --port {port}"], capture_output=True, text=True)
+def pids_running(command_line: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", command_line], capture_output=True, text=True)
     return [int(p) for p in out.stdout.split()]
 
 
-def stop(port: int) -> None:
-    for pid in serving_pids(port):
+def kill_running(command_line: str) -> None:
+    for pid in pids_running(command_line):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + 10
-    while serving_pids(port) and time.monotonic() < deadline:
+    while pids_running(command_line) and time.monotonic() < deadline:
         time.sleep(0.05)
+
+
+def serving_pids(port: int) -> list[int]:
+    return pids_running(f"torch_lm --size tiny --device cpu --port {port}")
+
+
+def stop(port: int) -> None:
+    kill_running(f"torch_lm --size tiny --device cpu --port {port}")
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ the activation's coordinator — the NCCL sequence, with the host backend standi
 import importlib
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,8 @@ pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root"),
 ]
 
-from tests.integration.test_capture_restore import PROMPT_2, _free_port, coldsnap, complete  # noqa: E402
+from tests.integration.test_capture_restore import (  # noqa: E402
+    PROMPT_2, _free_port, coldsnap, complete, kill_running, pids_running)
 
 
 def workload(port: int) -> list[str]:
@@ -29,20 +29,11 @@ def workload(port: int) -> list[str]:
 
 def serving_pids(port: int) -> list[int]:
     """The supervisor and both ranks."""
-    out = subprocess.run(["pgrep", "-f", f"torch_lm --size tiny --device cpu --tp 2 --port {port}"],
-                         capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
+    return pids_running(f"torch_lm --size tiny --device cpu --tp 2 --port {port}")
 
 
 def stop(port: int) -> None:
-    for pid in serving_pids(port):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while serving_pids(port) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    kill_running(f"torch_lm --size tiny --device cpu --tp 2 --port {port}")
 
 
 def cold_tokens(port: int) -> list[int]:
