@@ -201,16 +201,27 @@ def _allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: 
     return result
 
 
+def _distributed_rank() -> tuple[int, int]:
+    """This worker's global rank and the world size (0 of 1 when vLLM runs no process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
 def _start_agent() -> None:
     control = os.environ.get("COLDSNAP_CONTROL")
     if not control or _Process.memory is None:
         return
     from coldsnap.agent import start_agent
 
-    # vLLM's engine loop is idle whenever the launcher drives the agent (after the canary, before
-    # resume); the lock only keeps two agent commands from overlapping.
-    _Process.agent = start_agent(control, _Process.memory, serving_lock=threading.Lock())
-    log.info("coldsnap: agent listening at %s", control)
+    # One agent per worker that owns model memory (EngineCore's worker at TP=1, every WorkerProc at
+    # TP>1), each at its rank's control socket. vLLM's engine loop is idle whenever the launcher drives
+    # the agents (after the canary, before resume); the lock only keeps two commands from overlapping.
+    rank, world = _distributed_rank()
+    _Process.agent = start_agent(control, _Process.memory, serving_lock=threading.Lock(), rank=rank, world=world)
+    log.info("coldsnap: agent of rank %d/%d listening at %s", rank, world, _Process.agent.control)
 
 
 _ORIGINAL_ALLOCATE = worker_utils.allocate_kv_cache
