@@ -271,3 +271,31 @@ def test_a_pack_of_another_model_is_refused_in_native_mode_and_recovered_from_in
 def test_native_mode_without_a_pack_is_a_clear_error(model, tmp_path):
     tokens, log = _first_answer(model, '{"mode": "native"}', tmp_path / "serve.log")
     assert tokens is None and "coldsnap mode 'native' needs --model-loader-extra-config pack=" in log
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM's CPU TP2 binds one core per worker")
+def test_tensor_parallel_workers_each_get_an_agent_and_restore(model, tmp_path):
+    """`vllm serve --tensor-parallel-size 2` on the CPU build: one WorkerProc per rank, each with its own
+    agent and payload pack; the capture drains and prepares both through the activation coordinator,
+    the restore resumes both, and the restored server answers as a TP2 cold start does. (On the CPU
+    vLLM's ranks talk over gloo TCP and shared memory, which CRIU carries; NCCL needs the GPU.)"""
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    port = _free_port()
+    command = serve(model, port, "--tensor-parallel-size", "2")
+    with served(command, port, tmp_path / "reference.log", env) as (expected, _):
+        assert expected is not None, (tmp_path / "reference.log").read_text()[-3000:]
+    artifact = tmp_path / "artifact"
+    capture = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(artifact), "--receipt-json", "-",
+                              "--", *command, "--load-format", "coldsnap"], capture_output=True, timeout=900, env=env)
+    assert capture.returncode == 0, capture.stderr.decode()[-3000:]
+    workers = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"]
+    assert [w["rank"] for w in workers] == [0, 1] and workers[0]["payload"]["path"] != workers[1]["payload"]["path"]
+    prepare = next(s for s in json.loads(capture.stdout)["timing"]["spans"] if s["name"] == "capture.prepare")
+    assert {"drain_barrier_ns", "rank1.drain_barrier_ns"} <= set(prepare["attributes"])
+    try:
+        restore = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(artifact)], capture_output=True,
+                                 timeout=600, env=env)
+        assert restore.returncode == 0, restore.stderr.decode()[-3000:]
+        assert complete(port, PROMPT_2) == expected
+    finally:
+        stop_restored(artifact, port)
