@@ -59,6 +59,7 @@ class _Process:
     placed: PlacedModel | None = None
     memory: ModelMemory | None = None
     agent: Any = None
+    runner: Any = None  # the model runner whose KV cache was placed (its graphs are the agent's to release)
 
 
 def process_memory() -> ModelMemory | None:
@@ -219,11 +220,45 @@ def _start_agent() -> None:
     # One agent per worker that owns model memory (EngineCore's worker at TP=1, every WorkerProc at
     # TP>1), each at its rank's control socket. vLLM's engine loop is idle whenever the launcher drives
     # the agents (after the canary, before resume); the lock only keeps two commands from overlapping.
+    from coldsnap.agent.server import AgentHooks
+    from coldsnap_vllm.distributed import VllmCollectives, VllmGraphs
+
     rank, world = _distributed_rank()
-    _Process.agent = start_agent(control, _Process.memory, serving_lock=threading.Lock(), rank=rank, world=world)
+    hooks = AgentHooks()
+    if _Process.runner is not None:
+        graphs = VllmGraphs(_Process.runner, world)
+        hooks.release_graphs, hooks.recapture_graphs = graphs.release_graphs, graphs.recapture_graphs
+    _Process.agent = start_agent(control, _Process.memory, serving_lock=threading.Lock(), rank=rank, world=world,
+                                 hooks=hooks, collectives=VllmCollectives(rank, world) if world > 1 else None)
     log.info("coldsnap: agent of rank %d/%d listening at %s", rank, world, _Process.agent.control)
 
 
+def _remembering_runner(initialize_kv_cache: Any) -> Any:
+    def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _Process.runner = self
+        return initialize_kv_cache(self, *args, **kwargs)
+
+    initialize.__wrapped__ = initialize_kv_cache
+    return initialize
+
+
+def _remember_runners() -> None:
+    """Wrap the model runners' ``initialize_kv_cache`` (V1, V2, CPU) to note which runner this is."""
+    import importlib
+
+    for module_name, class_name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+                                    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
+                                    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")):
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue  # not in this vLLM build
+        method = cls.__dict__.get("initialize_kv_cache")
+        if method is not None and not hasattr(method, "__wrapped__"):
+            cls.initialize_kv_cache = _remembering_runner(method)
+
+
+_remember_runners()
 _ORIGINAL_ALLOCATE = worker_utils.allocate_kv_cache
 worker_utils.allocate_kv_cache = _allocate_kv_cache
 gpu_model_runner.allocate_kv_cache = _allocate_kv_cache  # bound by name there

@@ -18,8 +18,7 @@ from coldsnap.agent.memory import ModelMemory, timed as _timed
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
 
 if TYPE_CHECKING:
-    from coldsnap.collective import RankCollectives
-    from coldsnap.collective.group import Rendezvous
+    from coldsnap.collective.group import DistributedState, Rendezvous
 
 __all__ = ["AgentHooks", "AgentServer", "AgentError", "rank_control", "start_agent", "request"]
 
@@ -61,7 +60,7 @@ def _address(control: str) -> str | bytes:
 class AgentServer:
     def __init__(self, control: str, memory: ModelMemory, serving_lock: threading.Lock, port: int | None = None,
                  hooks: AgentHooks | None = None, rank: int = 0, world: int = 1,
-                 collectives: RankCollectives | None = None):
+                 collectives: "DistributedState | None" = None):
         if collectives is not None and (collectives.rank, collectives.world) != (rank, world):
             raise ValueError(f"collectives are rank {collectives.rank} of {collectives.world}, the agent {rank} of {world}")
         self.control = rank_control(control, rank)
@@ -305,7 +304,7 @@ _agent: AgentServer | None = None
 
 def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lock, port: int | None = None,
                 hooks: AgentHooks | None = None, rank: int = 0, world: int = 1,
-                collectives: RankCollectives | None = None) -> AgentServer:
+                collectives: "DistributedState | None" = None) -> AgentServer:
     """Start this process's agent (once) over its model memory; rank ``rank`` of a tensor-parallel
     ``world`` listens at :func:`rank_control` of ``control``."""
     global _agent

@@ -7,7 +7,7 @@ from typing import Any, Callable, Protocol
 
 from coldsnap.collective.base import Backend, CollectiveError, Communicator
 
-__all__ = ["ManagedCommunicator", "RankCollectives", "Rendezvous"]
+__all__ = ["DistributedState", "ManagedCommunicator", "RankCollectives", "Rendezvous"]
 
 
 class Rendezvous(Protocol):
@@ -18,6 +18,18 @@ class Rendezvous(Protocol):
     def put(self, key: str, value: str) -> None: ...
 
     def get(self, key: str, timeout: float = 60.0) -> str: ...
+
+
+class DistributedState(Protocol):
+    """What the agent tears down before a snapshot and rebuilds after it: :class:`RankCollectives`, or
+    an engine's own (``coldsnap_vllm.distributed.VllmCollectives``)."""
+
+    rank: int
+    world: int
+
+    def teardown(self, rendezvous: Rendezvous, seconds: dict[str, float]) -> None: ...
+
+    def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float]) -> None: ...
 
 
 class ManagedCommunicator:

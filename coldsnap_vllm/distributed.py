@@ -1,0 +1,189 @@
+"""vLLM's NCCL state and CUDA graphs around a process snapshot, for TP > 1.
+
+Written against vLLM 0.33's GPU code (``vllm/distributed/parallel_state.py``,
+``device_communicators/{cuda_communicator,pynccl}.py``, the elastic-EP graph release in
+``distributed/elastic_ep/elastic_execute.py``). **Not run on a GPU here** (vLLM 0.33 pins torch 2.14;
+the GPU test host has 2.11): on vLLM's CPU build the same object runs with nothing to tear down, and
+tests/unit/test_vllm_distributed.py drives the sequencing with stand-ins for the GPU-only classes.
+
+vLLM's parallel groups (``GroupCoordinator``: ``tp:0``, ``pp:0``, ...) each own a device communicator
+whose ``pynccl_comm`` (a ``PyNcclCommunicator``) holds an NCCL communicator, beside IPC-based custom
+all-reduce buffers. Rebuilding the groups themselves would give them new names (``tp:1``) that
+compiled custom ops do not know (ENGINE-API-FACTS risk 4), so coldsnap keeps every group, its name
+and its gloo ``cpu_group``, and replaces only the NCCL communicator inside it:
+
+- ``teardown`` (agent ``prepare``, after the CUDA graphs were released): FlashInfer / all2all
+  workspaces through vLLM's own ``checkpoint_prepare_distributed_state``; custom all-reduce dropped
+  (vLLM then all-reduces through pynccl); every ``pynccl_comm.destroy()``.
+- ``rebuild`` (agent ``resume``): per group, in name order, the group's rank 0 mints a unique id with
+  vLLM's NCCL library and publishes it through the activation's coordinator; every member builds
+  ``PyNcclCommunicator.from_unique_id_bytes`` on its device and puts it in the group (symmetric-memory
+  ops registered again when enabled); then ``checkpoint_restore_distributed_state``.
+- graphs: ``release_graphs`` drops vLLM's CUDA graphs as elastic EP does (they hold NCCL kernels of
+  the communicator being destroyed, and ``ncclCommAbort`` can wait for graphs that captured it);
+  ``recapture_graphs`` runs the model runner's ``capture_model`` on the rebuilt communicators.
+
+Both ``retain`` and ``recreate`` recapture at TP > 1: stock NCCL cannot rebuild a communicator in
+place, so a retained graph would replay kernels of a destroyed one.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Any, Callable, Iterable
+
+from coldsnap.collective.group import Rendezvous
+
+__all__ = ["VllmCollectives", "VllmGraphs", "vllm_groups"]
+
+
+def vllm_groups() -> list[Any]:
+    """vLLM's live parallel groups, by unique name (the same order on every rank)."""
+    from vllm.distributed import parallel_state
+
+    groups = [(name, ref()) for name, ref in parallel_state._groups.items()]
+    return [group for name, group in sorted(groups, key=lambda item: item[0]) if group is not None]
+
+
+def _pynccl(group: Any) -> Any:
+    communicator = getattr(group, "device_communicator", None)
+    return getattr(communicator, "pynccl_comm", None)
+
+
+def _timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
+    started = time.perf_counter()
+    try:
+        return work()
+    finally:
+        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
+
+
+class VllmCollectives:
+    """The agent's ``collectives`` for a vLLM worker: teardown/rebuild of every group's NCCL."""
+
+    def __init__(self, rank: int, world: int, groups: Callable[[], Iterable[Any]] = vllm_groups,
+                 communicator_class: Callable[[], Any] | None = None, state: Any = None):
+        self.rank = rank
+        self.world = world
+        self._groups = groups
+        self._communicator_class = communicator_class  # PyNcclCommunicator (injectable for the CPU tests)
+        self._state = state  # vllm.distributed.parallel_state (injectable likewise)
+        self.torn_down: list[Any] = []  # groups whose pynccl was destroyed, in name order
+        self.generation = 0
+
+    def _parallel_state(self) -> Any:
+        if self._state is None:
+            from vllm.distributed import parallel_state
+
+            self._state = parallel_state
+        return self._state
+
+    def _new_communicator(self) -> Any:
+        if self._communicator_class is None:
+            from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+
+            self._communicator_class = PyNcclCommunicator
+        return self._communicator_class
+
+    def teardown(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 120.0) -> None:
+        _timed(seconds, "teardown_barrier", lambda: rendezvous.barrier("vllm.teardown", timeout))
+        live = [g for g in self._groups() if (p := _pynccl(g)) is not None and not p.disabled]
+
+        def release() -> None:
+            if not live:
+                return  # vLLM's CPU build: gloo and shared memory, which the snapshot carries
+            self._parallel_state().checkpoint_prepare_distributed_state()
+            for group in live:
+                communicator = group.device_communicator
+                communicator.ca_comm = None  # custom all-reduce: IPC buffers of other processes
+                communicator.pynccl_comm.destroy()  # ncclCommAbort; the object stays, disabled
+            self.torn_down = live
+
+        _timed(seconds, "teardown", release)
+        _timed(seconds, "teardown_barrier", lambda: rendezvous.barrier("vllm.torn_down", timeout))
+
+    def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
+        _timed(seconds, "rebuild_barrier", lambda: rendezvous.barrier("vllm.rebuild", timeout))
+        self.generation += 1
+
+        def connect() -> None:
+            if not self.torn_down:
+                return
+            cls = self._new_communicator()
+            for group in self.torn_down:
+                old = group.device_communicator.pynccl_comm
+                key = f"vllm/{group.unique_name}/{self.generation}/unique_id"
+                if group.rank_in_group == 0:
+                    unique_id = bytes(old.nccl.ncclGetUniqueId().internal)
+                    rendezvous.put(key, unique_id.hex())
+                else:
+                    unique_id = bytes.fromhex(rendezvous.get(key, timeout))
+                new = cls.from_unique_id_bytes(unique_id, group.rank_in_group, group.world_size,
+                                               group.device_communicator.device)
+                new.group = old.group  # what vLLM's own constructor records
+                group.device_communicator.pynccl_comm = new
+                self._register_symmetric_ops(new)
+            self._parallel_state().checkpoint_restore_distributed_state()
+            self.torn_down = []
+
+        _timed(seconds, "rebuild", connect)
+        _timed(seconds, "rebuild_barrier", lambda: rendezvous.barrier("vllm.rebuilt", timeout))
+
+    @staticmethod
+    def _register_symmetric_ops(communicator: Any) -> None:
+        try:
+            from vllm.distributed.device_communicators.pynccl import register_nccl_symmetric_ops
+            from vllm.distributed.device_communicators.pynccl_allocator import is_symmetric_memory_enabled
+        except ImportError:  # a vLLM without symmetric memory
+            return
+        if is_symmetric_memory_enabled():
+            register_nccl_symmetric_ops(communicator)
+
+
+class VllmGraphs:
+    """The agent's graph hooks for a vLLM model runner (see the module docstring)."""
+
+    def __init__(self, runner: Any, world: int):
+        self.runner = runner
+        self.world = world
+
+    def _graphs_exist(self) -> bool:
+        runner = self.runner
+        if getattr(runner, "cudagraph_manager", None) is not None:
+            return True
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+        return isinstance(getattr(runner, "model", None), CUDAGraphWrapper)
+
+    def release_graphs(self, policy: str) -> list[str]:
+        """Drop vLLM's CUDA graphs unless ``retain`` holds and no NCCL kernel is in them (TP = 1)."""
+        import torch
+
+        if not torch.cuda.is_available() or not self._graphs_exist() or (policy == "retain" and self.world == 1):
+            return []
+        from vllm.compilation.cuda_graph import CUDAGraphWrapper
+        from vllm.compilation.wrapper import reset_compile_wrapper
+        from vllm.config import set_current_vllm_config
+
+        runner = self.runner
+        manager = getattr(runner, "cudagraph_manager", None)
+        if manager is not None:  # Model Runner V2 captures through its CudaGraphManager
+            manager.release_graphs()
+        elif isinstance(runner.model, CUDAGraphWrapper):
+            runner.model.concrete_cudagraph_entries = {}
+        torch.compiler.reset()
+        with set_current_vllm_config(runner.vllm_config):
+            reset_compile_wrapper(runner.get_model())
+        gc.collect()
+        torch.accelerator.synchronize()
+        torch.accelerator.empty_cache()
+        return ["model"]
+
+    def recapture_graphs(self) -> list[str]:
+        import torch
+        from vllm.config import set_current_vllm_config
+
+        with torch.cuda.device(self.runner.device), set_current_vllm_config(self.runner.vllm_config):
+            self.runner.capture_model()
+        return ["model"]
