@@ -128,6 +128,17 @@ class ColdsnapModelLoader(DefaultModelLoader):
         inner.model_loader_extra_config = {k: v for k, v in extra.items() if k not in OPTION_KEYS}
         super().__init__(inner)
 
+    def get_external_weight_memory(self, vllm_config: Any) -> int:
+        """0, deliberately. vLLM asks this in ``init_device`` for weights that exist *before* its startup
+        memory snapshot (another process's, as with ``ipc_cache``) and takes them out of the engine's
+        budget. coldsnap's weights are allocated in this worker after that snapshot — loaded, then
+        moved into the ``weights`` region, or hydrated there from a pack — so vLLM's profiling already
+        sees them (as the memory the region maps); reporting them here would count them twice and
+        shrink the KV cache by the model's size. (Reasoned from vLLM 0.33's ``request_memory`` and
+        ``determine_available_memory``; vLLM's CPU worker never calls this, and no GPU run has checked
+        the resulting KV budget.)"""
+        return 0
+
     def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> torch.nn.Module:
         """vLLM's BaseModelLoader.load_model with one fork: when a native pack fits the freshly built
         model, its weights come from the pack (after placement) instead of the checkpoint. The model
@@ -202,7 +213,7 @@ def _allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: 
     return result
 
 
-def _distributed_rank() -> tuple[int, int]:
+def distributed_rank() -> tuple[int, int]:
     """This worker's global rank and the world size (0 of 1 when vLLM runs no process group)."""
     import torch.distributed as dist
 
@@ -223,7 +234,7 @@ def _start_agent() -> None:
     from coldsnap.agent.server import AgentHooks
     from coldsnap_vllm.distributed import VllmCollectives, VllmGraphs
 
-    rank, world = _distributed_rank()
+    rank, world = distributed_rank()
     hooks = AgentHooks()
     if _Process.runner is not None:
         graphs = VllmGraphs(_Process.runner, world)

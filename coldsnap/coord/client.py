@@ -37,17 +37,22 @@ class CoordinatorClient:
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
         self._monitor = self.socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._connected_once = False
+        self._gone = False
         self.socket.connect(endpoint)
         self._call(Kind.HELLO, {}, connect_timeout, what="connect")
 
     def _watch(self) -> None:
-        """Raise once the coordinator's connection dropped after it had been up."""
+        """Raise once the coordinator's connection dropped after it had been up and nothing it sent
+        before going is still unread (a coordinator that answered every rank's BYE closes at once:
+        its last reply and the disconnect arrive together)."""
         while self._monitor.poll(0):
             event = zmq.utils.monitor.recv_monitor_message(self._monitor)
             if event["event"] == zmq.EVENT_CONNECTED:
                 self._connected_once = True
             elif event["event"] == zmq.EVENT_DISCONNECTED and self._connected_once:
-                raise CoordinatorError(f"the coordinator at {self.endpoint} went away")
+                self._gone = True
+        if self._gone and not self.socket.poll(0):
+            raise CoordinatorError(f"the coordinator at {self.endpoint} went away")
 
     def _call(self, kind: Kind, body: dict[str, Any], timeout: float, what: str) -> Frame:
         frame = Frame(kind, self.rank, self._send_seq, body)

@@ -174,6 +174,57 @@ def test_sleep_backend_releases_and_brings_back_the_regions(tmp_path):
     assert result.returncode == 0 and result.stdout.startswith("ok ColdsnapSleepBackend"), result.stderr[-3000:]
 
 
+PARTIAL_SLEEP_SCRIPT = """
+import torch
+from coldsnap.agent.memory import ModelMemory
+from coldsnap.memory import reserve
+from coldsnap_vllm import loader, placement, register
+from coldsnap_vllm.sleep import PartialSleepError
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+register()
+backend_class = SleepModeBackendFactory.get_backend_class("coldsnap")
+
+
+def rank_memory():
+    model = torch.nn.Linear(32, 32)
+    placed = placement.place_model_in_region(model)
+    return model, ModelMemory(placement.layout_for(placed, None), {"weights": placed.region})
+
+
+# Two workers of a TP2 world, each with its own model memory (in one process: vLLM's CPU worker
+# ignores sleep, so a real TP2 sleep cannot run here).
+model0, memory0 = rank_memory()
+loader._Process.memory = memory0
+rank0 = backend_class()
+rank0.rank, rank0.world = 0, 2
+x = torch.randn(2, 32)
+expected = model0(x)
+rank0.suspend(1)
+try:
+    rank0.resume(None)  # rank 1 never slept: partial
+    raise SystemExit("a partial wake was allowed")
+except PartialSleepError as exc:
+    assert "rank(s) [1] of 2" in str(exc), exc
+assert rank0.state() == "SUSPENDED" and memory0.regions["weights"].mapped_bytes == 0  # still asleep, nothing mapped
+
+loader._Process.memory = rank_memory()[1]
+rank1 = backend_class()
+rank1.rank, rank1.world = 1, 2
+rank1.suspend(1)  # rank 1's record for sleep 1 appears
+loader._Process.memory = memory0
+rank0.resume(None)
+assert rank0.state() == "RUNNING" and torch.equal(model0(x), expected)
+print("ok")
+"""
+
+
+def test_a_partial_tensor_parallel_sleep_is_not_woken(tmp_path):
+    result = subprocess.run([str(VENV / "bin" / "python"), "-c", PARTIAL_SLEEP_SCRIPT], capture_output=True, text=True,
+                            timeout=300, env={**ENV, "COLDSNAP_SLEEP_PACK_DIR": str(tmp_path / "packs")})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 def test_restores_answer_like_vllms_default_loader(captured, reference):
     artifact, port, root = captured
     capture = json.loads((root / "capture.json").read_text())
@@ -299,3 +350,14 @@ def test_tensor_parallel_workers_each_get_an_agent_and_restore(model, tmp_path):
         assert complete(port, PROMPT_2) == expected
     finally:
         stop_restored(artifact, port)
+
+
+def test_recovery_without_safetensors_is_a_clear_error(model, tmp_path):
+    """Recovery reads the model's safetensors through vLLM; without them vLLM stops with the reason."""
+    import shutil
+
+    bare = tmp_path / "no-weights"
+    shutil.copytree(model, bare)
+    (bare / "model.safetensors").unlink()
+    tokens, log = _first_answer(bare, '{"mode": "recovery"}', tmp_path / "serve.log")
+    assert tokens is None and "safetensors" in log.lower(), log[-3000:]

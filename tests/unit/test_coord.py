@@ -211,3 +211,28 @@ def test_golden_frames(corpus):
         frame = Frame(Kind[case["kind"]], case["rank"], case["sequence"], case["body"])
         assert encode_frame(frame, token).hex() == case["frame_hex"], case["name"]
         assert decode_frame(bytes.fromhex(case["frame_hex"]), token) == frame
+
+
+def test_the_last_bye_is_answered_although_the_coordinator_then_closes(coordinator):
+    """Every rank's BYE completes the activation and the coordinator closes at once: its last reply and
+    the disconnect reach the last rank together, and the reply wins (a race seen in a vLLM TP2 capture)."""
+    for _ in range(20):
+        server = coordinator(2)
+        errors = []
+
+        def rank(r):
+            try:
+                client = CoordinatorClient(server.endpoint, TOKEN, r)
+                client.barrier("done", timeout=10)
+                client.close(completed=True)
+            except Exception as exc:  # collected: asserted below
+                errors.append(repr(exc))
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        assert errors == []
+        server.thread.join(5)
+        assert server.result["reason"] == "complete"
