@@ -128,6 +128,16 @@ class ColdsnapModelLoader(DefaultModelLoader):
         inner.model_loader_extra_config = {k: v for k, v in extra.items() if k not in OPTION_KEYS}
         super().__init__(inner)
 
+    def _recover(self, model: torch.nn.Module, model_config: Any) -> None:
+        """Recovery: the weights through vLLM's own iteration of the model's safetensors."""
+        try:
+            self.load_weights(model, model_config)
+        except RuntimeError as exc:
+            if "Cannot find any model weights" not in str(exc):
+                raise
+            raise RuntimeError(f"coldsnap recovery (mode {self.mode!r}, no fitting pack) loads the model's safetensors "
+                               f"through vLLM and found none: {exc}") from None
+
     def get_external_weight_memory(self, vllm_config: Any) -> int:
         """0, deliberately. vLLM asks this in ``init_device`` for weights that exist *before* its startup
         memory snapshot (another process's, as with ``ipc_cache``) and takes them out of the engine's
@@ -154,7 +164,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
             pack = self._fitting_pack(model)
             if pack is None:
-                self.load_weights(model, model_config)  # recovery: vLLM's iteration of the checkpoint
+                self._recover(model, model_config)
             with _plain_cpu_linear():
                 process_weights_after_loading(model, model_config, target_device)
         return self._place(model, pack).eval()
