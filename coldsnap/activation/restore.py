@@ -126,6 +126,10 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
                 path = images / entry["path"]
                 if not path.is_file() or path.stat().st_size != entry["size_bytes"]:
                     raise OperationFailed("admission.capsule", f"capsule file {entry['path']} is missing or changed size")
+            recorded = sorted(int(w["rank"]) for w in capsule["metadata"].get("workers") or [])
+            if recorded != sorted(w.rank for w in unit.workers):
+                raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
+                                      f"artifact {sorted(w.rank for w in unit.workers)} (captured by an older coldsnap?)")
         except (OSError, ValueError, KeyError) as exc:
             raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} is unreadable: {exc}") from None
     with timer.span("restore.admission.payload") as span:

@@ -259,3 +259,19 @@ def test_restore_timing_events_match_the_receipt(captured, tmp_path):
     assert lines[-1]["timing_envelope_sha256"] == canonical_sha256(receipt["timing"])
     started = {line["name"] for line in lines if line["event"] == "span_start"}
     assert {"restore.criu_restore", "restore.resume", "restore.canary"} <= started
+
+
+def test_prepare_only_refuses_a_capsule_without_rank_records(captured, tmp_path):
+    """A capsule from before per-rank records (or edited) cannot say which agent is which rank."""
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    capsule_path = copy / "units" / "unit-0" / "capsule.json"
+    capsule = json.loads(capsule_path.read_text())
+    del capsule["metadata"]["workers"]
+    capsule_path.write_text(json.dumps(capsule))
+    result = coldsnap("restore", str(copy), "--prepare-only", "--receipt-json", "-")
+    assert result.returncode == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "admission.capsule" and "records ranks []" in error["message"]
+    assert serving_pids(port) == []
