@@ -30,10 +30,9 @@ place, so a retained graph would replay kernels of a destroyed one.
 from __future__ import annotations
 
 import gc
-import time
 from typing import Any, Callable, Iterable
 
-from coldsnap.collective.group import Rendezvous
+from coldsnap.collective.group import Rendezvous, between_barriers, share_unique_id
 
 __all__ = ["VllmCollectives", "VllmGraphs", "vllm_groups"]
 
@@ -49,14 +48,6 @@ def vllm_groups() -> list[Any]:
 def _pynccl(group: Any) -> Any:
     communicator = getattr(group, "device_communicator", None)
     return getattr(communicator, "pynccl_comm", None)
-
-
-def _timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
-    started = time.perf_counter()
-    try:
-        return work()
-    finally:
-        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
 
 
 class VllmCollectives:
@@ -87,10 +78,8 @@ class VllmCollectives:
         return self._communicator_class
 
     def teardown(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 120.0) -> None:
-        _timed(seconds, "teardown_barrier", lambda: rendezvous.barrier("vllm.teardown", timeout))
-        live = [g for g in self._groups() if (p := _pynccl(g)) is not None and not p.disabled]
-
         def release() -> None:
+            live = [g for g in self._groups() if (p := _pynccl(g)) is not None and not p.disabled]
             if not live:
                 return  # vLLM's CPU build: gloo and shared memory, which the snapshot carries
             self._parallel_state().checkpoint_prepare_distributed_state()
@@ -100,25 +89,19 @@ class VllmCollectives:
                 communicator.pynccl_comm.destroy()  # ncclCommAbort; the object stays, disabled
             self.torn_down = live
 
-        _timed(seconds, "teardown", release)
-        _timed(seconds, "teardown_barrier", lambda: rendezvous.barrier("vllm.torn_down", timeout))
+        between_barriers(rendezvous, seconds, "teardown", ("vllm.teardown", "vllm.torn_down"), timeout, release)
 
     def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
-        _timed(seconds, "rebuild_barrier", lambda: rendezvous.barrier("vllm.rebuild", timeout))
-        self.generation += 1
-
         def connect() -> None:
+            self.generation += 1
             if not self.torn_down:
                 return
             cls = self._new_communicator()
             for group in self.torn_down:
                 old = group.device_communicator.pynccl_comm
-                key = f"vllm/{group.unique_name}/{self.generation}/unique_id"
-                if group.rank_in_group == 0:
-                    unique_id = bytes(old.nccl.ncclGetUniqueId().internal)
-                    rendezvous.put(key, unique_id.hex())
-                else:
-                    unique_id = bytes.fromhex(rendezvous.get(key, timeout))
+                unique_id = share_unique_id(rendezvous, f"vllm/{group.unique_name}/{self.generation}/unique_id",
+                                            group.rank_in_group == 0,
+                                            lambda old=old: bytes(old.nccl.ncclGetUniqueId().internal), timeout)
                 new = cls.from_unique_id_bytes(unique_id, group.rank_in_group, group.world_size,
                                                group.device_communicator.device)
                 new.group = old.group  # what vLLM's own constructor records
@@ -127,8 +110,7 @@ class VllmCollectives:
             self._parallel_state().checkpoint_restore_distributed_state()
             self.torn_down = []
 
-        _timed(seconds, "rebuild", connect)
-        _timed(seconds, "rebuild_barrier", lambda: rendezvous.barrier("vllm.rebuilt", timeout))
+        between_barriers(rendezvous, seconds, "rebuild", ("vllm.rebuild", "vllm.rebuilt"), timeout, connect)
 
     @staticmethod
     def _register_symmetric_ops(communicator: Any) -> None:

@@ -20,10 +20,35 @@ namespace nc = coldsnap::nccl;
 
 namespace {
 
-// The CudaError type object. Owned by pybind11's register_exception storage,
-// which lives until interpreter shutdown, so a borrowed pointer is fine.
-PyObject* g_cuda_error = nullptr;
-PyObject* g_nccl_error = nullptr;
+// The Python type of each C++ error with a result code. Owned by pybind11's register_exception
+// storage, which lives until interpreter shutdown, so a borrowed pointer is fine.
+template <class Error>
+PyObject* g_error_type = nullptr;
+
+// Error(RuntimeError) in Python with .code: the library's result code (an int), or None when no call
+// of the library failed (library or symbol missing). The translator is registered after
+// register_exception's own, so it is tried first: same type and message, plus the instance's .code.
+template <class Error>
+void register_coded_error(py::module_& m, const char* name) {
+  auto& type = py::register_exception<Error>(m, name, PyExc_RuntimeError);
+  type.attr("code") = py::none();  // class-level default
+  g_error_type<Error> = type.ptr();
+  py::register_exception_translator([](std::exception_ptr p) {
+    if (!p) return;
+    try {
+      std::rethrow_exception(p);
+    } catch (const Error& e) {
+      PyObject* error_type = g_error_type<Error>;
+      try {
+        py::object inst = py::handle(error_type)(e.what());
+        if (e.code()) inst.attr("code") = *e.code();
+        PyErr_SetObject(error_type, inst.ptr());
+      } catch (py::error_already_set&) {  // building the instance failed: plain message
+        PyErr_SetString(error_type, e.what());
+      }
+    }  // anything else propagates to the next translator
+  });
+}
 
 py::dict device_to_dict(const cu::DeviceInfo& d) {
   py::dict o;
@@ -187,46 +212,9 @@ int checkpoint_state(int pid) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "coldsnap native core (CUDA driver API loaded at run time via dlopen)";
 
-  // CudaError(RuntimeError) with .code: the CUresult (int) or None when no
-  // driver call failed (library missing, symbol missing).
-  auto& exc = py::register_exception<cu::CudaError>(m, "CudaError", PyExc_RuntimeError);
-  exc.attr("code") = py::none();  // class-level default
-  g_cuda_error = exc.ptr();
-  // Registered after register_exception's own translator, so tried first:
-  // same type and message, plus the instance's .code.
-  py::register_exception_translator([](std::exception_ptr p) {
-    if (!p) return;
-    try {
-      std::rethrow_exception(p);
-    } catch (const cu::CudaError& e) {
-      try {
-        py::object inst = py::handle(g_cuda_error)(e.what());
-        if (e.code()) inst.attr("code") = *e.code();
-        PyErr_SetObject(g_cuda_error, inst.ptr());
-      } catch (py::error_already_set&) {  // building the instance failed: plain message
-        PyErr_SetString(g_cuda_error, e.what());
-      }
-    }  // anything else propagates to the next translator
-  });
+  register_coded_error<cu::CudaError>(m, "CudaError");  // .code: the CUresult
+  register_coded_error<nc::NcclError>(m, "NcclError");  // .code: the ncclResult_t
 
-  // NcclError(RuntimeError) with .code: the ncclResult_t, or None (library or symbol missing).
-  auto& nccl_exc = py::register_exception<nc::NcclError>(m, "NcclError", PyExc_RuntimeError);
-  nccl_exc.attr("code") = py::none();
-  g_nccl_error = nccl_exc.ptr();
-  py::register_exception_translator([](std::exception_ptr p) {
-    if (!p) return;
-    try {
-      std::rethrow_exception(p);
-    } catch (const nc::NcclError& e) {
-      try {
-        py::object inst = py::handle(g_nccl_error)(e.what());
-        if (e.code()) inst.attr("code") = *e.code();
-        PyErr_SetObject(g_nccl_error, inst.ptr());
-      } catch (py::error_already_set&) {
-        PyErr_SetString(g_nccl_error, e.what());
-      }
-    }
-  });
   m.def(
       "nccl_load",
       [](const std::string& library) {

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, ask_canary, wait_for_agent, wait_for_http
-from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank
+from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.server import AgentError, rank_control, request
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
 from coldsnap.contracts.canonical import canonical_json
@@ -85,11 +85,10 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             finally:
                 bars.finish()
             for rank, prepared in enumerate(prepared_ranks):
-                prefix = "" if rank == 0 else f"rank{rank}."
+                prefix = rank_prefix(rank)
                 span.update({f"{prefix}{k}_ns": int(v * 1e9) for k, v in prepared["seconds"].items()})
                 if prepared.get("graphs_released"):
                     span[f"{prefix}graphs_released"] = ",".join(prepared["graphs_released"])
-        prepared = prepared_ranks[0]
         rss_after_release = sum(int(p.get("rss_bytes", 0)) for p in prepared_ranks)
         device_after_release = sum(int(p.get("device_bytes", 0)) for p in prepared_ranks)
         pids = tree_pids(engine.pid)

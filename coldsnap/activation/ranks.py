@@ -16,12 +16,17 @@ from typing import Any, Callable, TypeVar
 
 from coldsnap.agent.server import AgentError
 
-__all__ = ["ActivationCoordinator", "call_every_rank"]
+__all__ = ["ActivationCoordinator", "call_every_rank", "rank_prefix"]
 
 T = TypeVar("T")
 
 # A coordinator outlives no activation: long enough for a cold 16 GB hydration per rank, then gone.
 COORDINATOR_TTL_S = 3600.0
+
+
+def rank_prefix(rank: int) -> str:
+    """How receipt attributes name a rank's own figures: bare for rank 0, ``rank<R>.`` for the others."""
+    return "" if rank == 0 else f"rank{rank}."
 
 
 class ActivationCoordinator:

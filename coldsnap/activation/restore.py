@@ -23,7 +23,7 @@ from typing import Any
 
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.engine_process import ask_canary
-from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank
+from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.server import AgentError, request
 from coldsnap.contracts.artifact import ArtifactDescriptor
@@ -166,9 +166,11 @@ def restore(context: OperationContext) -> OperationOutcome:
 
     # GPU weights: hydrated by the launcher during CRIU + CUDA restore and handed over at resume;
     # otherwise the agent hydrates, and the page cache is warmed meanwhile.
-    stagers = {w.rank: WeightStager(records[w.rank].get("regions") or {}, pack(w.payload), pack(w.residual),
-                                    w.layout_digest, timer.now_ns)
-               for w in workers if w.payload is not None and WeightStager.stageable(records[w.rank].get("regions") or {})}
+    stagers = {}
+    for w in workers:
+        regions = records[w.rank].get("regions") or {}
+        if w.payload is not None and WeightStager.stageable(regions):
+            stagers[w.rank] = WeightStager(regions, pack(w.payload), pack(w.residual), w.layout_digest, timer.now_ns)
     prefetch_error: list[BaseException] = []
 
     def prefetch() -> None:
@@ -241,7 +243,7 @@ def restore(context: OperationContext) -> OperationOutcome:
                 for stager in stagers.values():
                     stager.release()
             for rank, resumed in enumerate(resumed_ranks):
-                prefix = "" if rank == 0 else f"rank{rank}."
+                prefix = rank_prefix(rank)
                 hydrated = resumed.get("hydrate", {})
                 span.update({f"{prefix}bytes": int(hydrated.get("bytes", 0)), f"{prefix}source": str(hydrated.get("source", "")),
                              f"{prefix}staged": bool(hydrated.get("staged", False))})

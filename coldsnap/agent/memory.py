@@ -27,11 +27,12 @@ class ModelMemoryError(RuntimeError):
 
 
 def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
+    """``work()``, its seconds added to ``seconds[name]`` (a step run twice, like a barrier, sums)."""
     started = time.perf_counter()
     try:
         return work()
     finally:
-        seconds[name] = round(time.perf_counter() - started, 6)
+        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
 
 
 class ModelMemory:

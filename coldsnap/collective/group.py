@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Protocol
 
+from coldsnap.agent.memory import timed
 from coldsnap.collective.base import Backend, CollectiveError, Communicator
 
-__all__ = ["DistributedState", "ManagedCommunicator", "RankCollectives", "Rendezvous"]
+__all__ = ["DistributedState", "ManagedCommunicator", "RankCollectives", "Rendezvous", "between_barriers",
+           "share_unique_id"]
 
 
 class Rendezvous(Protocol):
@@ -58,19 +59,22 @@ class ManagedCommunicator:
         self._live().all_reduce(tensor)
 
 
-def _between_barriers(rendezvous: Rendezvous, seconds: dict[str, float], step: str, barriers: tuple[str, str],
-                      timeout: float, work: Callable[[], None]) -> None:
+def between_barriers(rendezvous: Rendezvous, seconds: dict[str, float], step: str, barriers: tuple[str, str],
+                     timeout: float, work: Callable[[], None]) -> None:
     """Barrier, ``work`` (its time as ``step``), barrier (both as ``step_barrier``)."""
-    def timed(name: str, call: Callable[[], None]) -> None:
-        started = time.perf_counter()
-        try:
-            call()
-        finally:
-            seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
+    timed(seconds, f"{step}_barrier", lambda: rendezvous.barrier(barriers[0], timeout))
+    timed(seconds, step, work)
+    timed(seconds, f"{step}_barrier", lambda: rendezvous.barrier(barriers[1], timeout))
 
-    timed(f"{step}_barrier", lambda: rendezvous.barrier(barriers[0], timeout))
-    timed(step, work)
-    timed(f"{step}_barrier", lambda: rendezvous.barrier(barriers[1], timeout))
+
+def share_unique_id(rendezvous: Rendezvous, key: str, leader: bool, create: Callable[[], bytes],
+                    timeout: float) -> bytes:
+    """The leader makes a communicator's unique id and publishes it under ``key``; the others get it."""
+    if leader:
+        unique_id = create()
+        rendezvous.put(key, unique_id.hex())
+        return unique_id
+    return bytes.fromhex(rendezvous.get(key, timeout))
 
 
 class RankCollectives:
@@ -110,7 +114,7 @@ class RankCollectives:
                 self.abort()
                 raise
 
-        _between_barriers(rendezvous, seconds, "teardown", ("collectives.teardown", "collectives.torn_down"), timeout,
+        between_barriers(rendezvous, seconds, "teardown", ("collectives.teardown", "collectives.torn_down"), timeout,
                           close_all)
 
     def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
@@ -122,19 +126,15 @@ class RankCollectives:
                     managed = self.communicators[name]
                     if managed.current is not None:
                         raise CollectiveError(f"communicator {name!r} was not torn down")
-                    key = f"collective/{name}/{managed.generation + 1}/unique_id"
-                    if self.rank == 0:
-                        unique_id = managed.backend.create_unique_id()
-                        rendezvous.put(key, unique_id.hex())
-                    else:
-                        unique_id = bytes.fromhex(rendezvous.get(key, timeout))
+                    unique_id = share_unique_id(rendezvous, f"collective/{name}/{managed.generation + 1}/unique_id",
+                                                self.rank == 0, managed.backend.create_unique_id, timeout)
                     managed.current = managed.backend.connect(unique_id, self.world, self.rank)
                     managed.generation += 1
             except BaseException:
                 self.abort()
                 raise
 
-        _between_barriers(rendezvous, seconds, "rebuild", ("collectives.rebuild", "collectives.rebuilt"), timeout,
+        between_barriers(rendezvous, seconds, "rebuild", ("collectives.rebuild", "collectives.rebuilt"), timeout,
                           connect_all)
 
     def abort(self) -> None:

@@ -66,24 +66,28 @@ def stop(port: int) -> None:
     kill_running(f"torch_lm --size tiny --device cpu --port {port}")
 
 
+def cold_start_tokens(command: list[str], port: int) -> list[int]:
+    """Start ``command`` plainly; PROMPT_2's greedy tokens once it answers; then its whole tree is killed."""
+    reference = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                return complete(port, PROMPT_2)
+            except OSError:
+                assert time.monotonic() < deadline, "the reference workload did not start"
+                time.sleep(0.2)
+    finally:
+        os.killpg(reference.pid, signal.SIGKILL)
+        reference.wait()
+
+
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     """One capture for the module: (artifact dir, port, reference tokens of PROMPT_2 from a plain cold start)."""
     root = tmp_path_factory.mktemp("capture")
     port = _free_port()
-    reference = subprocess.Popen(workload(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                expected = complete(port, PROMPT_2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the reference workload did not start"
-                time.sleep(0.2)
-    finally:
-        reference.kill()
-        reference.wait()
+    expected = cold_start_tokens(workload(port), port)
     artifact = root / "artifact"
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"), "--", *workload(port))
     assert result.returncode == 0, result.stderr.decode()

@@ -5,7 +5,6 @@ the activation's coordinator — the NCCL sequence, with the host backend standi
 import importlib
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -19,7 +18,7 @@ pytestmark = [
 ]
 
 from tests.integration.test_capture_restore import (  # noqa: E402
-    PROMPT_2, _free_port, coldsnap, complete, kill_running, pids_running)
+    PROMPT_2, _free_port, cold_start_tokens, coldsnap, complete, kill_running, pids_running)
 
 
 def workload(port: int) -> list[str]:
@@ -36,27 +35,11 @@ def stop(port: int) -> None:
     kill_running(f"torch_lm --size tiny --device cpu --tp 2 --port {port}")
 
 
-def cold_tokens(port: int) -> list[int]:
-    reference = subprocess.Popen(workload(port), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                return complete(port, PROMPT_2)
-            except OSError:
-                assert time.monotonic() < deadline, "the TP2 reference workload did not start"
-                time.sleep(0.2)
-    finally:
-        reference.terminate()
-        reference.wait(30)
-        stop(port)
-
-
 @pytest.fixture(scope="module")
 def tp_captured(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-capture")
     port = _free_port()
-    expected = cold_tokens(port)
+    expected = cold_start_tokens(workload(port), port)
     artifact = root / "artifact"
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"),
                       "--", *workload(port))
