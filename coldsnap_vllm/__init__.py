@@ -5,11 +5,19 @@ registration is idempotent and this module imports nothing from vLLM at import t
 installs the ``coldsnap`` load format (:mod:`coldsnap_vllm.loader`), which puts weights and KV cache
 in stable regions and starts coldsnap's agent in the process that owns them, and the ``coldsnap``
 sleep-mode backend (:mod:`coldsnap_vllm.sleep`).
+
+Supported: vLLM 0.26 → 0.33 (:mod:`coldsnap_vllm.compat` finds each hook per release). Whatever the
+installed vLLM, registering never raises: a missing hook turns its feature off with one warning that
+names the vLLM version, and a failure to register at all leaves vLLM running without coldsnap.
 """
 
 from __future__ import annotations
 
+import logging
+
 from coldsnap.plugin import PluginRegistration
+
+log = logging.getLogger("vllm.coldsnap")
 
 __all__ = ["register"]
 
@@ -17,14 +25,49 @@ __all__ = ["register"]
 def _install() -> None:
     """Register the ``coldsnap`` load format (importing the loader registers it) and, where this vLLM
     has pluggable sleep backends, the ``coldsnap`` sleep backend (lazily: vLLM imports it on use)."""
-    import coldsnap_vllm.loader  # noqa: F401
+    from coldsnap_vllm import compat
+
+    version = compat.vllm_version()
+    low, high = compat.SUPPORTED
+    supported = f"coldsnap supports vLLM {low[0]}.{low[1]} to {high[0]}.{high[1] - 1}"
+    try:
+        import coldsnap_vllm.loader  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - PluginRegistration reports it once; the engine runs on
+        raise RuntimeError(f"vLLM {version}: {type(exc).__name__}: {exc} ({supported})") from exc
+    if not compat.supported(version):
+        log.warning("coldsnap: vLLM %s is outside the supported range (%s); its hooks were found and are used",
+                    version, supported)
 
     try:
-        from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
-    except ImportError:  # a vLLM without RFC #34303's backends: the load format still works
+        factory = compat.lookup(compat.SLEEP_FACTORY)
+    except LookupError:  # a vLLM without RFC #34303's backends: the load format still works
+        compat.disabled("the coldsnap sleep backend", "no SleepModeBackendFactory")
         return
-    if "coldsnap" not in SleepModeBackendFactory._registry:  # registering twice raises
-        SleepModeBackendFactory.register_backend("coldsnap", "coldsnap_vllm.sleep", "ColdsnapSleepBackend")
+    if "coldsnap" not in factory._registry:  # registering twice raises
+        factory.register_backend("coldsnap", "coldsnap_vllm.sleep", "ColdsnapSleepBackend")
+    _select_sleep_backend(factory)
+
+
+def _select_sleep_backend(factory: type) -> None:
+    """``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` makes vLLM's sleep mode use coldsnap's backend on a
+    vLLM without ``--sleep-mode-backend`` (0.26): its factory creates that backend whatever
+    ``model_config.sleep_mode_backend`` says."""
+    from coldsnap_vllm import compat
+
+    chosen = compat.sleep_backend_override()
+    if chosen is None or getattr(factory.create_backend, "__coldsnap_override__", False):
+        return
+    original = factory.create_backend.__func__
+
+    def create_backend(cls: type, model_config: object) -> object:
+        import copy
+
+        overridden = copy.copy(model_config)
+        object.__setattr__(overridden, "sleep_mode_backend", chosen)
+        return original(cls, overridden)
+
+    create_backend.__coldsnap_override__ = True
+    factory.create_backend = classmethod(create_backend)
 
 
 register = PluginRegistration("vllm", _install)

@@ -30,6 +30,8 @@ class CanaryGate:
 
     async def wake_up(self, tags: list[str] | None = None) -> dict[str, Any]:
         fully_awake = await self.engine.wake_up(tags)
+        if fully_awake is None:  # vLLM 0.26's wake_up returns nothing: ask
+            fully_awake = not await self.engine.is_sleeping()
         if not fully_awake:
             return {"status": "sleeping", "tags": tags}
         if self.expected is None:

@@ -1,6 +1,8 @@
 """vLLM's NCCL state and CUDA graphs around a process snapshot, for TP > 1.
 
-Written against vLLM 0.33's GPU code (``vllm/distributed/parallel_state.py``,
+Written against vLLM 0.33's GPU code, with 0.26's differences through :mod:`coldsnap_vllm.compat` and
+``hasattr`` (no distributed checkpoint hooks; the NCCL communicator rebuilt with vLLM's own constructor,
+which mints and broadcasts the unique id over the group's gloo group; MRV2 graphs dropped by hand) (``vllm/distributed/parallel_state.py``,
 ``device_communicators/{cuda_communicator,pynccl}.py``, the elastic-EP graph release in
 ``distributed/elastic_ep/elastic_execute.py``). **Not run on a GPU here** (vLLM 0.33 pins torch 2.14;
 the GPU test host has 2.11): on vLLM's CPU build the same object runs with nothing to tear down, and
@@ -33,6 +35,7 @@ import gc
 from typing import Any, Callable, Iterable
 
 from coldsnap.collective.group import Rendezvous, between_barriers, share_unique_id
+from coldsnap_vllm.compat import release_model_runner_v2_graphs
 
 __all__ = ["VllmCollectives", "VllmGraphs", "vllm_groups"]
 
@@ -48,6 +51,12 @@ def vllm_groups() -> list[Any]:
 def _pynccl(group: Any) -> Any:
     communicator = getattr(group, "device_communicator", None)
     return getattr(communicator, "pynccl_comm", None)
+
+
+def _call_if_present(module: Any, name: str) -> None:
+    function = getattr(module, name, None)
+    if function is not None:
+        function()
 
 
 class VllmCollectives:
@@ -82,7 +91,7 @@ class VllmCollectives:
             live = [g for g in self._groups() if (p := _pynccl(g)) is not None and not p.disabled]
             if not live:
                 return  # vLLM's CPU build: gloo and shared memory, which the snapshot carries
-            self._parallel_state().checkpoint_prepare_distributed_state()
+            _call_if_present(self._parallel_state(), "checkpoint_prepare_distributed_state")  # 0.33 only
             for group in live:
                 communicator = group.device_communicator
                 communicator.ca_comm = None  # custom all-reduce: IPC buffers of other processes
@@ -99,15 +108,18 @@ class VllmCollectives:
             cls = self._new_communicator()
             for group in self.torn_down:
                 old = group.device_communicator.pynccl_comm
-                unique_id = share_unique_id(rendezvous, f"vllm/{group.unique_name}/{self.generation}/unique_id",
-                                            group.rank_in_group == 0,
-                                            lambda old=old: bytes(old.nccl.ncclGetUniqueId().internal), timeout)
-                new = cls.from_unique_id_bytes(unique_id, group.rank_in_group, group.world_size,
-                                               group.device_communicator.device)
-                new.group = old.group  # what vLLM's own constructor records
+                device = group.device_communicator.device
+                if hasattr(cls, "from_unique_id_bytes"):  # 0.33: the id goes through coldsnap's coordinator
+                    unique_id = share_unique_id(rendezvous, f"vllm/{group.unique_name}/{self.generation}/unique_id",
+                                                group.rank_in_group == 0,
+                                                lambda old=old: bytes(old.nccl.ncclGetUniqueId().internal), timeout)
+                    new = cls.from_unique_id_bytes(unique_id, group.rank_in_group, group.world_size, device)
+                    new.group = old.group  # what vLLM's own constructor records
+                else:  # 0.26: the constructor mints the id on the group's rank 0 and broadcasts it over gloo
+                    new = cls(group=old.group, device=device)
                 group.device_communicator.pynccl_comm = new
                 self._register_symmetric_ops(new)
-            self._parallel_state().checkpoint_restore_distributed_state()
+            _call_if_present(self._parallel_state(), "checkpoint_restore_distributed_state")  # 0.33 only
             self.torn_down = []
 
         between_barriers(rendezvous, seconds, "rebuild", ("vllm.rebuild", "vllm.rebuilt"), timeout, connect)
@@ -151,7 +163,7 @@ class VllmGraphs:
         runner = self.runner
         manager = getattr(runner, "cudagraph_manager", None)
         if manager is not None:  # Model Runner V2 captures through its CudaGraphManager
-            manager.release_graphs()
+            release_model_runner_v2_graphs(manager)
         elif isinstance(runner.model, CUDAGraphWrapper):
             runner.model.concrete_cudagraph_entries = {}
         torch.compiler.reset()

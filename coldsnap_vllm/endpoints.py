@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse
 
 from coldsnap_vllm.canary import CANARY_PROMPT, CANARY_TOKENS, CanaryGate, CanaryMismatch
 
-__all__ = ["ColdsnapEndpoints", "vllm_canary"]
+__all__ = ["ColdsnapEndpoints", "vllm_canary", "replace_routes"]
 
 def vllm_canary(engine: Any) -> Callable[[], Awaitable[list[int]]]:
     async def ask() -> list[int]:
@@ -61,6 +61,16 @@ async def wake_up(raw_request: Request) -> JSONResponse:
         return JSONResponse(status_code=503, content={"status": "sleeping", "error": str(exc)})
 
 
+def replace_routes(app: FastAPI, replacement: APIRouter) -> None:
+    """Attach ``replacement``'s routes in place of the app's routes of the same path and method.
+    vLLM 0.33 removes them itself; 0.26 only appends the plugin's, and Starlette serves the first
+    match, so vLLM's own ``/sleep`` would keep answering."""
+    ours = {(route.path, method) for route in replacement.routes for method in getattr(route, "methods", None) or ()}
+    app.router.routes[:] = [route for route in app.router.routes
+                            if not any((getattr(route, "path", None), m) in ours for m in getattr(route, "methods", None) or ())]
+    app.include_router(replacement)
+
+
 class ColdsnapEndpoints:
     """The ``vllm.endpoint_plugins`` entry point (a zero-argument factory)."""
 
@@ -71,7 +81,7 @@ class ColdsnapEndpoints:
         import vllm.envs as envs
 
         if envs.VLLM_SERVER_DEV_MODE:  # vLLM exposes sleep/wake only in dev mode; so do we
-            app.include_router(router)
+            replace_routes(app, router)
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         if engine_client is not None:

@@ -30,8 +30,6 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-import vllm.v1.worker.gpu_model_runner as gpu_model_runner
-import vllm.v1.worker.utils as worker_utils
 from vllm.model_executor.model_loader import register_model_loader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -43,7 +41,9 @@ from coldsnap.agent.memory import ModelMemory
 from coldsnap.hydrate import hydrate_pack
 from coldsnap.payload import NativePack, verify_file
 from coldsnap.payload.errors import PackError
-from coldsnap_vllm.placement import PlacedModel, call_with_kv_region, layout_for, place_model_in_region, planned_extents
+from coldsnap_vllm import compat
+from coldsnap_vllm.placement import (PlacedModel, call_with_kv_region, kv_capacity, layout_for, place_model_in_region,
+                                     planned_extents)
 
 __all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES", "process_memory"]
 
@@ -59,6 +59,7 @@ class _Process:
     placed: PlacedModel | None = None
     memory: ModelMemory | None = None
     agent: Any = None
+    allocating_kv = False  # inside a hooked KV allocation (0.32's CPU runner nests two of them)
     runner: Any = None  # the model runner whose KV cache was placed (its graphs are the agent's to release)
 
 
@@ -153,7 +154,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         """vLLM's BaseModelLoader.load_model with one fork: when a native pack fits the freshly built
         model, its weights come from the pack (after placement) instead of the checkpoint. The model
         is built once either way (vLLM refuses to register its attention layers twice)."""
-        if _has_online_quant_config(vllm_config):  # quantized while loading: only vLLM's own path
+        if compat.online_quantized_before_build(vllm_config):  # 0.33: quantized while loading: vLLM's own path
             with _plain_cpu_linear():
                 model = super().load_model(vllm_config, model_config, prefix)
             return self._place(model, None)
@@ -161,10 +162,13 @@ class ColdsnapModelLoader(DefaultModelLoader):
         target_device = torch.device(load_device)
         with set_default_torch_dtype(model_config.dtype):
             with target_device:
-                model = self.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-            pack = self._fitting_pack(model)
+                model = compat.create_model(self, vllm_config, model_config, prefix)
+            online = compat.online_quantized_model(model)  # 0.26 tells it from the built model
+            pack = None if online else self._fitting_pack(model)
             if pack is None:
                 self._recover(model, model_config)
+            if online:
+                compat.finalize_online_quantization(model, model_config)
             with _plain_cpu_linear():
                 process_weights_after_loading(model, model_config, target_device)
         return self._place(model, pack).eval()
@@ -198,29 +202,67 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return model
 
 
-def _has_online_quant_config(vllm_config: Any) -> bool:
-    """Online quantization (weights quantized while they load) takes vLLM's own load_model."""
-    from vllm.model_executor.model_loader.base_loader import _get_online_quantization_config
+def _kv_allocator(original: Any, shared_backing: bool) -> Any:
+    """Wrap one vLLM KV allocation function so that, for a coldsnap model, its backing buffers come from
+    the ``kv_cache`` region; then the process's model memory is complete and the agent starts."""
 
-    return _get_online_quantization_config(vllm_config) is not None
+    def allocate(*args: Any, **kwargs: Any) -> Any:
+        config = next((a for a in (*args, *kwargs.values()) if hasattr(a, "kv_cache_tensors")), None)
+        if (_Process.placed is None or config is None or not config.kv_cache_tensors or _Process.memory is not None
+                or _Process.allocating_kv):
+            return original(*args, **kwargs)
+        weights = _Process.placed.region
+        _Process.allocating_kv = True
+        try:
+            result, region = call_with_kv_region(original, kv_capacity(config, shared_backing), weights.backend,
+                                                 weights.device, *args, **kwargs)
+        finally:
+            _Process.allocating_kv = False
+        if region is None:
+            log.warning("coldsnap: vLLM %s allocated its KV cache differently than expected; it stays in ordinary "
+                        "memory (and goes into a capture's process image)", compat.vllm_version())
+        regions = {"weights": weights}
+        if region is not None:
+            regions["kv_cache"] = region
+            log.info("coldsnap: KV cache in the kv_cache region: %d bytes at 0x%x", region.mapped_bytes, region.base)
+        _Process.memory = ModelMemory(layout_for(_Process.placed, region), regions)
+        _start_agent()
+        return result
+
+    allocate.__wrapped__ = original
+    allocate.__coldsnap_kv__ = True
+    return allocate
 
 
-def _allocate_kv_cache(kv_cache_config: Any, device: Any, *args: Any, **kwargs: Any) -> Any:
-    """vLLM's ``allocate_kv_cache`` with its backing buffer in the ``kv_cache`` region (coldsnap models only)."""
-    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
-    if _Process.placed is None or not tensors or _Process.memory is not None:
-        return _ORIGINAL_ALLOCATE(kv_cache_config, device, *args, **kwargs)
-    size = tensors[0].size
-    result, region = call_with_kv_region(_ORIGINAL_ALLOCATE, worker_utils, size, torch.device(device), kv_cache_config,
-                                         device, *args, **kwargs)
-    if region is None:
-        log.warning("coldsnap: vLLM's KV cache allocation changed shape; the KV cache stays in ordinary memory")
-    regions = {"weights": _Process.placed.region}
-    if region is not None:
-        regions["kv_cache"] = region
-    _Process.memory = ModelMemory(layout_for(_Process.placed, region), regions)
-    _start_agent()
-    return result
+def _install_kv_hooks() -> list[str]:
+    """Hook every KV allocation function this vLLM has (compat.KV_ALLOCATION_SITES); the names hooked."""
+    import importlib
+
+    hooked = []
+    for site in compat.KV_ALLOCATION_SITES:
+        owner_symbol = site.symbol.rsplit(".", 1)[0] if len(site.path) > 1 else site.module
+        try:
+            owner = compat.lookup(owner_symbol)
+            original = compat.lookup(site.symbol)
+        except LookupError:
+            continue
+        if getattr(original, "__coldsnap_kv__", False):
+            hooked.append(site.symbol)
+            continue
+        wrapper = _kv_allocator(original, shared_backing=site.shared_backing)
+        setattr(owner, site.path[-1], wrapper)
+        for name in site.also_bound:  # modules that imported the function by name
+            try:
+                bound = importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - a runner this build does not have (or cannot import) is not used
+                continue
+            if getattr(bound, site.path[-1], None) is original:
+                setattr(bound, site.path[-1], wrapper)
+        hooked.append(site.symbol)
+    if not hooked:
+        compat.disabled("the KV cache in coldsnap's kv_cache region (discarded at capture, zeroed at restore)",
+                        "none of its known KV allocation functions exists; the KV cache stays in ordinary memory")
+    return hooked
 
 
 def distributed_rank() -> tuple[int, int]:
@@ -280,6 +322,4 @@ def _remember_runners() -> None:
 
 
 _remember_runners()
-_ORIGINAL_ALLOCATE = worker_utils.allocate_kv_cache
-worker_utils.allocate_kv_cache = _allocate_kv_cache
-gpu_model_runner.allocate_kv_cache = _allocate_kv_cache  # bound by name there
+KV_HOOKS = _install_kv_hooks()

