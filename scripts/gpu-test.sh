@@ -7,6 +7,7 @@
 # Expects BUNDLE_DIR (COLDSNAP_GPU_BUNDLE, default .gpu-bundle) made by scripts/gpu-prepare.sh on a
 # connected machine. Logs (build, pytest, doctor table and JSON) go to LOG_DIR (default $OUT when set,
 # else /tmp/coldsnap-gpu-test). Nothing outside /tmp is changed on the host. Exit status: pytest's.
+# COLDSNAP_GPU_SETUP_ONLY=1: install and build, run no test (before a benchmark). vLLM: scripts/gpu-vllm.sh.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -49,6 +50,10 @@ log "coldsnap doctor"
 "$python" -m coldsnap doctor | tee "$logs/doctor.txt"
 "$python" -m coldsnap doctor --json >"$logs/doctor.json"
 
+if [ "${COLDSNAP_GPU_SETUP_ONLY:-0}" = 1 ]; then  # install and build only (benchmarks run next)
+    log "set up; no tests run (COLDSNAP_GPU_SETUP_ONLY=1). Use: PYTHONPATH=$PYTHONPATH COLDSNAP_CRIU=$COLDSNAP_CRIU"
+    exit 0
+fi
 log "pytest -m gpu"
 set +e
 "$python" -m pytest -m gpu -v -p no:cacheprovider "$@" 2>&1 | tee "$logs/pytest-gpu.log"
