@@ -301,12 +301,15 @@ class Bench:
                          "--load-format", "coldsnap")
 
 
+def _label(run: dict) -> str:
+    compile_cache = f", {run['compile_cache']} compile cache" if "compile_cache" in run else ""
+    return f"{run['kind']} ({run['cache']} page cache{compile_cache})"
+
+
 def summarize(runs: list[dict]) -> dict[str, float]:
     groups: dict[str, list[float]] = {}
     for run in runs:
-        label = f"{run['kind']} ({run['cache']} page cache" + (f", {run['compile_cache']} compile cache)"
-                                                               if "compile_cache" in run else ")")
-        groups.setdefault(label, []).append(run["seconds"])
+        groups.setdefault(_label(run), []).append(run["seconds"])
     summary = {label: round(statistics.median(values), 3) for label, values in groups.items()}
     restore = summary.get("restore (warm page cache)")
     for label in list(summary):
@@ -316,16 +319,27 @@ def summarize(runs: list[dict]) -> dict[str, float]:
 
 
 def render(state: dict) -> str:
-    lines = [f"vLLM startup, {state['shape']} on {state['device']}: median seconds (runs)"]
+    lines = [f"vLLM {state.get('vllm', '')} startup, {state['shape']} on {state['device']}: median seconds"]
     for label, value in state.get("summary", {}).items():
-        count = sum(1 for r in state["runs"] if label.startswith(r["kind"]))
-        lines.append(f"  {label:<62} {value:>8}" + ("" if label.startswith("speedup") else f"  (n={count})"))
+        runs = [r["seconds"] for r in state["runs"] if _label(r) == label]
+        spread = f"  (n={len(runs)}, {min(runs)}–{max(runs)})" if len(runs) > 1 else "  (n=1)" if runs else "×"
+        lines.append(f"  {label:<62} {value:>8}{spread}")
+    restores = [r for r in state["runs"] if r["kind"] == "restore" and r["cache"] == "warm"]
+    if restores:
+        lines.append("  last warm restore's phases: " + ", ".join(f"{k} {v}" for k, v in restores[-1]["phases"].items()))
+    budgets = {_label(r): r["phases"]["kv_cache_gib"] for r in state["runs"] if "kv_cache_gib" in r.get("phases", {})}
     capture = state.get("capture")
     if capture:
         lines.append(f"  capture {capture['seconds']} s; image {capture['image_bytes'] / 2**30:.2f} GiB = "
                      f"{capture['image_to_non_model']}× non-model memory; pack {capture['payload_bytes'] / 2**30:.2f} GiB")
+        if "kv_cache_gib" in capture.get("engine_log", {}):
+            budgets["coldsnap loader (capture)"] = capture["engine_log"]["kv_cache_gib"]
+    if budgets:
+        lines.append("  KV cache budget (GiB): " + ", ".join(f"{k}: {v}" for k, v in budgets.items()))
     if any(not r.get("same_tokens", True) for r in state["runs"]):
         lines.append("  WARNING: some run's tokens differ from the first cold start's")
+    else:
+        lines.append("  every run's greedy token ids = the first cold start's (vLLM's default loader)")
     return "\n".join(lines)
 
 

@@ -201,6 +201,15 @@ def _infer_engine(command: list[str]) -> str:
     return "torch-lm"
 
 
+def _served_model(command: list[str]) -> str | None:
+    """The model after ``serve`` (``vllm serve M``, ``python -m vllm.entrypoints.cli.main serve M``)."""
+    if "serve" in command[:6]:
+        index = command.index("serve") + 1
+        if index < len(command) and not command[index].startswith("-"):
+            return command[index]
+    return None
+
+
 def _option_value(command: list[str], name: str) -> str | None:
     for index, arg in enumerate(command):
         if arg == name and index + 1 < len(command):
@@ -236,7 +245,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
             raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
     if ranks < 1:
         raise UsageError("--ranks must be at least 1")
-    model = args.model or _option_value(command, "--model") or (command[2] if command[1:2] == ["serve"] and len(command) > 2 else None)
+    model = args.model or _option_value(command, "--model") or _served_model(command)
     if model is None and engine == "torch-lm":
         model = f"coldsnap-torch-lm-{_option_value(command, '--size') or 'tiny'}"
     return {

@@ -118,3 +118,19 @@ def test_capture_ranks_errors_are_usage_errors():
     zero = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", "/tmp/x", "--ranks", "0", "--", "serve",
                            "--port", "1"], capture_output=True, text=True)
     assert zero.returncode == 2 and "at least 1" in zero.stderr
+
+
+@pytest.mark.parametrize("command, model", [
+    (["vllm", "serve", "/models/llama", "--port", "8000"], "/models/llama"),
+    (["python3", "-m", "vllm.entrypoints.cli.main", "serve", "/models/llama", "--port", "8000"], "/models/llama"),
+    (["vllm", "serve", "--model", "m2", "--port", "8000"], "m2"),
+])
+def test_capture_request_names_the_served_model(command, model):
+    import argparse
+
+    from coldsnap.cli import _capture_request
+
+    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None,
+                              operation_id="op", driver="n610")
+    request = _capture_request(args)
+    assert request["model"]["name"] == model and request["engine"] == "vllm"

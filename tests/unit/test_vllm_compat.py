@@ -109,3 +109,83 @@ def test_plugin_loads_harmlessly_against_an_unsupported_vllm(tmp_path):
     assert len(warnings) == 1, done.stdout  # once, though the engine registers twice
     assert "vLLM 0.20.0" in warnings[0] and "runs without coldsnap" in warnings[0]
     assert done.stdout.rstrip().endswith("installed False")
+
+
+# The KV allocation code of vLLM 0.26 (V1 `_allocate_kv_cache_tensors`, MRV2 `_allocate_kv_cache`: the
+# same loop) and 0.32+ (`allocate_kv_cache`: one backing), reduced to what touches torch; run through the
+# stand-in against a real host region.
+ALLOCATORS = '''
+import torch
+
+def per_layer(kv_cache_config, device):
+    raw, packed = {}, None
+    for t in kv_cache_config.kv_cache_tensors:
+        if t.block_stride > 0:
+            if packed is None:
+                packed = torch.zeros(t.size, dtype=torch.int8, device=device)
+            tensor = packed
+        else:
+            tensor = torch.zeros(t.size, dtype=torch.int8, device=device)
+        for name in t.shared_by:
+            raw[name] = tensor
+    return raw
+
+def shared(kv_cache_config, device):
+    buf = torch.zeros(kv_cache_config.kv_cache_tensors[0].size, dtype=torch.int8, device=device)
+    scratch = torch.zeros(16, dtype=torch.float32, device=device)  # not a KV buffer: stays torch's
+    return {name: buf for t in kv_cache_config.kv_cache_tensors for name in t.shared_by}, scratch
+'''
+
+
+class _Layer(_Tensor):
+    def __init__(self, size, names, block_stride=0):
+        super().__init__(size, block_stride)
+        self.shared_by = names
+
+
+def _allocators(tmp_path):
+    import importlib.util
+
+    path = tmp_path / "vllm_like_allocators.py"
+    path.write_text(ALLOCATORS)
+    spec = importlib.util.spec_from_file_location("vllm_like_allocators", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_per_layer_kv_buffers_are_carved_from_one_region(tmp_path, fresh_regions):
+    torch = pytest.importorskip("torch")
+    from coldsnap_vllm.placement import call_with_kv_region, kv_capacity
+
+    allocators = _allocators(tmp_path)
+    config = _Config(_Layer(5000, ["l0"]), _Layer(5000, ["l1"]), _Layer(12288, ["l2", "l3"]))
+    raw, region = call_with_kv_region(allocators.per_layer, kv_capacity(config, False), "host", 0, config, "cpu")
+    assert region is not None and region.tag == "kv_cache"
+    starts = sorted(t.data_ptr() - region.base for t in {id(t): t for t in raw.values()}.values())
+    assert starts == [0, 8192, 16384]  # each layer its own 4 KiB-aligned slice, in order
+    assert raw["l2"] is raw["l3"] and raw["l0"].numel() == 5000 and raw["l0"].dtype == torch.int8
+    assert all(int(t.abs().sum()) == 0 for t in raw.values())  # zeros, as torch.zeros promised
+    assert allocators.torch is torch  # the module's torch is back
+
+
+def test_a_shared_backing_takes_one_slice_and_other_tensors_stay_torchs(tmp_path, fresh_regions):
+    pytest.importorskip("torch")
+    from coldsnap_vllm.placement import call_with_kv_region, kv_capacity
+
+    allocators = _allocators(tmp_path)
+    config = _Config(_Layer(20000, ["l0"]), _Layer(20000, ["l1"]))
+    (raw, scratch), region = call_with_kv_region(allocators.shared, kv_capacity(config, True), "host", 0, config, "cpu")
+    assert region is not None and raw["l0"].data_ptr() == region.base and region.allocations() == [(0, 20000)]
+    assert not region.base <= scratch.data_ptr() < region.base + region.size
+
+
+def test_kv_buffers_that_do_not_fit_leave_the_kv_cache_outside_the_region(tmp_path, fresh_regions):
+    pytest.importorskip("torch")
+    from coldsnap_vllm.placement import call_with_kv_region
+
+    allocators = _allocators(tmp_path)
+    config = _Config(_Layer(2 << 20, ["l0"]), _Layer(2 << 20, ["l1"]))
+    # a planned size too small for this vLLM's allocation pattern: no half-placed KV cache is reported
+    raw, region = call_with_kv_region(allocators.per_layer, 2 << 20, "host", 0, config, "cpu")
+    assert region is None and len(raw) == 2
