@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from coldsnap.activation.demo import cold_start, engine_commands, run_demo
 from coldsnap.snapshot.process_tree import kill_tree
@@ -52,17 +53,23 @@ def restore_once(request: dict, work: Path, index: int) -> tuple[float, dict[str
     receipt = json.loads(receipt_path.read_text())
     capsule = json.loads((Path(request["artifact"]) / "units" / "unit-0" / "capsule.json").read_text())
     kill_tree(int(capsule["metadata"]["root_pid"]))
-    phases = {s["name"]: s["duration_ns"] / 1e9 for s in receipt["timing"]["spans"] if s["name"].startswith("restore.")
-              and not s["name"].startswith("restore.admission.")}
-    phases["restore.admission"] = sum(s["duration_ns"] for s in receipt["timing"]["spans"]
-                                      if s["name"].startswith("restore.admission.")) / 1e9
-    controller = next(s["duration_ns"] for s in receipt["timing"]["spans"] if s["name"] == "controller.restore")
-    phases["cli start (interpreter, imports)"] = max(0.0, seconds - controller / 1e9)
-    return seconds, phases
+    return seconds, receipt_phases(receipt, seconds)
 
 
-def draw_phase_chart(document: dict, png: Path) -> bool:
-    """Cold start beside restore's phases (page cache warm); False when matplotlib is missing."""
+def receipt_phases(receipt: dict, seconds: float) -> dict[str, float]:
+    """A restore receipt's phases in seconds: its ``restore.*`` spans, admission summed, and the CLI's
+    own start (interpreter, imports) as what the process's ``seconds`` hold beyond the controller."""
+    spans = receipt["timing"]["spans"]
+    phases = {s["name"]: s["duration_ns"] / 1e9 for s in spans
+              if s["name"].startswith("restore.") and not s["name"].startswith("restore.admission.")}
+    phases["restore.admission"] = sum(s["duration_ns"] for s in spans if s["name"].startswith("restore.admission.")) / 1e9
+    controller = next(s["duration_ns"] for s in spans if s["name"] == "controller.restore") / 1e9
+    phases["cli start (interpreter, imports)"] = max(0.0, seconds - controller)
+    return phases
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot (Agg), or None with a note when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -70,6 +77,14 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
+        return None
+    return plt
+
+
+def draw_phase_chart(document: dict, png: Path) -> bool:
+    """Cold start beside restore's phases (page cache warm); False when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return False
     summary = document["summary"]
     phases = dict(document.get("phases_last_restore", {}))

@@ -44,10 +44,12 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
+from restore_latency import drop_caches, pyplot, receipt_phases  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "cold-warm", "native", "sleep", "dropped")
 PROMPT = "The second prompt, asked after the restore."
@@ -124,15 +126,6 @@ def post(port: int, path: str, timeout: float = 600) -> tuple[float, dict]:
         return seconds, json.loads(body) if body else {}
     except ValueError:
         return seconds, {"body": body.decode(errors="replace")}
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 class Bench:
@@ -251,13 +244,7 @@ class Bench:
         finally:
             kill_tree(int(capsule["metadata"]["root_pid"]))
             time.sleep(0.5)
-        spans = receipt["timing"]["spans"]
-        phases = {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in spans
-                  if s["name"].startswith("restore.") and not s["name"].startswith("restore.admission.")}
-        phases["restore.admission"] = round(sum(s["duration_ns"] for s in spans
-                                                if s["name"].startswith("restore.admission.")) / 1e9, 3)
-        controller = next(s["duration_ns"] for s in spans if s["name"] == "controller.restore") / 1e9
-        phases["cli start (interpreter, imports)"] = round(max(0.0, seconds - controller), 3)
+        phases = {name: round(value, 3) for name, value in receipt_phases(receipt, seconds).items()}
         expected = self.expected()
         self.record(kind="restore", cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
                     same_tokens=expected is None or answer == expected)
@@ -344,13 +331,8 @@ def render(state: dict) -> str:
 
 
 def draw(state: dict, png: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     summary = {k: v for k, v in state["summary"].items() if not k.startswith("speedup")}
     figure, axis = plt.subplots(figsize=(10, 0.5 + 0.45 * len(summary)))
@@ -389,7 +371,7 @@ def main() -> int:
             parser.error("--png-from needs --png")
         return 0 if draw(json.loads(Path(args.png_from).read_text()), Path(args.png)) else 1
     if args.device == "cpu":  # the older side-by-side on vLLM's CPU build
-        from restore_latency import main as restore_latency_main
+        from restore_latency import main as restore_latency_main  # noqa: E402
 
         sys.argv = [sys.argv[0], "--repeat", str(args.repeat), *(["--out", args.out] if args.out else []),
                     *(["--png", args.png] if args.png else []), *(["--compile"] if args.compile else []), *rest]

@@ -174,6 +174,39 @@ def test_sleep_backend_releases_and_brings_back_the_regions(tmp_path):
     assert result.returncode == 0 and result.stdout.startswith("ok ColdsnapSleepBackend"), result.stderr[-3000:]
 
 
+OVERRIDE_AND_ROUTES_SCRIPT = """
+import types
+from fastapi import APIRouter, FastAPI
+from coldsnap_vllm import register
+from coldsnap_vllm.endpoints import replace_routes, router
+from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
+
+register()
+# vLLM 0.26 has no --sleep-mode-backend: COLDSNAP_VLLM_SLEEP_BACKEND picks coldsnap's whatever the config says
+config = types.SimpleNamespace(sleep_mode_backend="cumem")
+assert type(SleepModeBackendFactory.create_backend(config)).__name__ == "ColdsnapSleepBackend"
+assert config.sleep_mode_backend == "cumem"  # the engine's own config is left as it was
+
+# vLLM 0.26 appends endpoint-plugin routes after its own; the first match would win: ours replace them
+app = FastAPI()
+theirs = APIRouter()
+theirs.add_api_route("/sleep", lambda: {"who": "vllm"}, methods=["POST"])
+theirs.add_api_route("/health", lambda: {"who": "vllm"}, methods=["GET"])
+app.include_router(theirs)
+replace_routes(app, router)
+sleeps = [r for r in app.router.routes if getattr(r, "path", None) == "/sleep"]
+assert len(sleeps) == 1 and sleeps[0].endpoint.__module__ == "coldsnap_vllm.endpoints", sleeps
+assert any(getattr(r, "path", None) == "/health" for r in app.router.routes)
+print("ok")
+"""
+
+
+def test_sleep_backend_chosen_by_environment_and_routes_replaced():
+    result = subprocess.run([str(VENV / "bin" / "python"), "-c", OVERRIDE_AND_ROUTES_SCRIPT], capture_output=True,
+                            text=True, timeout=300, env={**ENV, "COLDSNAP_VLLM_SLEEP_BACKEND": "coldsnap"})
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
 PARTIAL_SLEEP_SCRIPT = """
 import torch
 from coldsnap.agent.memory import ModelMemory

@@ -50,3 +50,22 @@ def test_wake_with_wrong_weights_goes_back_to_sleep_and_says_why():
     with pytest.raises(CanaryMismatch, match="asleep again"):
         asyncio.run(gate.wake_up(None))
     assert engine.asleep and engine.calls[-1] == ("sleep", 1)
+
+
+class FakeEngineOf026(FakeSleepingEngine):
+    """vLLM 0.26's AsyncLLM: wake_up returns None; is_sleeping says whether it is (still) asleep."""
+
+    async def wake_up(self, tags):
+        await super().wake_up(tags)
+        return None
+
+    async def is_sleeping(self):
+        return self.asleep
+
+
+def test_a_wake_up_that_returns_nothing_is_checked_with_is_sleeping():
+    engine = FakeEngineOf026()
+    gate = CanaryGate(engine, engine.answer)
+    asyncio.run(gate.sleep(1))
+    assert asyncio.run(gate.wake_up(["kv_cache"])) == {"status": "sleeping", "tags": ["kv_cache"]}
+    assert asyncio.run(gate.wake_up(None)) == {"status": "awake", "tags": None, "canary": "matched"}
