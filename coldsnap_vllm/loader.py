@@ -59,7 +59,7 @@ class _Process:
     placed: PlacedModel | None = None
     memory: ModelMemory | None = None
     agent: Any = None
-    allocating_kv = False  # inside a hooked KV allocation (0.32's CPU runner nests two of them)
+    allocating_kv = False  # inside a hooked KV allocation: a hooked function calling another is served once
     runner: Any = None  # the model runner whose KV cache was placed (its graphs are the agent's to release)
 
 

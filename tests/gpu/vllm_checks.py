@@ -98,58 +98,83 @@ def _require_vllm() -> str:
     return vllm_version()
 
 
+def _capture(artifact: Path, served: list[str], policy: dict | None = None) -> Path:
+    """`coldsnap capture` of ``served --load-format coldsnap`` (with ``policy`` through a request file);
+    asserts it succeeded and the KV cache was in its region; returns the engine's log."""
+    import argparse
+
+    from coldsnap.cli import _capture_request
+
+    command = [*served, "--load-format", "coldsnap"]
+    if policy is None:
+        arguments = ["--out", str(artifact), "--", *command]
+    else:
+        request = _capture_request(argparse.Namespace(out=str(artifact), command=command, port=None, engine=None,
+                                                      model=None, ranks=None, operation_id="gpu-check", driver="n610"))
+        request["policy"] = policy
+        request_file = artifact.parent / "capture-request.json"
+        request_file.write_text(json.dumps(request))
+        arguments = ["--request-json", str(request_file)]
+    started = time.perf_counter()
+    status, receipt, err = _coldsnap("capture", *arguments, env=_env())
+    engine_log = artifact / "logs" / "unit-0.log"
+    if engine_log.exists():
+        (LOGS / f"capture-engine{'-' + policy['graphs']['mode'] if policy else ''}.log").write_bytes(engine_log.read_bytes())
+    print(err[-3000:])
+    assert status == 0, json.dumps(receipt.get("error"), indent=1)
+    spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+    print(f"capture {time.perf_counter() - started:.1f} s; phases:",
+          {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+    print("prepare:", spans["capture.prepare"]["attributes"])
+    print("dump:", spans["capture.criu_dump"]["attributes"])
+    coldsnap_lines = [line for line in engine_log.read_text(errors="replace").splitlines() if "coldsnap" in line]
+    print("engine's coldsnap lines:", *coldsnap_lines[-12:], sep="\n  ")
+    assert any("KV cache in the kv_cache region" in line for line in coldsnap_lines), "KV cache not in its region"
+    return engine_log
+
+
+def _restore_and_ask(artifact: Path, port: int, attempt: int) -> tuple[list[int], dict]:
+    """`coldsnap restore`, then PROMPT_2's tokens from the restored server, which is stopped after:
+    (tokens, the resume span's attributes)."""
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    root_pid = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
+    started = time.perf_counter()
+    status, receipt, err = _coldsnap("restore", str(artifact), env=_env())
+    seconds = time.perf_counter() - started
+    print(err[-2000:])
+    try:
+        assert status == 0, json.dumps(receipt.get("error"), indent=1)
+        spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+        print(f"restore {attempt}: {seconds:.2f} s (process); phases:",
+              {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+        resume = spans["restore.resume"]["attributes"]
+        print("resume:", resume)
+        assert "restore.canary" in spans
+        restored = _complete(port)
+        print("restored tokens:", restored)
+        return restored, resume
+    finally:
+        kill_tree(root_pid)
+        time.sleep(0.5)
+
+
 def vllm_capture_restore_on_gpu() -> None:
     """`coldsnap capture -- vllm serve M --load-format coldsnap` (default flags), `coldsnap restore` twice:
     canary matched, PROMPT_2's greedy tokens = vLLM's default loader's, the KV cache in the kv_cache
     region, graphs retained (policy retain at TP 1), vLLM's KV budget with coldsnap's loader within 2 %
     of the default loader's."""
-    from coldsnap.snapshot.process_tree import kill_tree
-
-    version = _require_vllm()
-    print("vLLM", version)
+    print("vLLM", _require_vllm())
     model = _tiny_model()
     port = _free_port()
     served = _vllm_serve(model, port)
     with tempfile.TemporaryDirectory() as scratch:
         artifact = Path(scratch) / "artifact"
-        started = time.perf_counter()
-        status, receipt, err = _coldsnap("capture", "--out", str(artifact), "--", *served, "--load-format", "coldsnap",
-                                         env=_env())
-        capture_seconds = time.perf_counter() - started
-        engine_log = artifact / "logs" / "unit-0.log"
-        if engine_log.exists():
-            (LOGS / "capture-engine.log").write_bytes(engine_log.read_bytes())
-        print(err[-3000:])
-        assert status == 0, json.dumps(receipt.get("error"), indent=1)
-        spans = {s["name"]: s for s in receipt["timing"]["spans"]}
-        print(f"capture {capture_seconds:.1f} s; phases:", {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
-        print("dump:", spans["capture.criu_dump"]["attributes"])
-        coldsnap_lines = [line for line in engine_log.read_text(errors="replace").splitlines() if "coldsnap" in line]
-        print("engine's coldsnap lines:", *coldsnap_lines[-12:], sep="\n  ")
-        assert any("KV cache in the kv_cache region" in line for line in coldsnap_lines), "KV cache not in its region"
-        kv_coldsnap = _kv_gib(engine_log)
-        capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())
-        root_pid = capsule["metadata"]["root_pid"]
-
-        for attempt in range(2):
-            started = time.perf_counter()
-            status, receipt, err = _coldsnap("restore", str(artifact), env=_env())
-            seconds = time.perf_counter() - started
-            print(err[-2000:])
-            assert status == 0, json.dumps(receipt.get("error"), indent=1)
-            spans = {s["name"]: s for s in receipt["timing"]["spans"]}
-            print(f"restore {attempt}: {seconds:.2f} s (process); phases:",
-                  {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
-            resume = spans["restore.resume"]["attributes"]
-            print("resume:", resume)
-            assert "restore.canary" in spans
-            restored = _complete(port)
-            print("restored tokens:", restored)
-            if attempt == 0:
-                first = restored
-            assert restored == first
-            kill_tree(root_pid)
-            time.sleep(0.5)
+        kv_coldsnap = _kv_gib(_capture(artifact, served))
+        first, resume = _restore_and_ask(artifact, port, 0)
+        assert not resume.get("graphs_recaptured")  # retain: the captured graphs replay
+        again, _ = _restore_and_ask(artifact, port, 1)
+        assert again == first
 
     default_log = LOGS / "default-loader.log"
     seconds, expected = _serve_and_ask(served, port, default_log, _env())
@@ -160,7 +185,30 @@ def vllm_capture_restore_on_gpu() -> None:
     assert kv_default and kv_coldsnap and abs(kv_coldsnap - kv_default) <= 0.02 * kv_default
 
 
-CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu,)}
+def vllm_recreate_and_native_on_gpu() -> None:
+    """Graph policy ``recreate`` (vLLM's graphs dropped at capture, captured again at restore) and a
+    native start from the captured pack (``mode: native``): both give vLLM's default loader's tokens."""
+    print("vLLM", _require_vllm())
+    model = _tiny_model()
+    port = _free_port()
+    served = _vllm_serve(model, port)
+    with tempfile.TemporaryDirectory() as scratch:
+        artifact = Path(scratch) / "artifact"
+        _capture(artifact, served, policy={"graphs": {"mode": "recreate"}})
+        restored, resume = _restore_and_ask(artifact, port, 0)
+        assert resume.get("graphs_recaptured"), resume  # recreate: captured again after the restore
+        pack = next((artifact / "payload").glob("*.pack"))
+        native_log = LOGS / "native-start.log"
+        config = json.dumps({"mode": "native", "pack": str(pack)})
+        seconds, native = _serve_and_ask([*served, "--load-format", "coldsnap", "--model-loader-extra-config", config],
+                                         port, native_log, _env())
+        assert "(native)" in native_log.read_text(errors="replace"), "the weights did not come from the pack"
+        print(f"native start: first answer after {seconds:.1f} s, tokens {native}")
+    seconds, expected = _serve_and_ask(served, port, LOGS / "default-loader-2.log", _env())
+    assert restored == expected == native, f"recreate {restored}, native {native}, default loader {expected}"
+
+
+CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_and_native_on_gpu)}
 
 if __name__ == "__main__":
     LOGS.mkdir(parents=True, exist_ok=True)
