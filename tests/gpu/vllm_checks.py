@@ -19,7 +19,7 @@ import urllib.error
 from pathlib import Path
 
 from coldsnap.activation.engine_process import ask_canary
-from tests.gpu.gpu_checks import PROMPT_2, SKIP, _coldsnap, _free_port
+from tests.gpu.gpu_checks import PROMPT_2, SKIP, NeedsMoreGpus, _coldsnap, _free_port
 
 LOGS = Path(os.environ.get("COLDSNAP_CHECK_LOGS") or tempfile.mkdtemp(prefix="coldsnap-vllm-logs-"))
 # vLLM 0.26 on the host: both samplers import flashinfer unless told not to; no hub.
@@ -222,12 +222,33 @@ def vllm_native_start_on_gpu() -> None:
     assert native == expected, f"native {native}, default loader {expected}"
 
 
-CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu, vllm_native_start_on_gpu)}
+def vllm_tp2_capture_restore_on_gpu() -> None:
+    """`--tensor-parallel-size 2` on two GPUs: capture (NCCL torn down inside vLLM's groups, both ranks
+    CUDA-checkpointed), restore twice (NCCL rebuilt, graphs recaptured): the TP2 default loader's tokens."""
+    from tests.gpu.gpu_checks import _two_gpus
+
+    print("vLLM", _require_vllm())
+    _two_gpus()
+    model = _tiny_model()
+    port = _free_port()
+    served = _vllm_serve(model, port, "--tensor-parallel-size", "2")
+    with tempfile.TemporaryDirectory() as scratch:
+        artifact = Path(scratch) / "artifact"
+        _capture(artifact, served)
+        first, resume = _restore_and_ask(artifact, port, 0)
+        assert resume.get("graphs_recaptured") and resume.get("rank1.graphs_recaptured"), resume
+        again, _ = _restore_and_ask(artifact, port, 1)
+    seconds, expected = _serve_and_ask(served, port, LOGS / "default-loader-tp2.log", _env())
+    assert first == again == expected, f"restored {first} then {again}, TP2 default loader {expected}"
+
+
+CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu, vllm_native_start_on_gpu,
+                                  vllm_tp2_capture_restore_on_gpu)}
 
 if __name__ == "__main__":
     LOGS.mkdir(parents=True, exist_ok=True)
     try:
         CHECKS[sys.argv[1]]()
-    except NoVllm as exc:
+    except (NoVllm, NeedsMoreGpus) as exc:
         print(f"skipped: {exc}")
         sys.exit(SKIP)
