@@ -8,6 +8,7 @@ V2 on Hopper for dense models) as ``python -m vllm.entrypoints.cli.main serve`` 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import tempfile
 import time
 import urllib.error
 from pathlib import Path
+from typing import Iterator
 
 from coldsnap.activation.engine_process import ask_canary
 from tests.gpu.gpu_checks import PROMPT_2, SKIP, NeedsMoreGpus, _coldsnap, _free_port
@@ -159,17 +161,22 @@ def _restore_and_ask(artifact: Path, port: int, attempt: int) -> tuple[list[int]
         time.sleep(0.5)
 
 
+@contextlib.contextmanager
+def _scene(*serve_args: str) -> Iterator[tuple[list[str], int, Path]]:
+    """vLLM importable, the tiny model, a port: (the `vllm serve` command, its port, an artifact path in a
+    scratch folder removed afterwards)."""
+    print("vLLM", _require_vllm())
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as scratch:
+        yield _vllm_serve(_tiny_model(), port, *serve_args), port, Path(scratch) / "artifact"
+
+
 def vllm_capture_restore_on_gpu() -> None:
     """`coldsnap capture -- vllm serve M --load-format coldsnap` (default flags), `coldsnap restore` twice:
     canary matched, PROMPT_2's greedy tokens = vLLM's default loader's, the KV cache in the kv_cache
     region, graphs retained (policy retain at TP 1), vLLM's KV budget with coldsnap's loader within 2 %
     of the default loader's."""
-    print("vLLM", _require_vllm())
-    model = _tiny_model()
-    port = _free_port()
-    served = _vllm_serve(model, port)
-    with tempfile.TemporaryDirectory() as scratch:
-        artifact = Path(scratch) / "artifact"
+    with _scene() as (served, port, artifact):
         kv_coldsnap = _kv_gib(_capture(artifact, served))
         first, resume = _restore_and_ask(artifact, port, 0)
         assert not resume.get("graphs_recaptured")  # retain: the captured graphs replay
@@ -188,12 +195,7 @@ def vllm_capture_restore_on_gpu() -> None:
 def vllm_recreate_on_gpu() -> None:
     """Graph policy ``recreate``: vLLM's graphs dropped at capture and captured again at restore; the
     restored server gives vLLM's default loader's tokens."""
-    print("vLLM", _require_vllm())
-    model = _tiny_model()
-    port = _free_port()
-    served = _vllm_serve(model, port)
-    with tempfile.TemporaryDirectory() as scratch:
-        artifact = Path(scratch) / "artifact"
+    with _scene() as (served, port, artifact):
         _capture(artifact, served, policy={"graphs": {"mode": "recreate"}})
         restored, resume = _restore_and_ask(artifact, port, 0)
         assert resume.get("graphs_recaptured"), resume  # recreate: captured again after the restore
@@ -204,12 +206,7 @@ def vllm_recreate_on_gpu() -> None:
 def vllm_native_start_on_gpu() -> None:
     """``--load-format coldsnap`` in mode ``native`` from a captured pack: the weights come from the pack
     and the server gives vLLM's default loader's tokens."""
-    print("vLLM", _require_vllm())
-    model = _tiny_model()
-    port = _free_port()
-    served = _vllm_serve(model, port)
-    with tempfile.TemporaryDirectory() as scratch:
-        artifact = Path(scratch) / "artifact"
+    with _scene() as (served, port, artifact):
         _capture(artifact, served)
         pack = next((artifact / "payload").glob("*.pack"))
         native_log = LOGS / "native-start.log"
@@ -227,13 +224,8 @@ def vllm_tp2_capture_restore_on_gpu() -> None:
     CUDA-checkpointed), restore twice (NCCL rebuilt, graphs recaptured): the TP2 default loader's tokens."""
     from tests.gpu.gpu_checks import _two_gpus
 
-    print("vLLM", _require_vllm())
     _two_gpus()
-    model = _tiny_model()
-    port = _free_port()
-    served = _vllm_serve(model, port, "--tensor-parallel-size", "2")
-    with tempfile.TemporaryDirectory() as scratch:
-        artifact = Path(scratch) / "artifact"
+    with _scene("--tensor-parallel-size", "2") as (served, port, artifact):
         _capture(artifact, served)
         first, resume = _restore_and_ask(artifact, port, 0)
         assert resume.get("graphs_recaptured") and resume.get("rank1.graphs_recaptured"), resume
