@@ -23,6 +23,7 @@ from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
 from coldsnap.contracts.canonical import canonical_json
+from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record
 
 __all__ = ["ArtifactDir", "file_ref", "sha256_file"]
 
@@ -68,12 +69,15 @@ class ArtifactDir:
         return str(path.resolve().relative_to(self.root.resolve()))
 
     def write_capsule(self, unit_id: str, metadata: dict[str, Any]) -> FileRef:
-        """Manifest every image file with its SHA-256, plus activation metadata; returns its FileRef."""
+        """Manifest every image file with its SHA-256, plus activation metadata; returns its FileRef. Each
+        digest is also recorded in the images' validation record, so restore admission verifies every
+        image against the capsule without hashing them again while they are unchanged."""
         images = self.images(unit_id)
         files = [
-            {"path": str(p.relative_to(images)), "size_bytes": p.stat().st_size, "sha256": sha256_file(p)}
+            {"path": str(p.relative_to(images)), "size_bytes": p.stat().st_size, "sha256": hash_and_record(p)}
             for p in sorted(images.rglob("*"))
-            if p.is_file() and not p.name.startswith("restore")  # restore logs and pidfiles come later
+            # restore logs and pidfiles come later; validation records are not images
+            if p.is_file() and not p.name.startswith(("restore", VALIDATION_RECORD_NAME))
         ]
         document = {"format": 1, "unit_id": unit_id, "files": files, "metadata": metadata}
         path = self.capsule_path(unit_id)

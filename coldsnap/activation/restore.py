@@ -118,14 +118,23 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
         if not check.ok:
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
     unit = descriptor.units[0]
-    with timer.span("restore.admission.capsule"):
+    with timer.span("restore.admission.capsule") as span:
         try:
             capsule = artifact.read_capsule(unit.unit_id)
             images = artifact.images(unit.unit_id)
+            verified_by: dict[str, int] = {}
             for entry in capsule["files"]:
                 path = images / entry["path"]
                 if not path.is_file() or path.stat().st_size != entry["size_bytes"]:
                     raise OperationFailed("admission.capsule", f"capsule file {entry['path']} is missing or changed size")
+                # Every image against the capsule's digest before CRIU reads it: a same-size corruption
+                # must stop here, not restore garbage. Unchanged files are trusted from their record.
+                try:
+                    method = verify_file(path, entry["sha256"]).method
+                except PackError as exc:
+                    raise OperationFailed("admission.capsule", f"capsule file {entry['path']}: {exc}") from None
+                verified_by[method] = verified_by.get(method, 0) + 1
+            span["images_verified_by"] = ",".join(f"{m}:{n}" for m, n in sorted(verified_by.items()))
             recorded = sorted(int(w["rank"]) for w in capsule["metadata"].get("workers") or [])
             if recorded != sorted(w.rank for w in unit.workers):
                 raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "

@@ -47,6 +47,7 @@ __all__ = [
     "verify_file",
     "read_validation_record",
     "record_written_file",
+    "hash_and_record",
 ]
 
 log = logging.getLogger(__name__)
@@ -208,6 +209,50 @@ def _hash_fd(fd: int) -> tuple[str, int]:
         total += count
 
 
+class _Hashed(NamedTuple):
+    sha256: str
+    bytes: int
+    identity: _Identity  # the file's stat identity when hashing began
+    stable: bool  # the identity did not change while hashing, and every byte was read
+    started_ns: int
+
+
+def _hash_file(path: Path) -> _Hashed:
+    started_ns = time.time_ns()
+    fd = open_regular_file(path)
+    try:
+        before = os.fstat(fd)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        actual, hashed = _hash_fd(fd)
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    identity = _identity(before)
+    return _Hashed(actual, hashed, identity, identity == _identity(after) and hashed == before.st_size, started_ns)
+
+
+def _record_hash(path: Path, hashed: _Hashed) -> None:
+    """Record a full hash. A file that changed while it was hashed matched by luck of timing;
+    recording that identity would vouch for bytes that were never hashed as a whole."""
+    identity = hashed.identity
+    if hashed.stable and max(identity) <= INT64_MAX:
+        _update_record(path.parent, path.name, ValidationEntry(
+            sha256=hashed.sha256, size_bytes=identity.size_bytes, st_dev=identity.st_dev, st_ino=identity.st_ino,
+            mtime_ns=identity.mtime_ns, ctime_ns=identity.ctime_ns, verified_unix_ns=hashed.started_ns))
+
+
+def hash_and_record(path: str | Path) -> str:
+    """Hash every byte of ``path`` and record the verdict as a full verification would (so a later
+    :func:`verify_file` against this digest trusts the record while the file is unchanged); returns the
+    SHA-256. For files whose digest is listed elsewhere (a capsule's CRIU images) rather than named by
+    them. Raises OSError when the file cannot be read."""
+    path = Path(path)
+    hashed = _hash_file(path)
+    _record_hash(path, hashed)
+    return hashed.sha256
+
+
 def verify_file(path: str | Path, expected_sha256: str | None = None) -> Verification:
     """Verify that ``path`` holds the bytes of ``expected_sha256`` (default: the digest its name claims).
 
@@ -231,46 +276,19 @@ def verify_file(path: str | Path, expected_sha256: str | None = None) -> Verific
     if _trusted(entry, _identity(status), expected):
         return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
 
-    hash_started_ns = time.time_ns()
     try:
-        fd = open_regular_file(path)
+        hashed = _hash_file(path)
     except OSError as exc:
         raise PackUnreadable(str(path), exc.strerror or str(exc)) from None
-    try:
-        before = os.fstat(fd)
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        actual, hashed = _hash_fd(fd)
-        after = os.fstat(fd)
-    except OSError as exc:
-        raise PackUnreadable(str(path), exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-
-    identity = _identity(before)
+    actual = hashed.sha256
     if actual != expected:
         # The entry is stale unless it describes the file exactly as hashed (then only the caller's
         # expectation was wrong, and a later verification with the right one may still trust it).
-        if entry is not None and not (entry.sha256 == actual and _entry_identity(entry) == identity):
+        if entry is not None and not (entry.sha256 == actual and _entry_identity(entry) == hashed.identity):
             _update_record(path.parent, path.name, None)
         raise PackDigestMismatch(str(path), expected, actual)
-    # A file that changed while it was hashed matched by luck of timing; recording that identity
-    # would vouch for bytes that were never hashed as a whole.
-    if identity == _identity(after) and hashed == before.st_size and max(identity) <= INT64_MAX:
-        _update_record(
-            path.parent,
-            path.name,
-            ValidationEntry(
-                sha256=actual,
-                size_bytes=identity.size_bytes,
-                st_dev=identity.st_dev,
-                st_ino=identity.st_ino,
-                mtime_ns=identity.mtime_ns,
-                ctime_ns=identity.ctime_ns,
-                verified_unix_ns=hash_started_ns,
-            ),
-        )
-    return Verification(path, actual, hashed, "full-hash", time.perf_counter() - started)
+    _record_hash(path, hashed)
+    return Verification(path, actual, hashed.bytes, "full-hash", time.perf_counter() - started)
 
 
 def record_written_file(path: str | Path, sha256: str) -> None:
@@ -292,3 +310,4 @@ def record_written_file(path: str | Path, sha256: str) -> None:
     _update_record(path.parent, path.name, ValidationEntry(
         sha256=sha256, size_bytes=identity.size_bytes, st_dev=identity.st_dev, st_ino=identity.st_ino,
         mtime_ns=identity.mtime_ns, ctime_ns=identity.ctime_ns, verified_unix_ns=time.time_ns()))
+

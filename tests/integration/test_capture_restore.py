@@ -1,5 +1,6 @@
 """coldsnap capture / restore of the reference workload on CPU, with real CRIU, end to end."""
 
+import hashlib
 import json
 import os
 import shutil
@@ -168,12 +169,48 @@ def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
     assert serving_pids(port) == []
 
 
-def test_corrupt_capsule_fails_restore_kills_everything_and_keeps_the_artifact(captured, tmp_path):
+def test_an_image_corrupted_in_place_is_refused_before_anything_starts(captured, tmp_path):
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    pages = max((copy / "units" / "unit-0" / "images").glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    status = pages.stat()
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, and the same mtime below: only the bytes tell
+    pages.write_bytes(bytes(data))
+    os.utime(pages, ns=(status.st_atime_ns, status.st_mtime_ns))
+    before = (copy / "artifact.json").read_bytes()
+    result = coldsnap("restore", str(copy), "--receipt-json", "-")
+    assert result.returncode == 1
+    receipt = json.loads(result.stdout)
+    assert receipt["state"] == "failed" and receipt["error"]["code"] == "admission.capsule"
+    assert pages.name in receipt["error"]["message"]
+    assert serving_pids(port) == []
+    assert (copy / "artifact.json").read_bytes() == before
+
+
+def test_repeat_admissions_trust_the_image_record(captured):
+    artifact, _, _, _ = captured
+    result = coldsnap("restore", str(artifact), "--prepare-only", "--receipt-json", "-")
+    assert result.returncode == 0, result.stderr.decode()
+    spans = {s["name"]: s for s in json.loads(result.stdout)["timing"]["spans"]}
+    verified = spans["restore.admission.capsule"]["attributes"]["images_verified_by"]
+    assert verified.startswith("record:") and "full-hash" not in verified  # capture recorded every image
+
+
+def test_a_capsule_criu_cannot_restore_fails_restore_kills_everything_and_keeps_the_artifact(captured, tmp_path):
     artifact, port, _, _ = captured
     copy = tmp_path / "artifact"
     shutil.copytree(artifact, copy)
     core = sorted((copy / "units" / "unit-0" / "images").glob("core-*.img"))[0]
-    core.write_bytes(b"\0" * core.stat().st_size)  # same size: passes admission, breaks CRIU
+    core.write_bytes(b"\0" * core.stat().st_size)
+    # A capsule whose manifest vouches for the broken image (as a faulty dump would write it): admission
+    # passes, CRIU fails.
+    capsule_path = copy / "units" / "unit-0" / "capsule.json"
+    capsule = json.loads(capsule_path.read_text())
+    entry = next(f for f in capsule["files"] if f["path"] == core.name)
+    entry["sha256"] = hashlib.sha256(core.read_bytes()).hexdigest()
+    capsule_path.write_text(json.dumps(capsule))
     before = (copy / "artifact.json").read_bytes()
     result = coldsnap("restore", str(copy), "--receipt-json", "-")
     assert result.returncode == 1
