@@ -76,8 +76,11 @@ StableRegion::StableRegion(std::string tag, Backend backend, int device, std::ui
 }
 
 StableRegion::~StableRegion() {
+  // The allocator hooks must never see a destroyed region: a region dropped without release() would
+  // otherwise stay in their table as a dangling pointer.
   try {
-      release();
+    unregister_region(this);
+    release();
   } catch (...) {
     // Destructors must not throw; the address range leaks, which is harmless at exit.
   }

@@ -108,3 +108,19 @@ def test_host_zero_drops_whole_pages_and_writes_the_edges():
     region.zero(4095, (5 << 20) + 2)  # unaligned at both ends
     assert bytes(view[4094:4095]) == b"\xab" and bytes(view[4095 + (5 << 20) + 2:][:1]) == b"\xab"
     assert bytes(view[4095:4095 + (5 << 20) + 2]) == b"\0" * ((5 << 20) + 2)
+
+
+def test_a_region_dropped_without_release_leaves_the_allocator_hooks():
+    # ~StableRegion unregisters itself: the hooks' table must never hold a pointer to a destroyed region.
+    C = native()
+    handle = C.StableRegion("weights", "host", 0, 2 << 20, 2 << 20, 0)
+    region_id = C.register_region(handle)
+    C.set_active_region(region_id)
+    assert C.active_region() == region_id
+    C.set_active_region(-1)
+    del handle  # dropped without release(): the destructor releases and unregisters
+    import gc
+
+    gc.collect()
+    with pytest.raises(C.RegionError, match="no registered region"):
+        C.set_active_region(region_id)
