@@ -21,7 +21,7 @@ from coldsnap.agent.server import AgentError, rank_control, request
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
-from coldsnap.activation.qualification import check_driver_floor
+from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.progress import PhaseProgress
@@ -36,6 +36,7 @@ READY_TIMEOUT_S = 900.0
 
 def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
     request_ = context.request
+    require_implemented_driver(request_.snapshot_driver)
     if len(request_.units) != 1:
         raise OperationFailed("capture.topology", "this build captures one launch unit (one process tree)")
     unit = request_.units[0]

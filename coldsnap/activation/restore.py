@@ -33,7 +33,7 @@ from coldsnap.native import probe_cuda
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import PhaseProgress
 from coldsnap.payload.validation import verify_file
-from coldsnap.activation.qualification import check_driver_floor
+from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.staging import WeightStager
 from coldsnap.doctor import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
@@ -78,6 +78,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
     """Every check restore can make without starting anything; raises OperationFailed with the first problem."""
     timer = context.timer
     with timer.span("restore.admission.descriptor"):
+        require_implemented_driver(context.request.snapshot_driver)
         if not artifact.committed():
             raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")
         try:

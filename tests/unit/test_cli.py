@@ -134,3 +134,14 @@ def test_capture_request_names_the_served_model(command, model):
                               operation_id="op", driver="n610")
     request = _capture_request(args)
     assert request["model"]["name"] == model and request["engine"] == "vllm"
+
+
+def test_a_snapshot_driver_this_build_cannot_run_is_refused_before_anything_starts(tmp_path):
+    # n580 is a contract name without a sequence yet; accepting it ran n610's sequence under a 580 floor.
+    out = tmp_path / "artifact"
+    capture = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--driver", "n580", "--out", str(out),
+                              "--receipt-json", "-", "--", sys.executable, "-c", "import time; time.sleep(60)",
+                              "--port", "1"], capture_output=True, text=True, timeout=60)
+    receipt = json.loads(capture.stdout)
+    assert capture.returncode == 1 and receipt["error"]["code"] == "request.unsupported", receipt
+    assert "n580" in receipt["error"]["message"] and not out.exists()
