@@ -65,6 +65,27 @@ class ArtifactDir:
         for unit_id in unit_ids:
             shutil.rmtree(self.unit_dir(unit_id), ignore_errors=True)
 
+    def entries(self) -> set[str]:
+        """Names directly in the artifact directory now (empty when it does not exist)."""
+        try:
+            return {p.name for p in self.root.iterdir()}
+        except FileNotFoundError:
+            return set()
+
+    def remove_created(self, before: set[str] | None) -> None:
+        """After a failed capture: remove what it created — every entry not in ``before`` (the names
+        there when it started), and the directory itself when it did not exist (``before`` None).
+        Never anything of a committed artifact."""
+        assert not self.committed()
+        for name in self.entries() - (before or set()):
+            path = self.root / name
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+        if before is None:
+            try:
+                self.root.rmdir()
+            except OSError:
+                pass  # something appeared there meanwhile: not ours to remove
+
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))
 

@@ -47,13 +47,18 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
     artifact = ArtifactDir(Path(request_.artifact))
     if artifact.committed():
         raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
+    before = artifact.entries() if artifact.root.exists() else None  # what a failure must leave
     artifact.root.mkdir(parents=True, exist_ok=True)
     artifact.clear_uncommitted([unit.unit_id])
     validation = request_.policy.validation
     timer = context.timer
 
     with timer.span("capture.launch") as span:
-        engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), dict(unit.env))
+        try:
+            engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), dict(unit.env))
+        except BaseException:
+            artifact.remove_created(before)
+            raise
         span["pid"] = engine.pid
     dumped = False
     try:
@@ -177,6 +182,11 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         if not dumped or engine.alive():
             engine.kill()  # never leave the captured command running
         if not artifact.committed():
-            artifact.clear_uncommitted([unit.unit_id])
+            # A failed capture leaves nothing of its own behind (a full disk must not stay full); the
+            # engine's last lines go to the progress stream first, since its log goes too.
+            tail = engine.log_tail(20)
+            if tail:
+                context.progress("capture failed; the engine's last lines:\n" + tail)
+            artifact.remove_created(before)
     context.progress(f"committed {artifact.descriptor_path}")
     return OperationOutcome(artifact=str(artifact.root))

@@ -235,7 +235,38 @@ def test_failed_capture_commits_nothing(tmp_path):
                       sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "capture.launch"
-    assert not (out / "artifact.json").exists()
+    assert not out.exists()  # nothing of the failed capture left: it created the directory, it removed it
+    assert "sys.exit(3)" not in result.stderr.decode() or "engine's last lines" in result.stderr.decode()
+
+    kept = tmp_path / "existing"
+    kept.mkdir()
+    (kept / "notes.txt").write_text("the operator's")
+    result = coldsnap("capture", "--out", str(kept), "--receipt-json", "-", "--",
+                      sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
+    assert result.returncode == 1
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # only what it created is removed
+
+
+def test_a_capture_into_a_full_disk_fails_and_removes_what_it_wrote(tmp_path):
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    # 48 MiB: the tiny workload's images need ~150 MiB, so CRIU's dump runs out of space
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        port = _free_port()
+        out = disk / "artifact"
+        result = coldsnap("capture", "--out", str(out), "--receipt-json", "-", "--", *workload(port))
+        assert result.returncode == 1, result.stderr.decode()[-2000:]
+        receipt = json.loads(result.stdout)
+        assert receipt["state"] == "failed" and receipt["error"]["code"] in ("capture.criu_dump", "capture.io"), receipt
+        assert serving_pids(port) == []
+        assert not out.exists() and list(disk.iterdir()) == []
+        free = os.statvfs(disk)
+        assert free.f_bfree == free.f_blocks  # every byte it wrote is gone
+    finally:
+        subprocess.run(["umount", str(disk)], capture_output=True)
 
 
 def test_friendly_usage_errors():
