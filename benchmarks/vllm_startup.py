@@ -39,13 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from coldsnap.activation.demo import cold_start, first_answer, plain_server  # noqa: E402
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
@@ -82,38 +82,6 @@ def parse_log(log: Path) -> dict[str, float]:
     if kv:
         phases["kv_cache_gib"] = float(kv[-1])
     return phases
-
-
-class Server:
-    """A plainly started `vllm serve`, output to a log file; stopped (its whole tree) on exit."""
-
-    def __init__(self, command: list[str], log: Path, env: dict[str, str]):
-        self.started = time.perf_counter()
-        self.log = log
-        with open(log, "ab") as out:
-            self.process = subprocess.Popen(command, env={**os.environ, **env}, stdout=out, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-
-    def first_answer(self, port: int, timeout: float = 900) -> tuple[float, list[int]]:
-        while True:
-            try:
-                return time.perf_counter() - self.started, tokens(port)
-            except urllib.error.HTTPError:
-                raise
-            except OSError:
-                if self.process.poll() is not None:
-                    tail = self.log.read_text(errors="replace")[-3000:]
-                    raise RuntimeError(f"vllm serve exited ({self.process.returncode}); {self.log}:\n{tail}") from None
-                if time.perf_counter() - self.started > timeout:
-                    raise RuntimeError(f"vllm serve did not answer within {timeout:.0f} s; see {self.log}") from None
-                time.sleep(0.1)
-
-    def __enter__(self) -> "Server":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        kill_tree(self.process.pid)
-        self.process.wait()
 
 
 def post(port: int, path: str, timeout: float = 600) -> tuple[float, dict]:
@@ -175,8 +143,7 @@ class Bench:
     def cold_start(self, kind: str, cache: str, env: dict[str, str], *extra: str) -> None:
         index = len(self.state["runs"])
         log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
-        with Server(serve_command(self.model, self.port, *extra), log, env) as server:
-            seconds, answer = server.first_answer(self.port)
+        seconds, answer = cold_start(serve_command(self.model, self.port, *extra), self.port, 900, env, log, PROMPT, 12)
         expected = self.expected()
         self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=parse_log(log),
                     same_tokens=expected is None or answer == expected)
@@ -267,9 +234,9 @@ class Bench:
         index = len(self.state["runs"])
         log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
         env = {**env, "VLLM_SERVER_DEV_MODE": "1"}
-        with Server(serve_command(self.model, self.port, *self.args.vllm_args, "--enable-sleep-mode", *extra), log,
-                    env) as server:
-            start_seconds, before = server.first_answer(self.port)
+        command = serve_command(self.model, self.port, *self.args.vllm_args, "--enable-sleep-mode", *extra)
+        with plain_server(command, env, log) as (process, started):
+            start_seconds, before = first_answer(self.port, started, process, 900, PROMPT, 12, log)
             sleep_seconds, _ = post(self.port, "/sleep?level=1")
             wake_seconds, woke = post(self.port, "/wake_up")
             started = time.perf_counter()

@@ -1,10 +1,11 @@
 """vLLM's NCCL state and CUDA graphs around a process snapshot, for TP > 1.
 
-Written against vLLM 0.33's GPU code, with 0.26's differences through :mod:`coldsnap_vllm.compat` and
-``hasattr`` (no distributed checkpoint hooks; the NCCL communicator rebuilt with vLLM's own constructor,
-which mints and broadcasts the unique id over the group's gloo group; MRV2 graphs dropped by hand) (``vllm/distributed/parallel_state.py``,
+Written against vLLM 0.33's GPU code (``vllm/distributed/parallel_state.py``,
 ``device_communicators/{cuda_communicator,pynccl}.py``, the elastic-EP graph release in
-``distributed/elastic_ep/elastic_execute.py``). **Not run on a GPU here** (vLLM 0.33 pins torch 2.14;
+``distributed/elastic_ep/elastic_execute.py``), with 0.26's differences through
+:mod:`coldsnap_vllm.compat` and ``hasattr``: no distributed checkpoint hooks; the NCCL communicator
+rebuilt with vLLM's own constructor, which mints and broadcasts the unique id over the group's gloo
+group; Model Runner V2's graphs dropped by hand. **Not run on a GPU here** (vLLM 0.33 pins torch 2.14;
 the GPU test host has 2.11): on vLLM's CPU build the same object runs with nothing to tear down, and
 tests/unit/test_vllm_distributed.py drives the sequencing with stand-ins for the GPU-only classes.
 

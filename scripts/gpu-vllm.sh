@@ -47,14 +47,14 @@ case "${1:-}" in
             exit 1
         fi
         expected=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['archive_sha256'])" "$manifest")
-        actual=$(for name in $(listed); do cat "$parts/$name"; done | tee >(rm -rf "$site.new"; mkdir -p "$site.new"; \
-                 tar -xzf - -C "$site.new") | sha256sum | cut -d' ' -f1)
-        sleep 1  # the unpacking subshell finishes after tee
+        whole() { for name in $(listed); do cat "$parts/$name"; done; }
+        actual=$(whole | sha256sum | cut -d' ' -f1)  # checked before anything is unpacked
         if [ "$actual" != "$expected" ]; then
-            rm -rf "$site.new"
             log "the parts do not add up to the archive (sha256 $actual, expected $expected): receive them again"
             exit 1
         fi
+        rm -rf "$site.new" && mkdir -p "$site.new"
+        whole | tar -xzf - -C "$site.new"
         rm -rf "$site" && mv "$site.new" "$site"
         log "vLLM $(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vllm'])" "$manifest") in $site"
         echo "PYTHONPATH=$site"

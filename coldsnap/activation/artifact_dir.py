@@ -79,7 +79,10 @@ class ArtifactDir:
         assert not self.committed()
         for name in self.entries() - (before or set()):
             path = self.root / name
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         if before is None:
             try:
                 self.root.rmdir()

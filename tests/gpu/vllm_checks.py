@@ -16,10 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
 from pathlib import Path
 from typing import Iterator
 
+from coldsnap.activation.demo import cold_start
 from coldsnap.activation.engine_process import ask_canary
 from tests.gpu.gpu_checks import PROMPT_2, SKIP, NeedsMoreGpus, _coldsnap, _free_port
 
@@ -63,27 +63,7 @@ def _kv_gib(log: Path) -> float | None:
 def _serve_and_ask(command: list[str], port: int, log: Path, env: dict[str, str], timeout: float = 480) -> tuple[float, list[int]]:
     """Start ``command`` plainly (output to ``log``), ask PROMPT_2 once it answers, stop it: (seconds to
     the first answer, token ids)."""
-    from coldsnap.snapshot.process_tree import kill_tree
-
-    started = time.perf_counter()
-    with open(log, "ab") as out:
-        server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        while True:
-            try:
-                return time.perf_counter() - started, _complete(port)
-            except urllib.error.HTTPError:
-                raise  # it answered, wrongly: no point waiting
-            except OSError:
-                if server.poll() is not None:
-                    raise AssertionError(f"{command[3:5]} exited ({server.returncode}); log {log}:\n"
-                                         + log.read_text(errors="replace")[-4000:]) from None
-                if time.perf_counter() - started > timeout:
-                    raise AssertionError(f"no answer within {timeout:.0f} s; log {log}") from None
-                time.sleep(0.25)
-    finally:
-        kill_tree(server.pid)
-        server.wait()
+    return cold_start(command, port, timeout, env, log, PROMPT_2, 12)
 
 
 def _require_vllm() -> str:

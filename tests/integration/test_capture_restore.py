@@ -236,7 +236,6 @@ def test_failed_capture_commits_nothing(tmp_path):
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "capture.launch"
     assert not out.exists()  # nothing of the failed capture left: it created the directory, it removed it
-    assert "sys.exit(3)" not in result.stderr.decode() or "engine's last lines" in result.stderr.decode()
 
     kept = tmp_path / "existing"
     kept.mkdir()
