@@ -39,14 +39,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coldsnap.activation.demo import cold_start, first_answer, plain_server  # noqa: E402
-from coldsnap.activation.engine_process import ask_canary  # noqa: E402
+from coldsnap.activation.engine_process import ask_canary, post_empty  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_phases  # noqa: E402
@@ -82,18 +81,6 @@ def parse_log(log: Path) -> dict[str, float]:
     if kv:
         phases["kv_cache_gib"] = float(kv[-1])
     return phases
-
-
-def post(port: int, path: str, timeout: float = 600) -> tuple[float, dict]:
-    started = time.perf_counter()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        body = response.read()
-    seconds = time.perf_counter() - started
-    try:
-        return seconds, json.loads(body) if body else {}
-    except ValueError:
-        return seconds, {"body": body.decode(errors="replace")}
 
 
 class Bench:
@@ -237,8 +224,8 @@ class Bench:
         command = serve_command(self.model, self.port, *self.args.vllm_args, "--enable-sleep-mode", *extra)
         with plain_server(command, env, log) as (process, started):
             start_seconds, before = first_answer(self.port, started, process, 900, PROMPT, 12, log)
-            sleep_seconds, _ = post(self.port, "/sleep?level=1")
-            wake_seconds, woke = post(self.port, "/wake_up")
+            sleep_seconds, _ = post_empty(self.port, "/sleep?level=1")
+            wake_seconds, woke = post_empty(self.port, "/wake_up")
             started = time.perf_counter()
             after = tokens(self.port)
             first_token = time.perf_counter() - started

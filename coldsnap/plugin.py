@@ -7,15 +7,23 @@ process, under a lock, and remembers a failure instead of retrying a half-instal
 A plugin never breaks its engine: engines do not catch what a plugin function raises (vLLM's
 ``load_general_plugins`` calls it bare), so a failing installer is reported as one warning and the
 engine runs without coldsnap.
+
+Some hooks live in engine modules a plugin must not import at registration (importing a GPU worker
+module in an engine's API server costs seconds): :func:`after_import` runs a hook when the engine
+itself imports the module.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
+import sys
 import threading
-from typing import Callable
+from types import ModuleType
+from typing import Any, Callable
 
-__all__ = ["PluginRegistration"]
+__all__ = ["PluginRegistration", "after_import"]
 
 log = logging.getLogger(__name__)
 
@@ -47,3 +55,56 @@ class PluginRegistration:
                 return
             self._state = "installed"
             log.debug("coldsnap %s plugin registered", self.engine)
+
+
+def _run_hook(hook: Callable[[ModuleType], None], module: ModuleType) -> None:
+    try:
+        hook(module)
+    except Exception as exc:  # noqa: BLE001 - a hook that fails loses its feature, never the engine
+        log.warning("coldsnap: a hook on %s failed (%s: %s); the engine runs without it", module.__name__,
+                    type(exc).__name__, exc)
+
+
+class _HookedLoader:
+    """The module's own loader, then the hook; everything else (``get_source``, ...) is the original's."""
+
+    def __init__(self, loader: Any, hook: Callable[[ModuleType], None]):
+        self._loader = loader
+        self._hook = hook
+
+    def create_module(self, spec: Any) -> ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._loader.exec_module(module)
+        _run_hook(self._hook, module)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _AfterImportFinder(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str, hook: Callable[[ModuleType], None]):
+        self.name = name
+        self.hook = hook
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; and the lookup below must not find this finder again
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        spec.loader = _HookedLoader(spec.loader, self.hook)
+        return spec
+
+
+def after_import(name: str, hook: Callable[[ModuleType], None]) -> None:
+    """Run ``hook(module)`` once the module ``name`` is imported: now if it already is, else right after
+    the engine imports it. A hook that raises is reported as one warning."""
+    module = sys.modules.get(name)
+    if module is not None:
+        _run_hook(hook, module)
+        return
+    if not any(isinstance(f, _AfterImportFinder) and f.name == name and f.hook is hook for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImportFinder(name, hook))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 
-from coldsnap.plugin import PluginRegistration
+from coldsnap.plugin import PluginRegistration, after_import
 
 log = logging.getLogger("vllm.coldsnap")
 
@@ -37,6 +37,7 @@ def _install() -> None:
     if not compat.supported(version):
         log.warning("coldsnap: vLLM %s is outside the supported range (%s); its hooks were found and are used",
                     version, supported)
+    after_import(compat.WORKER_MODULE, compat.keep_coldsnap_loads_out_of_sleep_pools)  # in worker processes
 
     try:
         factory = compat.lookup(compat.SLEEP_FACTORY)

@@ -25,6 +25,8 @@ What is looked up (``PROBED`` names every dotted symbol; ``probe`` reports which
   (0.33 only; dense TP on 0.26 has no FlashInfer/all2all workspace to prepare);
 - **sleep backends** (``SleepModeBackendFactory``, 0.25.1+); the ``--sleep-mode-backend`` flag exists
   only in newer releases: ``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` selects coldsnap's backend on any.
+- **the worker's sleep-mode memory pools** (``Worker._maybe_get_memory_pool_context``, 0.26 and 0.33):
+  see :func:`keep_coldsnap_loads_out_of_sleep_pools`.
 
 Behaviour that differs at run time rather than by name (``AsyncLLM.wake_up`` returning None in 0.26,
 endpoint-plugin routes not replacing vLLM's own in 0.26) is handled where it is used
@@ -33,6 +35,7 @@ endpoint-plugin routes not replacing vLLM's own in 0.26) is handled where it is 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
@@ -42,7 +45,8 @@ from typing import Any, Callable
 
 __all__ = ["SUPPORTED", "KV_ALLOCATION_SITES", "PROBED", "KvAllocationSite", "vllm_version", "supported",
            "probe", "lookup", "disabled", "create_model", "online_quantized_before_build",
-           "online_quantized_model", "finalize_online_quantization", "release_model_runner_v2_graphs", "sleep_backend_override", "SLEEP_BACKEND_ENV"]
+           "online_quantized_model", "finalize_online_quantization", "release_model_runner_v2_graphs", "sleep_backend_override", "SLEEP_BACKEND_ENV",
+           "WORKER_MODULE", "keep_coldsnap_loads_out_of_sleep_pools"]
 
 log = logging.getLogger("vllm.coldsnap")
 
@@ -91,10 +95,12 @@ CHECKPOINT_PREPARE = "vllm.distributed.parallel_state:checkpoint_prepare_distrib
 CHECKPOINT_RESTORE = "vllm.distributed.parallel_state:checkpoint_restore_distributed_state"
 LOADER_REGISTRY = "vllm.model_executor.model_loader:register_model_loader"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+WORKER_MEMORY_POOL = f"{WORKER_MODULE}:Worker._maybe_get_memory_pool_context"
 
 PROBED = (*(s.symbol for s in KV_ALLOCATION_SITES), CREATE_MODEL, INITIALIZE_MODEL, ONLINE_QUANT_CONFIG,
           HAS_ONLINE_QUANT, FINALIZE_LAYERWISE, SLEEP_FACTORY, PYNCCL_FROM_ID, CHECKPOINT_PREPARE, CHECKPOINT_RESTORE,
-          LOADER_REGISTRY, DEFAULT_LOADER)
+          LOADER_REGISTRY, DEFAULT_LOADER, WORKER_MEMORY_POOL)
 """Every symbol looked up here; ``scripts/vllm-api-surface.py`` records which exist in a vLLM wheel."""
 
 
@@ -158,6 +164,7 @@ def probe(exists: Callable[[str], bool] = _exists) -> dict[str, Any]:
         "nccl_rebuild": "from_unique_id_bytes" if exists(PYNCCL_FROM_ID) else "constructor",
         "distributed_checkpoint_hooks": exists(CHECKPOINT_PREPARE) and exists(CHECKPOINT_RESTORE),
         "load_format": exists(LOADER_REGISTRY) and exists(DEFAULT_LOADER),
+        "sleep_pools": exists(WORKER_MEMORY_POOL),
     }
 
 
@@ -205,6 +212,47 @@ def finalize_online_quantization(model: Any, model_config: Any) -> None:
 def sleep_backend_override() -> str | None:
     """The sleep backend ``COLDSNAP_VLLM_SLEEP_BACKEND`` selects (for vLLMs without the CLI flag)."""
     return os.environ.get(SLEEP_BACKEND_ENV) or None
+
+
+def _selected_sleep_backend(model_config: Any) -> str:
+    return sleep_backend_override() or getattr(model_config, "sleep_mode_backend", "cumem")
+
+
+def keep_coldsnap_loads_out_of_sleep_pools(worker_module: Any) -> None:
+    """With ``--load-format coldsnap``, the worker loads its weights and allocates its KV cache outside
+    vLLM's sleep-mode (CuMem) pools.
+
+    ``--enable-sleep-mode`` turns on vLLM's CuMem allocator whatever the sleep backend, and the worker
+    loads the model inside its ``weights`` pool. coldsnap's loader loads through torch there, then moves
+    every tensor into its ``weights`` region and frees torch's copies; on leaving the pool vLLM unmaps
+    those freed blocks behind the caching allocator's back, which still counts them as reserved. vLLM's
+    profiler (device memory in use minus torch's reserved) then misses the region: seen on the H200 with
+    vLLM 0.26, a KV budget of 127 GiB on a 140 GiB GPU holding 15 GiB of weights, and the KV region's
+    allocation failing. Nothing of coldsnap's belongs in those pools anyway: its weights and KV cache live
+    in its own regions, which only coldsnap's sleep backend releases. Patched on the ``Worker`` class
+    once the engine imports its module (:func:`coldsnap.plugin.after_import`)."""
+    worker = getattr(worker_module, "Worker", None)
+    original = getattr(worker, "_maybe_get_memory_pool_context", None)
+    if original is None:
+        disabled("coldsnap's loader under --enable-sleep-mode", f"no {WORKER_MEMORY_POOL}")
+        return
+    if getattr(original, "__coldsnap__", False):
+        return
+
+    def memory_pool_context(self: Any, tag: str) -> Any:
+        config = self.vllm_config
+        if getattr(config.load_config, "load_format", None) != "coldsnap":
+            return original(self, tag)
+        model_config = config.model_config
+        if getattr(model_config, "enable_sleep_mode", False) and _selected_sleep_backend(model_config) != "coldsnap":
+            disabled("vLLM's own sleep mode for coldsnap's regions",
+                     "the weights and KV cache live in coldsnap's regions, which only coldsnap's sleep backend "
+                     f"releases: set {SLEEP_BACKEND_ENV}=coldsnap (or --sleep-mode-backend coldsnap)")
+        return contextlib.nullcontext()
+
+    memory_pool_context.__coldsnap__ = True  # type: ignore[attr-defined]
+    memory_pool_context.__wrapped__ = original  # type: ignore[attr-defined]
+    worker._maybe_get_memory_pool_context = memory_pool_context
 
 
 def release_model_runner_v2_graphs(manager: Any) -> None:

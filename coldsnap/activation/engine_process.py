@@ -63,6 +63,20 @@ def ask_canary(port: int, prompt: str, max_tokens: int, timeout: float = 120.0) 
     return Canary(choice["text"], list(choice.get("token_ids") or []), time.perf_counter() - started)
 
 
+def post_empty(port: int, path: str, timeout: float = 600.0) -> tuple[float, dict[str, Any]]:
+    """POST nothing to ``path`` on the local server (vLLM's ``/sleep``, ``/wake_up``): (seconds, its JSON
+    answer, or ``{"body": text}`` when the answer is not JSON)."""
+    started = time.perf_counter()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    with urllib.request.urlopen(req, timeout=timeout) as response:
+        body = response.read()
+    seconds = time.perf_counter() - started
+    try:
+        return seconds, json.loads(body) if body else {}
+    except ValueError:
+        return seconds, {"body": body.decode(errors="replace")}
+
+
 def wait_for_http(port: int, alive: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:

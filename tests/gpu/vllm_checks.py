@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from coldsnap.activation.demo import cold_start
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.demo import cold_start, first_answer, plain_server
+from coldsnap.activation.engine_process import ask_canary, post_empty
 from tests.gpu.gpu_checks import PROMPT_2, SKIP, NeedsMoreGpus, _coldsnap, _free_port
 
 LOGS = Path(os.environ.get("COLDSNAP_CHECK_LOGS") or tempfile.mkdtemp(prefix="coldsnap-vllm-logs-"))
@@ -183,20 +183,49 @@ def vllm_recreate_on_gpu() -> None:
     assert restored == expected, f"recreate {restored}, default loader {expected}"
 
 
-def vllm_native_start_on_gpu() -> None:
-    """``--load-format coldsnap`` in mode ``native`` from a captured pack: the weights come from the pack
-    and the server gives vLLM's default loader's tokens."""
-    with _scene() as (served, port, artifact):
-        _capture(artifact, served)
-        pack = next((artifact / "payload").glob("*.pack"))
+def _sleep_cycle(command: list[str], port: int, log: Path, env: dict[str, str]) -> dict:
+    """Start ``command`` (with ``--enable-sleep-mode``), ask PROMPT_2, sleep at level 1, wake, ask again."""
+    with plain_server(command, {**env, "VLLM_SERVER_DEV_MODE": "1"}, log) as (process, started):
+        start_seconds, before = first_answer(port, started, process, 480, PROMPT_2, 12, log)
+        sleep_seconds, _ = post_empty(port, "/sleep?level=1")
+        wake_seconds, _ = post_empty(port, "/wake_up")
+        started = time.perf_counter()
+        after = _complete(port)
+        first_after_wake = time.perf_counter() - started
+    cycle = {"start_s": round(start_seconds, 1), "sleep_s": round(sleep_seconds, 3), "wake_s": round(wake_seconds, 3),
+             "first_completion_after_wake_s": round(first_after_wake, 3), "before": before, "after": after,
+             "kv_gib": _kv_gib(log)}
+    print(log.stem, json.dumps(cycle))
+    return cycle
+
+
+def vllm_sleep_and_native_start_on_gpu() -> None:
+    """Sleep level 1 + ``/wake_up`` through coldsnap's sleep backend (``--enable-sleep-mode`` with
+    ``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap``), timed beside vLLM's own (default loader, cumem): the
+    same tokens before and after, the default loader's, and KV budgets within 2 %; then a native start
+    (``mode: native``) from the pack that coldsnap's sleep wrote: the weights come from the pack and the
+    tokens are the default loader's."""
+    with _scene("--enable-sleep-mode") as (served, port, artifact):
+        own = _sleep_cycle(served, port, LOGS / "sleep-vllm.log", _env())
+        packs = artifact.parent / "sleep-packs"
+        ours = _sleep_cycle([*served, "--load-format", "coldsnap"], port, LOGS / "sleep-coldsnap.log",
+                            _env(COLDSNAP_VLLM_SLEEP_BACKEND="coldsnap", COLDSNAP_SLEEP_PACK_DIR=str(packs)))
+        assert own["before"] == own["after"], own
+        assert ours["before"] == ours["after"] == own["before"], (ours, own)
+        assert own["kv_gib"] and ours["kv_gib"] and abs(ours["kv_gib"] - own["kv_gib"]) <= 0.02 * own["kv_gib"]
+        assert "coldsnap" in (LOGS / "sleep-coldsnap.log").read_text(errors="replace")
+        print(f"wake → first completion: vLLM's cumem {own['wake_s'] + own['first_completion_after_wake_s']:.3f} s, "
+              f"coldsnap's {ours['wake_s'] + ours['first_completion_after_wake_s']:.3f} s")
+
+        pack = json.loads((packs / "hibernation-rank0.json").read_text())["payload"]
         native_log = LOGS / "native-start.log"
-        config = json.dumps({"mode": "native", "pack": str(pack)})
-        seconds, native = _serve_and_ask([*served, "--load-format", "coldsnap", "--model-loader-extra-config", config],
-                                         port, native_log, _env())
+        config = json.dumps({"mode": "native", "pack": pack})
+        awake = [argument for argument in served if argument != "--enable-sleep-mode"]
+        seconds, native = _serve_and_ask([*awake, "--load-format", "coldsnap", "--model-loader-extra-config",
+                                          config], port, native_log, _env())
         assert "(native)" in native_log.read_text(errors="replace"), "the weights did not come from the pack"
-        print(f"native start: first answer after {seconds:.1f} s, tokens {native}")
-    seconds, expected = _serve_and_ask(served, port, LOGS / "default-loader.log", _env())
-    assert native == expected, f"native {native}, default loader {expected}"
+        print(f"native start from {Path(pack).name}: first answer after {seconds:.1f} s, tokens {native}")
+        assert native == own["before"], f"native {native}, default loader {own['before']}"
 
 
 def vllm_tp2_capture_restore_on_gpu() -> None:
@@ -214,8 +243,8 @@ def vllm_tp2_capture_restore_on_gpu() -> None:
     assert first == again == expected, f"restored {first} then {again}, TP2 default loader {expected}"
 
 
-CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu, vllm_native_start_on_gpu,
-                                  vllm_tp2_capture_restore_on_gpu)}
+CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu,
+                                  vllm_sleep_and_native_start_on_gpu, vllm_tp2_capture_restore_on_gpu)}
 
 if __name__ == "__main__":
     LOGS.mkdir(parents=True, exist_ok=True)

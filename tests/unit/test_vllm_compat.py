@@ -38,6 +38,7 @@ def test_vllm_0_26_hooks():
         "nccl_rebuild": "constructor",
         "distributed_checkpoint_hooks": False,
         "load_format": True,
+        "sleep_pools": True,
     }
 
 
@@ -51,6 +52,7 @@ def test_vllm_0_33_hooks():
         "nccl_rebuild": "from_unique_id_bytes",
         "distributed_checkpoint_hooks": True,
         "load_format": True,
+        "sleep_pools": True,
     }
 
 
@@ -189,3 +191,53 @@ def test_kv_buffers_that_do_not_fit_leave_the_kv_cache_outside_the_region(tmp_pa
     # a planned size too small for this vLLM's allocation pattern: no half-placed KV cache is reported
     raw, region = call_with_kv_region(allocators.per_layer, 2 << 20, "host", 0, config, "cpu")
     assert region is None and len(raw) == 2
+
+
+class _Worker:
+    """vLLM's ``Worker`` as far as its memory-pool context goes (0.26 and 0.33 alike)."""
+
+    def __init__(self, load_format, sleep_mode=True, backend="cumem"):
+        from types import SimpleNamespace
+
+        self.vllm_config = SimpleNamespace(
+            load_config=SimpleNamespace(load_format=load_format),
+            model_config=SimpleNamespace(enable_sleep_mode=sleep_mode, sleep_mode_backend=backend))
+
+    def _maybe_get_memory_pool_context(self, tag):
+        return f"cumem pool {tag}"
+
+
+def test_coldsnap_loads_stay_out_of_the_sleep_pools(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(compat, "_warned", set())
+    worker_module = SimpleNamespace(Worker=type("Worker", (_Worker,), {}))
+    compat.keep_coldsnap_loads_out_of_sleep_pools(worker_module)
+    compat.keep_coldsnap_loads_out_of_sleep_pools(worker_module)  # once only: not wrapped twice
+    Worker = worker_module.Worker
+    assert Worker._maybe_get_memory_pool_context.__wrapped__ is _Worker._maybe_get_memory_pool_context
+
+    assert Worker("safetensors")._maybe_get_memory_pool_context("weights") == "cumem pool weights"
+    monkeypatch.setenv(compat.SLEEP_BACKEND_ENV, "coldsnap")
+    with caplog.at_level("WARNING", logger="vllm.coldsnap"):
+        for tag in ("weights", "kv_cache"):
+            context = Worker("coldsnap")._maybe_get_memory_pool_context(tag)
+            with context:  # a no-op context: torch's own allocator
+                pass
+            assert context != f"cumem pool {tag}"
+    assert caplog.text == ""
+    monkeypatch.delenv(compat.SLEEP_BACKEND_ENV)
+    with caplog.at_level("WARNING", logger="vllm.coldsnap"):
+        Worker("coldsnap")._maybe_get_memory_pool_context("weights")  # vLLM's cumem backend: said once
+        Worker("coldsnap")._maybe_get_memory_pool_context("kv_cache")
+    assert caplog.text.count("only coldsnap's sleep backend releases") == 1
+    assert Worker("coldsnap", backend="coldsnap")._maybe_get_memory_pool_context("weights") != "cumem pool weights"
+
+
+def test_a_vllm_without_the_pool_hook_loses_only_that(monkeypatch, caplog):
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(compat, "_warned", set())
+    with caplog.at_level("WARNING", logger="vllm.coldsnap"):
+        compat.keep_coldsnap_loads_out_of_sleep_pools(SimpleNamespace())
+    assert "disabled on vLLM" in caplog.text and "_maybe_get_memory_pool_context" in caplog.text
