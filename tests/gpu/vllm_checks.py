@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -40,8 +41,10 @@ class NoVllm(Exception):
 
 
 def _vllm_serve(model: Path, port: int, *extra: str) -> list[str]:
+    """``vllm serve`` of the tiny model; ``COLDSNAP_CHECK_VLLM_ARGS`` adds flags (a host's workarounds)."""
+    more = shlex.split(os.environ.get("COLDSNAP_CHECK_VLLM_ARGS", ""))
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model), "--port", str(port),
-            "--max-model-len", "256", "--gpu-memory-utilization", "0.3", *extra]
+            "--max-model-len", "256", "--gpu-memory-utilization", "0.3", *extra, *more]
 
 
 def _env(**more: str) -> dict[str, str]:
@@ -228,6 +231,16 @@ def vllm_sleep_and_native_start_on_gpu() -> None:
         assert native == own["before"], f"native {native}, default loader {own['before']}"
 
 
+def vllm_tp2_default_start_on_gpu() -> None:
+    """vLLM's own TP2 start on this host (default loader, no coldsnap): the baseline the TP2 check needs."""
+    from tests.gpu.gpu_checks import _two_gpus
+
+    _two_gpus()
+    with _scene("--tensor-parallel-size", "2") as (served, port, _):
+        seconds, tokens = _serve_and_ask(served, port, LOGS / "default-loader-tp2.log", _env(VLLM_PLUGINS=""), 300)
+    print(f"TP2 default loader: first answer after {seconds:.1f} s, tokens {tokens}")
+
+
 def vllm_tp2_capture_restore_on_gpu() -> None:
     """`--tensor-parallel-size 2` on two GPUs: capture (NCCL torn down inside vLLM's groups, both ranks
     CUDA-checkpointed), restore twice (NCCL rebuilt, graphs recaptured): the TP2 default loader's tokens."""
@@ -244,7 +257,8 @@ def vllm_tp2_capture_restore_on_gpu() -> None:
 
 
 CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu,
-                                  vllm_sleep_and_native_start_on_gpu, vllm_tp2_capture_restore_on_gpu)}
+                                  vllm_sleep_and_native_start_on_gpu, vllm_tp2_default_start_on_gpu,
+                                  vllm_tp2_capture_restore_on_gpu)}
 
 if __name__ == "__main__":
     LOGS.mkdir(parents=True, exist_ok=True)
