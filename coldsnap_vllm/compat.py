@@ -46,7 +46,8 @@ from typing import Any, Callable
 __all__ = ["SUPPORTED", "KV_ALLOCATION_SITES", "PROBED", "KvAllocationSite", "vllm_version", "supported",
            "probe", "lookup", "disabled", "create_model", "online_quantized_before_build",
            "online_quantized_model", "finalize_online_quantization", "release_model_runner_v2_graphs", "sleep_backend_override", "SLEEP_BACKEND_ENV",
-           "WORKER_MODULE", "keep_coldsnap_loads_out_of_sleep_pools"]
+           "WORKER_MODULE", "keep_coldsnap_loads_out_of_sleep_pools",
+           "clear_every_graph_wrapper"]
 
 log = logging.getLogger("vllm.coldsnap")
 
@@ -253,6 +254,26 @@ def keep_coldsnap_loads_out_of_sleep_pools(worker_module: Any) -> None:
     memory_pool_context.__coldsnap__ = True  # type: ignore[attr-defined]
     memory_pool_context.__wrapped__ = original  # type: ignore[attr-defined]
     worker._maybe_get_memory_pool_context = memory_pool_context
+
+
+GRAPH_WRAPPERS = ("vllm.compilation.cuda_graph:CUDAGraphWrapper",
+                  "vllm.compilation.breakable_cudagraph:BreakableCUDAGraphWrapper")
+
+
+def clear_every_graph_wrapper() -> list[str]:
+    """Drop the graphs of every live vLLM CUDA graph wrapper (``clear_all_graphs``, 0.26 and 0.33): the
+    piecewise graphs of a compiled model live in wrappers inside it, out of the model runner's reach.
+    Returns the wrapper classes cleared."""
+    cleared = []
+    for symbol in GRAPH_WRAPPERS:
+        try:
+            wrapper = lookup(symbol)
+        except LookupError:
+            continue
+        if hasattr(wrapper, "clear_all_graphs"):
+            wrapper.clear_all_graphs()
+            cleared.append(symbol.rsplit(":", 1)[1])
+    return cleared
 
 
 def release_model_runner_v2_graphs(manager: Any) -> None:

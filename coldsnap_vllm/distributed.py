@@ -28,17 +28,50 @@ and its gloo ``cpu_group``, and replaces only the NCCL communicator inside it:
 
 Both ``retain`` and ``recreate`` recapture at TP > 1: stock NCCL cannot rebuild a communicator in
 place, so a retained graph would replay kernels of a destroyed one.
+
+What vLLM 0.26 at TP 2 on two H200s showed (``benchmarks/results/vllm-h200-tp2/``): capture succeeded,
+every restore failed in ``cuCheckpointProcessRestore`` of a worker (``CUDA_ERROR_INVALID_VALUE`` with
+custom all-reduce and symmetric memory on, ``CUDA_ERROR_NOT_SUPPORTED`` with both off), while
+coldsnap's own two-rank workload, whose only NCCL is its own and fully aborted, restores. Two things of
+NCCL were still alive in vLLM's workers at the checkpoint, and the teardown now ends both:
+
+- **pynccl's abort had not finished.** vLLM's ``PyNcclCommunicator.destroy`` runs ``ncclCommAbort`` in a
+  thread it waits on for 5 s, because the abort blocks while a CUDA graph holds the communicator's
+  kernels; the teardown took exactly 5.0 s per rank: Model Runner V2's piecewise graphs live in
+  ``CUDAGraphWrapper`` instances inside the compiled model, which releasing the runner's graphs did not
+  drop. ``release_graphs`` now clears every wrapper (vLLM's ``clear_all_graphs``), and the teardown
+  aborts each communicator itself and fails the capture if the abort does not return, instead of
+  checkpointing a half-aborted communicator.
+- **torch's NCCL process groups** (the open question this module carried): every ``GroupCoordinator``
+  has a ``device_group``, a torch ``ProcessGroupNCCL`` vLLM uses beside pynccl (``gather``,
+  ``broadcast``, the base all-gather), whose NCCL communicators map their peer's memory. The teardown
+  aborts them (and the default group's NCCL backend); the rebuild makes each group's ``device_group``
+  again with ``new_group(..., use_local_synchronization=True)`` over the default group's store, which
+  the snapshot carries (its TCP connections are restored established).
+
+Neither change has run on a GPU yet (the session's device time ran out after the failing runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
+import time
 from typing import Any, Callable, Iterable
 
 from coldsnap.collective.group import Rendezvous, between_barriers, share_unique_id
-from coldsnap_vllm.compat import release_model_runner_v2_graphs
+from coldsnap_vllm.compat import clear_every_graph_wrapper, release_model_runner_v2_graphs
 
-__all__ = ["VllmCollectives", "VllmGraphs", "vllm_groups"]
+__all__ = ["VllmCollectives", "VllmGraphs", "VllmTeardownError", "vllm_groups"]
+
+ABORT_TIMEOUT_S = 30.0
+"""How long one ``ncclCommAbort`` may take once no graph holds the communicator (it returns in
+milliseconds then); longer means something still does, and the snapshot would carry the communicator."""
+
+
+class VllmTeardownError(RuntimeError):
+    """vLLM's NCCL state could not be ended before the snapshot (the capture fails rather than keep it)."""
 
 
 def vllm_groups() -> list[Any]:
@@ -52,6 +85,71 @@ def vllm_groups() -> list[Any]:
 def _pynccl(group: Any) -> Any:
     communicator = getattr(group, "device_communicator", None)
     return getattr(communicator, "pynccl_comm", None)
+
+
+def _abort_pynccl(pynccl: Any, name: str) -> float:
+    """``ncclCommAbort`` of a ``PyNcclCommunicator``, waited for (vLLM's own ``destroy`` gives up after 5 s
+    and leaves the abort running); marks it disabled as ``destroy`` does. Returns the seconds it took."""
+    finished = threading.Event()
+    failure: list[BaseException] = []
+
+    def abort() -> None:
+        try:
+            index = getattr(getattr(pynccl, "device", None), "index", None)
+            with _on_device(index):
+                pynccl.nccl.ncclCommAbort(pynccl.comm)
+        except BaseException as exc:  # noqa: BLE001 - reported below, in the calling thread
+            failure.append(exc)
+        finally:
+            finished.set()
+
+    started = time.perf_counter()
+    timeout = ABORT_TIMEOUT_S
+    threading.Thread(target=abort, name=f"coldsnap-nccl-abort-{name}", daemon=True).start()
+    if not finished.wait(timeout):
+        raise VllmTeardownError(f"group {name}: ncclCommAbort did not return within {timeout:.0f} s; a CUDA graph "
+                                "still holds the communicator's kernels, and a snapshot now would carry it")
+    if failure:
+        raise VllmTeardownError(f"group {name}: ncclCommAbort failed: {failure[0]}") from failure[0]
+    pynccl.available = False
+    pynccl.disabled = True
+    return time.perf_counter() - started
+
+
+def _on_device(index: int | None) -> Any:
+    import torch
+
+    if index is None or not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    return torch.cuda.device(index)
+
+
+def _nccl_process_group(group: Any) -> Any:
+    """The group's torch ``device_group`` when NCCL backs it, else None."""
+    process_group = getattr(group, "device_group", None)
+    if process_group is None:
+        return None
+    import torch.distributed as dist
+
+    try:
+        return process_group if dist.get_backend(process_group) == "nccl" else None
+    except (RuntimeError, ValueError):  # not a registered group (a stand-in, or already destroyed)
+        return None
+
+
+def _abort_default_nccl_backend() -> None:
+    """Abort the NCCL backend of torch's default group; the group and its store stay (``new_group``
+    needs them). vLLM makes no collective on the default group after start-up."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    try:
+        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
+    except RuntimeError:
+        return
+    backend.abort()
 
 
 def _call_if_present(module: Any, name: str) -> None:
@@ -71,6 +169,7 @@ class VllmCollectives:
         self._communicator_class = communicator_class  # PyNcclCommunicator (injectable for the CPU tests)
         self._state = state  # vllm.distributed.parallel_state (injectable likewise)
         self.torn_down: list[Any] = []  # groups whose pynccl was destroyed, in name order
+        self.process_groups_aborted: list[Any] = []  # groups whose torch NCCL device_group was aborted
         self.generation = 0
 
     def _parallel_state(self) -> Any:
@@ -89,21 +188,32 @@ class VllmCollectives:
 
     def teardown(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 120.0) -> None:
         def release() -> None:
-            live = [g for g in self._groups() if (p := _pynccl(g)) is not None and not p.disabled]
-            if not live:
+            groups = list(self._groups())
+            live = [g for g in groups if (p := _pynccl(g)) is not None and not p.disabled]
+            torch_nccl = [g for g in groups if _nccl_process_group(g) is not None]
+            if not live and not torch_nccl:
                 return  # vLLM's CPU build: gloo and shared memory, which the snapshot carries
             _call_if_present(self._parallel_state(), "checkpoint_prepare_distributed_state")  # 0.33 only
             for group in live:
                 communicator = group.device_communicator
-                communicator.ca_comm = None  # custom all-reduce: IPC buffers of other processes
-                communicator.pynccl_comm.destroy()  # ncclCommAbort; the object stays, disabled
+                custom = getattr(communicator, "ca_comm", None)
+                if custom is not None and hasattr(custom, "close"):
+                    custom.close()  # custom all-reduce: unmaps the other processes' IPC buffers
+                communicator.ca_comm = None
+                seconds[f"abort_{group.unique_name}"] = _abort_pynccl(communicator.pynccl_comm, group.unique_name)
+            for group in torch_nccl:
+                _nccl_process_group(group).abort()  # torch's communicators of this group; the group is made anew
+            if torch_nccl:
+                _abort_default_nccl_backend()
             self.torn_down = live
+            self.process_groups_aborted = torch_nccl
 
         between_barriers(rendezvous, seconds, "teardown", ("vllm.teardown", "vllm.torn_down"), timeout, release)
 
     def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
         def connect() -> None:
             self.generation += 1
+            self._new_process_groups()
             if not self.torn_down:
                 return
             cls = self._new_communicator()
@@ -124,6 +234,21 @@ class VllmCollectives:
             self.torn_down = []
 
         between_barriers(rendezvous, seconds, "rebuild", ("vllm.rebuild", "vllm.rebuilt"), timeout, connect)
+
+    def _new_process_groups(self) -> None:
+        """Each aborted group's torch ``device_group`` made again, in name order, by its members only."""
+        if not self.process_groups_aborted:
+            return
+        import torch.distributed as dist
+
+        for group in self.process_groups_aborted:
+            made = dist.new_group(list(group.ranks), backend="nccl", use_local_synchronization=True,
+                                  group_desc=f"{group.unique_name}:device:coldsnap{self.generation}")
+            group.device_group = made
+            communicator = getattr(group, "device_communicator", None)
+            if communicator is not None and hasattr(communicator, "device_group"):
+                communicator.device_group = made
+        self.process_groups_aborted = []
 
     @staticmethod
     def _register_symmetric_ops(communicator: Any) -> None:
@@ -167,6 +292,7 @@ class VllmGraphs:
             release_model_runner_v2_graphs(manager)
         elif isinstance(runner.model, CUDAGraphWrapper):
             runner.model.concrete_cudagraph_entries = {}
+        clear_every_graph_wrapper()  # piecewise graphs live in wrappers inside the compiled model
         torch.compiler.reset()
         with set_current_vllm_config(runner.vllm_config):
             reset_compile_wrapper(runner.get_model())

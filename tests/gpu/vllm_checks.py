@@ -28,6 +28,10 @@ LOGS = Path(os.environ.get("COLDSNAP_CHECK_LOGS") or tempfile.mkdtemp(prefix="co
 # vLLM 0.26 on the host: both samplers import flashinfer unless told not to; no hub.
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1",
             "NCCL_NVLS_ENABLE": "0"}
+# vLLM 0.26's FlashInfer all-reduce + RMSNorm fusion (backend mnnvl) breaks TP 2 on the H200 pair with
+# NVLS off: cuBLAS init failure and an illegal address in the first profile run, with or without
+# coldsnap (benchmarks/results/vllm-h200-tp2/). The TP checks turn the fusion off.
+TP_FLAGS = ("--tensor-parallel-size", "2", "--compilation-config", '{"pass_config": {"fuse_allreduce_rms": false}}')
 KV_LINE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
 
 
@@ -236,7 +240,7 @@ def vllm_tp2_default_start_on_gpu() -> None:
     from tests.gpu.gpu_checks import _two_gpus
 
     _two_gpus()
-    with _scene("--tensor-parallel-size", "2") as (served, port, _):
+    with _scene(*TP_FLAGS) as (served, port, _):
         seconds, tokens = _serve_and_ask(served, port, LOGS / "default-loader-tp2.log", _env(VLLM_PLUGINS=""), 300)
     print(f"TP2 default loader: first answer after {seconds:.1f} s, tokens {tokens}")
 
@@ -247,7 +251,7 @@ def vllm_tp2_capture_restore_on_gpu() -> None:
     from tests.gpu.gpu_checks import _two_gpus
 
     _two_gpus()
-    with _scene("--tensor-parallel-size", "2") as (served, port, artifact):
+    with _scene(*TP_FLAGS) as (served, port, artifact):
         _capture(artifact, served)
         first, resume = _restore_and_ask(artifact, port, 0)
         assert resume.get("graphs_recaptured") and resume.get("rank1.graphs_recaptured"), resume

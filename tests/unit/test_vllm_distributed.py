@@ -20,6 +20,13 @@ TOKEN = b"vllm-distributed-test-token-0123"
 class NcclLibraryForCpuTest:
     def __init__(self, rank):
         self.rank = rank
+        self.aborted = []
+        self.abort_blocks = None  # an Event the abort waits on: a CUDA graph still holding the communicator
+
+    def ncclCommAbort(self, comm):
+        if self.abort_blocks is not None:
+            self.abort_blocks.wait(10)
+        self.aborted.append(comm)
 
     def ncclGetUniqueId(self):
         class UniqueId:
@@ -32,14 +39,18 @@ class PyNcclForCpuTest:
 
     def __init__(self, rank, unique_id=None, group="gloo-cpu-group"):
         self.disabled = False
-        self.destroyed = False
+        self.available = True
         self.nccl = NcclLibraryForCpuTest(rank)
+        self.comm = f"ncclComm of rank {rank}"
         self.unique_id = unique_id
         self.group = group
 
+    @property
+    def destroyed(self):
+        return self.disabled and self.nccl.aborted == [self.comm]
+
     def destroy(self):
-        self.destroyed = True
-        self.disabled = True
+        raise AssertionError("vLLM's destroy gives up on a blocked abort after 5 s; coldsnap aborts itself")
 
     @classmethod
     def from_unique_id_bytes(cls, unique_id, rank, world_size, device):
@@ -116,6 +127,7 @@ def test_nccl_is_torn_down_and_rebuilt_inside_the_same_groups():
         collectives.rebuild(client, seconds[collectives.rank])
 
     _, states = run_ranks(2, groups_of, cycle)
+    assert {"abort_world:0", "abort_tp:0"} <= set(seconds[0])
     for rank in range(2):
         assert states[rank].calls == ["prepare", "restore"]
         assert {"teardown", "teardown_barrier", "rebuild", "rebuild_barrier"} <= set(seconds[rank])
@@ -139,3 +151,20 @@ def test_groups_without_nccl_have_nothing_to_tear_down():
     _, states = run_ranks(2, groups_of, cycle)
     assert states[0].calls == states[1].calls == []
     assert all(g.device_communicator.ca_comm for groups in groups_of for g in groups)  # untouched
+
+
+def test_an_abort_that_does_not_return_fails_the_teardown(monkeypatch):
+    """A CUDA graph still holding the communicator blocks ncclCommAbort: the capture must fail, not
+    checkpoint a half-aborted communicator (vLLM's own destroy gives up after 5 s and goes on)."""
+    from coldsnap_vllm import distributed
+
+    monkeypatch.setattr(distributed, "ABORT_TIMEOUT_S", 0.2)
+    release = threading.Event()
+    pynccl = PyNcclForCpuTest(0)
+    pynccl.nccl.abort_blocks = release
+    try:
+        with pytest.raises(distributed.VllmTeardownError, match="tp:0: ncclCommAbort did not return within 0 s"):
+            distributed._abort_pynccl(pynccl, "tp:0")
+        assert not pynccl.disabled
+    finally:
+        release.set()
