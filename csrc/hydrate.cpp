@@ -383,6 +383,21 @@ Stats run(const std::string& path, const std::vector<CopyItem>& items, const Opt
   RunState state;
   const auto started = std::chrono::steady_clock::now();
   std::vector<std::thread> pool;
+  // Every worker is joined however this frame is left (a joinable std::thread destroyed by an unwind
+  // calls std::terminate), e.g. when starting the next worker throws.
+  struct JoinEveryWorker {
+    std::vector<std::thread>& pool;
+    RunState& state;
+    ~JoinEveryWorker() {
+      bool joinable = false;
+      for (auto& t : pool) joinable = joinable || t.joinable();
+      if (!joinable) return;
+      state.fail("the hydration was abandoned");
+      for (auto& t : pool) {
+        if (t.joinable()) t.join();
+      }
+    }
+  } join_every_worker{pool, state};
   pool.reserve(threads);
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back(worker, t, std::cref(file), std::cref(units), std::cref(options), file.direct(), staging,

@@ -3,7 +3,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -19,6 +21,34 @@ namespace hy = coldsnap::hydrate;
 namespace nc = coldsnap::nccl;
 
 namespace {
+
+bool interpreter_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// The GIL released for a long native call made from a Python thread that may be a daemon thread.
+// Python ends a thread that takes the GIL while the interpreter shuts down with pthread_exit, whose
+// forced unwind cannot pass the noexcept destructor of pybind11's gil_scoped_release: std::terminate,
+// "terminate called without an active exception", exit 134 (seen when `coldsnap restore` failed and
+// exited while its staging or prefetch thread was still hydrating). The process is exiting then: park
+// this thread instead of taking the GIL, and let the exit end it.
+class GilReleasedUnlessFinalizing {
+ public:
+  GilReleasedUnlessFinalizing() : state_(PyEval_SaveThread()) {}
+  GilReleasedUnlessFinalizing(const GilReleasedUnlessFinalizing&) = delete;
+  GilReleasedUnlessFinalizing& operator=(const GilReleasedUnlessFinalizing&) = delete;
+  ~GilReleasedUnlessFinalizing() {
+    while (interpreter_finalizing()) std::this_thread::sleep_for(std::chrono::seconds(1));
+    PyEval_RestoreThread(state_);
+  }
+
+ private:
+  PyThreadState* state_;
+};
 
 // The Python type of each C++ error with a result code. Owned by pybind11's register_exception
 // storage, which lives until interpreter shutdown, so a borrowed pointer is fine.
@@ -132,6 +162,7 @@ py::dict hydrate(const std::string& path, const std::vector<std::tuple<std::uint
   std::function<bool(std::uint64_t, std::uint64_t)> poll;
   if (!progress.is_none()) {
     poll = [&](std::uint64_t done, std::uint64_t total) {
+      if (interpreter_finalizing()) return false;  // stop the workers; taking the GIL now ends the thread
       py::gil_scoped_acquire gil;
       try {
         py::object keep = progress(done, total);
@@ -144,7 +175,7 @@ py::dict hydrate(const std::string& path, const std::vector<std::tuple<std::uint
   }
   hy::Stats stats;
   try {
-    py::gil_scoped_release nogil;
+    GilReleasedUnlessFinalizing nogil;
     stats = hy::run(path, plan, options, poll);
   } catch (const hy::HydrationError&) {
     if (callback_error) throw std::move(*callback_error);

@@ -139,3 +139,45 @@ def test_recovery_replay_places_tensors_at_captured_offsets(tmp_path):
         replay_safetensors(files, wrong, {"weights": region})
     assert "captured bfloat16[64, 66]" in str(caught.value) and "'missing' is in no safetensors file" in str(caught.value)
     assert bytes(region.host_view(0, 64)) == b"\0" * 64  # refused as a whole: nothing written
+
+
+EXIT_DURING_HYDRATION = """
+import os, sys, threading
+from coldsnap.hydrate import CopyItem, hydrate_items
+from coldsnap.memory import reserve
+
+path = sys.argv[1]
+size = os.stat(path).st_size
+region = reserve("weights", size, backend="host")
+region.map(size)
+polled = threading.Event()
+
+def keep_going(done, total):
+    polled.set()
+    return True
+
+def hydrate():
+    hydrate_items(path, [CopyItem(0, size, region.base)], [region], threads=1, chunk_bytes=256 << 10, direct=False,
+                  progress=keep_going)
+
+threading.Thread(target=hydrate, daemon=True).start()
+assert polled.wait(30), "the hydration never reported progress"
+print("exiting while hydrating", flush=True)
+sys.exit(0)
+"""
+
+
+def test_the_process_exits_cleanly_while_a_daemon_thread_hydrates(tmp_path):
+    """A launcher that fails and exits while its staging thread still hydrates (a daemon thread whose
+    progress callback then wants the GIL) exits normally; it used to die in std::terminate (exit 134)."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "sparse.bin"
+    with open(source, "wb") as f:
+        f.truncate(1 << 30)  # sparse: read at memory speed, ~0.2 s or more on one thread
+    script = tmp_path / "exit_during_hydration.py"
+    script.write_text(EXIT_DURING_HYDRATION)
+    result = subprocess.run([sys.executable, str(script), str(source)], capture_output=True, text=True, timeout=120)
+    assert "exiting while hydrating" in result.stdout, result.stderr
+    assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr
