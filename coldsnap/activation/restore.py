@@ -25,7 +25,7 @@ from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.snapshot.process_tree import kill_tree
-from coldsnap.agent.server import AgentError, request
+from coldsnap.agent.server import AgentError, Lease, request
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
@@ -194,6 +194,7 @@ def restore(context: OperationContext) -> OperationOutcome:
             prefetch_error.append(exc)
 
     restored_pid: int | None = None
+    lease: Lease | None = None
     handed_over: list[int] = []
     try:
         with timer.span("restore.criu_restore") as span:
@@ -205,6 +206,11 @@ def restore(context: OperationContext) -> OperationOutcome:
             result = CriuSnapshotter(options=options).restore(artifact.images(unit.unit_id))
             restored_pid = result.pid
             span["pid"] = result.pid
+        with timer.span("restore.lease"):
+            try:  # until the canary matches, the restored tree dies with this launcher
+                lease = Lease([records[w.rank]["control"] for w in workers])
+            except (AgentError, OSError) as exc:
+                raise OperationFailed("restore.lease", f"the restored agents did not take this launcher's lease: {exc}") from None
         gpu_pids = list(metadata.get("gpu_pids") or [])
         if gpu_pids:
             with timer.span("restore.cuda_restore") as span:
@@ -268,6 +274,7 @@ def restore(context: OperationContext) -> OperationOutcome:
             span["tokens"] = len(canary.token_ids)
         if canary.token_ids != descriptor.canary.token_ids or canary.text != descriptor.canary.expected_response:
             raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {descriptor.canary.expected_response!r}")
+        lease.release()
     except BaseException as exc:
         for stager in stagers.values():
             stager.cancel()
@@ -278,6 +285,8 @@ def restore(context: OperationContext) -> OperationOutcome:
             os.close(fd)
         if restored_pid is not None:
             kill_tree(restored_pid)
+        if lease is not None:
+            lease.close()
         if isinstance(exc, CriuError):
             raise OperationFailed("restore.criu", str(exc)) from None
         if isinstance(exc, (AgentError, OSError)):

@@ -20,7 +20,7 @@ from coldsnap.agent.xstate import dynamic_permissions, request_permissions
 if TYPE_CHECKING:
     from coldsnap.collective.group import DistributedState, Rendezvous
 
-__all__ = ["AgentHooks", "AgentServer", "AgentError", "rank_control", "start_agent", "request"]
+__all__ = ["AgentHooks", "AgentServer", "AgentError", "Lease", "hold_lease", "rank_control", "start_agent", "request"]
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class AgentServer:
         self.port = port
         self.hooks = hooks or AgentHooks()
         self.state = "serving"
+        self.on_lease_lost: Callable[[], None] = _stop_process_group  # what a lapsed restore lease does
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(_address(self.control))
@@ -86,11 +87,17 @@ class AgentServer:
     def _serve(self) -> None:
         while True:
             connection, _ = self._listener.accept()
-            with connection:
+            with contextlib.ExitStack() as closing:
+                closing.callback(connection.close)
                 fds: list[int] = []
                 try:
                     line, fds = _receive_line(connection)
                     command = json.loads(line)
+                    if command.get("command") == "lease":  # the connection is the lease: another thread owns it
+                        closing.pop_all()
+                        threading.Thread(target=hold_lease, args=(connection, self.on_lease_lost), name="coldsnap-agent-lease",
+                                         daemon=True).start()
+                        continue
                     reply = {"ok": True, **self.handle(command, _ProgressLines(connection), fds)}
                 except Exception as exc:  # every failure goes back to the launcher, none kills the engine
                     log.exception("coldsnap agent command failed")
@@ -314,6 +321,63 @@ def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lo
 
 
 MAX_FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253 descriptors per message on Linux
+
+
+def _stop_process_group() -> None:
+    log.error("coldsnap agent: the restoring launcher died before the canary matched; stopping this process tree")
+    os.killpg(os.getpgrp(), 9)
+
+
+def hold_lease(connection: socket.socket, on_lost: Callable[[], None] = _stop_process_group) -> bool:
+    """Hold the restoring launcher's lease on this process tree: until the launcher says ``release``
+    (its canary matched) the tree lives only as long as the launcher, whose death closes the connection:
+    then ``on_lost`` (default: SIGKILL to this process group). Returns True when released."""
+    with connection:
+        try:
+            connection.sendall(b'{"ok": true, "leased": true}\n')
+            reader = connection.makefile("rb")
+            while line := reader.readline():
+                if line.strip() == b"release":
+                    return True
+        except OSError:
+            pass
+    on_lost()
+    return False
+
+
+class Lease:
+    """The launcher's side of :func:`hold_lease`: taken on each rank's agent right after CRIU restored
+    the tree, released once the canary matched. If the launcher dies in between, the kernel closes
+    these connections and each agent stops its process tree."""
+
+    def __init__(self, controls: list[str], timeout: float = 30.0):
+        self._connections: list[socket.socket] = []
+        try:
+            for control in controls:
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._connections.append(connection)
+                connection.settimeout(timeout)
+                connection.connect(_address(control))
+                connection.sendall(b'{"command": "lease"}\n')
+                if b'"leased": true' not in connection.recv(256):
+                    raise AgentError(f"agent at {control} did not take the lease")
+        except BaseException:
+            self.close()
+            raise
+
+    def release(self) -> None:
+        """The server is on its own from now on."""
+        for connection in self._connections:
+            try:
+                connection.sendall(b"release\n")
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        for connection in self._connections:
+            connection.close()
+        self._connections = []
 
 
 def _receive_line(connection: socket.socket) -> tuple[bytes, list[int]]:

@@ -1,0 +1,92 @@
+"""The restore lease: until the canary matched, a restored process tree lives only as long as the
+`coldsnap restore` launcher that restored it (issue 13: a launcher SIGKILLed mid-restore left the
+engine running, unowned, holding its port and GPU memory)."""
+
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from coldsnap.agent.server import AgentServer, Lease, hold_lease
+
+AGENT = """
+import sys, threading, time
+from coldsnap.agent.server import AgentServer
+AgentServer(sys.argv[1], memory=None, serving_lock=threading.Lock()).start()
+print("agent ready", flush=True)
+time.sleep(120)
+"""
+
+LAUNCHER = """
+import sys, time
+from coldsnap.agent.server import Lease
+lease = Lease([sys.argv[1]])
+if sys.argv[2] == "release":
+    lease.release()
+print("leased", flush=True)
+time.sleep(120)
+"""
+
+
+def _control() -> str:
+    return f"@coldsnap-test-lease-{uuid.uuid4().hex[:12]}"
+
+
+def test_a_released_lease_is_kept_and_a_dropped_one_is_lost():
+    for ending, released in (("release", True), ("close", False)):
+        agent_end, launcher_end = socket.socketpair()
+        lost = []
+        holder = threading.Thread(target=lambda: lost.append(not hold_lease(agent_end, lambda: lost.append("lost"))))
+        holder.start()
+        assert launcher_end.recv(64).startswith(b'{"ok": true, "leased": true}')
+        if ending == "release":
+            launcher_end.sendall(b"release\n")
+        launcher_end.close()
+        holder.join(5)
+        assert lost == ([False] if released else ["lost", True])
+
+
+def test_the_agent_hands_the_lease_to_its_own_thread_and_keeps_serving():
+    control = _control()
+    agent = AgentServer(control, memory=None, serving_lock=threading.Lock())
+    lost = threading.Event()
+    agent.on_lease_lost = lost.set
+    agent.start()
+    lease = Lease([control])
+    from coldsnap.agent.server import request
+
+    with pytest.raises(Exception, match="unknown command"):
+        request(control, {"command": "no-such-command"}, timeout=5)  # served while the lease is held
+    lease.close()  # the launcher died before the canary
+    assert lost.wait(5)
+
+
+@pytest.mark.parametrize("ending", ["killed", "release"])
+def test_a_restored_tree_dies_with_its_launcher_until_released(tmp_path, ending):
+    """Real processes: the agent's process group is SIGKILLed when the launcher holding its lease is;
+    a released lease leaves it running."""
+    control = _control()
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, control], stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    launcher = None
+    try:
+        assert agent.stdout.readline().strip() == "agent ready"
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, control, ending], stdout=subprocess.PIPE, text=True)
+        assert launcher.stdout.readline().strip() == "leased"
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(10)
+        if ending == "killed":
+            assert agent.wait(10) == -signal.SIGKILL
+        else:
+            time.sleep(1.0)
+            assert agent.poll() is None  # on its own after the canary
+    finally:
+        for process in (agent, launcher):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
