@@ -49,7 +49,11 @@ NCCL were still alive in vLLM's workers at the checkpoint, and the teardown now 
   again with ``new_group(..., use_local_synchronization=True)`` over the default group's store, which
   the snapshot carries (its TCP connections are restored established).
 
-Neither change has run on a GPU yet (the session's device time ran out after the failing runs).
+Neither change has run on a GPU yet (the session's device time ran out after the failing runs). Not
+handled on 0.26 either: torch symmetric-memory all-reduce buffers (``symm_mem_comm``; it disables itself
+without NVLS multicast, as on the H200 pair) and FlashInfer all-reduce workspaces (0.33 releases them
+through ``checkpoint_prepare_distributed_state``; on 0.26 they exist only with the all-reduce fusion,
+which the H200 pair needs off).
 """
 
 from __future__ import annotations
