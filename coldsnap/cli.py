@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -306,6 +307,10 @@ def _cmd_restore(args: argparse.Namespace) -> int:
     if not args.request_json and not args.artifact:
         print("coldsnap: give the artifact directory (or --request-json)", file=sys.stderr)
         return EXIT_USAGE
+    if args.state_dir:
+        from coldsnap.activation.artifact_dir import STATE_DIR_ENV
+
+        os.environ[STATE_DIR_ENV] = os.path.abspath(args.state_dir)
     return _run_lifecycle(args, _restore_request, "restore")
 
 
@@ -468,11 +473,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Admit the artifact (descriptor, platform, CRIU check, capsule, native packs, serving port) and, "
         "unless --prepare-only, restore the process tree while the payload is prefetched, let the agent map and "
         "hydrate the weights and zero the KV cache, and require the canary to give the captured tokens exactly. "
-        "On failure everything restored is killed and the artifact is left as it was. "
-        "Exit 0 when serving, 1 on a failed restore, 2 for bad input.",
+        "On failure everything restored is killed. A restore writes nothing inside DIR (it may be read-only, "
+        "moved or a copy): the restored server's log, CRIU's files and validation records go to the state "
+        "directory. Exit 0 when serving, 1 on a failed restore, 2 for bad input.",
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
+    p.add_argument("--state-dir", metavar="STATE",
+                   help="where restores write (STATE/<artifact id>/logs/<unit>.log is the restored server's log); "
+                   "default $COLDSNAP_STATE_DIR, else $XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or "
+                   "/tmp/coldsnap-<uid>")
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_restore)
 

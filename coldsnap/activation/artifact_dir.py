@@ -5,16 +5,29 @@
     DIR/payload/<sha256>.pack      native payload, and <sha256>.residual
     DIR/units/<unit>/images/       CRIU images of the unit's process tree
     DIR/units/<unit>/capsule.json  the images' manifest (name, size, SHA-256) + activation metadata
-    DIR/logs/<unit>.log            the serving process's output (appended by every incarnation)
+    DIR/logs/<unit>.log            the serving process's output up to the capture
 
 Without ``artifact.json`` nothing in DIR is an artifact: a failed capture leaves no descriptor, and a
 capture refuses a DIR that already has one.
+
+A restore writes nothing into DIR, so an artifact can ship read-only (an image layer, NFS) and move or
+be copied: what a restore writes lives in its state directory (:func:`state_dir`),
+
+    STATE/<artifact id>/logs/<unit>.log     the restored process's output: the captured log, then its own
+    STATE/<artifact id>/criu/               CRIU's restore logs, stats and pidfile
+    STATE/<artifact id>/records/...         validation records of the artifact's files, where the artifact's
+                                            own no longer match (a moved or copied artifact)
+
+where STATE is ``--state-dir`` / ``COLDSNAP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/coldsnap``, else
+``/run/coldsnap`` (root), else ``/tmp/coldsnap-<uid>``, and the artifact id is the start of the SHA-256
+of ``artifact.json`` (the same for a moved or copied artifact).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -25,7 +38,18 @@ from coldsnap.contracts.base import load_document
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record
 
-__all__ = ["ArtifactDir", "file_ref", "sha256_file"]
+__all__ = ["ArtifactDir", "STATE_DIR_ENV", "file_ref", "sha256_file", "state_root"]
+
+STATE_DIR_ENV = "COLDSNAP_STATE_DIR"
+
+
+def state_root() -> Path:
+    """Where restores keep what they write (see the module docstring)."""
+    chosen = os.environ.get(STATE_DIR_ENV) or (
+        str(Path(os.environ["XDG_RUNTIME_DIR"]) / "coldsnap") if os.environ.get("XDG_RUNTIME_DIR") else "")
+    if chosen:
+        return Path(chosen)
+    return Path("/run/coldsnap") if os.geteuid() == 0 else Path(f"/tmp/coldsnap-{os.getuid()}")
 
 
 def sha256_file(path: Path) -> str:
@@ -55,6 +79,23 @@ class ArtifactDir:
 
     def log_path(self, unit_id: str) -> Path:
         return self.root / "logs" / f"{unit_id}.log"
+
+    def state_dir(self) -> Path:
+        """This artifact's state directory (created): where its restores write."""
+        identity = hashlib.sha256(self.descriptor_path.read_bytes()).hexdigest()[:16]
+        path = state_root() / identity
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return path
+
+    def record_dir(self, path: Path) -> Path | None:
+        """Where a restore keeps the validation record of ``path`` (a file in this artifact), or None
+        when the state directory cannot be made (verification then hashes unrecorded files in full)."""
+        try:
+            directory = self.state_dir() / "records" / self.relative(path.parent)
+            directory.mkdir(parents=True, exist_ok=True)
+            return directory
+        except OSError:
+            return None
 
     def committed(self) -> bool:
         return self.descriptor_path.exists()

@@ -121,7 +121,7 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
             tree_rss = resident_bytes(pids)
             snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp=tcp))
             span["tcp"] = tcp
-            result = snapshotter.dump(engine.pid, artifact.images(unit.unit_id))
+            result = snapshotter.dump(engine.pid, artifact.images(unit.unit_id), owned_root=artifact.root)
             dumped = True
             engine.process.wait(timeout=30)
             span["image_bytes"] = result.image_bytes

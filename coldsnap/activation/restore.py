@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.snapshot.process_tree import kill_tree
@@ -131,7 +131,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
                 # Every image against the capsule's digest before CRIU reads it: a same-size corruption
                 # must stop here, not restore garbage. Unchanged files are trusted from their record.
                 try:
-                    method = verify_file(path, entry["sha256"]).method
+                    method = verify_file(path, entry["sha256"], artifact.record_dir(path)).method
                 except PackError as exc:
                     raise OperationFailed("admission.capsule", f"capsule file {entry['path']}: {exc}") from None
                 verified_by[method] = verified_by.get(method, 0) + 1
@@ -148,7 +148,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
                 if ref is None:
                     continue
                 try:
-                    verdict = verify_file(artifact.root / ref.path, ref.sha256)
+                    verdict = verify_file(artifact.root / ref.path, ref.sha256, artifact.record_dir(artifact.root / ref.path))
                 except (PackError, OSError) as exc:
                     raise OperationFailed("admission.payload", str(exc)) from None
                 span[f"{Path(ref.path).suffix[1:]}_verified_by"] = verdict.method
@@ -203,7 +203,13 @@ def restore(context: OperationContext) -> OperationOutcome:
             warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
             warmer.start()
             options = SnapshotOptions(tcp=metadata.get("criu_tcp", "established"))  # as dumped
-            result = CriuSnapshotter(options=options).restore(artifact.images(unit.unit_id))
+            try:
+                state_dir = artifact.state_dir()
+            except OSError as exc:
+                raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: {exc} "
+                                      f"(choose one with --state-dir or {STATE_DIR_ENV})") from None
+            span["state_dir"] = str(state_dir)
+            result = CriuSnapshotter(options=options).restore(artifact.images(unit.unit_id), state_dir, artifact.root)
             restored_pid = result.pid
             span["pid"] = result.pid
         with timer.span("restore.lease"):

@@ -237,11 +237,11 @@ def _hash_file(path: Path) -> _Hashed:
     return _Hashed(actual, hashed, identity, identity == _identity(after) and hashed == before.st_size, started_ns)
 
 
-def _record_hash(path: Path, hashed: _Hashed) -> None:
-    """Record a full hash. A file that changed while it was hashed matched by luck of timing;
+def _record_hash(path: Path, hashed: _Hashed, directory: Path | None = None) -> None:
+    """Record a full hash (in ``directory``'s record, default the file's own directory). A file that changed while it was hashed matched by luck of timing;
     recording that identity would vouch for bytes that were never hashed as a whole."""
     if hashed.stable and max(hashed.identity) <= INT64_MAX:
-        _update_record(path.parent, path.name, _entry(hashed.sha256, hashed.identity, hashed.started_ns))
+        _update_record(directory or path.parent, path.name, _entry(hashed.sha256, hashed.identity, hashed.started_ns))
 
 
 def hash_and_record(path: str | Path) -> str:
@@ -255,11 +255,14 @@ def hash_and_record(path: str | Path) -> str:
     return hashed.sha256
 
 
-def verify_file(path: str | Path, expected_sha256: str | None = None) -> Verification:
+def verify_file(path: str | Path, expected_sha256: str | None = None, record_dir: Path | None = None) -> Verification:
     """Verify that ``path`` holds the bytes of ``expected_sha256`` (default: the digest its name claims).
 
     Trusts the directory's validation record while the file's stat identity is what it was when the
     record was made; otherwise hashes every byte, then records a match or removes a stale entry.
+    ``record_dir``: where this caller keeps its own record instead (a restore's state directory: an
+    artifact is read-only to restores, and a moved or copied one has new stat identities), consulted
+    after the file's own and written instead of it.
 
     Raises :class:`PackDigestMismatch` (the file is not what is expected), :class:`PackUnreadable`
     (missing, not a regular file, unreadable) or :class:`ExpectedDigestError`.
@@ -277,6 +280,10 @@ def verify_file(path: str | Path, expected_sha256: str | None = None) -> Verific
     entry = _load_record(path.parent, warn=True).files.get(path.name)
     if _trusted(entry, _identity(status), expected):
         return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
+    if record_dir is not None:
+        entry = _load_record(record_dir, warn=False).files.get(path.name)
+        if _trusted(entry, _identity(status), expected):
+            return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
 
     try:
         hashed = _hash_file(path)
@@ -287,9 +294,9 @@ def verify_file(path: str | Path, expected_sha256: str | None = None) -> Verific
         # The entry is stale unless it describes the file exactly as hashed (then only the caller's
         # expectation was wrong, and a later verification with the right one may still trust it).
         if entry is not None and not (entry.sha256 == actual and _entry_identity(entry) == hashed.identity):
-            _update_record(path.parent, path.name, None)
+            _update_record(record_dir or path.parent, path.name, None)
         raise PackDigestMismatch(str(path), expected, actual)
-    _record_hash(path, hashed)
+    _record_hash(path, hashed, record_dir)
     return Verification(path, actual, hashed.bytes, "full-hash", time.perf_counter() - started)
 
 

@@ -82,10 +82,10 @@ class Criu:
             raise CriuError("locate", None, f"{hint}; install it with scripts/install-criu.sh")
         self.path = found
 
-    def _run(self, op: str, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    def _run(self, op: str, args: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
         try:
             return subprocess.run(
-                [self.path, *args], capture_output=True, text=True, timeout=timeout, check=False
+                [self.path, *args], capture_output=True, text=True, timeout=timeout, check=False, pass_fds=pass_fds
             )
         except OSError as exc:
             raise CriuError(op, exc.errno, str(exc)) from None
@@ -175,48 +175,74 @@ class CriuSnapshotter:
         self.criu = criu or Criu()
         self.options = options
 
-    def dump(self, root_pid: int, images: Path, timeout: float = 600) -> DumpResult:
-        """Dump (and so stop) the tree rooted at ``root_pid`` into the empty directory ``images``."""
+    def dump(self, root_pid: int, images: Path, timeout: float = 600, owned_root: Path | None = None) -> DumpResult:
+        """Dump (and so stop) the tree rooted at ``root_pid`` into the empty directory ``images``.
+
+        Files under ``owned_root`` (the artifact) that the tree has open for writing — the engine's log —
+        are dumped as external files: a restore gives the tree its own copy (see :meth:`restore`), so
+        the artifact is never written to and can move."""
         from coldsnap.snapshot import process_tree
 
         images.mkdir(parents=True, exist_ok=True)
         if any(images.iterdir()):
             raise CriuError("dump", None, f"image directory {images} is not empty")
-        pids, written, shm = process_tree.scan_tree(root_pid)
+        keys: dict[str, str] = {}
+        pids, written, shm = process_tree.scan_tree(root_pid, keys)
         if not pids:
             raise CriuError("dump", None, f"no process {root_pid}")
+        external: dict[str, dict[str, object]] = {}
+        if owned_root is not None:
+            root = owned_root.resolve()
+            for path in [p for p in written if Path(p).is_relative_to(root)]:
+                external[keys[path]] = {"path": str(Path(path).relative_to(root)), "size": written.pop(path)}
         shm_before = {p.name for p in process_tree.SHM_DIR.iterdir()} if process_tree.SHM_DIR.is_dir() else set()
         started = time.monotonic()
         # --link-remap: files unlinked while open (semaphores, temp files) are linked back under a new name.
-        args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", "dump.log", "--link-remap", *self.options.args(), *_log_level()]
+        args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", "dump.log", "--link-remap", *self.options.args(),
+                *(argument for key in external for argument in ("--external", key)), *_log_level()]
         result = self.criu._run("dump", args, timeout=timeout)
         seconds = time.monotonic() - started
         if result.returncode != 0:
             raise CriuError("dump", result.returncode, _log_tail(images / "dump.log") or _tail(result.stderr))
-        process_tree.capture_tree_files(images, pids, written, shm, shm_before)
+        process_tree.capture_tree_files(images, pids, written, shm, shm_before, external)
         return DumpResult(seconds=seconds, image_bytes=_tree_bytes(images), pids=pids)
 
-    def restore(self, images: Path, timeout: float = 600, wait_for_pids_s: float = 10.0) -> RestoreResult:
+    def restore(self, images: Path, state_dir: Path, owned_root: Path | None = None, timeout: float = 600,
+                wait_for_pids_s: float = 10.0) -> RestoreResult:
         """Restore the tree detached (it keeps running after this returns); returns its root pid.
 
-        On failure CRIU kills whatever it had restored, so nothing of the tree is left running.
+        Nothing is written into ``images``: CRIU's log, stats and pidfile go to ``state_dir/criu``, and
+        the files the dump took as external (under ``owned_root``, the artifact) are handed to the tree
+        as fresh copies in ``state_dir`` (``--inherit-fd``). On failure CRIU kills whatever it had
+        restored, so nothing of the tree is left running.
         """
         from coldsnap.snapshot import process_tree
 
         try:
-            process_tree.prepare_restore(images, wait_for_pids_s)
+            state = process_tree.prepare_restore(images, wait_for_pids_s)
         except process_tree.ImageStateError as exc:
             raise CriuError("restore", None, str(exc)) from None
-        pidfile = images / "restore.pid"
+        work = state_dir / "criu"
+        work.mkdir(parents=True, exist_ok=True)
+        pidfile = work / "restore.pid"
         pidfile.unlink(missing_ok=True)
         log = f"restore-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+        if state.external and owned_root is None:
+            raise CriuError("restore", None, "the image has files of its artifact open (its log); restore needs the artifact's root")
+        inherited = process_tree.inherited_files(state, owned_root, state_dir) if state.external else {}
         started = time.monotonic()
-        args = ["restore", "-D", str(images), "-d", "-o", log, "--pidfile", str(pidfile), *self.options.args(),
-                *_log_level()]
-        result = self.criu._run("restore", args, timeout=timeout)
+        try:
+            args = ["restore", "-D", str(images), "-W", str(work), "-d", "-o", log, "--pidfile", str(pidfile),
+                    *self.options.args(),
+                    *(argument for key, fd in inherited.items() for argument in ("--inherit-fd", f"fd[{fd}]:{key}")),
+                    *_log_level()]
+            result = self.criu._run("restore", args, timeout=timeout, pass_fds=tuple(inherited.values()))
+        finally:
+            for fd in inherited.values():
+                os.close(fd)
         seconds = time.monotonic() - started
         if result.returncode != 0:
-            raise CriuError("restore", result.returncode, _log_tail(images / log) or _tail(result.stderr))
+            raise CriuError("restore", result.returncode, _log_tail(work / log) or _tail(result.stderr))
         try:
             pid = int(pidfile.read_text().strip())
         except (OSError, ValueError):

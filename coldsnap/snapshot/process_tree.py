@@ -19,10 +19,11 @@ import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "STATE_FILE"]
+__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "criu_file_key", "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -105,6 +106,10 @@ class TreeFiles:
     pids: list[int]
     appended: dict[str, int] = field(default_factory=dict)  # path -> size at dump time
     shm: list[str] = field(default_factory=list)  # names under /dev/shm, saved in IMAGES/devshm/
+    external: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """CRIU key (``file[mnt_id:inode]``) → {"path": relative to the artifact, "size": at dump} of every
+    file inside the artifact the tree had open for writing (the engine's log): dumped as external, so a
+    restore hands the tree a file of its own instead of writing into the artifact (:func:`inherited_files`)."""
 
     def save(self, images: Path) -> None:
         write_atomic(images / STATE_FILE, (json.dumps(asdict(self), indent=1, sort_keys=True) + "\n").encode())
@@ -117,8 +122,16 @@ class TreeFiles:
             raise ImageStateError(f"{images}: no readable {STATE_FILE} ({exc})") from None
 
 
-def scan_tree(root: int) -> tuple[list[int], dict[str, int], set[str]]:
-    """Pids, regular files open for writing (with their sizes) and /dev/shm names of a live tree."""
+def criu_file_key(pid: int, fd: str) -> str:
+    """CRIU's name for the file behind ``fd`` of ``pid`` (``--external`` / ``--inherit-fd``)."""
+    with open(f"/proc/{pid}/fdinfo/{fd}") as info:
+        mnt_id = next(int(line.split()[1]) for line in info if line.startswith("mnt_id:"))
+    return f"file[{mnt_id:x}:{os.stat(f'/proc/{pid}/fd/{fd}').st_ino:x}]"
+
+
+def scan_tree(root: int, keys: dict[str, str] | None = None) -> tuple[list[int], dict[str, int], set[str]]:
+    """Pids, regular files open for writing (with their sizes) and /dev/shm names of a live tree;
+    ``keys``, when given, receives each written file's CRIU key (path → key)."""
     pids = tree_pids(root)
     written: dict[str, int] = {}
     shm: set[str] = set()
@@ -138,6 +151,8 @@ def scan_tree(root: int) -> tuple[list[int], dict[str, int], set[str]]:
                 info = os.stat(f"/proc/{pid}/fd/{fd}")
                 if stat.S_ISREG(info.st_mode) and _fd_flags(pid, fd) & _WRITE_MODES:
                     written[target] = info.st_size
+                    if keys is not None:
+                        keys[target] = criu_file_key(pid, fd)
             except OSError:
                 continue
         try:
@@ -153,7 +168,7 @@ def scan_tree(root: int) -> tuple[list[int], dict[str, int], set[str]]:
 
 
 def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], shm_in_use: set[str],
-                       shm_before_dump: set[str]) -> TreeFiles:
+                       shm_before_dump: set[str], external: dict[str, dict[str, Any]] | None = None) -> TreeFiles:
     """After a successful dump: save the tree's /dev/shm files and the ones CRIU added (link_remap)."""
     created = {p.name for p in SHM_DIR.iterdir()} - shm_before_dump if SHM_DIR.is_dir() else set()
     names = sorted(n for n in (shm_in_use | created) if (SHM_DIR / n).is_file())
@@ -161,7 +176,7 @@ def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], s
         (images / "devshm").mkdir(exist_ok=True)
     for name in names:
         copy_sparse(SHM_DIR / name, images / "devshm" / name)
-    state = TreeFiles(pids=pids, appended=written, shm=names)
+    state = TreeFiles(pids=pids, appended=written, shm=names, external=external or {})
     state.save(images)
     # The dumped tree is gone (CRIU kills it); its /dev/shm files live on in the image and are put back
     # before each restore. Left in /dev/shm they would only pile up (vLLM's are 400 MB each).
@@ -244,6 +259,37 @@ def prepare_restore(images: Path, wait_for_pids_s: float = 10.0) -> TreeFiles:
                 shutil.copyfileobj(source, copy)
             os.truncate(path, size)
     return state
+
+
+def inherited_files(state: TreeFiles, artifact_root: Path, state_dir: Path) -> dict[str, int]:
+    """For each file of ``state.external``: a fresh copy of its captured bytes in ``state_dir`` (same
+    relative path; a previous incarnation's kept as ``.previous``), opened for appending, for CRIU's
+    ``--inherit-fd`` (CRIU checks the size is the captured one; the tree then appends to this copy).
+    Returns key → descriptor; the caller closes them after CRIU ran."""
+    opened: dict[str, int] = {}
+    try:
+        for key, entry in state.external.items():
+            target = state_dir / entry["path"]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                os.replace(target, target.with_name(target.name + ".previous"))
+            size = int(entry["size"])
+            with open(target, "xb") as copy:
+                try:
+                    with open(artifact_root / entry["path"], "rb") as source:
+                        left = size
+                        while left and (block := source.read(min(left, 1 << 20))):
+                            copy.write(block)
+                            left -= len(block)
+                except FileNotFoundError:
+                    pass  # the captured log is gone: its size in zeros keeps CRIU's check
+                copy.truncate(size)
+            opened[key] = os.open(target, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    except BaseException:
+        for fd in opened.values():
+            os.close(fd)
+        raise
+    return opened
 
 
 def _rollup(pids: list[int], field: str) -> int:

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -292,7 +293,8 @@ def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):
     result = coldsnap("capture", "--request-json", "-", "--receipt-json", "-", stdin=json.dumps(request).encode())
     assert result.returncode == 0, result.stderr.decode()
     started = time.monotonic()
-    restored = CriuSnapshotter().restore(tmp_path / "artifact" / "units" / "unit-0" / "images")  # no resume follows
+    restored = CriuSnapshotter().restore(tmp_path / "artifact" / "units" / "unit-0" / "images", tmp_path / "state",
+                                        tmp_path / "artifact")  # no resume follows
     try:
         assert serving_pids(port) == [restored.pid]
         while serving_pids(port) and time.monotonic() - started < 30:
@@ -346,3 +348,52 @@ def test_prepare_only_refuses_a_capsule_without_rank_records(captured, tmp_path)
     error = json.loads(result.stdout)["error"]
     assert error["code"] == "admission.capsule" and "records ranks []" in error["message"]
     assert serving_pids(port) == []
+
+
+def _artifact_bytes(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_an_artifact_restores_from_a_moved_copy_and_a_read_only_mount_and_is_never_written(captured, tmp_path):
+    """Capsules ship read-only (image layers, NFS) and get copied to other disks: a restore writes
+    nothing inside DIR (CRIU's files, the restored log and validation records go to the state
+    directory), and a copy restores from its new path."""
+    artifact, port, expected, _ = captured
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact, copy)  # new inodes, new path: the capture's records and paths no longer match
+    moved = tmp_path / "moved"
+    copy.rename(moved)
+    state = tmp_path / "state"
+    before = _artifact_bytes(moved)
+    env = {**os.environ, "COLDSNAP_STATE_DIR": str(state)}
+    for attempt in range(2):  # the second restore trusts the records the first kept in the state dir
+        result = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(moved), "--receipt-json", "-"],
+                                capture_output=True, timeout=300, env=env)
+        try:
+            assert result.returncode == 0, result.stderr.decode()
+            assert complete(port, PROMPT_2) == expected
+        finally:
+            stop(port)
+        spans = {s["name"]: s for s in json.loads(result.stdout)["timing"]["spans"]}
+        verified = spans["restore.admission.capsule"]["attributes"]["images_verified_by"]
+        assert verified.startswith("full-hash") if attempt == 0 else verified.startswith("record"), verified
+    assert _artifact_bytes(moved) == before  # not a byte written, not a file added
+    logs = list(state.glob("*/logs/unit-0.log"))
+    assert len(logs) == 1 and logs[0].read_bytes().startswith((moved / "logs" / "unit-0.log").read_bytes())
+
+    read_only = tmp_path / "read-only"
+    read_only.mkdir()
+    if subprocess.run(["mount", "--bind", str(moved), str(read_only)], capture_output=True).returncode != 0:
+        pytest.skip("cannot bind-mount here (needs CAP_SYS_ADMIN); the byte comparison above stands")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(read_only)], check=True, capture_output=True)
+        result = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(read_only), "--receipt-json", "-"],
+                                capture_output=True, timeout=300, env=env)
+        try:
+            assert result.returncode == 0, result.stderr.decode()
+            assert complete(port, PROMPT_2) == expected
+        finally:
+            stop(port)
+    finally:
+        subprocess.run(["umount", str(read_only)], capture_output=True)

@@ -86,7 +86,7 @@ def test_dump_restore_twice_keeps_sockets_state_and_logs(server, tmp_path):
     log_at_dump = (state / "server.log").read_text()
 
     for _ in range(2):  # one image, restored twice
-        restored = snapshotter.restore(images)
+        restored = snapshotter.restore(images, tmp_path / "restore-state")
         roots.append(restored.pid)
         assert restored.pid == process.pid
         assert _ask(port) == "count 3 tcp-ok unix-ok"  # state from the image, channels alive
@@ -109,7 +109,7 @@ def test_tcp_close_mode_drops_outside_connections(server, tmp_path):
     snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp="close"))
     images = tmp_path / "images"
     _dump(snapshotter, process, images)
-    restored = snapshotter.restore(images)
+    restored = snapshotter.restore(images, tmp_path / "restore-state")
     roots.append(restored.pid)
     assert _ask(port) == "count 2 tcp-none unix-ok"
     with client:
@@ -132,7 +132,7 @@ def test_corrupt_image_fails_typed_and_leaves_nothing_running(server, tmp_path):
     core = sorted(images.glob("core-*.img"))[0]
     core.write_bytes(b"\0" * 16)
     with pytest.raises(CriuError) as caught:
-        snapshotter.restore(images)
+        snapshotter.restore(images, tmp_path / "restore-state")
     assert caught.value.op == "restore" and caught.value.errno not in (None, 0)
     assert caught.value.log_tail  # the reason from restore.log
     assert not os.path.exists(f"/proc/{process.pid}")  # CRIU killed what it had restored
@@ -144,10 +144,10 @@ def test_restore_refused_while_pids_are_taken(server, tmp_path):
     snapshotter = CriuSnapshotter()
     images = tmp_path / "images"
     _dump(snapshotter, process, images)
-    restored = snapshotter.restore(images)
+    restored = snapshotter.restore(images, tmp_path / "restore-state")
     roots.append(restored.pid)
     with pytest.raises(CriuError, match="still in use"):
-        snapshotter.restore(images, wait_for_pids_s=0.2)
+        snapshotter.restore(images, tmp_path / "restore-state", wait_for_pids_s=0.2)
     assert _ask(port) == "count 2 tcp-ok unix-ok"  # the running incarnation is untouched
 
 
@@ -159,3 +159,40 @@ def test_dump_refuses_non_empty_image_dir_and_missing_process(tmp_path):
         CriuSnapshotter().dump(os.getpid(), images)
     with pytest.raises(CriuError, match="no process"):
         CriuSnapshotter().dump(2**22 + 12345, tmp_path / "other")
+
+
+def _tree_state(root: Path) -> dict[str, tuple[int, int, bytes]]:
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_files_of_the_owned_root_stay_untouched_and_the_root_can_move(server, tmp_path):
+    """The tree's logs inside ``owned_root`` (an artifact's ``logs/``) are dumped as external files: a
+    restore from a moved root writes nothing into it or the images; the restored tree appends to a
+    copy of each log (its captured bytes first) in the state directory."""
+    port, state, process, roots = server
+    assert _ask(port) == "count 1 tcp-ok unix-ok"
+    snapshotter = CriuSnapshotter()
+    images = tmp_path / "images"
+    snapshotter.dump(process.pid, images, owned_root=state)
+    process.wait(timeout=10)
+    log_at_dump = (state / "server.log").read_text()
+    moved = tmp_path / "moved-elsewhere"
+    state.rename(moved)  # the artifact was moved (or copied to another disk)
+    before = {"root": _tree_state(moved), "images": _tree_state(images)}
+    restore_state = tmp_path / "restore-state"
+
+    restored = snapshotter.restore(images, restore_state, owned_root=moved)
+    roots.append(restored.pid)
+    assert _ask(port) == "count 2 tcp-ok unix-ok"
+    kill_tree(restored.pid)
+    assert {"root": _tree_state(moved), "images": _tree_state(images)} == before  # not a byte written
+    assert (restore_state / "server.log").read_text() == log_at_dump + "inc 2\n"
+    assert sorted(p.name for p in (restore_state / "criu").iterdir() if p.suffix == ".log")  # CRIU's log is there
+
+    restored = snapshotter.restore(images, restore_state, owned_root=moved)  # again: the last log set aside
+    roots.append(restored.pid)
+    assert _ask(port) == "count 2 tcp-ok unix-ok"
+    kill_tree(restored.pid)
+    assert (restore_state / "server.log.previous").read_text() == log_at_dump + "inc 2\n"
+    assert (restore_state / "server.log").read_text() == log_at_dump + "inc 2\n"
