@@ -248,8 +248,14 @@ def hash_and_record(path: str | Path) -> str:
     """Hash every byte of ``path`` and record the verdict as a full verification would (so a later
     :func:`verify_file` against this digest trusts the record while the file is unchanged); returns the
     SHA-256. For files whose digest is listed elsewhere (a capsule's CRIU images) rather than named by
-    them. Raises OSError when the file cannot be read."""
+    them. Raises OSError when the file cannot be read. A file changed within the racy window is
+    hashed once the window has passed (at most :data:`RACY_WINDOW_NS` of waiting), so its record is
+    trusted: a capsule's images are hashed right after CRIU wrote them."""
     path = Path(path)
+    status = os.stat(path)
+    wait_ns = max(status.st_mtime_ns, status.st_ctime_ns) + RACY_WINDOW_NS - time.time_ns()
+    if wait_ns > 0:
+        time.sleep(wait_ns / 1e9)
     hashed = _hash_file(path)
     _record_hash(path, hashed)
     return hashed.sha256
