@@ -355,6 +355,18 @@ def _artifact_bytes(root: Path) -> dict[str, tuple[int, int, bytes]]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _restore_and_check(artifact: Path, port: int, expected: list[int], env: dict[str, str]) -> dict:
+    """`coldsnap restore`, PROMPT_2's tokens checked, the server stopped; the receipt."""
+    result = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(artifact), "--receipt-json", "-"],
+                            capture_output=True, timeout=300, env=env)
+    try:
+        assert result.returncode == 0, result.stderr.decode()
+        assert complete(port, PROMPT_2) == expected
+    finally:
+        stop(port)
+    return json.loads(result.stdout)
+
+
 def test_an_artifact_restores_from_a_moved_copy_and_a_read_only_mount_and_is_never_written(captured, tmp_path):
     """Capsules ship read-only (image layers, NFS) and get copied to other disks: a restore writes
     nothing inside DIR (CRIU's files, the restored log and validation records go to the state
@@ -368,14 +380,7 @@ def test_an_artifact_restores_from_a_moved_copy_and_a_read_only_mount_and_is_nev
     before = _artifact_bytes(moved)
     env = {**os.environ, "COLDSNAP_STATE_DIR": str(state)}
     for attempt in range(2):  # the second restore trusts the records the first kept in the state dir
-        result = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(moved), "--receipt-json", "-"],
-                                capture_output=True, timeout=300, env=env)
-        try:
-            assert result.returncode == 0, result.stderr.decode()
-            assert complete(port, PROMPT_2) == expected
-        finally:
-            stop(port)
-        spans = {s["name"]: s for s in json.loads(result.stdout)["timing"]["spans"]}
+        spans = {s["name"]: s for s in _restore_and_check(moved, port, expected, env)["timing"]["spans"]}
         verified = spans["restore.admission.capsule"]["attributes"]["images_verified_by"]
         assert verified.startswith("full-hash") if attempt == 0 else verified.startswith("record"), verified
     assert _artifact_bytes(moved) == before  # not a byte written, not a file added
@@ -388,12 +393,6 @@ def test_an_artifact_restores_from_a_moved_copy_and_a_read_only_mount_and_is_nev
         pytest.skip("cannot bind-mount here (needs CAP_SYS_ADMIN); the byte comparison above stands")
     try:
         subprocess.run(["mount", "-o", "remount,ro,bind", str(read_only)], check=True, capture_output=True)
-        result = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(read_only), "--receipt-json", "-"],
-                                capture_output=True, timeout=300, env=env)
-        try:
-            assert result.returncode == 0, result.stderr.decode()
-            assert complete(port, PROMPT_2) == expected
-        finally:
-            stop(port)
+        _restore_and_check(read_only, port, expected, env)
     finally:
         subprocess.run(["umount", str(read_only)], capture_output=True)
