@@ -44,8 +44,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from coldsnap.activation.demo import cold_start, first_answer, plain_server  # noqa: E402
-from coldsnap.activation.engine_process import ask_canary, post_empty  # noqa: E402
+from coldsnap.activation.demo import cold_start, sleep_wake_cycle  # noqa: E402
+from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_phases  # noqa: E402
@@ -220,19 +220,14 @@ class Bench:
     def sleep_cycle(self, kind: str, env: dict[str, str], *extra: str) -> None:
         index = len(self.state["runs"])
         log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
-        env = {**env, "VLLM_SERVER_DEV_MODE": "1"}
         command = serve_command(self.model, self.port, *self.args.vllm_args, "--enable-sleep-mode", *extra)
-        with plain_server(command, env, log) as (process, started):
-            start_seconds, before = first_answer(self.port, started, process, 900, PROMPT, 12, log)
-            sleep_seconds, _ = post_empty(self.port, "/sleep?level=1")
-            wake_seconds, woke = post_empty(self.port, "/wake_up")
-            started = time.perf_counter()
-            after = tokens(self.port)
-            first_token = time.perf_counter() - started
-        self.record(kind=kind, cache="warm", seconds=round(wake_seconds + first_token, 3), tokens=after,
-                    phases={"sleep (level 1)": round(sleep_seconds, 3), "wake_up": round(wake_seconds, 3),
-                            "first completion after wake": round(first_token, 3), "server start": round(start_seconds, 3)},
-                    wake_answer=woke, same_tokens=after == before)
+        timed = sleep_wake_cycle(command, self.port, 900, env, log, PROMPT, 12)
+        wake, first_token = timed["wake_s"], timed["first_completion_after_wake_s"]
+        self.record(kind=kind, cache="warm", seconds=round(wake + first_token, 3), tokens=timed["after"],
+                    phases={"sleep (level 1)": round(timed["sleep_s"], 3), "wake_up": round(wake, 3),
+                            "first completion after wake": round(first_token, 3),
+                            "server start": round(timed["start_s"], 3)},
+                    wake_answer=timed["wake_answer"], same_tokens=timed["after"] == timed["before"])
 
     def step_sleep(self) -> None:
         self.sleep_cycle("vllm sleep wake", self.env())

@@ -25,11 +25,12 @@ import urllib.error
 from pathlib import Path
 from typing import Any, Iterator
 
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.engine_process import ask_canary, post_empty
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
-__all__ = ["run_demo", "render_demo", "cold_start", "first_answer", "plain_server", "engine_commands", "vllm_venv"]
+__all__ = ["run_demo", "render_demo", "cold_start", "first_answer", "plain_server", "sleep_wake_cycle",
+           "engine_commands", "vllm_venv"]
 
 CHECK_PROMPT = "A further prompt, to check the restored server."
 
@@ -130,6 +131,23 @@ def cold_start(command: list[str], port: int, timeout: float = 3600, env: dict[s
     """Start the server plainly; seconds from process start to its first answer, and the tokens."""
     with plain_server(command, env, log) as (process, started):
         return first_answer(port, started, process, timeout, prompt, max_tokens, log)
+
+
+def sleep_wake_cycle(command: list[str], port: int, timeout: float, env: dict[str, str], log: Path, prompt: str,
+                     max_tokens: int) -> dict[str, Any]:
+    """Start a vLLM server (``command`` with ``--enable-sleep-mode``; its dev routes turned on here),
+    answer ``prompt``, ``/sleep?level=1``, ``/wake_up``, answer again: seconds of each step (the answer
+    after the wake timed on its own), both answers' token ids and the wake's reply. The server is
+    stopped after."""
+    with plain_server(command, {**env, "VLLM_SERVER_DEV_MODE": "1"}, log) as (process, started):
+        start_seconds, before = first_answer(port, started, process, timeout, prompt, max_tokens, log)
+        sleep_seconds, _ = post_empty(port, "/sleep?level=1")
+        wake_seconds, woke = post_empty(port, "/wake_up")
+        started = time.perf_counter()
+        after = ask_canary(port, prompt, max_tokens).token_ids
+        first_after_wake = time.perf_counter() - started
+    return {"start_s": start_seconds, "sleep_s": sleep_seconds, "wake_s": wake_seconds,
+            "first_completion_after_wake_s": first_after_wake, "before": before, "after": after, "wake_answer": woke}
 
 
 def _spans(receipt: dict[str, Any]) -> dict[str, float]:

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from coldsnap.activation.demo import cold_start, first_answer, plain_server
-from coldsnap.activation.engine_process import ask_canary, post_empty
+from coldsnap.activation.demo import cold_start, sleep_wake_cycle
+from coldsnap.activation.engine_process import ask_canary
 from tests.gpu.gpu_checks import PROMPT_2, SKIP, NeedsMoreGpus, _coldsnap, _free_port
 
 LOGS = Path(os.environ.get("COLDSNAP_CHECK_LOGS") or tempfile.mkdtemp(prefix="coldsnap-vllm-logs-"))
@@ -192,16 +192,10 @@ def vllm_recreate_on_gpu() -> None:
 
 def _sleep_cycle(command: list[str], port: int, log: Path, env: dict[str, str]) -> dict:
     """Start ``command`` (with ``--enable-sleep-mode``), ask PROMPT_2, sleep at level 1, wake, ask again."""
-    with plain_server(command, {**env, "VLLM_SERVER_DEV_MODE": "1"}, log) as (process, started):
-        start_seconds, before = first_answer(port, started, process, 480, PROMPT_2, 12, log)
-        sleep_seconds, _ = post_empty(port, "/sleep?level=1")
-        wake_seconds, _ = post_empty(port, "/wake_up")
-        started = time.perf_counter()
-        after = _complete(port)
-        first_after_wake = time.perf_counter() - started
-    cycle = {"start_s": round(start_seconds, 1), "sleep_s": round(sleep_seconds, 3), "wake_s": round(wake_seconds, 3),
-             "first_completion_after_wake_s": round(first_after_wake, 3), "before": before, "after": after,
-             "kv_gib": _kv_gib(log)}
+    timed = sleep_wake_cycle(command, port, 480, env, log, PROMPT_2, 12)
+    cycle = {"start_s": round(timed["start_s"], 1),
+             **{k: round(timed[k], 3) for k in ("sleep_s", "wake_s", "first_completion_after_wake_s")},
+             "before": timed["before"], "after": timed["after"], "kv_gib": _kv_gib(log)}
     print(log.stem, json.dumps(cycle))
     return cycle
 
