@@ -128,6 +128,13 @@ def _entry_identity(entry: ValidationEntry) -> _Identity:
     return _Identity(entry.st_dev, entry.st_ino, entry.size_bytes, entry.mtime_ns, entry.ctime_ns)
 
 
+def _wait_out_racy_window(identity: _Identity) -> None:
+    """Sleep until the file's last change is :data:`RACY_WINDOW_NS` old (at most that long)."""
+    wait_ns = max(identity.mtime_ns, identity.ctime_ns) + RACY_WINDOW_NS - time.time_ns()
+    if wait_ns > 0:
+        time.sleep(wait_ns / 1e9)
+
+
 def _trusted(entry: ValidationEntry | None, now: _Identity, expected: str) -> bool:
     if entry is None or entry.sha256 != expected or _entry_identity(entry) != now:
         return False
@@ -252,10 +259,7 @@ def hash_and_record(path: str | Path) -> str:
     hashed once the window has passed (at most :data:`RACY_WINDOW_NS` of waiting), so its record is
     trusted: a capsule's images are hashed right after CRIU wrote them."""
     path = Path(path)
-    status = os.stat(path)
-    wait_ns = max(status.st_mtime_ns, status.st_ctime_ns) + RACY_WINDOW_NS - time.time_ns()
-    if wait_ns > 0:
-        time.sleep(wait_ns / 1e9)
+    _wait_out_racy_window(_identity(os.stat(path)))
     hashed = _hash_file(path)
     _record_hash(path, hashed)
     return hashed.sha256
@@ -317,9 +321,7 @@ def record_written_file(path: str | Path, sha256: str) -> None:
     path = Path(path)
     status = os.stat(path)
     identity = _identity(status)
-    wait_ns = max(identity.mtime_ns, identity.ctime_ns) + RACY_WINDOW_NS - time.time_ns()
-    if wait_ns > 0:
-        time.sleep(wait_ns / 1e9)
+    _wait_out_racy_window(identity)
     if _identity(os.stat(path)) != identity or max(identity) > INT64_MAX:
         return  # changed meanwhile: leave it to a full verification
     _update_record(path.parent, path.name, _entry(sha256, identity, time.time_ns()))

@@ -23,7 +23,7 @@ from typing import Any
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "criu_file_key", "STATE_FILE"]
+__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -91,12 +91,10 @@ def _is_zombie(pid: int) -> bool:
         return False
 
 
-def _fd_flags(pid: int, fd: str) -> int:
+def _fdinfo(pid: int, fd: str) -> dict[str, str]:
+    """``/proc/PID/fdinfo/FD`` as field → value (``flags`` in octal, ``mnt_id``, ``pos``...)."""
     with open(f"/proc/{pid}/fdinfo/{fd}") as handle:
-        for line in handle:
-            if line.startswith("flags:"):
-                return int(line.split()[1], 8)
-    return 0
+        return {name: value.strip() for name, _, value in (line.partition(":") for line in handle)}
 
 
 @dataclass
@@ -122,13 +120,6 @@ class TreeFiles:
             raise ImageStateError(f"{images}: no readable {STATE_FILE} ({exc})") from None
 
 
-def criu_file_key(pid: int, fd: str) -> str:
-    """CRIU's name for the file behind ``fd`` of ``pid`` (``--external`` / ``--inherit-fd``)."""
-    with open(f"/proc/{pid}/fdinfo/{fd}") as info:
-        mnt_id = next(int(line.split()[1]) for line in info if line.startswith("mnt_id:"))
-    return f"file[{mnt_id:x}:{os.stat(f'/proc/{pid}/fd/{fd}').st_ino:x}]"
-
-
 def scan_tree(root: int, keys: dict[str, str] | None = None) -> tuple[list[int], dict[str, int], set[str]]:
     """Pids, regular files open for writing (with their sizes) and /dev/shm names of a live tree;
     ``keys``, when given, receives each written file's CRIU key (path → key)."""
@@ -149,10 +140,13 @@ def scan_tree(root: int, keys: dict[str, str] | None = None) -> tuple[list[int],
                 if not target.startswith("/") or target.endswith(" (deleted)"):
                     continue
                 info = os.stat(f"/proc/{pid}/fd/{fd}")
-                if stat.S_ISREG(info.st_mode) and _fd_flags(pid, fd) & _WRITE_MODES:
+                if not stat.S_ISREG(info.st_mode):
+                    continue
+                fields = _fdinfo(pid, fd)
+                if int(fields.get("flags", "0"), 8) & _WRITE_MODES:
                     written[target] = info.st_size
-                    if keys is not None:
-                        keys[target] = criu_file_key(pid, fd)
+                    if keys is not None:  # CRIU's name for the file (--external / --inherit-fd)
+                        keys[target] = f"file[{int(fields['mnt_id']):x}:{info.st_ino:x}]"
             except OSError:
                 continue
         try:
