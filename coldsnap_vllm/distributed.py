@@ -206,7 +206,7 @@ class VllmCollectives:
                 communicator.ca_comm = None
                 seconds[f"abort_{group.unique_name}"] = _abort_pynccl(communicator.pynccl_comm, group.unique_name)
             for group in torch_nccl:
-                _nccl_process_group(group).abort()  # torch's communicators of this group; the group is made anew
+                group.device_group.abort()  # torch's communicators of this group; the group is made anew
             if torch_nccl:
                 _abort_default_nccl_backend()
             self.torn_down = live

@@ -63,6 +63,7 @@ def sha256_file(path: Path) -> str:
 class ArtifactDir:
     def __init__(self, root: Path):
         self.root = root
+        self._state_dir: Path | None = None
 
     descriptor_path = property(lambda self: self.root / "artifact.json")
     request_path = property(lambda self: self.root / "request.json")
@@ -81,11 +82,13 @@ class ArtifactDir:
         return self.root / "logs" / f"{unit_id}.log"
 
     def state_dir(self) -> Path:
-        """This artifact's state directory (created): where its restores write."""
-        identity = hashlib.sha256(self.descriptor_path.read_bytes()).hexdigest()[:16]
-        path = state_root() / identity
-        path.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return path
+        """This artifact's state directory (created once): where its restores write."""
+        if self._state_dir is None:
+            identity = hashlib.sha256(self.descriptor_path.read_bytes()).hexdigest()[:16]
+            path = state_root() / identity
+            path.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._state_dir = path
+        return self._state_dir
 
     def record_dir(self, path: Path) -> Path | None:
         """Where a restore keeps the validation record of ``path`` (a file in this artifact), or None
