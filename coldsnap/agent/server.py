@@ -202,8 +202,7 @@ class AgentServer:
         def watch() -> None:
             while self.state == "prepared":
                 if time.monotonic() - prepared_at > timeout:
-                    log.error("coldsnap agent: not resumed within %.0f s of prepare; stopping this process tree", timeout)
-                    os.killpg(os.getpgrp(), 9)
+                    _stop_process_group(f"not resumed within {timeout:.0f} s of prepare")
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name="coldsnap-agent-watchdog", daemon=True).start()
@@ -323,8 +322,8 @@ def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lo
 MAX_FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253 descriptors per message on Linux
 
 
-def _stop_process_group() -> None:
-    log.error("coldsnap agent: the restoring launcher died before the canary matched; stopping this process tree")
+def _stop_process_group(reason: str = "the restoring launcher died before the canary matched") -> None:
+    log.error("coldsnap agent: %s; stopping this process tree", reason)
     os.killpg(os.getpgrp(), 9)
 
 

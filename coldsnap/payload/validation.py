@@ -245,8 +245,9 @@ def _hash_file(path: Path) -> _Hashed:
 
 
 def _record_hash(path: Path, hashed: _Hashed, directory: Path | None = None) -> None:
-    """Record a full hash (in ``directory``'s record, default the file's own directory). A file that changed while it was hashed matched by luck of timing;
-    recording that identity would vouch for bytes that were never hashed as a whole."""
+    """Record a full hash (in ``directory``'s record, default the file's own directory). A file that
+    changed while it was hashed matched by luck of timing; recording that identity would vouch for bytes
+    that were never hashed as a whole."""
     if hashed.stable and max(hashed.identity) <= INT64_MAX:
         _update_record(directory or path.parent, path.name, _entry(hashed.sha256, hashed.identity, hashed.started_ns))
 
