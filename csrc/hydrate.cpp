@@ -389,10 +389,7 @@ Stats run(const std::string& path, const std::vector<CopyItem>& items, const Opt
     std::vector<std::thread>& pool;
     RunState& state;
     ~JoinEveryWorker() {
-      bool joinable = false;
-      for (auto& t : pool) joinable = joinable || t.joinable();
-      if (!joinable) return;
-      state.fail("the hydration was abandoned");
+      state.stop = true;  // the workers still running finish their current unit and return
       for (auto& t : pool) {
         if (t.joinable()) t.join();
       }

@@ -33,9 +33,9 @@ bool interpreter_finalizing() {
 // The GIL released for a long native call made from a Python thread that may be a daemon thread.
 // Python ends a thread that takes the GIL while the interpreter shuts down with pthread_exit, whose
 // forced unwind cannot pass the noexcept destructor of pybind11's gil_scoped_release: std::terminate,
-// "terminate called without an active exception", exit 134 (seen when `coldsnap restore` failed and
-// exited while its staging or prefetch thread was still hydrating). The process is exiting then: park
-// this thread instead of taking the GIL, and let the exit end it.
+// "terminate called without an active exception", exit 134 (what issue 13 saw from a `coldsnap restore`
+// that failed early; reproduced by a daemon thread still hydrating at exit, tests/unit/test_hydrate_host.py).
+// The process is exiting then: park this thread instead of taking the GIL, and let the exit end it.
 class GilReleasedUnlessFinalizing {
  public:
   GilReleasedUnlessFinalizing() : state_(PyEval_SaveThread()) {}
