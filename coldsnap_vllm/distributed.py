@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterable
@@ -68,6 +69,8 @@ from coldsnap.collective.group import Rendezvous, between_barriers, share_unique
 from coldsnap_vllm.compat import clear_every_graph_wrapper, release_model_runner_v2_graphs
 
 __all__ = ["VllmCollectives", "VllmGraphs", "VllmTeardownError", "vllm_groups"]
+
+log = logging.getLogger("vllm.coldsnap")  # under vLLM's logger: the lines show in the engine's log
 
 ABORT_TIMEOUT_S = 30.0
 """How long one ``ncclCommAbort`` may take once no graph holds the communicator (it returns in
@@ -84,6 +87,10 @@ def vllm_groups() -> list[Any]:
 
     groups = [(name, ref()) for name, ref in parallel_state._groups.items()]
     return [group for name, group in sorted(groups, key=lambda item: item[0]) if group is not None]
+
+
+def _names(groups: Iterable[Any]) -> list[str]:
+    return [group.unique_name for group in groups]
 
 
 def _pynccl(group: Any) -> Any:
@@ -126,6 +133,43 @@ def _on_device(index: int | None) -> Any:
     if index is None or not torch.cuda.is_available():
         return contextlib.nullcontext()
     return torch.cuda.device(index)
+
+
+def _device_index(communicator: Any) -> int:
+    device = getattr(communicator, "device", None)
+    return getattr(device, "index", None) or 0
+
+
+def _close_custom_all_reduce(custom: Any, device: int) -> bool:
+    """Close vLLM's custom all-reduce and unmap the peers' buffers it mapped; True if it was open.
+
+    ``CustomAllreduce.close()`` frees this rank's meta and data buffers and (its C++ ``dispose``) the
+    graph buffers' IPC mappings, but never unmaps the peers' meta and data buffers it opened with
+    ``cudaIpcOpenMemHandle`` (vLLM 0.26 and 0.33 alike). The checkpoint API of driver 580 refuses to
+    restore a process that held such a mapping at checkpoint (``tests/gpu/cuda_checkpoint_limits.py``)."""
+    if getattr(custom, "disabled", True) or not getattr(custom, "_ptr", 0):
+        return False
+    from coldsnap.native import native
+
+    peers = [pointer for pointers in (custom.meta_ptrs, custom.buffer_ptrs)
+             for rank, pointer in enumerate(pointers) if rank != custom.rank]
+    custom.close()
+    for pointer in peers:
+        native().close_ipc_mapping(pointer, device)
+    return True
+
+
+def _reopen_custom_all_reduce(closed: Any, communicator: Any) -> Any:
+    """A new ``CustomAllreduce`` like the closed one, over the group's gloo group (its constructor
+    exchanges fresh IPC handles there), so restored ranks all-reduce as fast as before the snapshot."""
+    import inspect
+
+    cls = type(closed)
+    options: dict[str, Any] = {"max_size": closed.max_size}
+    if "symm_mem_enabled" in inspect.signature(cls.__init__).parameters:
+        symm_mem = getattr(communicator, "symm_mem_comm", None)
+        options["symm_mem_enabled"] = symm_mem is not None and not symm_mem.disabled
+    return cls(group=communicator.cpu_group, device=communicator.device, **options)
 
 
 def _nccl_process_group(group: Any) -> Any:
@@ -174,6 +218,8 @@ class VllmCollectives:
         self._state = state  # vllm.distributed.parallel_state (injectable likewise)
         self.torn_down: list[Any] = []  # groups whose pynccl was destroyed, in name order
         self.process_groups_aborted: list[Any] = []  # groups whose torch NCCL device_group was aborted
+        self.custom_all_reduce: dict[str, Any] = {}  # group name -> its closed CustomAllreduce, made anew at rebuild
+        self.symmetric_memory: dict[str, tuple[Any, bool]] = {}  # group name -> (SymmMemCommunicator class, enabled)
         self.generation = 0
 
     def _parallel_state(self) -> Any:
@@ -198,11 +244,12 @@ class VllmCollectives:
             if not live and not torch_nccl:
                 return  # vLLM's CPU build: gloo and shared memory, which the snapshot carries
             _call_if_present(self._parallel_state(), "checkpoint_prepare_distributed_state")  # 0.33 only
+            released = self._release_symmetric_memory(groups)
             for group in live:
                 communicator = group.device_communicator
                 custom = getattr(communicator, "ca_comm", None)
-                if custom is not None and hasattr(custom, "close"):
-                    custom.close()  # custom all-reduce: unmaps the other processes' IPC buffers
+                if custom is not None and _close_custom_all_reduce(custom, _device_index(communicator)):
+                    self.custom_all_reduce[group.unique_name] = custom
                 communicator.ca_comm = None
                 seconds[f"abort_{group.unique_name}"] = _abort_pynccl(communicator.pynccl_comm, group.unique_name)
             for group in torch_nccl:
@@ -211,6 +258,8 @@ class VllmCollectives:
                 _abort_default_nccl_backend()
             self.torn_down = live
             self.process_groups_aborted = torch_nccl
+            log.info("coldsnap: NCCL torn down: pynccl %s, custom all-reduce %s, symmetric memory %s, torch groups %s",
+                     _names(live), sorted(self.custom_all_reduce), released, _names(torch_nccl))
 
         between_barriers(rendezvous, seconds, "teardown", ("vllm.teardown", "vllm.torn_down"), timeout, release)
 
@@ -234,10 +283,39 @@ class VllmCollectives:
                     new = cls(group=old.group, device=device)
                 group.device_communicator.pynccl_comm = new
                 self._register_symmetric_ops(new)
+                self._reopen_symmetric_memory(group)
+                closed = self.custom_all_reduce.pop(group.unique_name, None)
+                if closed is not None:
+                    group.device_communicator.ca_comm = _reopen_custom_all_reduce(closed, group.device_communicator)
             _call_if_present(self._parallel_state(), "checkpoint_restore_distributed_state")  # 0.33 only
             self.torn_down = []
 
         between_barriers(rendezvous, seconds, "rebuild", ("vllm.rebuild", "vllm.rebuilt"), timeout, connect)
+
+    def _release_symmetric_memory(self, groups: list[Any]) -> list[str]:
+        """Drop each group's ``SymmMemCommunicator`` with its buffer, rendezvoused with the peers' (their
+        memory mapped here through CUDA IPC; the checkpoint API of driver 580 refuses a process holding
+        it: ``CUDA_ERROR_NOT_SUPPORTED`` at restore). vLLM keeps the buffer even when it then disables the
+        communicator for want of NVLS multicast, as on the H200 pair; an enabled one is made anew at rebuild."""
+        released = []
+        for group in groups:
+            communicator = getattr(group, "device_communicator", None)
+            symmetric = getattr(communicator, "symm_mem_comm", None)
+            if symmetric is None or getattr(symmetric, "buffer", None) is None:
+                continue
+            self.symmetric_memory[group.unique_name] = (type(symmetric), not symmetric.disabled)
+            communicator.symm_mem_comm = None
+            released.append(group.unique_name)
+        if released:
+            del symmetric
+            gc.collect()  # the buffer's storage and the rendezvous handle go now, and with them the mappings
+        return released
+
+    def _reopen_symmetric_memory(self, group: Any) -> None:
+        cls, enabled = self.symmetric_memory.pop(group.unique_name, (None, False))
+        if enabled:  # a disabled one stays None, which vLLM treats alike
+            communicator = group.device_communicator
+            communicator.symm_mem_comm = cls(group=communicator.cpu_group, device=communicator.device)
 
     def _new_process_groups(self) -> None:
         """Each aborted group's torch ``device_group`` made again, in name order, by its members only."""

@@ -147,6 +147,9 @@ using PFN_cuEventDestroy = CUresult (*)(CUevent);
 using PFN_cuMemHostAlloc = CUresult (*)(void**, std::size_t, unsigned int);
 using PFN_cuMemFreeHost = CUresult (*)(void*);
 using PFN_cuMemGetInfo = CUresult (*)(std::size_t*, std::size_t*);
+// Legacy CUDA IPC (cudaIpcOpenMemHandle maps a peer's allocation; the checkpoint API of driver 580
+// refuses a process holding such a mapping, and vLLM's custom all-reduce never closes its own).
+using PFN_cuIpcCloseMemHandle = CUresult (*)(CUdeviceptr);
 
 // ---- Symbol lists (X-macros): X(member, "exported symbol") -----------------
 // `member` is the DriverApi field (and the PFN_ suffix); the string is what
@@ -171,7 +174,8 @@ using PFN_cuMemGetInfo = CUresult (*)(std::size_t*, std::size_t*);
   X(cuGetErrorName, "cuGetErrorName")         \
   X(cuGetErrorString, "cuGetErrorString")     \
   X(cuDeviceGetUuid_v2, "cuDeviceGetUuid_v2") \
-  X(cuDeviceGetUuid, "cuDeviceGetUuid")
+  X(cuDeviceGetUuid, "cuDeviceGetUuid")         \
+  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle")
 
 #define COLDSNAP_CUDA_CHECKPOINT(X)                                   \
   X(cuCheckpointProcessLock, "cuCheckpointProcessLock")             \

@@ -373,4 +373,13 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("length"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
       "Synchronous host -> device copy (src is a host address).");
+  m.def(
+      "close_ipc_mapping",
+      [](std::uint64_t address, int device) {
+        const auto& api = cu::use_device(device);
+        if (api.cuIpcCloseMemHandle == nullptr) throw cu::CudaError(api.library + " has no cuIpcCloseMemHandle");
+        api.check(api.cuIpcCloseMemHandle(address), "cuIpcCloseMemHandle");
+      },
+      py::arg("address"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "Unmap a peer allocation that cudaIpcOpenMemHandle / cuIpcOpenMemHandle mapped at address.");
 }
