@@ -276,6 +276,31 @@ def clear_every_graph_wrapper() -> list[str]:
     return cleared
 
 
+def move_graphs_to_a_fresh_pool(manager: Any = None) -> None:
+    """Point vLLM's next CUDA graph captures at a new memory pool.
+
+    Every wrapper (and Model Runner V2's ``CudaGraphManager``) captures into the platform's global graph
+    pool, an id taken once. With every graph released, that pool's use count is 0, yet blocks made
+    during capture that something still references keep it in torch's caching allocator; a capture
+    joining it then fails torch's ``use_count > 0`` assertion (seen on vLLM 0.26 at TP 2). A fresh
+    pool id avoids the stale one; what is still alive in the old pool stays where it is."""
+    from vllm.platforms import current_platform
+
+    old = current_platform.get_global_graph_pool()
+    new = current_platform.graph_pool_handle()
+    type(current_platform)._global_graph_pool = new
+    holders: list[Any] = [manager, getattr(manager, "breakable_cg_runner", None)]
+    for symbol in GRAPH_WRAPPERS:
+        try:
+            holders.extend(getattr(lookup(symbol), "_all_instances", ()))
+        except LookupError:
+            continue
+    for holder in holders:
+        for attribute in ("graph_pool", "pool"):
+            if holder is not None and getattr(holder, attribute, None) == old:
+                setattr(holder, attribute, new)
+
+
 def release_model_runner_v2_graphs(manager: Any) -> None:
     """Drop Model Runner V2's captured graphs: ``release_graphs()`` where it exists (0.33), else what
     it does by hand (0.26: the graph dict, the captured flag, breakable graphs)."""

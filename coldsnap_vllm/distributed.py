@@ -66,7 +66,8 @@ import time
 from typing import Any, Callable, Iterable
 
 from coldsnap.collective.group import Rendezvous, between_barriers, share_unique_id
-from coldsnap_vllm.compat import clear_every_graph_wrapper, release_model_runner_v2_graphs
+from coldsnap_vllm.compat import (clear_every_graph_wrapper, move_graphs_to_a_fresh_pool,
+                                  release_model_runner_v2_graphs)
 
 __all__ = ["VllmCollectives", "VllmGraphs", "VllmTeardownError", "vllm_groups"]
 
@@ -375,6 +376,7 @@ class VllmGraphs:
         elif isinstance(runner.model, CUDAGraphWrapper):
             runner.model.concrete_cudagraph_entries = {}
         clear_every_graph_wrapper()  # piecewise graphs live in wrappers inside the compiled model
+        move_graphs_to_a_fresh_pool(manager)
         torch.compiler.reset()
         with set_current_vllm_config(runner.vllm_config):
             reset_compile_wrapper(runner.get_model())
