@@ -5,9 +5,10 @@ Written against vLLM 0.33's GPU code (``vllm/distributed/parallel_state.py``,
 ``distributed/elastic_ep/elastic_execute.py``), with 0.26's differences through
 :mod:`coldsnap_vllm.compat` and ``hasattr``: no distributed checkpoint hooks; the NCCL communicator
 rebuilt with vLLM's own constructor, which mints and broadcasts the unique id over the group's gloo
-group; Model Runner V2's graphs dropped by hand. **Not run on a GPU here** (vLLM 0.33 pins torch 2.14;
-the GPU test host has 2.11): on vLLM's CPU build the same object runs with nothing to tear down, and
-tests/unit/test_vllm_distributed.py drives the sequencing with stand-ins for the GPU-only classes.
+group; Model Runner V2's graphs dropped by hand. Run at TP 2 on two H200s with vLLM 0.26 (below); the
+0.33 path has not run on a GPU (0.33 pins torch 2.14, the GPU test host has 2.11). On vLLM's CPU build
+the same object runs with nothing to tear down, and tests/unit/test_vllm_distributed.py drives the
+sequencing with stand-ins for the GPU-only classes.
 
 vLLM's parallel groups (``GroupCoordinator``: ``tp:0``, ``pp:0``, ...) each own a device communicator
 whose ``pynccl_comm`` (a ``PyNcclCommunicator``) holds an NCCL communicator, beside IPC-based custom
@@ -16,12 +17,13 @@ compiled custom ops do not know (ENGINE-API-FACTS risk 4), so coldsnap keeps eve
 and its gloo ``cpu_group``, and replaces only the NCCL communicator inside it:
 
 - ``teardown`` (agent ``prepare``, after the CUDA graphs were released): FlashInfer / all2all
-  workspaces through vLLM's own ``checkpoint_prepare_distributed_state``; custom all-reduce dropped
-  (vLLM then all-reduces through pynccl); every ``pynccl_comm.destroy()``.
-- ``rebuild`` (agent ``resume``): per group, in name order, the group's rank 0 mints a unique id with
-  vLLM's NCCL library and publishes it through the activation's coordinator; every member builds
-  ``PyNcclCommunicator.from_unique_id_bytes`` on its device and puts it in the group (symmetric-memory
-  ops registered again when enabled); then ``checkpoint_restore_distributed_state``.
+  workspaces through vLLM's own ``checkpoint_prepare_distributed_state`` (0.33); symmetric memory and
+  custom all-reduce closed; every pynccl communicator and torch NCCL group aborted (details below).
+- ``rebuild`` (agent ``resume``): torch's NCCL groups made again; per group, in name order, a new pynccl
+  communicator: on 0.33 the group's rank 0 mints a unique id and publishes it through the activation's
+  coordinator and every member builds ``PyNcclCommunicator.from_unique_id_bytes``, on 0.26 vLLM's
+  constructor does the same over the gloo group (symmetric-memory ops registered again when enabled);
+  symmetric memory and custom all-reduce made anew; then ``checkpoint_restore_distributed_state`` (0.33).
 - graphs: ``release_graphs`` drops vLLM's CUDA graphs as elastic EP does (they hold NCCL kernels of
   the communicator being destroyed, and ``ncclCommAbort`` can wait for graphs that captured it);
   ``recapture_graphs`` runs the model runner's ``capture_model`` on the rebuilt communicators.
@@ -29,31 +31,32 @@ and its gloo ``cpu_group``, and replaces only the NCCL communicator inside it:
 Both ``retain`` and ``recreate`` recapture at TP > 1: stock NCCL cannot rebuild a communicator in
 place, so a retained graph would replay kernels of a destroyed one.
 
-What vLLM 0.26 at TP 2 on two H200s showed (``benchmarks/results/vllm-h200-tp2/``): capture succeeded,
-every restore failed in ``cuCheckpointProcessRestore`` of a worker (``CUDA_ERROR_INVALID_VALUE`` with
-custom all-reduce and symmetric memory on, ``CUDA_ERROR_NOT_SUPPORTED`` with both off), while
-coldsnap's own two-rank workload, whose only NCCL is its own and fully aborted, restores. Two things of
-NCCL were still alive in vLLM's workers at the checkpoint, and the teardown now ends both:
+What vLLM 0.26 at TP 2 on two H200s showed (``benchmarks/results/vllm-h200-tp2/``): the CUDA checkpoint
+API of driver 580 restores a process only once every cross-process GPU mapping is gone; it refuses a live
+NCCL communicator and a rendezvoused torch symmetric-memory buffer (``CUDA_ERROR_NOT_SUPPORTED``) and an
+open legacy CUDA IPC mapping (``CUDA_ERROR_INVALID_VALUE``), as ``tests/gpu/cuda_checkpoint_limits.py``
+shows on bare torch processes. vLLM's workers hold all three, and the teardown ends each:
 
-- **pynccl's abort had not finished.** vLLM's ``PyNcclCommunicator.destroy`` runs ``ncclCommAbort`` in a
-  thread it waits on for 5 s, because the abort blocks while a CUDA graph holds the communicator's
-  kernels; the teardown took exactly 5.0 s per rank: Model Runner V2's piecewise graphs live in
-  ``CUDAGraphWrapper`` instances inside the compiled model, which releasing the runner's graphs did not
-  drop. ``release_graphs`` now clears every wrapper (vLLM's ``clear_all_graphs``), and the teardown
-  aborts each communicator itself and fails the capture if the abort does not return, instead of
-  checkpointing a half-aborted communicator.
-- **torch's NCCL process groups** (the open question this module carried): every ``GroupCoordinator``
-  has a ``device_group``, a torch ``ProcessGroupNCCL`` vLLM uses beside pynccl (``gather``,
-  ``broadcast``, the base all-gather), whose NCCL communicators map their peer's memory. The teardown
-  aborts them (and the default group's NCCL backend); the rebuild makes each group's ``device_group``
-  again with ``new_group(..., use_local_synchronization=True)`` over the default group's store, which
-  the snapshot carries (its TCP connections are restored established).
+- **pynccl**, aborted here and waited for: vLLM's own ``destroy`` gives up after 5 s because the abort
+  blocks while a CUDA graph holds the communicator's kernels, and Model Runner V2's piecewise graphs
+  live in ``CUDAGraphWrapper`` instances inside the compiled model; ``release_graphs`` clears every
+  wrapper first, and the capture fails if an abort does not return.
+- **torch's NCCL process groups**: every ``GroupCoordinator`` has a ``device_group`` (a
+  ``ProcessGroupNCCL``, used beside pynccl for ``gather``, ``broadcast``, the base all-gather). They
+  are aborted with the default group's NCCL backend, and the rebuild makes each ``device_group`` again
+  with ``new_group(..., use_local_synchronization=True)`` over the default group's store, which the
+  snapshot carries (its TCP connections are restored established).
+- **custom all-reduce**: ``CustomAllreduce.close()`` never unmaps the peers' buffers it opened with
+  ``cudaIpcOpenMemHandle``; the teardown unmaps them, and the rebuild makes a new one over the gloo
+  group, so restored ranks all-reduce as before.
+- **symmetric memory**: ``SymmMemCommunicator`` rendezvouses its buffer before it checks for NVLS
+  multicast, and keeps it when it then disables itself (the H200 pair has no multicast); the buffer is
+  dropped, and an enabled communicator is made anew at rebuild.
 
-Neither change has run on a GPU yet (the session's device time ran out after the failing runs). Not
-handled on 0.26 either: torch symmetric-memory all-reduce buffers (``symm_mem_comm``; it disables itself
-without NVLS multicast, as on the H200 pair) and FlashInfer all-reduce workspaces (0.33 releases them
-through ``checkpoint_prepare_distributed_state``; on 0.26 they exist only with the all-reduce fusion,
-which the H200 pair needs off).
+Graphs recaptured after the rebuild go to a fresh pool (:func:`coldsnap_vllm.compat.move_graphs_to_a_fresh_pool`).
+With all of it, capture and two restores at TP 2 gave vLLM's own TP 2 tokens. Not handled: FlashInfer
+all-reduce workspaces (0.33 releases them through ``checkpoint_prepare_distributed_state``; on 0.26 they
+exist only with the all-reduce fusion, which the H200 pair needs off), pipeline parallelism across hosts.
 """
 
 from __future__ import annotations

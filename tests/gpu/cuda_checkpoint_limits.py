@@ -1,7 +1,7 @@
 """What the CUDA checkpoint API of this host's driver refuses, one process state at a time.
 
-``python3 -m tests.gpu.cuda_checkpoint_limits`` (two GPUs; run by hand on ``nvidia-h200-x2``, it takes
-about a minute). Each scenario starts two fresh worker processes, one per GPU, that put themselves in
+``python3 -m tests.gpu.cuda_checkpoint_limits`` (two GPUs, ``nvidia-h200-x2``; about a minute; also run by
+``scripts/gpu-test.sh`` through tests/gpu/test_cuda_checkpoint_limits.py, skipped with one GPU). Each scenario starts two fresh worker processes, one per GPU, that put themselves in
 one state (a live torch NCCL group, an aborted one, a peer's allocation mapped with legacy CUDA IPC,
 the same mapping closed again) and wait; this process then runs ``cuCheckpointProcess{Lock,
 Checkpoint,Restore,Unlock}`` on both, as ``coldsnap capture`` and ``restore`` do around CRIU, and the
@@ -39,6 +39,7 @@ SCENARIOS = {
 MUST_RESTORE = ("cuda_only", "nccl_aborted", "ipc_closed", "symm_mem_released")  # what the teardown leaves
 
 MIB = 1 << 20
+SKIP = 77  # the exit status tests/gpu/test_cuda_checkpoint_limits.py reports as skipped
 
 
 class _IpcHandle(ctypes.Structure):
@@ -184,7 +185,7 @@ def main() -> int:
 
     if torch.cuda.device_count() < 2:
         print("skipped: needs two GPUs")
-        return 0
+        return SKIP
     rows = [run_scenario(name) for name in SCENARIOS]
     for row in rows:
         print(f"{row['scenario']:13s} round trip: {row['round_trip']}; after: {row.get('verify', '-')}")
