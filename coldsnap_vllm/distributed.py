@@ -84,6 +84,8 @@ milliseconds then); longer means something still does, and the snapshot would ca
 class VllmTeardownError(RuntimeError):
     """vLLM's NCCL state could not be ended before the snapshot (the capture fails rather than keep it)."""
 
+    failure_code = "agent.collectives"  # how the agent reports it to the launcher (coldsnap.agent.protocol)
+
 
 def vllm_groups() -> list[Any]:
     """vLLM's live parallel groups, by unique name (the same order on every rank)."""

@@ -17,7 +17,8 @@ from pathlib import Path
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, ask_canary, wait_for_agent, wait_for_http
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.agent.server import AgentError, rank_control, request
+from coldsnap.agent.client import AgentClient, AgentError
+from coldsnap.agent.protocol import Prepare, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
@@ -66,8 +67,8 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         controls = [rank_control(engine.control, w.rank) for w in workers]
         with timer.span("capture.ready") as span:
             status = wait_for_agent(engine.control, engine.alive, ready_timeout)
-            if int(status.get("world_size", 1)) != world:
-                raise OperationFailed("capture.topology", f"the engine runs {status.get('world_size', 1)} rank(s), the "
+            if status.world_size != world:
+                raise OperationFailed("capture.topology", f"the engine runs {status.world_size} rank(s), the "
                                       f"request lists {world} worker(s): capture with one worker per rank "
                                       "(coldsnap capture --ranks N)")
             statuses = [status] + [wait_for_agent(control, engine.alive, ready_timeout) for control in controls[1:]]
@@ -81,22 +82,22 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         graph_policy = request_.policy.graphs.mode or "retain"
         with timer.span("capture.prepare") as span, ActivationCoordinator(world) as coordinator:
             bars = PhaseProgress(f"coldsnap capture [{request_.engine}/{request_.snapshot_driver}]: ")
-            command = {"command": "prepare", "pack_dir": str(artifact.payload_dir), "generate_pack": generate,
-                       "graph_policy": graph_policy, "coordinator": coordinator.command_field()}
+            command = Prepare(pack_dir=str(artifact.payload_dir) if generate else None, graph_policy=graph_policy,
+                              coordinator=coordinator.command_field())
             try:
                 # Progress bars follow rank 0; the ranks write their packs at the same time.
                 prepared_ranks = call_every_rank(
-                    [(w.rank, lambda c=c, r=w.rank: request(c, command, on_progress=bars if r == 0 else None))
+                    [(w.rank, lambda c=c, r=w.rank: AgentClient(c).prepare(command, on_progress=bars if r == 0 else None))
                      for w, c in zip(workers, controls)], coordinator)
             finally:
                 bars.finish()
             for rank, prepared in enumerate(prepared_ranks):
                 prefix = rank_prefix(rank)
-                span.update({f"{prefix}{k}_ns": int(v * 1e9) for k, v in prepared["seconds"].items()})
-                if prepared.get("graphs_released"):
-                    span[f"{prefix}graphs_released"] = ",".join(prepared["graphs_released"])
-        rss_after_release = sum(int(p.get("rss_bytes", 0)) for p in prepared_ranks)
-        device_after_release = sum(int(p.get("device_bytes", 0)) for p in prepared_ranks)
+                span.update({f"{prefix}{k}_ns": int(v * 1e9) for k, v in prepared.seconds.items()})
+                if prepared.graphs_released:
+                    span[f"{prefix}graphs_released"] = ",".join(prepared.graphs_released)
+        rss_after_release = sum(p.rss_bytes for p in prepared_ranks)
+        device_after_release = sum(p.device_bytes for p in prepared_ranks)
         pids = tree_pids(engine.pid)
         gpu_pids = gpu_processes(pids)
         gpus = cuda_devices() if gpu_pids else []
@@ -135,22 +136,23 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
         with timer.span("capture.commit"):
             capsule = artifact.write_capsule(unit.unit_id, {
                 "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,
-                "workers": [{"rank": w.rank, "control": c, "pid": s["pid"], "layout": s["layout"],
-                             "layout_digest": p["layout_digest"], "regions": p.get("regions", {}),
-                             "graphs_released": p.get("graphs_released", [])}
+                "workers": [{"rank": w.rank, "control": c, "pid": s.pid, "layout": s.layout,
+                             "layout_digest": p.layout_digest,
+                             "regions": {tag: r.model_dump() for tag, r in p.regions.items()},
+                             "graphs_released": p.graphs_released}
                             for w, c, s, p in zip(workers, controls, statuses, prepared_ranks)],
                 "criu_options": snapshotter.options.args(), "criu_tcp": snapshotter.options.tcp,
                 "gpu_pids": gpu_pids, "gpu_uuids": [d["uuid"] for d in gpus],
             })
             worker_records = []
             for w, p in zip(workers, prepared_ranks):
-                payload, residual = p.get("payload"), p.get("residual")
+                payload, residual = p.payload, p.residual
                 if residual is None:
                     raise OperationFailed("capture.residual", f"the agent of rank {w.rank} wrote no residual pack")
                 worker_records.append(WorkerRecord(
-                    worker_id=w.worker_id, rank=w.rank, layout_digest=p["layout_digest"],
-                    residual=file_ref(artifact, Path(residual["path"]), residual["sha256"]),
-                    payload=file_ref(artifact, Path(payload["path"]), payload["sha256"]) if payload else None))
+                    worker_id=w.worker_id, rank=w.rank, layout_digest=p.layout_digest,
+                    residual=file_ref(artifact, Path(residual.path), residual.sha256),
+                    payload=file_ref(artifact, Path(payload.path), payload.sha256) if payload else None))
             artifact.request_path.write_bytes(canonical_json(request_.to_json_value()) + b"\n")
             driver = nvidia_kernel_driver()
             descriptor = ArtifactDescriptor(

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from coldsnap.agent.server import AgentError, request
+from coldsnap.agent.client import AgentClient, AgentError
+from coldsnap.agent.protocol import StatusReply
 from coldsnap.snapshot.process_tree import kill_tree
 
 __all__ = ["EngineProcess", "LaunchError", "Canary", "ask_canary", "wait_for_agent", "new_control_name"]
@@ -29,12 +30,12 @@ def new_control_name() -> str:
     return f"@coldsnap-agent-{uuid.uuid4().hex[:16]}"
 
 
-def wait_for_agent(control: str, alive: Callable[[], bool], timeout: float) -> dict[str, Any]:
+def wait_for_agent(control: str, alive: Callable[[], bool], timeout: float) -> StatusReply:
     """Poll the agent's status until it answers (or the process dies, or time runs out)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return request(control, {"command": "status"}, timeout=30)
+            return AgentClient(control, timeout=30).status()
         except (OSError, AgentError):
             if not alive():
                 raise LaunchError("the serving process exited before its coldsnap agent answered") from None

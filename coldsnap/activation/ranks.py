@@ -14,7 +14,8 @@ import threading
 import time
 from typing import Any, Callable, TypeVar
 
-from coldsnap.agent.server import AgentError
+from coldsnap.agent.client import AgentError
+from coldsnap.agent.protocol import CoordinatorRef
 
 __all__ = ["ActivationCoordinator", "call_every_rank", "rank_prefix"]
 
@@ -52,11 +53,11 @@ class ActivationCoordinator:
             self._thread.start()
         return self
 
-    def command_field(self) -> dict[str, Any] | None:
+    def command_field(self) -> CoordinatorRef | None:
         """What an agent command carries so the rank can join (``None`` for one rank)."""
         if self._server is None:
             return None
-        return {"endpoint": self._server.endpoint, "token": self.token.hex(), "world": self.world}
+        return CoordinatorRef(endpoint=self._server.endpoint, token=self.token.hex(), world=self.world)
 
     def abort(self, reason: str) -> None:
         if self._server is not None:
@@ -97,7 +98,9 @@ def call_every_rank(calls: list[tuple[int, Callable[[], T]]], coordinator: Activ
         thread.join()
     if failures:
         _, rank, exc = min(failures, key=lambda f: f[0])
-        if isinstance(exc, (AgentError, OSError)):
+        if isinstance(exc, AgentError):
+            raise AgentError(f"rank {rank}: {exc}", exc.failure) from exc
+        if isinstance(exc, OSError):
             raise AgentError(f"rank {rank}: {exc}") from exc
         raise exc
     return [results[rank] for rank, _ in calls]

@@ -25,7 +25,8 @@ from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_r
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.snapshot.process_tree import kill_tree
-from coldsnap.agent.server import AgentError, Lease, request
+from coldsnap.agent.client import AgentClient, AgentError, Lease
+from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
@@ -248,12 +249,12 @@ def restore(context: OperationContext) -> OperationOutcome:
         with timer.span("restore.resume") as span, ActivationCoordinator(len(workers)) as coordinator:
             bars = PhaseProgress(f"coldsnap restore [{descriptor.engine}/{descriptor.snapshot_driver}]: ")
 
-            def resume(w) -> dict[str, Any]:
-                command = {"command": "resume", "layout_digest": w.layout_digest, "coordinator": coordinator.command_field(),
-                           **(commands.get(w.rank) or {"payload": str(pack(w.payload)) if w.payload else None,
-                                                      "residual": str(pack(w.residual))})}
-                return request(records[w.rank]["control"], command, on_progress=bars if w.rank == 0 else None,
-                               fds=fds_by_rank.get(w.rank, []))
+            def resume(w) -> ResumeReply:
+                weights = commands.get(w.rank) or {"payload": str(pack(w.payload)) if w.payload else None,
+                                                   "residual": str(pack(w.residual))}
+                command = Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), **weights)
+                return AgentClient(records[w.rank]["control"]).resume(
+                    command, on_progress=bars if w.rank == 0 else None, fds=fds_by_rank.get(w.rank, []))
 
             try:
                 resumed_ranks = call_every_rank([(w.rank, lambda w=w: resume(w)) for w in workers], coordinator)
@@ -266,12 +267,12 @@ def restore(context: OperationContext) -> OperationOutcome:
                     stager.release()
             for rank, resumed in enumerate(resumed_ranks):
                 prefix = rank_prefix(rank)
-                hydrated = resumed.get("hydrate", {})
-                span.update({f"{prefix}bytes": int(hydrated.get("bytes", 0)), f"{prefix}source": str(hydrated.get("source", "")),
-                             f"{prefix}staged": bool(hydrated.get("staged", False))})
-                span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.get("seconds", {}).items()})
-                if resumed.get("graphs_recaptured"):
-                    span[f"{prefix}graphs_recaptured"] = ",".join(resumed["graphs_recaptured"])
+                hydrated = resumed.hydrate
+                span.update({f"{prefix}bytes": hydrated.bytes, f"{prefix}source": hydrated.source,
+                             f"{prefix}staged": hydrated.staged})
+                span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.seconds.items()})
+                if resumed.graphs_recaptured:
+                    span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)
         with timer.span("restore.canary") as span:
             try:
                 canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)

@@ -1,20 +1,32 @@
 """The in-process agent: a small control server inside each engine process that owns model memory.
 
 The launcher talks to it over a unix socket (``COLDSNAP_CONTROL``; a name starting with ``@`` is an
-abstract socket, which leaves no file behind to trip a restore). One JSON object per line each way:
+abstract socket, which leaves no file behind to trip a restore), in the typed messages of
+:mod:`coldsnap.agent.protocol` through :class:`coldsnap.agent.client.AgentClient`:
 
 - ``status`` → state, pid, serving port, layout digest, regions;
-- ``prepare`` {pack_dir, generate_pack} → drain (hold the serving lock), write the native payload and
-  residual packs from the live regions, release the regions' physical memory (addresses kept) and
-  the pinned staging ring, so the process image holds neither weights nor KV;
-- ``resume`` {payload, residual, safetensors, layout_digest} → map the regions again at the same
-  addresses, hydrate the weights (native pack, or recovery replay from safetensors), zero the KV
-  cache, release the serving lock.
+- ``prepare`` {pack_dir, graph_policy} → drain (hold the serving lock), release or keep CUDA graphs,
+  tear collectives down, write the native payload and residual packs from the live regions, release
+  the regions' physical memory (addresses kept) and the pinned staging ring, so the process image
+  holds neither weights nor KV;
+- ``resume`` {layout_digest, payload, residual, safetensors, adopted chunks} → map the regions again
+  at the same addresses, fill them (chunks the launcher hydrated, a native pack, or recovery replay
+  from safetensors), zero the KV cache, rebuild collectives and graphs, release the serving lock;
+- ``lease`` → the restored tree lives only as long as the restoring launcher, until it says ``release``.
 
 Engine plugins add what only they know through :class:`AgentHooks` (graph policy, NCCL teardown and
-rebuild).
+rebuild). The launcher side imports :mod:`~coldsnap.agent.protocol` and :mod:`~coldsnap.agent.client`
+only; the server (and what it imports) loads on first use of the names below.
 """
 
-from coldsnap.agent.server import AgentHooks, AgentServer, request, start_agent
+from typing import Any
 
-__all__ = ["AgentHooks", "AgentServer", "request", "start_agent"]
+__all__ = ["AgentHooks", "AgentServer", "start_agent"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from coldsnap.agent import server
+
+        return getattr(server, name)
+    raise AttributeError(f"module 'coldsnap.agent' has no attribute {name!r}")

@@ -1,9 +1,8 @@
-"""Agent server (see the package docstring) and the launcher's client call."""
+"""Agent server (see the package docstring); its protocol is :mod:`coldsnap.agent.protocol`."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -14,21 +13,65 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from coldsnap.agent.memory import ModelMemory, timed as _timed
+from coldsnap.agent.memory import ModelMemory, ModelMemoryError, timed as _timed
+from coldsnap.agent.protocol import (
+    AgentFailure,
+    CoordinatorRef,
+    FailureCode,
+    Hydrated,
+    LeaseTaken,
+    PackRef,
+    Prepare,
+    PrepareReply,
+    ProgressLine,
+    ProgressUpdate,
+    ProtocolError,
+    RegionStatus,
+    Reply,
+    Resume,
+    ResumeReply,
+    Status,
+    StatusReply,
+    TakeLease,
+    address,
+    decode_command,
+    encode,
+    rank_control,
+    receive_line,
+)
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
 
 if TYPE_CHECKING:
     from coldsnap.collective.group import DistributedState, Rendezvous
 
-__all__ = ["AgentHooks", "AgentServer", "AgentError", "Lease", "hold_lease", "rank_control", "start_agent", "request"]
+__all__ = ["AgentHooks", "AgentServer", "CommandFailed", "hold_lease", "start_agent"]
 
 log = logging.getLogger(__name__)
 
 Hook = Callable[[], None]
 
 
-class AgentError(RuntimeError):
-    """The agent refused or failed a command; the message is its own."""
+class CommandFailed(RuntimeError):
+    """A command the agent refuses or cannot complete, with the code the launcher gets."""
+
+    def __init__(self, code: FailureCode, message: str):
+        super().__init__(message)
+        self.code: FailureCode = code
+
+
+def failure_of(exc: BaseException) -> AgentFailure:
+    """How an exception crosses the socket: :class:`CommandFailed` with its code; model memory errors as
+    ``agent.memory``; an exception whose class names a ``failure_code`` (an engine plugin's teardown
+    error, the collectives' errors) with it; anything else as ``agent.internal``."""
+    if isinstance(exc, CommandFailed):
+        code: FailureCode = exc.code
+    elif isinstance(exc, ModelMemoryError):
+        code = "agent.memory"
+    elif isinstance(exc, ProtocolError):
+        code = "agent.command"
+    else:
+        code = getattr(type(exc), "failure_code", "agent.internal")
+    return AgentFailure(code=code, type=type(exc).__name__, message=str(exc))
 
 
 @dataclass
@@ -46,15 +89,6 @@ class AgentHooks:
     one, and kernels captured against the old one must not replay. Runs before the teardown."""
     recapture_graphs: Callable[[], list[str]] | None = None
     """Capture again what ``release_graphs`` dropped (every rank at once: warm-ups run collectives)."""
-
-
-def rank_control(control: str, rank: int) -> str:
-    """The control socket of ``rank``: the engine's ``COLDSNAP_CONTROL`` for rank 0, suffixed for others."""
-    return control if rank == 0 else f"{control}.rank{rank}"
-
-
-def _address(control: str) -> str | bytes:
-    return b"\0" + control[1:].encode() if control.startswith("@") else control
 
 
 class AgentServer:
@@ -76,7 +110,7 @@ class AgentServer:
         self.on_lease_lost: Callable[[], None] = _stop_process_group  # what a lapsed restore lease does
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(_address(self.control))
+        self._listener.bind(address(self.control))
         self._listener.listen(4)
         self._thread = threading.Thread(target=self._serve, name="coldsnap-agent", daemon=True)
 
@@ -91,69 +125,59 @@ class AgentServer:
                 closing.callback(connection.close)
                 fds: list[int] = []
                 try:
-                    line, fds = _receive_line(connection)
-                    command = json.loads(line)
-                    if command.get("command") == "lease":  # the connection is the lease: another thread owns it
+                    line, fds = receive_line(connection)
+                    command = decode_command(line)
+                    if isinstance(command, TakeLease):  # the connection is the lease: another thread owns it
                         closing.pop_all()
                         threading.Thread(target=hold_lease, args=(connection, self.on_lease_lost), name="coldsnap-agent-lease",
                                          daemon=True).start()
                         continue
-                    reply = {"ok": True, **self.handle(command, _ProgressLines(connection), fds)}
+                    reply = Reply(ok=True, reply=self.handle(command, _ProgressLines(connection), fds))
                 except Exception as exc:  # every failure goes back to the launcher, none kills the engine
                     log.exception("coldsnap agent command failed")
-                    reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                    reply = Reply(ok=False, failure=failure_of(exc))
                 finally:
                     for fd in fds:  # adopted memory holds its own references
                         os.close(fd)
                 try:
-                    connection.sendall(json.dumps(reply).encode() + b"\n")
+                    connection.sendall(encode(reply))
                 except OSError:
                     pass
 
-    def handle(self, command: dict[str, Any], progress: "_ProgressLines | None" = None,
-               fds: list[int] | None = None) -> dict[str, Any]:
-        name = command.get("command")
+    def handle(self, command: Status | Prepare | Resume, progress: "_ProgressLines | None" = None,
+               fds: list[int] | None = None) -> StatusReply | PrepareReply | ResumeReply:
         progress = progress or _ProgressLines(None)
-        if name == "status":
+        if isinstance(command, Status):
             return self.status()
-        if name == "prepare":
-            return self.prepare(Path(command["pack_dir"]), bool(command.get("generate_pack", True)), progress,
-                                graph_policy=str(command.get("graph_policy") or "retain"),
-                                coordinator=command.get("coordinator"))
-        if name == "resume":
-            return self.resume(command, progress, fds or [])
-        raise AgentError(f"unknown command {name!r}")
+        if isinstance(command, Prepare):
+            return self.prepare(command, progress)
+        return self.resume(command, progress, fds or [])
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "state": self.state,
-            "pid": os.getpid(),
-            "port": self.port,
-            "rank": self.rank,
-            "world_size": self.world,
-            "layout_digest": self.memory.layout.digest(),
-            "layout": self.memory.layout.to_json_value(),
-            "regions": {
-                tag: {"backend": r.backend, "device": r.device, "base": r.base, "size": r.size, "mapped": r.mapped_bytes,
-                      "high_water": r.high_water, "chunk_bytes": r.chunk_bytes}
-                for tag, r in self.memory.regions.items()
-            },
-        }
+    def status(self) -> StatusReply:
+        return StatusReply(state=self.state, pid=os.getpid(), port=self.port, rank=self.rank, world_size=self.world,
+                           layout_digest=self.memory.layout.digest(), layout=self.memory.layout.to_json_value(),
+                           regions=self._regions())
 
-    def prepare(self, pack_dir: Path, generate_pack: bool, progress: "_ProgressLines", graph_policy: str = "retain",
-                coordinator: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _regions(self) -> dict[str, RegionStatus]:
+        return {tag: RegionStatus(backend=r.backend, device=r.device, base=r.base, size=r.size, mapped=r.mapped_bytes,
+                                  high_water=r.high_water, chunk_bytes=r.chunk_bytes)
+                for tag, r in self.memory.regions.items()}
+
+    def prepare(self, command: Prepare, progress: "_ProgressLines") -> PrepareReply:
         if self.state != "serving":
-            raise AgentError(f"prepare needs state serving, not {self.state}")
+            raise CommandFailed("agent.state", f"prepare needs state serving, not {self.state}")
         seconds: dict[str, float] = {}
-        with _rendezvous(coordinator, self.rank, self.world) as rendezvous:
+        pack_dir = Path(command.pack_dir) if command.pack_dir is not None else None
+        graph_policy = command.graph_policy
+        with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             self._drain(rendezvous, seconds)
             try:
                 if self.hooks.release_graphs is not None:
                     self.graphs_released = _timed(seconds, "release_graphs", lambda: self.hooks.release_graphs(graph_policy))
                 if self.collectives is not None:
                     self.collectives.teardown(rendezvous, seconds)
-                result = self.memory.release(seconds, pack_dir if generate_pack else None,
-                                             progress.phase("writing the native pack"), self._before_release)
+                packs = self.memory.release(seconds, pack_dir, progress.phase("writing the native pack"),
+                                            self._before_release)
             except BaseException:
                 self.serving_lock.release()
                 raise
@@ -161,9 +185,11 @@ class AgentServer:
         self._xstate = dynamic_permissions()  # CRIU does not carry AMX permission; resume asks again
         self._arm_watchdog()
         # What the process image will hold: its resident memory once model memory is gone.
-        return {**result, "layout_digest": self.memory.layout.digest(), "seconds": seconds, "rss_bytes": _rss_bytes(),
-                "regions": self.status()["regions"], "graphs_released": self.graphs_released,
-                "device_bytes": _torch_device_bytes()}
+        return PrepareReply(
+            payload=PackRef(**packs["payload"]) if "payload" in packs else None,
+            residual=PackRef(**packs["residual"]) if "residual" in packs else None,
+            layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=_rss_bytes(),
+            device_bytes=_torch_device_bytes(), regions=self._regions(), graphs_released=list(self.graphs_released))
 
     def _drain(self, rendezvous: "Rendezvous | None", seconds: dict[str, float]) -> None:
         """Stop serving. Ranks > 0 only follow rank 0's requests, and one may be waiting in a collective
@@ -171,7 +197,7 @@ class AgentServer:
         can finish instead of deadlocking against a drained leader."""
         def acquire() -> None:
             if not _timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
-                raise AgentError("could not drain: a request held the engine for 300 s")
+                raise CommandFailed("agent.drain", "could not drain: a request held the engine for 300 s")
 
         if rendezvous is None:
             acquire()
@@ -207,21 +233,22 @@ class AgentServer:
 
         threading.Thread(target=watch, name="coldsnap-agent-watchdog", daemon=True).start()
 
-    def resume(self, command: dict[str, Any], progress: "_ProgressLines", fds: list[int]) -> dict[str, Any]:
+    def resume(self, command: Resume, progress: "_ProgressLines", fds: list[int]) -> ResumeReply:
         """Map the regions again and fill them: from chunks the launcher already hydrated (``adopted``:
         tag → chunk count, the file descriptors in that order), else from the pack or safetensors.
         Then the collectives are rebuilt and dropped graphs recaptured, every rank together."""
         if self.state != "prepared":
-            raise AgentError(f"resume needs state prepared, not {self.state}")
+            raise CommandFailed("agent.state", f"resume needs state prepared, not {self.state}")
         seconds: dict[str, float] = {}
         refused = request_permissions(self._xstate)
         if refused:
-            raise AgentError(f"the kernel refused x86 state features {refused} this process used before the snapshot")
-        with _rendezvous(command.get("coordinator"), self.rank, self.world) as rendezvous:
+            raise CommandFailed("agent.permissions",
+                                f"the kernel refused x86 state features {refused} this process used before the snapshot")
+        with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             hydrated = self.memory.restore(
-                seconds, layout_digest=command.get("layout_digest"), payload=command.get("payload"),
-                residual=command.get("residual"), safetensors=command.get("safetensors"), adopted=command.get("adopted"),
-                fds=fds, staged=command.get("staged"), progress=progress.phase("hydrating weights"))
+                seconds, layout_digest=command.layout_digest, payload=command.payload, residual=command.residual,
+                safetensors=command.safetensors, adopted=command.adopted, fds=fds, staged=command.staged,
+                progress=progress.phase("hydrating weights"))
             if self.collectives is not None:
                 self.collectives.rebuild(rendezvous, seconds)
             for hook in self.hooks.after_resume:
@@ -234,11 +261,18 @@ class AgentServer:
         self.graphs_released = []
         self.state = "serving"
         self.serving_lock.release()
-        return {"hydrate": hydrated, "seconds": seconds, "graphs_recaptured": recaptured, "rank": self.rank}
+        return ResumeReply(rank=self.rank, hydrate=_hydrated(hydrated), seconds=seconds, graphs_recaptured=recaptured)
+
+
+def _hydrated(summary: dict[str, Any]) -> Hydrated:
+    """What :meth:`ModelMemory.restore` reports, as the protocol's :class:`Hydrated`."""
+    stats = dict(summary)
+    return Hydrated(source=stats.pop("source"), bytes=int(stats.pop("bytes", 0)), staged=bool(stats.pop("staged", False)),
+                    stats={k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))})
 
 
 @contextlib.contextmanager
-def _rendezvous(coordinator: dict[str, Any] | None, rank: int, world: int) -> Iterator["Rendezvous | None"]:
+def _rendezvous(coordinator: CoordinatorRef | None, rank: int, world: int) -> Iterator["Rendezvous | None"]:
     """The activation's coordinator for one command (none for a single rank). Its own ZeroMQ context
     is terminated before the command returns: no connection to the launcher outlives it, so none is in
     the process when CRIU dumps it."""
@@ -246,14 +280,14 @@ def _rendezvous(coordinator: dict[str, Any] | None, rank: int, world: int) -> It
         yield None
         return
     if not coordinator:
-        raise AgentError(f"rank {rank} of {world} needs the activation's coordinator in the command")
+        raise CommandFailed("agent.command", f"rank {rank} of {world} needs the activation's coordinator in the command")
     import zmq
 
     from coldsnap.coord import CoordinatorClient
 
     context = zmq.Context()
     try:
-        client = CoordinatorClient(coordinator["endpoint"], bytes.fromhex(coordinator["token"]), rank, context=context)
+        client = CoordinatorClient(coordinator.endpoint, bytes.fromhex(coordinator.token), rank, context=context)
         completed = False
         try:
             yield client
@@ -279,8 +313,7 @@ class _ProgressLines:
                 return
             last[0] = now
             try:
-                line = {"progress": {"phase": name, "done": done, "total": total}}
-                self.connection.sendall(json.dumps(line).encode() + b"\n")
+                self.connection.sendall(encode(ProgressLine(progress=ProgressUpdate(phase=name, done=done, total=total))))
             except OSError:
                 self.connection = None  # the launcher stopped listening; the work goes on
 
@@ -319,9 +352,6 @@ def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lo
     return _agent
 
 
-MAX_FDS_PER_MESSAGE = 200  # SCM_RIGHTS carries at most 253 descriptors per message on Linux
-
-
 def _stop_process_group(reason: str = "the restoring launcher died before the canary matched") -> None:
     log.error("coldsnap agent: %s; stopping this process tree", reason)
     os.killpg(os.getpgrp(), 9)
@@ -333,7 +363,7 @@ def hold_lease(connection: socket.socket, on_lost: Callable[[], None] = _stop_pr
     then ``on_lost`` (default: SIGKILL to this process group). Returns True when released."""
     with connection:
         try:
-            connection.sendall(b'{"ok": true, "leased": true}\n')
+            connection.sendall(encode(LeaseTaken()))
             reader = connection.makefile("rb")
             while line := reader.readline():
                 if line.strip() == b"release":
@@ -342,82 +372,3 @@ def hold_lease(connection: socket.socket, on_lost: Callable[[], None] = _stop_pr
             pass
     on_lost()
     return False
-
-
-class Lease:
-    """The launcher's side of :func:`hold_lease`: taken on each rank's agent right after CRIU restored
-    the tree, released once the canary matched. If the launcher dies in between, the kernel closes
-    these connections and each agent stops its process tree."""
-
-    def __init__(self, controls: list[str], timeout: float = 30.0):
-        self._connections: list[socket.socket] = []
-        try:
-            for control in controls:
-                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                self._connections.append(connection)
-                connection.settimeout(timeout)
-                connection.connect(_address(control))
-                connection.sendall(b'{"command": "lease"}\n')
-                if b'"leased": true' not in connection.recv(256):
-                    raise AgentError(f"agent at {control} did not take the lease")
-        except BaseException:
-            self.close()
-            raise
-
-    def release(self) -> None:
-        """The server is on its own from now on."""
-        for connection in self._connections:
-            try:
-                connection.sendall(b"release\n")
-            except OSError:
-                pass
-        self.close()
-
-    def close(self) -> None:
-        for connection in self._connections:
-            connection.close()
-        self._connections = []
-
-
-def _receive_line(connection: socket.socket) -> tuple[bytes, list[int]]:
-    """One command line and every file descriptor sent with it (SCM_RIGHTS, in order)."""
-    data, fds = b"", []
-    while b"\n" not in data:
-        chunk, received, _, _ = socket.recv_fds(connection, 1 << 16, MAX_FDS_PER_MESSAGE)
-        fds += received
-        if not chunk:
-            break
-        data += chunk
-    return data.split(b"\n", 1)[0], fds
-
-
-def request(control: str, command: dict[str, Any], timeout: float = 600,
-            on_progress: Callable[[str, int, int], None] | None = None, fds: list[int] | None = None) -> dict[str, Any]:
-    """Send one command to the agent at ``control``; raises :class:`AgentError` with its reason.
-    Progress lines the agent streams before its reply go to ``on_progress(phase, done, total)``.
-    ``fds`` travel with the command (SCM_RIGHTS); the caller still owns and closes its copies."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
-        connection.settimeout(timeout)
-        connection.connect(_address(control))
-        line = json.dumps(command).encode() + b"\n"
-        batches = [list(fds[i:i + MAX_FDS_PER_MESSAGE]) for i in range(0, len(fds or []), MAX_FDS_PER_MESSAGE)]
-        for batch in batches[:-1]:
-            socket.send_fds(connection, [b" "], batch)  # JSON allows leading blanks
-        if batches:
-            socket.send_fds(connection, [line], batches[-1])
-        else:
-            connection.sendall(line)
-        reader = connection.makefile("rb")
-        while True:
-            line = reader.readline()
-            if not line or b'"progress"' not in line[:16]:
-                break
-            if on_progress is not None:
-                update = json.loads(line)["progress"]
-                on_progress(update["phase"], update["done"], update["total"])
-    if not line:
-        raise AgentError(f"agent at {control} closed the connection without answering")
-    reply = json.loads(line)
-    if not reply.pop("ok", False):
-        raise AgentError(reply.get("error", "unknown agent error"))
-    return reply

@@ -10,6 +10,8 @@ __all__ = ["Backend", "CollectiveError", "Communicator"]
 class CollectiveError(RuntimeError):
     """A communicator could not be created, used or closed; the message says which rank and why."""
 
+    failure_code = "agent.collectives"  # how the agent reports it to the launcher (coldsnap.agent.protocol)
+
 
 class Communicator(Protocol):
     rank: int

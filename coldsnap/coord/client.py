@@ -20,6 +20,8 @@ _HEARTBEAT_S = 0.25
 class CoordinatorError(RuntimeError):
     """A barrier, put or get failed, or the coordinator is gone; the message says which and why."""
 
+    failure_code = "agent.collectives"  # how the agent reports it to the launcher (coldsnap.agent.protocol)
+
 
 class CoordinatorClient:
     def __init__(self, endpoint: str, token: bytes, rank: int, connect_timeout: float = 10.0,

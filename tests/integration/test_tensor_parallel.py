@@ -95,14 +95,13 @@ def test_one_rank_failing_its_resume_fails_both_at_once(tp_captured, tmp_path, m
     restore_module = importlib.import_module("coldsnap.activation.restore")
 
     artifact, port, _, _ = tp_captured
-    real_request = restore_module.request
+    class Rank1Refused(restore_module.AgentClient):
+        def resume(self, command, **kwargs):
+            if self.control.endswith(".rank1"):
+                command = command.model_copy(update={"layout_digest": "0" * 64})
+            return super().resume(command, **kwargs)
 
-    def rank1_refused(control, command, **kwargs):
-        if control.endswith(".rank1"):
-            command = {**command, "layout_digest": "0" * 64}
-        return real_request(control, command, **kwargs)
-
-    monkeypatch.setattr(restore_module, "request", rank1_refused)
+    monkeypatch.setattr(restore_module, "AgentClient", Rank1Refused)
     before = (artifact / "artifact.json").read_bytes()
     receipt = tmp_path / "receipt.json"
     started = time.monotonic()
@@ -118,14 +117,13 @@ def test_one_rank_failing_its_prepare_commits_nothing(tmp_path, monkeypatch):
     capture_module = importlib.import_module("coldsnap.activation.capture")
 
     port = _free_port()
-    real_request = capture_module.request
+    class Rank1CannotWrite(capture_module.AgentClient):
+        def prepare(self, command, **kwargs):
+            if self.control.endswith(".rank1"):  # not a directory anyone can create
+                command = command.model_copy(update={"pack_dir": "/proc/version/payload"})
+            return super().prepare(command, **kwargs)
 
-    def rank1_cannot_write(control, command, **kwargs):
-        if control.endswith(".rank1") and command.get("command") == "prepare":
-            command = {**command, "pack_dir": "/proc/version/payload"}  # not a directory anyone can create
-        return real_request(control, command, **kwargs)
-
-    monkeypatch.setattr(capture_module, "request", rank1_cannot_write)
+    monkeypatch.setattr(capture_module, "AgentClient", Rank1CannotWrite)
     out = tmp_path / "artifact"
     receipt = tmp_path / "receipt.json"
     assert _in_process(["capture", "--out", str(out), "--receipt-json", str(receipt), "--", *workload(port)]) == 1

@@ -12,7 +12,9 @@ import uuid
 
 import pytest
 
-from coldsnap.agent.server import AgentServer, Lease, hold_lease
+from coldsnap.agent.client import Lease
+from coldsnap.agent.protocol import LeaseTaken, Reply, address
+from coldsnap.agent.server import AgentServer, hold_lease
 
 AGENT = """
 import sys, threading, time
@@ -24,7 +26,7 @@ time.sleep(120)
 
 LAUNCHER = """
 import sys, time
-from coldsnap.agent.server import Lease
+from coldsnap.agent.client import Lease
 lease = Lease([sys.argv[1]])
 if sys.argv[2] == "release":
     lease.release()
@@ -43,7 +45,7 @@ def test_a_released_lease_is_kept_and_a_dropped_one_is_lost():
         lost = []
         holder = threading.Thread(target=lambda: lost.append(not hold_lease(agent_end, lambda: lost.append("lost"))))
         holder.start()
-        assert launcher_end.recv(64).startswith(b'{"ok": true, "leased": true}')
+        assert LeaseTaken.model_validate_json(launcher_end.makefile("rb").readline()) == LeaseTaken()
         if ending == "release":
             launcher_end.sendall(b"release\n")
         launcher_end.close()
@@ -58,10 +60,12 @@ def test_the_agent_hands_the_lease_to_its_own_thread_and_keeps_serving():
     agent.on_lease_lost = lost.set
     agent.start()
     lease = Lease([control])
-    from coldsnap.agent.server import request
-
-    with pytest.raises(Exception, match="unknown command"):
-        request(control, {"command": "no-such-command"}, timeout=5)  # served while the lease is held
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:  # served while the lease is held
+        connection.settimeout(5)
+        connection.connect(address(control))
+        connection.sendall(b'{"command": "no-such-command"}\n')
+        reply = Reply.model_validate_json(connection.makefile("rb").readline())
+    assert not reply.ok and reply.failure.code == "agent.command"
     lease.close()  # the launcher died before the canary
     assert lost.wait(5)
 

@@ -1,11 +1,20 @@
 """The agent's control transport: one JSON line per command, file descriptors riding along in order."""
 
-import json
 import os
 import socket
 import threading
 
-from coldsnap.agent.server import MAX_FDS_PER_MESSAGE, _receive_line, request
+from coldsnap.agent.client import AgentClient
+from coldsnap.agent.protocol import (
+    MAX_FDS_PER_MESSAGE,
+    Hydrated,
+    Reply,
+    Resume,
+    ResumeReply,
+    decode_command,
+    encode,
+    receive_line,
+)
 
 
 def _serve_once(control: str, seen: dict) -> threading.Thread:
@@ -16,12 +25,14 @@ def _serve_once(control: str, seen: dict) -> threading.Thread:
     def serve() -> None:
         connection, _ = listener.accept()
         with connection, listener:
-            line, fds = _receive_line(connection)
-            seen["command"] = json.loads(line)
+            line, fds = receive_line(connection)
+            seen["command"] = decode_command(line)
             seen["payloads"] = [os.read(fd, 16) for fd in fds]
             for fd in fds:
                 os.close(fd)
-            connection.sendall(json.dumps({"ok": True, "count": len(fds)}).encode() + b"\n")
+            reply = ResumeReply(rank=0, hydrate=Hydrated(source="native", bytes=len(fds), staged=True), seconds={},
+                                graphs_recaptured=[])
+            connection.sendall(encode(Reply(ok=True, reply=reply)))
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -37,15 +48,15 @@ def test_descriptors_arrive_in_order_across_batches():
     seen: dict = {}
     control = f"@coldsnap-test-transport-{os.getpid()}"
     thread = _serve_once(control, seen)
+    command = Resume(layout_digest="d" * 64, adopted={"weights": count})
     try:
-        reply = request(control, {"command": "resume", "adopted": {"weights": count}}, timeout=10,
-                        fds=[r for r, _ in pipes])
+        reply = AgentClient(control, timeout=10).resume(command, fds=[r for r, _ in pipes])
     finally:
         for read_end, _ in pipes:
             os.close(read_end)  # the sender keeps (and closes) its own copies
     thread.join(5)
-    assert reply == {"count": count}
-    assert seen["command"] == {"command": "resume", "adopted": {"weights": count}}
+    assert reply.hydrate.bytes == count
+    assert seen["command"] == command
     assert seen["payloads"] == [str(i).encode() for i in range(count)]
 
 
@@ -53,6 +64,6 @@ def test_a_command_without_descriptors_is_one_plain_line():
     seen: dict = {}
     control = f"@coldsnap-test-transport-plain-{os.getpid()}"
     thread = _serve_once(control, seen)
-    assert request(control, {"command": "status"}, timeout=10) == {"count": 0}
+    AgentClient(control, timeout=10).resume(Resume(layout_digest="d" * 64))
     thread.join(5)
-    assert seen == {"command": {"command": "status"}, "payloads": []}
+    assert seen == {"command": Resume(layout_digest="d" * 64), "payloads": []}

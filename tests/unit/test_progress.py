@@ -3,7 +3,9 @@
 import io
 import threading
 
-from coldsnap.agent.server import _ProgressLines, request
+from coldsnap.agent.client import AgentClient
+from coldsnap.agent.protocol import Hydrated, Reply, Resume, ResumeReply, encode
+from coldsnap.agent.server import _ProgressLines
 from coldsnap.progress import PhaseProgress, ProgressBar
 
 
@@ -46,13 +48,14 @@ def test_agent_progress_lines_reach_the_launcher(tmp_path):
             report = _ProgressLines(connection).phase("hydrating weights")
             report(5, 10)
             report(10, 10)
-            connection.sendall(b'{"ok": true, "done": 1}\n')
+            reply = ResumeReply(rank=0, hydrate=Hydrated(source="none"), seconds={"hydrate": 1.0}, graphs_recaptured=[])
+            connection.sendall(encode(Reply(ok=True, reply=reply)))
 
     thread = threading.Thread(target=agent)
     thread.start()
     seen = []
-    reply = request(name, {"command": "resume"}, on_progress=lambda *update: seen.append(update))
+    reply = AgentClient(name).resume(Resume(layout_digest="d" * 64), on_progress=lambda *update: seen.append(update))
     thread.join(5)
     listener.close()
-    assert reply == {"done": 1}
+    assert reply.seconds == {"hydrate": 1.0}
     assert seen == [("hydrating weights", 5, 10), ("hydrating weights", 10, 10)]

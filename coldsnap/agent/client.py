@@ -1,0 +1,132 @@
+"""The launcher's side of the control protocol (:mod:`coldsnap.agent.protocol`): typed calls to one
+rank's agent, and the lease that ties a restored tree to its launcher until the canary matched."""
+
+from __future__ import annotations
+
+import socket
+from typing import Callable, TypeVar
+
+from coldsnap.agent.protocol import (
+    MAX_FDS_PER_MESSAGE,
+    AgentFailure,
+    LeaseTaken,
+    Message,
+    Prepare,
+    PrepareReply,
+    ProgressLine,
+    ProtocolError,
+    Resume,
+    ResumeReply,
+    Status,
+    StatusReply,
+    TakeLease,
+    address,
+    decode_reply,
+    encode,
+    rank_control,
+)
+
+__all__ = ["AgentClient", "AgentError", "Lease", "rank_control"]
+
+R = TypeVar("R", StatusReply, PrepareReply, ResumeReply)
+OnProgress = Callable[[str, int, int], None]
+
+
+class AgentError(RuntimeError):
+    """The agent refused or failed a command (``failure`` says how), or could not be talked to
+    (``failure`` is None: connection refused, closed, or a reply of another protocol)."""
+
+    def __init__(self, message: str, failure: AgentFailure | None = None):
+        super().__init__(message)
+        self.failure = failure
+
+    @property
+    def code(self) -> str | None:
+        return self.failure.code if self.failure is not None else None
+
+
+class AgentClient:
+    """One rank's agent at ``control``; each call is one connection."""
+
+    def __init__(self, control: str, timeout: float = 600):
+        self.control = control
+        self.timeout = timeout
+
+    def status(self) -> StatusReply:
+        return self._call(Status(), StatusReply)
+
+    def prepare(self, command: Prepare, on_progress: OnProgress | None = None) -> PrepareReply:
+        return self._call(command, PrepareReply, on_progress)
+
+    def resume(self, command: Resume, on_progress: OnProgress | None = None, fds: list[int] | None = None) -> ResumeReply:
+        """``fds`` travel with the command (SCM_RIGHTS); the caller still owns and closes its copies."""
+        return self._call(command, ResumeReply, on_progress, fds or [])
+
+    def _call(self, command: Message, expected: type[R], on_progress: OnProgress | None = None,
+              fds: list[int] = ()) -> R:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(self.timeout)
+            connection.connect(address(self.control))
+            line = encode(command)
+            batches = [list(fds[i:i + MAX_FDS_PER_MESSAGE]) for i in range(0, len(fds), MAX_FDS_PER_MESSAGE)]
+            for batch in batches[:-1]:
+                socket.send_fds(connection, [b" "], batch)  # JSON allows leading blanks
+            if batches:
+                socket.send_fds(connection, [line], batches[-1])
+            else:
+                connection.sendall(line)
+            reader = connection.makefile("rb")
+            while True:
+                line = reader.readline()
+                if not line or not line.startswith(b'{"progress"'):
+                    break
+                if on_progress is not None:
+                    update = ProgressLine.model_validate_json(line).progress
+                    on_progress(update.phase, update.done, update.total)
+        if not line:
+            raise AgentError(f"agent at {self.control} closed the connection without answering")
+        try:
+            reply = decode_reply(line, expected)
+        except ProtocolError as exc:
+            raise AgentError(f"agent at {self.control}: {exc}") from None
+        if reply.failure is not None:
+            raise AgentError(f"{reply.failure.type}: {reply.failure.message}", reply.failure)
+        return reply.reply  # type: ignore[return-value]  # decode_reply checked it is an `expected`
+
+
+class Lease:
+    """The launcher's side of :func:`coldsnap.agent.server.hold_lease`: taken on each rank's agent right
+    after CRIU restored the tree, released once the canary matched. If the launcher dies in between,
+    the kernel closes these connections and each agent stops its process tree."""
+
+    def __init__(self, controls: list[str], timeout: float = 30.0):
+        self._connections: list[socket.socket] = []
+        try:
+            for control in controls:
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._connections.append(connection)
+                connection.settimeout(timeout)
+                connection.connect(address(control))
+                connection.sendall(encode(TakeLease()))
+                answer = connection.makefile("rb").readline()
+                try:
+                    LeaseTaken.model_validate_json(answer)
+                except ValueError:
+                    raise AgentError(f"agent at {control} did not take the lease: {answer[:200]!r}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def release(self) -> None:
+        """The server is on its own from now on."""
+        for connection in self._connections:
+            try:
+                connection.sendall(b"release\n")
+            except OSError:
+                pass
+        self.close()
+
+    def close(self) -> None:
+        for connection in self._connections:
+            connection.close()
+        self._connections = []

@@ -1,0 +1,244 @@
+"""The launcher ↔ agent control protocol: the messages, their framing, and the failure codes.
+
+One connection per command on the agent's unix socket (abstract when its name starts with ``@``): the
+launcher sends one JSON line (with file descriptors as ``SCM_RIGHTS`` where a command hands memory
+over), the agent may stream :class:`ProgressLine` lines, then answers one :class:`Reply` line. The
+``lease`` command keeps its connection instead: the agent answers :class:`LeaseTaken` and holds it
+until the launcher writes ``release`` (or dies, see :func:`coldsnap.agent.server.hold_lease`).
+
+Every message decodes strictly (unknown fields and wrong types are refused), both ways: a launcher
+and an agent from different builds fail on the first command with ``agent.command`` instead of
+misreading each other. Failures cross the socket as :class:`AgentFailure` with a code from
+:data:`FailureCode`, never as text for the other side to match.
+
+This module imports only the standard library and pydantic: the launcher (``coldsnap.activation``)
+uses it and :mod:`coldsnap.agent.client`, never the agent's server.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+__all__ = [
+    "AgentFailure", "Command", "CoordinatorRef", "FailureCode", "Hydrated", "LeaseTaken", "PackRef", "Prepare",
+    "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply", "Status",
+    "StatusReply", "TakeLease", "address", "rank_control", "decode_command", "decode_reply", "encode", "receive_line",
+    "MAX_FDS_PER_MESSAGE",
+]
+
+MAX_FDS_PER_MESSAGE = 200
+"""File descriptors per ``sendmsg`` (the kernel's SCM_MAX_FD is 253, kept clear of); more travel in several messages."""
+
+FailureCode = Literal[
+    "agent.command",  # the command did not decode (unknown command, field or type: builds disagree)
+    "agent.state",  # not allowed in the agent's state (prepare while prepared, resume while serving)
+    "agent.drain",  # a request held the engine past the drain timeout
+    "agent.memory",  # model memory: layout digest, adopted chunks, pack or safetensors hydration
+    "agent.collectives",  # NCCL teardown or rebuild, or a rank's barrier
+    "agent.permissions",  # the kernel refused CPU state features the process used before the snapshot
+    "agent.internal",  # anything else: a bug or an engine hook's own failure (type and message say which)
+]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+# ---- commands ------------------------------------------------------------------------------------
+
+
+class CoordinatorRef(Message):
+    """Where a rank joins the activation's coordinator (multi-rank units only)."""
+
+    endpoint: str
+    token: str  # hex
+    world: int
+
+
+class Status(Message):
+    command: Literal["status"] = "status"
+
+
+class TakeLease(Message):
+    """Keep this connection: while it is open and not released, the restored tree lives with the launcher."""
+
+    command: Literal["lease"] = "lease"
+
+
+class Prepare(Message):
+    """Stop serving and release model memory for a snapshot."""
+
+    command: Literal["prepare"] = "prepare"
+    pack_dir: str | None
+    """Write the payload and residual packs here; ``None`` writes none."""
+    graph_policy: Literal["retain", "recreate"] = "retain"
+    coordinator: CoordinatorRef | None = None
+
+
+class Resume(Message):
+    """Map the regions again, fill them, rebuild collectives and graphs, serve. The weights come from the
+    chunks handed over with the command (``adopted``: tag → chunk count, descriptors in that order),
+    else the payload pack (plus residual), else the safetensors files."""
+
+    command: Literal["resume"] = "resume"
+    layout_digest: str
+    coordinator: CoordinatorRef | None = None
+    payload: str | None = None
+    residual: str | None = None
+    safetensors: list[str] | None = None
+    adopted: dict[str, int] | None = None
+    staged: dict[str, int | float | bool | str] | None = None
+    """What the launcher's staging measured, reported back in :class:`Hydrated`."""
+
+
+Command = Annotated[Union[Status, TakeLease, Prepare, Resume], Field(discriminator="command")]
+
+# ---- replies -------------------------------------------------------------------------------------
+
+
+class RegionStatus(Message):
+    backend: str
+    device: int
+    base: int
+    size: int
+    mapped: int
+    high_water: int
+    chunk_bytes: int
+
+
+class StatusReply(Message):
+    state: Literal["serving", "prepared"]
+    pid: int
+    port: int | None
+    rank: int
+    world_size: int
+    layout_digest: str
+    layout: dict[str, Any]
+    """The model memory layout (:class:`coldsnap.contracts.layout.MemoryLayout`'s JSON value)."""
+    regions: dict[str, RegionStatus]
+
+
+class PackRef(Message):
+    path: str
+    sha256: str
+    size_bytes: int
+
+
+class PrepareReply(Message):
+    payload: PackRef | None = None
+    residual: PackRef | None = None
+    layout_digest: str
+    seconds: dict[str, float]
+    rss_bytes: int
+    """The process's resident memory once model memory is gone: what its image will hold."""
+    device_bytes: int
+    regions: dict[str, RegionStatus]
+    graphs_released: list[str]
+
+
+class Hydrated(Message):
+    source: Literal["none", "native", "recovery"]
+    """Where the weights came from: nothing to fill, a native pack (staged or read here), safetensors."""
+    bytes: int = 0
+    staged: bool = False
+    """The launcher hydrated them during CRIU's restore and handed the memory over."""
+    stats: dict[str, int | float | bool | str] = {}
+
+
+class ResumeReply(Message):
+    rank: int
+    hydrate: Hydrated
+    seconds: dict[str, float]
+    graphs_recaptured: list[str]
+
+
+class LeaseTaken(Message):
+    leased: Literal[True] = True
+
+
+class AgentFailure(Message):
+    code: FailureCode
+    type: str
+    """The exception's class on the agent's side."""
+    message: str
+
+
+class Reply(Message):
+    ok: bool
+    reply: StatusReply | PrepareReply | ResumeReply | None = None
+    failure: AgentFailure | None = None
+
+
+class ProgressUpdate(Message):
+    phase: str
+    done: int
+    total: int
+
+
+class ProgressLine(Message):
+    progress: ProgressUpdate
+
+
+# ---- framing -------------------------------------------------------------------------------------
+
+
+class ProtocolError(RuntimeError):
+    """A line that is not a message of this protocol (the other side runs another build, or died)."""
+
+
+_COMMAND: TypeAdapter[Status | TakeLease | Prepare | Resume] = TypeAdapter(Command)
+
+
+def encode(message: Message) -> bytes:
+    return message.model_dump_json().encode() + b"\n"
+
+
+def decode_command(line: bytes) -> Status | TakeLease | Prepare | Resume:
+    try:
+        return _COMMAND.validate_json(line)
+    except ValidationError as exc:
+        raise ProtocolError(_first_problem(exc)) from None
+
+
+def decode_reply(line: bytes, expected: type[Message]) -> Reply:
+    """The reply line, its ``reply`` checked to be an ``expected``."""
+    try:
+        reply = Reply.model_validate_json(line)
+    except ValidationError as exc:
+        raise ProtocolError(f"the agent's reply: {_first_problem(exc)}") from None
+    if reply.ok and not isinstance(reply.reply, expected):
+        raise ProtocolError(f"the agent answered {type(reply.reply).__name__}, not {expected.__name__}")
+    if not reply.ok and reply.failure is None:
+        raise ProtocolError("the agent failed without saying why")
+    return reply
+
+
+def _first_problem(exc: ValidationError) -> str:
+    error = exc.errors()[0]
+    where = ".".join(str(part) for part in error["loc"]) or "message"
+    return f"{where}: {error['msg']}"
+
+
+def rank_control(control: str, rank: int) -> str:
+    """The control socket of ``rank``: the engine's ``COLDSNAP_CONTROL`` for rank 0, suffixed for others."""
+    return control if rank == 0 else f"{control}.rank{rank}"
+
+
+def address(control: str) -> str | bytes:
+    """The socket address of a control name (``@name`` is Linux's abstract namespace: no file)."""
+    return b"\0" + control[1:].encode() if control.startswith("@") else control
+
+
+def receive_line(connection: socket.socket) -> tuple[bytes, list[int]]:
+    """One line and every file descriptor sent with it (SCM_RIGHTS, in order)."""
+    data, fds = b"", []
+    while b"\n" not in data:
+        chunk, received, _, _ = socket.recv_fds(connection, 1 << 16, MAX_FDS_PER_MESSAGE)
+        fds += received
+        if not chunk:
+            break
+        data += chunk
+    return data.split(b"\n", 1)[0], fds
