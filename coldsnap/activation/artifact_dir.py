@@ -26,15 +26,14 @@ of ``artifact.json`` (the same for a moved or copied artifact).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
 
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
+from coldsnap.contracts.capsule import CAPSULE_FORMAT, ActivationMetadata, CapsuleFile, CapsuleManifest
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record
 
@@ -136,24 +135,25 @@ class ArtifactDir:
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))
 
-    def write_capsule(self, unit_id: str, metadata: dict[str, Any]) -> FileRef:
+    def write_capsule(self, unit_id: str, metadata: ActivationMetadata) -> FileRef:
         """Manifest every image file with its SHA-256, plus activation metadata; returns its FileRef. Each
         digest is also recorded in the images' validation record, so restore admission verifies every
         image against the capsule without hashing them again while they are unchanged."""
         images = self.images(unit_id)
         files = [
-            {"path": str(p.relative_to(images)), "size_bytes": p.stat().st_size, "sha256": hash_and_record(p)}
+            CapsuleFile(path=str(p.relative_to(images)), size_bytes=p.stat().st_size, sha256=hash_and_record(p))
             for p in sorted(images.rglob("*"))
             # restore logs and pidfiles come later; validation records are not images
             if p.is_file() and not p.name.startswith(("restore", VALIDATION_RECORD_NAME))
         ]
-        document = {"format": 1, "unit_id": unit_id, "files": files, "metadata": metadata}
+        manifest = CapsuleManifest(format=CAPSULE_FORMAT, unit_id=unit_id, files=files, metadata=metadata)
         path = self.capsule_path(unit_id)
-        write_atomic(path, canonical_json(document) + b"\n")
+        write_atomic(path, manifest.canonical_json() + b"\n")
         return file_ref(self, path)
 
-    def read_capsule(self, unit_id: str) -> dict[str, Any]:
-        return json.loads(self.capsule_path(unit_id).read_text())
+    def read_capsule(self, unit_id: str) -> CapsuleManifest:
+        """The unit's capsule manifest, strictly decoded (raises ContractError, naming the problem)."""
+        return load_document(CapsuleManifest, self.capsule_path(unit_id))
 
     def commit(self, descriptor: ArtifactDescriptor) -> None:
         write_atomic(self.descriptor_path, canonical_json(descriptor.to_json_value()) + b"\n")

@@ -20,6 +20,7 @@ from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, ra
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
+from coldsnap.contracts.capsule import ActivationMetadata, RegionRecord, WorkerActivation
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
@@ -134,16 +135,15 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
                          f"in {result.seconds:.2f} s (resident memory without model memory: "
                          f"{rss_after_release / 2**20:.1f} MiB host + {device_after_release / 2**20:.1f} MiB GPU)")
         with timer.span("capture.commit"):
-            capsule = artifact.write_capsule(unit.unit_id, {
-                "control": engine.control, "serving_port": unit.serving_port, "root_pid": engine.pid,
-                "workers": [{"rank": w.rank, "control": c, "pid": s.pid, "layout": s.layout,
-                             "layout_digest": p.layout_digest,
-                             "regions": {tag: r.model_dump() for tag, r in p.regions.items()},
-                             "graphs_released": p.graphs_released}
-                            for w, c, s, p in zip(workers, controls, statuses, prepared_ranks)],
-                "criu_options": snapshotter.options.args(), "criu_tcp": snapshotter.options.tcp,
-                "gpu_pids": gpu_pids, "gpu_uuids": [d["uuid"] for d in gpus],
-            })
+            capsule = artifact.write_capsule(unit.unit_id, ActivationMetadata(
+                control=engine.control, serving_port=unit.serving_port, root_pid=engine.pid,
+                workers=[WorkerActivation(rank=w.rank, control=c, pid=s.pid, layout=s.layout, layout_digest=p.layout_digest,
+                                          regions={tag: RegionRecord(**r.model_dump()) for tag, r in p.regions.items()},
+                                          graphs_released=p.graphs_released)
+                         for w, c, s, p in zip(workers, controls, statuses, prepared_ranks)],
+                criu_options=snapshotter.options.args(), criu_tcp=snapshotter.options.tcp,
+                gpu_pids=gpu_pids, gpu_uuids=[d["uuid"] for d in gpus],
+            ))
             worker_records = []
             for w, p in zip(workers, prepared_ranks):
                 payload, residual = p.payload, p.residual

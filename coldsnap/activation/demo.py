@@ -25,6 +25,7 @@ import urllib.error
 from pathlib import Path
 from typing import Any, Iterator
 
+from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.engine_process import ask_canary, post_empty
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
@@ -200,7 +201,7 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
     try:
         check = ask_canary(port, CHECK_PROMPT, 8)
     finally:
-        root = int(json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"])
+        root = ArtifactDir(artifact).read_capsule("unit-0").metadata.root_pid
         kill_tree(root)
     dump = next(s for s in capture_receipt["timing"]["spans"] if s["name"] == "capture.criu_dump")["attributes"]
     # Non-model memory: the tree's resident memory once weights and KV are released (after the CUDA

@@ -29,6 +29,7 @@ from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError
+from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.native import probe_cuda
 from coldsnap.payload.errors import PackError
@@ -75,7 +76,7 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
         raise OperationFailed("admission.cuda", "this driver has no CUDA checkpoint API")
 
 
-def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDescriptor, dict[str, Any]]:
+def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDescriptor, CapsuleManifest]:
     """Every check restore can make without starting anything; raises OperationFailed with the first problem."""
     timer = context.timer
     with timer.span("restore.admission.descriptor"):
@@ -121,28 +122,33 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
     unit = descriptor.units[0]
     with timer.span("restore.admission.capsule") as span:
-        try:
+        capsule_path = artifact.capsule_path(unit.unit_id)
+        try:  # the manifest itself first: the descriptor binds its digest
+            verify_file(capsule_path, unit.capsule.sha256, artifact.record_dir(capsule_path))
             capsule = artifact.read_capsule(unit.unit_id)
-            images = artifact.images(unit.unit_id)
-            verified_by: dict[str, int] = {}
-            for entry in capsule["files"]:
-                path = images / entry["path"]
-                if not path.is_file() or path.stat().st_size != entry["size_bytes"]:
-                    raise OperationFailed("admission.capsule", f"capsule file {entry['path']} is missing or changed size")
+        except (PackError, OSError) as exc:
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id}: {exc}") from None
+        except ContractError as exc:  # an older or newer coldsnap's manifest, named as such
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} cannot be read by this coldsnap: "
+                                  f"{'; '.join(exc.problems)}") from None
+        images = artifact.images(unit.unit_id)
+        verified_by: dict[str, int] = {}
+        for entry in capsule.files:
+            path = images / entry.path
+            try:
+                if not path.is_file() or path.stat().st_size != entry.size_bytes:
+                    raise OperationFailed("admission.capsule", f"capsule file {entry.path} is missing or changed size")
                 # Every image against the capsule's digest before CRIU reads it: a same-size corruption
                 # must stop here, not restore garbage. Unchanged files are trusted from their record.
-                try:
-                    method = verify_file(path, entry["sha256"], artifact.record_dir(path)).method
-                except PackError as exc:
-                    raise OperationFailed("admission.capsule", f"capsule file {entry['path']}: {exc}") from None
-                verified_by[method] = verified_by.get(method, 0) + 1
-            span["images_verified_by"] = ",".join(f"{m}:{n}" for m, n in sorted(verified_by.items()))
-            recorded = sorted(int(w["rank"]) for w in capsule["metadata"].get("workers") or [])
-            if recorded != sorted(w.rank for w in unit.workers):
-                raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
-                                      f"artifact {sorted(w.rank for w in unit.workers)} (captured by an older coldsnap?)")
-        except (OSError, ValueError, KeyError) as exc:
-            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} is unreadable: {exc}") from None
+                method = verify_file(path, entry.sha256, artifact.record_dir(path)).method
+            except (PackError, OSError) as exc:
+                raise OperationFailed("admission.capsule", f"capsule file {entry.path}: {exc}") from None
+            verified_by[method] = verified_by.get(method, 0) + 1
+        span["images_verified_by"] = ",".join(f"{m}:{n}" for m, n in sorted(verified_by.items()))
+        recorded = sorted(w.rank for w in capsule.metadata.workers)
+        if recorded != sorted(w.rank for w in unit.workers):
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
+                                  f"artifact {sorted(w.rank for w in unit.workers)}")
     with timer.span("restore.admission.payload") as span:
         for worker in unit.workers:
             for ref in (worker.payload, worker.residual):
@@ -154,7 +160,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
                     raise OperationFailed("admission.payload", str(exc)) from None
                 span[f"{Path(ref.path).suffix[1:]}_verified_by"] = verdict.method
     with timer.span("restore.admission.port"):
-        port = capsule["metadata"]["serving_port"]
+        port = capsule.metadata.serving_port
         if not port_free(port):
             raise OperationFailed("admission.port", f"serving port {port} is taken")
     return descriptor, capsule
@@ -169,8 +175,8 @@ def restore(context: OperationContext) -> OperationOutcome:
     timer = context.timer
     unit = descriptor.units[0]
     workers = sorted(unit.workers, key=lambda w: w.rank)
-    metadata = capsule["metadata"]
-    records = {record["rank"]: record for record in metadata["workers"]}
+    metadata = capsule.metadata
+    records = {record.rank: record for record in metadata.workers}
 
     def pack(ref) -> Path | None:
         return artifact.root / ref.path if ref is not None else None
@@ -179,7 +185,7 @@ def restore(context: OperationContext) -> OperationOutcome:
     # otherwise the agent hydrates, and the page cache is warmed meanwhile.
     stagers = {}
     for w in workers:
-        regions = records[w.rank].get("regions") or {}
+        regions = records[w.rank].regions
         if w.payload is not None and WeightStager.stageable(regions):
             stagers[w.rank] = WeightStager(regions, pack(w.payload), pack(w.residual), w.layout_digest, timer.now_ns)
     prefetch_error: list[BaseException] = []
@@ -203,7 +209,7 @@ def restore(context: OperationContext) -> OperationOutcome:
                 stager.start()
             warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
             warmer.start()
-            options = SnapshotOptions(tcp=metadata.get("criu_tcp", "established"))  # as dumped
+            options = SnapshotOptions(tcp=metadata.criu_tcp)  # as dumped
             try:
                 state_dir = artifact.state_dir()
             except OSError as exc:
@@ -215,15 +221,15 @@ def restore(context: OperationContext) -> OperationOutcome:
             span["pid"] = result.pid
         with timer.span("restore.lease"):
             try:  # until the canary matches, the restored tree dies with this launcher
-                lease = Lease([records[w.rank]["control"] for w in workers])
+                lease = Lease([records[w.rank].control for w in workers])
             except (AgentError, OSError) as exc:
                 raise OperationFailed("restore.lease", f"the restored agents did not take this launcher's lease: {exc}") from None
-        gpu_pids = list(metadata.get("gpu_pids") or [])
+        gpu_pids = list(metadata.gpu_pids)
         if gpu_pids:
             with timer.span("restore.cuda_restore") as span:
                 # Same ordinal, maybe another GPU: remap the captured UUIDs onto this host's.
                 current = [d["uuid"] for d in cuda_devices()]
-                pairs = [(old, new) for old, new in zip(metadata.get("gpu_uuids") or [], current) if old != new]
+                pairs = [(old, new) for old, new in zip(metadata.gpu_uuids, current) if old != new]
                 try:
                     TreeCheckpoint().restore(gpu_pids, pairs)
                 except CudaCheckpointError as exc:
@@ -253,7 +259,7 @@ def restore(context: OperationContext) -> OperationOutcome:
                 weights = commands.get(w.rank) or {"payload": str(pack(w.payload)) if w.payload else None,
                                                    "residual": str(pack(w.residual))}
                 command = Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), **weights)
-                return AgentClient(records[w.rank]["control"]).resume(
+                return AgentClient(records[w.rank].control).resume(
                     command, on_progress=bars if w.rank == 0 else None, fds=fds_by_rank.get(w.rank, []))
 
             try:
@@ -275,7 +281,7 @@ def restore(context: OperationContext) -> OperationOutcome:
                     span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)
         with timer.span("restore.canary") as span:
             try:
-                canary = ask_canary(metadata["serving_port"], descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
+                canary = ask_canary(metadata.serving_port, descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
             except OSError as exc:  # HTTP errors included: the restored server did not answer right
                 raise OperationFailed("restore.canary", f"the canary request failed: {exc}") from None
             span["tokens"] = len(canary.token_ids)
@@ -300,5 +306,5 @@ def restore(context: OperationContext) -> OperationOutcome:
             raise OperationFailed("restore.resume", f"{type(exc).__name__}: {exc}") from None
         raise
     warnings = [f"prefetch failed: {e}" for e in prefetch_error]
-    context.progress(f"ready: pid {restored_pid}, port {metadata['serving_port']}, canary matched")
+    context.progress(f"ready: pid {restored_pid}, port {metadata.serving_port}, canary matched")
     return OperationOutcome(artifact=str(artifact.root), warnings=warnings)

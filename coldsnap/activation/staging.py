@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from coldsnap.contracts.capsule import RegionRecord
 from coldsnap.hydrate import hydrate_pack
 from coldsnap.memory import DISCARDED_TAGS, RegionError, StableRegion, reserve_staging
 from coldsnap.native import native
@@ -29,8 +30,8 @@ __all__ = ["WeightStager"]
 class WeightStager:
     """Runs the staging in a thread; :meth:`join` returns once the chunks are ready (or failed)."""
 
-    regions: dict[str, Any]
-    """The capsule's region records (tag → backend, device, high_water, chunk_bytes)."""
+    regions: dict[str, RegionRecord]
+    """The capsule's region records by tag."""
     payload: Path
     residual: Path | None
     layout_digest: str
@@ -44,10 +45,10 @@ class WeightStager:
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
     @staticmethod
-    def stageable(regions: dict[str, Any]) -> dict[str, Any]:
+    def stageable(regions: dict[str, RegionRecord]) -> dict[str, RegionRecord]:
         """The records worth staging: GPU regions that are not discarded and had bytes mapped."""
         return {tag: r for tag, r in regions.items()
-                if tag not in DISCARDED_TAGS and r.get("backend") == "cuda" and r.get("high_water") and r.get("chunk_bytes")}
+                if tag not in DISCARDED_TAGS and r.backend == "cuda" and r.high_water and r.chunk_bytes}
 
     def start(self) -> "WeightStager":
         self._thread = threading.Thread(target=self._run, name="coldsnap-stage-weights", daemon=True)
@@ -58,9 +59,9 @@ class WeightStager:
         self.started_ns = self.now_ns()
         try:
             for tag, record in self.stageable(self.regions).items():
-                region = reserve_staging(tag, record["high_water"], device=record["device"], chunk_bytes=record["chunk_bytes"])
+                region = reserve_staging(tag, record.high_water, device=record.device, chunk_bytes=record.chunk_bytes)
                 self.staged[tag] = region
-                region.map(record["high_water"])
+                region.map(record.high_water)
             keep_going = self._keep_going
             payload = hydrate_pack(self.payload, self.staged, layout_digest=self.layout_digest, progress=keep_going)
             seconds = payload.seconds

@@ -207,11 +207,10 @@ def test_a_capsule_criu_cannot_restore_fails_restore_kills_everything_and_keeps_
     core.write_bytes(b"\0" * core.stat().st_size)
     # A capsule whose manifest vouches for the broken image (as a faulty dump would write it): admission
     # passes, CRIU fails.
-    capsule_path = copy / "units" / "unit-0" / "capsule.json"
-    capsule = json.loads(capsule_path.read_text())
+    capsule = _capsule(copy)
     entry = next(f for f in capsule["files"] if f["path"] == core.name)
     entry["sha256"] = hashlib.sha256(core.read_bytes()).hexdigest()
-    capsule_path.write_text(json.dumps(capsule))
+    _rewrite_capsule(copy, capsule)
     before = (copy / "artifact.json").read_bytes()
     result = coldsnap("restore", str(copy), "--receipt-json", "-")
     assert result.returncode == 1
@@ -334,20 +333,54 @@ def test_restore_timing_events_match_the_receipt(captured, tmp_path):
     assert {"restore.criu_restore", "restore.resume", "restore.canary"} <= started
 
 
-def test_prepare_only_refuses_a_capsule_without_rank_records(captured, tmp_path):
-    """A capsule from before per-rank records (or edited) cannot say which agent is which rank."""
+def _capsule(artifact: Path) -> dict:
+    return json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())
+
+
+def _rewrite_capsule(artifact: Path, capsule: dict) -> None:
+    """Write ``capsule`` as the unit's manifest and bind the descriptor to it, as a capture would have."""
+    path = artifact / "units" / "unit-0" / "capsule.json"
+    path.write_text(json.dumps(capsule))
+    descriptor = json.loads((artifact / "artifact.json").read_text())
+    descriptor["units"][0]["capsule"].update(sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                            size_bytes=path.stat().st_size)
+    (artifact / "artifact.json").write_text(json.dumps(descriptor))
+
+
+@pytest.mark.parametrize("change, code, message", [
+    (lambda capsule: capsule["metadata"].pop("workers"), "admission.capsule",
+     "cannot be read by this coldsnap: metadata.workers: missing required field"),
+    (lambda capsule: capsule.update(format=2), "admission.capsule",
+     "cannot be read by this coldsnap: format: unsupported format 2 (supported: 1)"),
+    (lambda capsule: capsule["metadata"].update(serving_port="8000"), "admission.capsule",
+     "metadata.serving_port: input should be a valid integer"),
+])
+def test_prepare_only_refuses_a_capsule_this_coldsnap_cannot_read(captured, tmp_path, change, code, message):
+    """Another coldsnap's manifest (or an edited one) is refused by name, before anything starts."""
     artifact, port, _, _ = captured
     copy = tmp_path / "artifact"
     shutil.copytree(artifact, copy)
-    capsule_path = copy / "units" / "unit-0" / "capsule.json"
-    capsule = json.loads(capsule_path.read_text())
-    del capsule["metadata"]["workers"]
-    capsule_path.write_text(json.dumps(capsule))
+    capsule = _capsule(copy)
+    change(capsule)
+    _rewrite_capsule(copy, capsule)
     result = coldsnap("restore", str(copy), "--prepare-only", "--receipt-json", "-")
     assert result.returncode == 1
     error = json.loads(result.stdout)["error"]
-    assert error["code"] == "admission.capsule" and "records ranks []" in error["message"]
+    assert error["code"] == code and message in error["message"], error
     assert serving_pids(port) == []
+
+
+def test_prepare_only_refuses_a_capsule_the_descriptor_does_not_vouch_for(captured, tmp_path):
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    capsule = _capsule(copy)
+    capsule["metadata"]["serving_port"] = port + 1 if port < 65535 else port - 1
+    (copy / "units" / "unit-0" / "capsule.json").write_text(json.dumps(capsule))  # the descriptor still binds the old one
+    result = coldsnap("restore", str(copy), "--prepare-only", "--receipt-json", "-")
+    assert result.returncode == 1
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "admission.capsule" and "capsule of unit-0" in error["message"], error
 
 
 def _artifact_bytes(root: Path) -> dict[str, tuple[int, int, bytes]]:
