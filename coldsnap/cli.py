@@ -12,14 +12,15 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, get_args
 
 from coldsnap import __version__
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import Contract, ContractError, decode_document, parse_strict_json
 from coldsnap.contracts.capabilities import build_capabilities
 from coldsnap.contracts.canonical import canonical_json
-from coldsnap.contracts.profiles import resolve_request
+from coldsnap.contracts.common import EngineName, SnapshotDriverName
+from coldsnap.contracts.profiles import ENGINE_ADAPTERS, SNAPSHOT_DRIVERS, resolve_request
 from coldsnap.contracts.receipt import OperationReceipt
 from coldsnap.contracts.request import OperationRequest
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_ADAPTER
@@ -28,8 +29,9 @@ from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 __all__ = ["main", "build_parser"]
 
 DESCRIPTION = """\
-coldsnap captures an initialized LLM serving process (vLLM, SGLang) once and restores it in seconds:
-CRIU + the CUDA checkpoint driver API for the process, a content-addressed native pack for the weights.
+coldsnap captures an initialized LLM serving process (vLLM; SGLang is not built yet) once and restores
+it in seconds: CRIU + the CUDA checkpoint driver API for the process, a content-addressed native pack
+for the weights.
 
 Managers (Sparkrun, a Kubernetes operator) start with `coldsnap capabilities`; people start with
 `coldsnap doctor` to see what this host can do.
@@ -390,9 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
         "capabilities",
         help="print the static capabilities JSON (formats, engines, snapshot drivers, features)",
         description="Print what this build accepts and drives, as JSON on stdout: request/artifact/receipt/"
-        "timing-event formats, engine adapters and their native materialization modes, snapshot drivers "
-        "n580/n610 with their minimum NVIDIA driver, per-operation replay semantics and features. It is a "
-        "static contract: `coldsnap doctor` says what this host can actually do.",
+        "timing-event formats, the engine adapters it drives and their native materialization modes, the "
+        "snapshot drivers it implements with their minimum NVIDIA driver, the operations it runs with their "
+        "replay semantics, and features. Only what is built is listed; a request naming anything else is "
+        "refused (code request.unsupported). It is a static contract: `coldsnap doctor` says what this host "
+        "can actually do.",
     )
     p.add_argument("--canonical", action="store_true", help="canonical JSON (sorted keys, no whitespace) instead of indented")
     p.set_defaults(func=_cmd_capabilities)
@@ -407,8 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="check this host: CRIU, NVIDIA driver, CUDA checkpoint API, GPUs",
         description="Report what this host can do: the CRIU coldsnap would use (COLDSNAP_CRIU or PATH), its "
         "version and `criu check` verdict (needs root), the NVIDIA driver, the CUDA driver API with the "
-        "checkpoint and VMM entry points, the GPUs, and which snapshot drivers (n580, n610) are usable. "
-        "Always exits 0 when it could look; read the verdicts.",
+        "checkpoint and VMM entry points, the GPUs, and which of the snapshot drivers this build implements "
+        "are usable. Always exits 0 when it could look; read the verdicts.",
     )
     p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout instead of a table")
     p.set_defaults(func=_cmd_doctor)
@@ -457,8 +461,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="artifact directory (must not hold a committed artifact)")
     p.add_argument("--port", type=int, help="serving port (default: the command's --port)")
-    p.add_argument("--engine", choices=["vllm", "sglang", "torch-lm"], help="engine adapter (default: from the command)")
-    p.add_argument("--driver", choices=["n610", "n580"], default="n610", help="snapshot driver (default n610)")
+    # The contract's names stay choices, so that one this build lacks is refused by name (request.unsupported).
+    p.add_argument("--engine", choices=get_args(EngineName), help="engine adapter (default: from the command; "
+                   f"implemented in this build: {', '.join(sorted(ENGINE_ADAPTERS))})")
+    p.add_argument("--driver", choices=get_args(SnapshotDriverName), default="n610",
+                   help=f"snapshot driver (default n610; implemented in this build: {', '.join(SNAPSHOT_DRIVERS)})")
     p.add_argument("--model", help="model name recorded in the artifact (default: from the command)")
     p.add_argument("--ranks", type=int, metavar="N",
                    help="tensor-parallel ranks, one worker each (default: the command's --tp / "

@@ -1,16 +1,19 @@
 """The operation envelope every lifecycle command runs in.
 
-It owns the operator contract's rules, so that capture, restore, sleep and wake cannot each get them
-slightly wrong:
+It owns the operator contract's rules, so that no operation can get them slightly wrong on its own:
 
-- the request is read strictly and resolved against the driver profile, then hashed;
+- the request is read strictly and resolved against the driver profile, then hashed; a well-formed
+  request naming what this build does not implement (an operation, engine, snapshot driver or policy
+  value ``coldsnap capabilities`` does not list) is not run: it gets a ``failed`` receipt with code
+  ``request.unsupported``, bound to the request as sent;
 - the receipt destination is claimed *before* any work: a receipt path that already holds a receipt
   of a different request is refused;
 - ``--receipt-json -`` writes exactly one receipt to stdout and all progress to stderr; a path is
   published atomically; a successful receipt is never replaced by a later failure;
 - ``--timing-events`` (a new absolute path, or ``-`` when the receipt is not on stdout) mirrors the
   spans live; its failures are warnings only;
-- the exit status is 0 exactly when the receipt says ``succeeded``; 2 for input the caller must fix.
+- the exit status is 0 exactly when the receipt says ``succeeded``; 2 for input the caller must fix
+  (a malformed request, a refused receipt path), which gets no receipt.
 """
 
 from __future__ import annotations
@@ -25,8 +28,7 @@ from typing import IO, Callable
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.base import ContractError, decode_document
 from coldsnap.contracts.canonical import canonical_json
-from coldsnap.contracts.capabilities import REPLAY_SEMANTICS
-from coldsnap.contracts.profiles import resolve_request
+from coldsnap.contracts.profiles import OPERATIONS, UnsupportedRequest, resolve_request
 from coldsnap.contracts.receipt import ErrorRecord, OperationReceipt
 from coldsnap.contracts.request import OperationRequest
 from coldsnap.timing import OperationTimer, TimingEventStream
@@ -188,8 +190,13 @@ def run_operation(
     stdout = stdout if stdout is not None else sys.stdout.buffer
     stderr = stderr if stderr is not None else sys.stderr
     events_handle = None
+    refusal: UnsupportedRequest | None = None
     try:
-        request = resolve_request(decode_document(OperationRequest, request_bytes, request_source))
+        request = decode_document(OperationRequest, request_bytes, request_source)
+        try:
+            request = resolve_request(request)
+        except UnsupportedRequest as exc:
+            refusal = exc  # well-formed: it gets a receipt (bound to the request as sent), not a usage error
         request_sha256 = request.canonical_sha256()
         receipt_dest = ReceiptDestination(receipt_spec, stdout)
         receipt_dest.claim(request_sha256)
@@ -208,9 +215,12 @@ def run_operation(
     started = timer.unix_origin_ns
     outcome = OperationOutcome()
     error: ErrorRecord | None = None
-    context.progress(f"operation {request.operation_id} started")
+    if refusal is None:
+        context.progress(f"operation {request.operation_id} started")
     try:
         with timer.span(f"controller.{request.operation}"):
+            if refusal is not None:
+                raise OperationFailed(refusal.code, refusal.message)
             outcome = body(context)
     except OperationFailed as exc:
         error = ErrorRecord(code=exc.code, message=exc.message)
@@ -231,7 +241,7 @@ def run_operation(
         snapshot_driver=request.snapshot_driver,
         prepare_only=request.prepare_only,
         state=state,
-        replay_semantics=REPLAY_SEMANTICS[request.operation],
+        replay_semantics="safe-to-repeat" if refusal else OPERATIONS[request.operation],
         started_unix_ns=started,
         finished_unix_ns=max(time.time_ns(), started),
         artifact=outcome.artifact,

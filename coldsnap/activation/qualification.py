@@ -12,29 +12,28 @@ from __future__ import annotations
 
 import os
 
-from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
+from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS, UNSUPPORTED
 from coldsnap.operation import OperationContext, OperationFailed
 
-__all__ = ["ALLOW_UNQUALIFIED_DRIVER_ENV", "IMPLEMENTED_SNAPSHOT_DRIVERS", "check_driver_floor",
-           "require_implemented_driver"]
+__all__ = ["ALLOW_UNQUALIFIED_DRIVER_ENV", "check_driver_floor", "require_implemented_driver"]
 
 ALLOW_UNQUALIFIED_DRIVER_ENV = "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER"
 
-IMPLEMENTED_SNAPSHOT_DRIVERS = ("n610",)
-"""Snapshot drivers whose capture/restore sequence this build runs. n580 (the pre-CUDA template) is a
-contract name without a sequence yet: accepting it would run n610's sequence under n580's 580 floor,
-past the unqualified-driver gate."""
-
 
 def require_implemented_driver(snapshot_driver: str) -> None:
-    """Refuse (``request.unsupported``) a snapshot driver this build cannot run, before anything starts."""
-    if snapshot_driver not in IMPLEMENTED_SNAPSHOT_DRIVERS:
-        raise OperationFailed("request.unsupported", f"snapshot driver {snapshot_driver} is not implemented in this "
-                              f"build (implemented: {', '.join(IMPLEMENTED_SNAPSHOT_DRIVERS)})")
+    """Refuse (``request.unsupported``) a snapshot driver this build cannot run, before anything starts.
+
+    ``run_operation`` already refuses such a request when it resolves it (the registry in
+    :mod:`coldsnap.contracts.profiles`); this repeats the check for callers that build a context themselves.
+    """
+    if snapshot_driver not in SNAPSHOT_DRIVERS:
+        raise OperationFailed(UNSUPPORTED, f"snapshot_driver: {snapshot_driver} is not implemented in this build "
+                              f"(implemented: {', '.join(SNAPSHOT_DRIVERS)})")
 
 
 def check_driver_floor(context: OperationContext, snapshot_driver: str, nvidia_driver: str, code: str) -> None:
     """Refuse (``code``) a host below the snapshot driver's floor, or warn when the host owner allowed it."""
+    require_implemented_driver(snapshot_driver)
     floor = SNAPSHOT_DRIVERS[snapshot_driver].minimum_nvidia_driver
     major = int(nvidia_driver.split(".")[0])
     if major >= floor:

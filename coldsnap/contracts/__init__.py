@@ -8,7 +8,7 @@ from coldsnap.contracts.base import Contract, ContractError, decode_document, lo
 from coldsnap.contracts.canonical import CanonicalJsonError, canonical_json, canonical_sha256
 from coldsnap.contracts.capabilities import Capabilities, build_capabilities
 from coldsnap.contracts.layout import MemoryLayout, SemanticManifest
-from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS, resolve_request
+from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS, UnsupportedRequest, resolve_request
 from coldsnap.contracts.receipt import RECEIPT_FORMAT, Clock, OperationReceipt, Span, TimingEnvelope
 from coldsnap.contracts.request import REQUEST_FORMAT, OperationRequest
 from coldsnap.contracts.timing_events import TIMING_EVENT_ADAPTER, TIMING_EVENT_FORMAT
@@ -32,6 +32,7 @@ __all__ = [
     "SemanticManifest",
     "Span",
     "TimingEnvelope",
+    "UnsupportedRequest",
     "build_capabilities",
     "canonical_json",
     "canonical_sha256",

@@ -1,7 +1,8 @@
 """Capabilities: the static contract ``coldsnap capabilities`` prints for managers to negotiate.
 
-It states what this build accepts and can drive; it does not assert that a given host has CRIU or a
-GPU (``coldsnap doctor`` and restore admission check that).
+It states what this build accepts and can drive — exactly the registry of
+:mod:`coldsnap.contracts.profiles`, which also refuses requests for anything else — and does not
+assert that a given host has CRIU or a GPU (``coldsnap doctor`` and restore admission check that).
 """
 
 from __future__ import annotations
@@ -19,22 +20,14 @@ from coldsnap.contracts.common import (
     ReplaySemantics,
     SnapshotDriverName,
 )
-from coldsnap.contracts.profiles import ENGINE_NATIVE_MATERIALIZATION, ENGINE_PACKAGES, SNAPSHOT_DRIVERS
+from coldsnap.contracts.profiles import ENGINE_ADAPTERS, OPERATIONS, SNAPSHOT_DRIVERS
 from coldsnap.contracts.receipt import RECEIPT_FORMAT
 from coldsnap.contracts.request import REQUEST_FORMAT
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_FORMAT
 
-__all__ = ["Capabilities", "build_capabilities", "FEATURES", "REPLAY_SEMANTICS"]
+__all__ = ["Capabilities", "build_capabilities", "FEATURES"]
 
 FEATURES = ("operation-timing-spans", "operation-timing-events-ndjson-v1")
-
-REPLAY_SEMANTICS: dict[str, ReplaySemantics] = {
-    "capture": "conflicts-with-existing-output",
-    "restore": "replacement-oriented",
-    "sleep": "convergent",
-    "wake": "convergent",
-    "status": "safe-to-repeat",
-}
 
 
 class ProtocolFormats(Contract):
@@ -53,20 +46,20 @@ class ProtocolFormats(Contract):
 
 
 class EngineCapability(Contract):
-    """One engine adapter."""
+    """One engine adapter this build drives."""
 
     name: EngineName
     """Engine name as requests spell it."""
     python_package: str
     """The coldsnap plugin package inside the serving image."""
     native_materialization: list[NativeMaterialization]
-    """Native materialization modes the adapter supports."""
+    """Native materialization modes this build runs for the engine (a request naming another is refused)."""
     default_native_materialization: NativeMaterialization
     """Mode used when a request omits it."""
 
 
 class SnapshotDriverCapability(Contract):
-    """One snapshot process driver."""
+    """One snapshot process driver this build implements."""
 
     name: SnapshotDriverName
     """Driver name as requests spell it."""
@@ -86,11 +79,11 @@ class Capabilities(Contract):
     protocol: ProtocolFormats
     """Format versions."""
     engines: list[EngineCapability]
-    """Registered engine adapters."""
+    """The engine adapters this build drives; a request naming another engine is refused."""
     snapshot_drivers: list[SnapshotDriverCapability]
-    """Snapshot drivers and their NVIDIA driver floors."""
+    """The snapshot drivers this build implements, with their NVIDIA driver floors; others are refused."""
     operations: dict[OperationName, ReplaySemantics]
-    """Per-operation replay semantics."""
+    """The operations this build runs, with their replay semantics; others are refused."""
     features: list[str] = Field(min_length=1)
     """Negotiable features."""
 
@@ -107,22 +100,22 @@ def build_capabilities(version: str) -> Capabilities:
         ),
         engines=[
             EngineCapability(
-                name=name,  # type: ignore[arg-type]
-                python_package=ENGINE_PACKAGES[name],
-                native_materialization=sorted(modes),
-                default_native_materialization=modes[0],
+                name=adapter.name,
+                python_package=adapter.python_package,
+                native_materialization=sorted(adapter.native_materialization),
+                default_native_materialization=adapter.native_materialization[0],
             )
-            for name, modes in ENGINE_NATIVE_MATERIALIZATION.items()
+            for adapter in ENGINE_ADAPTERS.values()
         ],
         snapshot_drivers=[
             SnapshotDriverCapability(
                 name=p.name,
                 minimum_nvidia_driver=p.minimum_nvidia_driver,
                 boundary=p.boundary,
-                default_graph_policy=p.default_graph_mode,  # type: ignore[arg-type]
+                default_graph_policy=p.default_graph_mode,
             )
             for p in SNAPSHOT_DRIVERS.values()
         ],
-        operations=dict(REPLAY_SEMANTICS),
+        operations=dict(OPERATIONS),
         features=list(FEATURES),
     )

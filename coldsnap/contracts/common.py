@@ -1,4 +1,9 @@
-"""Names shared by several contracts: engines, snapshot drivers, operations, policies."""
+"""Names shared by several contracts: engines, snapshot drivers, operations, policies.
+
+These are the contract's whole vocabulary (the seeds'), not what this build implements: a request may
+name any of them and is then refused with ``request.unsupported`` if this build lacks it (the registry
+in :mod:`coldsnap.contracts.profiles`, which ``coldsnap capabilities`` prints).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,10 @@
-"""Snapshot drivers and their default policy profiles.
+"""What this build implements, and the default policy profile of each snapshot driver it implements.
+
+One registry answers both questions a manager asks: what ``coldsnap capabilities`` advertises, and
+what a request may name. A request naming anything else is refused at resolution with the code
+``request.unsupported``. The contract types (:mod:`coldsnap.contracts.common`) keep the seeds' whole
+vocabulary — the n580 driver, SGLang, sleep/wake/status, ``async`` and ``required`` materialization
+— so such a request decodes and is refused by name rather than failing as a parse error.
 
 Each driver owns its defaults; a request's omitted policy fields are resolved from them before the
 request is validated as a whole and hashed (the seeds' operator contract).
@@ -7,9 +13,18 @@ request is validated as a whole and hashed (the seeds' operator contract).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from coldsnap.contracts.base import ContractError
-from coldsnap.contracts.common import EngineName, NativeMaterialization, SnapshotDriverName
+from coldsnap.contracts.common import (
+    EngineName,
+    GraphPolicyMode,
+    NativeMaterialization,
+    OperationName,
+    ReplaySemantics,
+    SnapshotDriverName,
+    WeightsMode,
+)
 from coldsnap.contracts.request import (
     CompatibilityPolicy,
     GraphPolicy,
@@ -22,16 +37,23 @@ from coldsnap.contracts.request import (
 
 __all__ = [
     "SnapshotDriverProfile",
+    "EngineAdapter",
     "SNAPSHOT_DRIVERS",
-    "ENGINE_NATIVE_MATERIALIZATION",
-    "ENGINE_PACKAGES",
+    "ENGINE_ADAPTERS",
+    "OPERATIONS",
+    "UNSUPPORTED",
+    "UnsupportedRequest",
     "CANARY_PROMPT",
     "CANARY_RESPONSE",
+    "unsupported_problems",
     "resolve_request",
 ]
 
 CANARY_PROMPT = "Reply with exactly: coldsnap-cuda-snapshot-ok"
 CANARY_RESPONSE = "coldsnap-cuda-snapshot-ok"
+
+UNSUPPORTED = "request.unsupported"
+"""The receipt error code of a request that names something this build does not implement."""
 
 
 @dataclass(frozen=True)
@@ -43,67 +65,102 @@ class SnapshotDriverProfile:
     """Lowest NVIDIA kernel driver major version the driver supports."""
     boundary: str
     """What the captured process holds."""
-    default_graph_mode: str
+    default_graph_mode: GraphPolicyMode
     """``retain`` when graph executables survive in the image, else ``recreate``."""
-
-    def default_weights_mode(self, engine: EngineName) -> str:
-        # vLLM on n580 restores through a pre-CUDA template, where recovery is the qualified default.
-        return "recovery" if (self.name == "n580" and engine == "vllm") else "auto"
+    default_weights_mode: WeightsMode
+    """Weight source when a request omits it."""
 
 
+@dataclass(frozen=True)
+class EngineAdapter:
+    """An engine this build drives."""
+
+    name: EngineName
+    python_package: str
+    """The Python package inside the serving image that integrates the engine."""
+    native_materialization: tuple[NativeMaterialization, ...]
+    """Native materialization modes this build runs, default first."""
+
+
+# n580 (the pre-CUDA template) joins when its capture/restore sequence is built; until then it is a
+# contract name only (accepting it used to run n610's sequence under a 580 floor).
 SNAPSHOT_DRIVERS: dict[str, SnapshotDriverProfile] = {
-    "n580": SnapshotDriverProfile(
-        name="n580",
-        minimum_nvidia_driver=580,
-        boundary="pre-CUDA process template; CUDA state is created fresh on restore",
-        default_graph_mode="recreate",
-    ),
     "n610": SnapshotDriverProfile(
         name="n610",
         minimum_nvidia_driver=610,
         boundary="initialized CUDA process state (CUDA checkpoint driver API)",
         default_graph_mode="retain",
+        default_weights_mode="auto",
     ),
 }
 
-# Native materialization modes each engine adapter supports, default first.
-ENGINE_NATIVE_MATERIALIZATION: dict[str, tuple[NativeMaterialization, ...]] = {
-    "vllm": ("async", "off", "required"),
-    "sglang": ("off",),
-    "torch-lm": ("off",),
+# Materialization (a recovery restore also writing a native pack) is `off` everywhere: no restore path
+# writes a pack, whatever the request says. SGLang joins when its plugin does more than register.
+ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
+    "vllm": EngineAdapter(name="vllm", python_package="coldsnap_vllm", native_materialization=("off",)),
+    "torch-lm": EngineAdapter(name="torch-lm", python_package="coldsnap.workloads.torch_lm",
+                              native_materialization=("off",)),
 }
 
-# The Python package inside the serving image that integrates each engine.
-ENGINE_PACKAGES: dict[str, str] = {
-    "vllm": "coldsnap_vllm",
-    "sglang": "coldsnap_sglang",
-    "torch-lm": "coldsnap.workloads.torch_lm",
+# The operations `coldsnap capture` and `coldsnap restore` run, with what repeating a request does.
+OPERATIONS: dict[OperationName, ReplaySemantics] = {
+    "capture": "conflicts-with-existing-output",
+    "restore": "replacement-oriented",
 }
+
+
+class UnsupportedRequest(ContractError):
+    """A well-formed request naming what this build does not implement; its receipt code is ``request.unsupported``."""
+
+    code = UNSUPPORTED
+
+    def __init__(self, problems: list[str]):
+        super().__init__("request", problems)
+
+    @property
+    def message(self) -> str:
+        """The problems as one line, for a receipt's error."""
+        return "; ".join(self.problems)
+
+
+def _not_implemented(location: str, value: str, implemented: Iterable[str], scope: str = "this build") -> str:
+    return f"{location}: {value} is not implemented in {scope} (implemented: {', '.join(implemented)})"
+
+
+def unsupported_problems(request: OperationRequest) -> list[str]:
+    """One line for every field of ``request`` naming what this build does not implement."""
+    problems = []
+    if request.operation not in OPERATIONS:
+        problems.append(_not_implemented("operation", request.operation, OPERATIONS))
+    adapter = ENGINE_ADAPTERS.get(request.engine)
+    if adapter is None:
+        problems.append(_not_implemented("engine", request.engine, sorted(ENGINE_ADAPTERS)))
+    if request.snapshot_driver not in SNAPSHOT_DRIVERS:
+        problems.append(_not_implemented("snapshot_driver", request.snapshot_driver, SNAPSHOT_DRIVERS))
+    materialization = request.policy.weights.native_materialization
+    if adapter is not None and materialization is not None and materialization not in adapter.native_materialization:
+        problems.append(_not_implemented("policy.weights.native_materialization", materialization,
+                                         adapter.native_materialization, f"this build for {adapter.name}"))
+    return problems
 
 
 def resolve_request(request: OperationRequest) -> OperationRequest:
-    """Fill every omitted policy field from the driver's profile; check the result against the engine.
+    """Fill every omitted policy field from the driver's profile and the engine adapter.
 
-    The returned request is what is hashed and recorded; raises :class:`ContractError` when an explicit
-    setting is not supported by the selected engine.
+    The returned request is what is hashed and recorded; raises :class:`UnsupportedRequest` when the
+    request names an operation, engine, snapshot driver or policy value this build does not implement.
     """
+    problems = unsupported_problems(request)
+    if problems:
+        raise UnsupportedRequest(problems)
     profile = SNAPSHOT_DRIVERS[request.snapshot_driver]
-    engine_modes = ENGINE_NATIVE_MATERIALIZATION[request.engine]
+    adapter = ENGINE_ADAPTERS[request.engine]
     given = request.policy
-    materialization = given.weights.native_materialization or engine_modes[0]
-    if materialization not in engine_modes:
-        raise ContractError(
-            "request",
-            [
-                f"policy.weights.native_materialization: {request.engine} supports "
-                f"{', '.join(sorted(engine_modes))}, not {materialization}"
-            ],
-        )
     policy = Policy(
         weights=WeightsPolicy(
-            mode=given.weights.mode or profile.default_weights_mode(request.engine),
+            mode=given.weights.mode or profile.default_weights_mode,
             native_generation=given.weights.native_generation or "off",
-            native_materialization=materialization,
+            native_materialization=given.weights.native_materialization or adapter.native_materialization[0],
         ),
         graphs=GraphPolicy(mode=given.graphs.mode or profile.default_graph_mode),
         kv=KvPolicy(mode=given.kv.mode or "discard"),

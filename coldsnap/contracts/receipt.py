@@ -124,7 +124,8 @@ class OperationReceipt(Contract):
     operation_id: Identifier
     """From the request."""
     request_sha256: Sha256Hex
-    """Canonical SHA-256 of the resolved request this receipt answers."""
+    """Canonical SHA-256 of the resolved request this receipt answers (of the request as sent when it was
+    refused with ``request.unsupported``: this build has nothing to resolve it with)."""
     engine: EngineName
     """Engine adapter selected."""
     snapshot_driver: SnapshotDriverName
@@ -134,7 +135,8 @@ class OperationReceipt(Contract):
     state: OperationState
     """Outcome. The process exit status agrees: non-zero exactly when ``failed``."""
     replay_semantics: ReplaySemantics
-    """What repeating this operation's request would do."""
+    """What repeating this operation's request would do (``safe-to-repeat`` when it was refused with
+    ``request.unsupported``: nothing was done, and this build refuses it again)."""
     started_unix_ns: int = Field(ge=0)
     """Operation start, Unix nanoseconds (controller clock)."""
     finished_unix_ns: int = Field(ge=0)

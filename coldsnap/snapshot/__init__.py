@@ -1,1 +1,1 @@
-"""Process snapshot: CRIU, the CUDA checkpoint driver API, and the n580/n610 snapshot drivers."""
+"""Process snapshot: CRIU, the CUDA checkpoint driver API, and the n610 snapshot driver (n580 is not built yet)."""

@@ -21,7 +21,9 @@ def test_capabilities_is_json_naming_formats_and_drivers():
     assert caps["protocol"]["artifact_formats"] == [9]
     assert caps["protocol"]["receipt_format"] == 2
     assert caps["protocol"]["timing_event_format"] == 1
-    assert sorted(d["name"] for d in caps["snapshot_drivers"]) == ["n580", "n610"]
+    assert [d["name"] for d in caps["snapshot_drivers"]] == ["n610"]
+    assert sorted(caps["operations"]) == ["capture", "restore"]
+    assert {e["name"]: e["native_materialization"] for e in caps["engines"]} == {"vllm": ["off"], "torch-lm": ["off"]}
     canonical = coldsnap("capabilities", "--canonical").stdout
     assert json.loads(canonical) == caps and b" " not in canonical.replace(b"coldsnap 0", b"").split(b'"boundary"')[0]
 
@@ -136,6 +138,9 @@ def test_capture_request_names_the_served_model(command, model):
     assert request["model"]["name"] == model and request["engine"] == "vllm"
 
 
+N580_REFUSED = "snapshot_driver: n580 is not implemented in this build (implemented: n610)"
+
+
 def test_a_snapshot_driver_this_build_cannot_run_is_refused_before_anything_starts(tmp_path):
     # n580 is a contract name without a sequence yet; accepting it ran n610's sequence under a 580 floor.
     out = tmp_path / "artifact"
@@ -143,5 +148,26 @@ def test_a_snapshot_driver_this_build_cannot_run_is_refused_before_anything_star
                               "--receipt-json", "-", "--", sys.executable, "-c", "import time; time.sleep(60)",
                               "--port", "1"], capture_output=True, text=True, timeout=60)
     receipt = json.loads(capture.stdout)
-    assert capture.returncode == 1 and receipt["error"]["code"] == "request.unsupported", receipt
-    assert "n580" in receipt["error"]["message"] and not out.exists()
+    assert capture.returncode == 1 and receipt["error"] == {"code": "request.unsupported", "message": N580_REFUSED}
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--driver", "n580"], f"coldsnap capture [vllm/n580]: failed: request.unsupported: {N580_REFUSED}"),
+    (["--engine", "sglang"], "coldsnap capture [sglang/n610]: failed: request.unsupported: "
+                             "engine: sglang is not implemented in this build (implemented: torch-lm, vllm)"),
+])
+def test_friendly_flags_naming_what_is_not_built_get_one_line_and_no_traceback(tmp_path, flags, line):
+    result = coldsnap("capture", *flags, "--out", str(tmp_path / "a"), "--", "vllm", "serve", "m", "--port", "1")
+    assert result.returncode == 1 and result.stdout == b""
+    assert result.stderr.decode().splitlines() == [line]
+
+
+def test_validate_request_names_what_this_build_does_not_implement(tmp_path):
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(make_request(operation="sleep", snapshot_driver="n580")))
+    result = coldsnap("validate", "request", str(path))
+    assert result.returncode == 2 and result.stdout == b""
+    assert result.stderr.decode().splitlines() == [
+        f"{path}: operation: sleep is not implemented in this build (implemented: capture, restore)",
+        f"{path}: {N580_REFUSED}"]

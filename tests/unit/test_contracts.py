@@ -10,6 +10,7 @@ from coldsnap.contracts import (
     ContractError,
     OperationReceipt,
     OperationRequest,
+    UnsupportedRequest,
     build_capabilities,
     decode_document,
     resolve_request,
@@ -35,17 +36,48 @@ def test_valid_request_decodes_and_resolves(request_document):
     resolved = resolve_request(_decode_request(request_document))
     assert resolved.policy.graphs.mode == "retain"  # n610 default
     assert resolved.policy.weights.mode == "auto"
-    assert resolved.policy.weights.native_materialization == "async"  # vLLM default
+    assert resolved.policy.weights.native_materialization == "off"  # the only mode this build runs
     assert resolved.policy.validation.expected_response == "coldsnap-cuda-snapshot-ok"
 
 
-def test_n580_profile_defaults():
-    resolved = resolve_request(_decode_request(make_request(snapshot_driver="n580")))
-    assert resolved.policy.graphs.mode == "recreate"
-    assert resolved.policy.weights.mode == "recovery"  # vLLM on n580
-    sglang = resolve_request(_decode_request(make_request(snapshot_driver="n580", engine="sglang")))
-    assert sglang.policy.weights.mode == "auto"
-    assert sglang.policy.weights.native_materialization == "off"
+# What the contract can name but this build does not implement: refused by name, not as a parse error.
+UNSUPPORTED = [
+    ({"snapshot_driver": "n580"}, "snapshot_driver: n580 is not implemented in this build (implemented: n610)"),
+    ({"engine": "sglang"}, "engine: sglang is not implemented in this build (implemented: torch-lm, vllm)"),
+    ({"operation": "sleep"}, "operation: sleep is not implemented in this build (implemented: capture, restore)"),
+    ({"operation": "wake"}, "operation: wake is not implemented in this build (implemented: capture, restore)"),
+    ({"operation": "status"}, "operation: status is not implemented in this build (implemented: capture, restore)"),
+    ({"policy": {"weights": {"native_materialization": "async"}}},
+     "policy.weights.native_materialization: async is not implemented in this build for vllm (implemented: off)"),
+    ({"policy": {"weights": {"native_materialization": "required"}}},
+     "policy.weights.native_materialization: required is not implemented in this build for vllm (implemented: off)"),
+    ({"engine": "torch-lm", "policy": {"weights": {"native_materialization": "async"}}},
+     "policy.weights.native_materialization: async is not implemented in this build for torch-lm (implemented: off)"),
+]
+
+
+@pytest.mark.parametrize("overrides, problem", UNSUPPORTED, ids=[p.split(" is ")[0] for _, p in UNSUPPORTED])
+def test_what_this_build_does_not_implement_is_refused_with_request_unsupported(overrides, problem):
+    decoded = _decode_request(make_request(**overrides))  # the contract parses it
+    with pytest.raises(UnsupportedRequest) as caught:
+        resolve_request(decoded)
+    assert caught.value.code == "request.unsupported"
+    assert caught.value.problems == [problem] and caught.value.message == problem
+
+
+def test_every_unsupported_field_is_named():
+    document = make_request(operation="status", engine="sglang", snapshot_driver="n580",
+                            policy={"weights": {"native_materialization": "async"}})
+    with pytest.raises(UnsupportedRequest) as caught:
+        resolve_request(_decode_request(document))
+    # SGLang has no adapter here to judge a materialization mode against; the engine refusal says enough.
+    assert [p.split(":")[0] for p in caught.value.problems] == ["operation", "engine", "snapshot_driver"]
+
+
+def test_explicit_off_materialization_is_accepted_for_every_engine():
+    for engine in ("vllm", "torch-lm"):
+        document = make_request(engine=engine, policy={"weights": {"native_materialization": "off"}})
+        assert resolve_request(_decode_request(document)).policy.weights.native_materialization == "off"
 
 
 def test_spelled_out_defaults_hash_like_omitted_ones(request_document):
@@ -106,11 +138,6 @@ def test_topology_rules():
     assert any("prepare_only applies to restore only" in p for p in _problems(make_request(operation="capture", prepare_only=True)))
 
 
-def test_engine_specific_policy_is_checked():
-    problems = _problems(make_request(engine="sglang", policy={"weights": {"native_materialization": "async"}}))
-    assert problems == ["policy.weights.native_materialization: sglang supports off, not async"]
-
-
 def test_strict_types_are_not_coerced():
     document = make_request()
     document["units"][0]["serving_port"] = "8000"
@@ -133,19 +160,34 @@ def test_every_field_of_every_contract_is_documented():
         assert model.model_config.get("extra") == "forbid", model.__name__
 
 
-def test_capabilities_name_formats_drivers_and_features():
+def test_capabilities_name_formats_and_features():
     caps = build_capabilities("0.1.0").to_json_value()
     assert caps["protocol"]["request_formats"] == [4]
     assert caps["protocol"]["artifact_formats"] == [9]
     assert caps["protocol"]["receipt_format"] == 2
     assert caps["protocol"]["timing_event_format"] == 1
-    drivers = {d["name"]: d["minimum_nvidia_driver"] for d in caps["snapshot_drivers"]}
-    assert drivers == {"n580": 580, "n610": 610}
     assert {"operation-timing-spans", "operation-timing-events-ndjson-v1"} <= set(caps["features"])
-    engines = {e["name"]: e for e in caps["engines"]}
-    assert engines["vllm"]["default_native_materialization"] == "async"
-    assert engines["sglang"]["native_materialization"] == ["off"]
-    assert set(caps["operations"]) == {"capture", "restore", "sleep", "wake", "status"}
+
+
+def test_capabilities_list_exactly_what_this_build_implements():
+    caps = build_capabilities("0.1.0").to_json_value()
+    assert [(d["name"], d["minimum_nvidia_driver"], d["default_graph_policy"]) for d in caps["snapshot_drivers"]] == [
+        ("n610", 610, "retain")]
+    assert {e["name"]: (e["python_package"], e["native_materialization"], e["default_native_materialization"])
+            for e in caps["engines"]} == {"vllm": ("coldsnap_vllm", ["off"], "off"),
+                                          "torch-lm": ("coldsnap.workloads.torch_lm", ["off"], "off")}
+    assert caps["operations"] == {"capture": "conflicts-with-existing-output", "restore": "replacement-oriented"}
+
+
+def test_everything_capabilities_lists_is_accepted():
+    caps = build_capabilities("0.1.0").to_json_value()
+    for operation in caps["operations"]:
+        for engine in caps["engines"]:
+            for driver in caps["snapshot_drivers"]:
+                for mode in engine["native_materialization"]:
+                    document = make_request(operation=operation, engine=engine["name"], snapshot_driver=driver["name"],
+                                            policy={"weights": {"native_materialization": mode}})
+                    resolve_request(_decode_request(document))
 
 
 def _file(path: str) -> dict:

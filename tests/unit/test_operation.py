@@ -6,7 +6,7 @@ import json
 import pytest
 
 from coldsnap.cli import VALIDATORS
-from coldsnap.contracts import OperationReceipt, canonical_sha256, decode_document
+from coldsnap.contracts import OperationReceipt, OperationRequest, canonical_sha256, decode_document
 from coldsnap.contracts.timing_events import MAX_EVENTS
 from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OperationFailed, OperationOutcome, run_operation
 from coldsnap.timing import OperationTimer, TimingEventStream
@@ -96,6 +96,37 @@ def test_bad_request_exits_2_without_receipt():
     assert err.strip() == "coldsnap: req: format: unsupported format 5 (supported: 4)"
 
 
+@pytest.mark.parametrize("overrides, problem", [
+    ({"snapshot_driver": "n580"}, "snapshot_driver: n580 is not implemented in this build (implemented: n610)"),
+    ({"engine": "sglang"}, "engine: sglang is not implemented in this build (implemented: torch-lm, vllm)"),
+    ({"operation": "wake"}, "operation: wake is not implemented in this build (implemented: capture, restore)"),
+    ({"policy": {"weights": {"native_materialization": "required"}}},
+     "policy.weights.native_materialization: required is not implemented in this build for vllm (implemented: off)"),
+])
+def test_unsupported_request_gets_a_failed_receipt_and_runs_nothing(overrides, problem):
+    ran = []
+    document = make_request(**overrides)
+    status, out, err = _run(document, lambda c: ran.append(1), "-")
+    assert status == EXIT_FAILED and not ran
+    receipt = decode_document(OperationReceipt, out)
+    assert receipt.state == "failed" and receipt.error.code == "request.unsupported"
+    assert receipt.error.message == problem
+    assert receipt.operation == document["operation"] and receipt.snapshot_driver == document["snapshot_driver"]
+    assert receipt.replay_semantics == "safe-to-repeat"  # nothing was done; this build refuses it again
+    assert receipt.request_sha256 == canonical_sha256(decode_document(OperationRequest, json.dumps(document)).to_json_value())
+    assert err.splitlines() == [f"coldsnap {document['operation']} [{document['engine']}/{document['snapshot_driver']}]: "
+                                f"failed: request.unsupported: {problem}"]
+
+
+def test_unsupported_request_receipt_path_is_bound_like_any_other(tmp_path):
+    path = tmp_path / "receipt.json"
+    refused = make_request(snapshot_driver="n580")
+    assert _run(refused, _succeed, str(path))[0] == EXIT_FAILED
+    assert _run(refused, _succeed, str(path))[0] == EXIT_FAILED  # the same request again: the same path is fine
+    status, _, err = _run(make_request(operation_id="op-2"), _succeed, str(path))
+    assert status == EXIT_USAGE and "already bound to request" in err
+
+
 def test_timing_events_stream_binds_the_receipt(tmp_path):
     events_path = tmp_path / "events.ndjson"
     status, out, _ = _run(make_request(), _succeed, "-", str(events_path))
@@ -181,7 +212,7 @@ def test_driver_floor_refuses_or_warns_only_with_the_host_owners_override(monkey
         monkeypatch.delenv(ALLOW_UNQUALIFIED_DRIVER_ENV, raising=False)
 
     def body(context):
-        check_driver_floor(context, "n580", "580.159.04", "admission.driver_floor")  # at the floor: silent
+        check_driver_floor(context, "n610", "610.1", "admission.driver_floor")  # at the floor: silent
         check_driver_floor(context, "n610", "580.159.04", "admission.driver_floor")
         return OperationOutcome()
 
@@ -194,3 +225,14 @@ def test_driver_floor_refuses_or_warns_only_with_the_host_owners_override(monkey
     else:
         assert status == EXIT_FAILED and receipt.error.code == "admission.driver_floor"
         assert ALLOW_UNQUALIFIED_DRIVER_ENV in receipt.error.message and not receipt.warnings
+
+
+def test_driver_checks_refuse_a_snapshot_driver_this_build_does_not_implement():
+    from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
+
+    for check in (lambda: require_implemented_driver("n580"),
+                  lambda: check_driver_floor(None, "n580", "999.1", "admission.driver_floor")):
+        with pytest.raises(OperationFailed) as caught:
+            check()
+        assert (caught.value.code, caught.value.message) == (
+            "request.unsupported", "snapshot_driver: n580 is not implemented in this build (implemented: n610)")
