@@ -28,6 +28,7 @@ from typing import IO, Callable
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.base import ContractError, decode_document
 from coldsnap.contracts.canonical import canonical_json
+from coldsnap.contracts.errors import ERROR_CODES
 from coldsnap.contracts.profiles import OPERATIONS, UnsupportedRequest, resolve_request
 from coldsnap.contracts.receipt import ErrorRecord, OperationReceipt
 from coldsnap.contracts.request import OperationRequest
@@ -59,6 +60,8 @@ class OperationFailed(Exception):
     """The operation ran and failed; becomes a ``failed`` receipt with this code."""
 
     def __init__(self, code: str, message: str):
+        if code not in ERROR_CODES:  # a bug: every code a receipt carries is listed and documented
+            raise ValueError(f"unregistered error code {code!r} (add it to coldsnap.contracts.errors)")
         self.code = code
         self.message = message
         super().__init__(f"{code}: {message}")

@@ -8,18 +8,20 @@ payload prefetched into the page cache) *while* CRIU restores the tree; GPU proc
 CUDA-restored (captured GPU UUIDs remapped onto this host's) and unlocked; every rank's agent then
 maps its regions at their captured addresses, fills them and zeroes the KV cache, and the ranks
 rebuild their NCCL communicators together through the activation's coordinator; the canary must give
-the captured tokens exactly. Any failure — of any rank — kills what was restored and leaves the
-artifact as it was.
+the captured tokens exactly. Each step is a method of :class:`RestoreSequence` with its own span and
+error code (:mod:`coldsnap.contracts.errors`); any failure — of any rank, at any step, an interrupt
+included — goes through its one unwind, which kills what was restored and leaves the artifact as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.engine_process import ask_canary
@@ -27,7 +29,7 @@ from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, ra
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
-from coldsnap.contracts.artifact import ArtifactDescriptor
+from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
@@ -172,104 +174,161 @@ def restore(context: OperationContext) -> OperationOutcome:
     if context.request.prepare_only:
         context.progress("admission passed; --prepare-only: nothing started")
         return OperationOutcome(artifact=str(artifact.root))
-    timer = context.timer
-    unit = descriptor.units[0]
-    workers = sorted(unit.workers, key=lambda w: w.rank)
-    metadata = capsule.metadata
-    records = {record.rank: record for record in metadata.workers}
+    return RestoreSequence(context, artifact, descriptor, capsule).run()
 
-    def pack(ref) -> Path | None:
-        return artifact.root / ref.path if ref is not None else None
 
-    # GPU weights: hydrated by the launcher during CRIU + CUDA restore and handed over at resume;
-    # otherwise the agent hydrates, and the page cache is warmed meanwhile.
-    stagers = {}
-    for w in workers:
-        regions = records[w.rank].regions
-        if w.payload is not None and WeightStager.stageable(regions):
-            stagers[w.rank] = WeightStager(regions, pack(w.payload), pack(w.residual), w.layout_digest, timer.now_ns)
-    prefetch_error: list[BaseException] = []
+class RestoreSequence:
+    """The steps of one admitted restore, each its own method, span and error code (:meth:`step`), and
+    one :meth:`unwind` for every failure: staging cancelled, handed-over memory closed, whatever CRIU
+    restored killed, the lease dropped. The artifact is only read."""
 
-    def prefetch() -> None:
+    def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
+                 capsule: CapsuleManifest):
+        self.context = context
+        self.timer = context.timer
+        self.artifact = artifact
+        self.descriptor = descriptor
+        self.unit = descriptor.units[0]
+        self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
+        self.metadata = capsule.metadata
+        self.records = {record.rank: record for record in self.metadata.workers}
+        self.stagers: dict[int, WeightStager] = {}
+        self.prefetch_errors: list[BaseException] = []
+        self.warmer: threading.Thread | None = None
+        self.restored_pid: int | None = None
+        self.lease: Lease | None = None
+        self.handed_over: list[int] = []  # descriptors of staged memory, closed once sent (or on failure)
+        self.staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}  # rank → (adopted chunks, staging stats)
+        self.fds_by_rank: dict[int, list[int]] = {}
+
+    @contextlib.contextmanager
+    def step(self, span: str, code: str) -> Iterator[dict[str, Any]]:
+        """One step: its span, and any failure of what it calls (CRIU, CUDA, an agent, the OS) reported
+        with its code; an :class:`OperationFailed` raised inside keeps its own."""
+        with self.timer.span(span) as attributes:
+            try:
+                yield attributes
+            except OperationFailed:
+                raise
+            except (CriuError, CudaCheckpointError, AgentError, OSError, ContractError) as exc:
+                raise OperationFailed(code, f"{type(exc).__name__}: {exc}") from None
+
+    def run(self) -> OperationOutcome:
+        try:
+            self.restore_tree()
+            self.take_lease()
+            self.restore_cuda()
+            self.collect_staged_weights()
+            self.resume_ranks()
+            self.check_canary()
+            assert self.lease is not None
+            self.lease.release()  # the server is on its own now
+        except BaseException:
+            self.unwind()
+            raise
+        warnings = [f"prefetch failed: {e}" for e in self.prefetch_errors]
+        self.context.progress(f"ready: pid {self.restored_pid}, port {self.metadata.serving_port}, canary matched")
+        return OperationOutcome(artifact=str(self.artifact.root), warnings=warnings)
+
+    def pack(self, ref: FileRef | None) -> Path | None:
+        return self.artifact.root / ref.path if ref is not None else None
+
+    def restore_tree(self) -> None:
+        """CRIU restores the tree; meanwhile each rank's GPU weights are hydrated by this launcher into
+        shareable chunks (handed over at resume), or else its payload is read into the page cache."""
+        for w in self.workers:
+            regions = self.records[w.rank].regions
+            if w.payload is not None and WeightStager.stageable(regions):
+                self.stagers[w.rank] = WeightStager(regions, self.pack(w.payload), self.pack(w.residual), w.layout_digest,
+                                                    self.timer.now_ns)
+        with self.step("restore.criu_restore", "restore.criu") as span:
+            try:
+                state_dir = self.artifact.state_dir()
+            except OSError as exc:
+                raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: "
+                                      f"{exc} (choose one with --state-dir or {STATE_DIR_ENV})") from None
+            for stager in self.stagers.values():
+                stager.start()
+            self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
+            self.warmer.start()
+            span["state_dir"] = str(state_dir)
+            options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
+            result = CriuSnapshotter(options=options).restore(self.artifact.images(self.unit.unit_id), state_dir,
+                                                              self.artifact.root)
+            self.restored_pid = span["pid"] = result.pid
+        self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
+
+    def _prefetch(self) -> None:
         from coldsnap.hydrate import prefetch_file
 
         try:
-            for w in workers:
-                if w.payload is not None and w.rank not in stagers:
-                    prefetch_file(pack(w.payload))
+            for w in self.workers:
+                if w.payload is not None and w.rank not in self.stagers:
+                    prefetch_file(self.pack(w.payload))
         except BaseException as exc:  # only a hint: hydration still reads the file itself
-            prefetch_error.append(exc)
+            self.prefetch_errors.append(exc)
 
-    restored_pid: int | None = None
-    lease: Lease | None = None
-    handed_over: list[int] = []
-    try:
-        with timer.span("restore.criu_restore") as span:
-            for stager in stagers.values():
-                stager.start()
-            warmer = threading.Thread(target=prefetch, name="coldsnap-prefetch", daemon=True)
-            warmer.start()
-            options = SnapshotOptions(tcp=metadata.criu_tcp)  # as dumped
-            try:
-                state_dir = artifact.state_dir()
-            except OSError as exc:
-                raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: {exc} "
-                                      f"(choose one with --state-dir or {STATE_DIR_ENV})") from None
-            span["state_dir"] = str(state_dir)
-            result = CriuSnapshotter(options=options).restore(artifact.images(unit.unit_id), state_dir, artifact.root)
-            restored_pid = result.pid
-            span["pid"] = result.pid
-        with timer.span("restore.lease"):
-            try:  # until the canary matches, the restored tree dies with this launcher
-                lease = Lease([records[w.rank].control for w in workers])
-            except (AgentError, OSError) as exc:
-                raise OperationFailed("restore.lease", f"the restored agents did not take this launcher's lease: {exc}") from None
-        gpu_pids = list(metadata.gpu_pids)
-        if gpu_pids:
-            with timer.span("restore.cuda_restore") as span:
-                # Same ordinal, maybe another GPU: remap the captured UUIDs onto this host's.
-                current = [d["uuid"] for d in cuda_devices()]
-                pairs = [(old, new) for old, new in zip(metadata.gpu_uuids, current) if old != new]
-                try:
-                    TreeCheckpoint().restore(gpu_pids, pairs)
-                except CudaCheckpointError as exc:
-                    raise OperationFailed("restore.cuda", str(exc)) from None
-                span["processes"] = len(gpu_pids)
-        commands: dict[int, dict[str, Any]] = {}
-        fds_by_rank: dict[int, list[int]] = {}
-        if stagers:
-            with timer.span("restore.stage_wait"):
-                staged = {rank: stager.join() for rank, stager in stagers.items()}
-            for rank, stager in stagers.items():
-                timer.add_timeline_span("restore.stage_weights" + (f".rank{rank}" if rank else ""), stager.started_ns,
-                                        stager.finished_ns,
-                                        **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
+    def take_lease(self) -> None:
+        """Until the canary matches, the restored tree dies with this launcher."""
+        with self.step("restore.lease", "restore.lease"):
+            self.lease = Lease([self.records[w.rank].control for w in self.workers])
+
+    def restore_cuda(self) -> None:
+        gpu_pids = list(self.metadata.gpu_pids)
+        if not gpu_pids:
+            return
+        with self.step("restore.cuda_restore", "restore.cuda") as span:
+            # Same ordinal, maybe another GPU: remap the captured UUIDs onto this host's.
+            current = [d["uuid"] for d in cuda_devices()]
+            pairs = [(old, new) for old, new in zip(self.metadata.gpu_uuids, current) if old != new]
+            TreeCheckpoint().restore(gpu_pids, pairs)
+            span["processes"] = len(gpu_pids)
+
+    def collect_staged_weights(self) -> None:
+        """The chunks each stager hydrated, exported for its rank's resume. A failed staging is a warning:
+        that rank's agent hydrates from the pack itself."""
+        if self.stagers:
+            with self.timer.span("restore.stage_wait"):
+                staged = {rank: stager.join() for rank, stager in self.stagers.items()}
+            for rank, stager in self.stagers.items():
+                self.timer.add_timeline_span("restore.stage_weights" + (f".rank{rank}" if rank else ""),
+                                             stager.started_ns, stager.finished_ns,
+                                             **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
                 if staged[rank]:
-                    adopted, fds_by_rank[rank] = stager.export()
-                    handed_over += fds_by_rank[rank]
-                    commands[rank] = {"adopted": adopted, "staged": stager.stats}
+                    adopted, self.fds_by_rank[rank] = stager.export()
+                    self.handed_over += self.fds_by_rank[rank]
+                    self.staged[rank] = (adopted, stager.stats)
                 else:
-                    context.warn(f"rank {rank}: staging the weights failed ({stager.error}); the process hydrates them itself")
-        warmer.join()
-        context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
-        with timer.span("restore.resume") as span, ActivationCoordinator(len(workers)) as coordinator:
-            bars = PhaseProgress(f"coldsnap restore [{descriptor.engine}/{descriptor.snapshot_driver}]: ")
+                    self.context.warn(f"rank {rank}: staging the weights failed ({stager.error}); "
+                                      "the process hydrates them itself")
+        if self.warmer is not None:
+            self.warmer.join()
 
-            def resume(w) -> ResumeReply:
-                weights = commands.get(w.rank) or {"payload": str(pack(w.payload)) if w.payload else None,
-                                                   "residual": str(pack(w.residual))}
-                command = Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), **weights)
-                return AgentClient(records[w.rank].control).resume(
-                    command, on_progress=bars if w.rank == 0 else None, fds=fds_by_rank.get(w.rank, []))
+    def _resume_command(self, w: Any, coordinator: ActivationCoordinator) -> Resume:
+        if w.rank in self.staged:  # the memory rides along with the command
+            adopted, stats = self.staged[w.rank]
+            return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), adopted=adopted,
+                          staged=stats)
+        return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
+                      payload=str(self.pack(w.payload)) if w.payload else None, residual=str(self.pack(w.residual)))
+
+    def resume_ranks(self) -> None:
+        """Every rank at once: map and fill its regions, zero the KV cache, rebuild NCCL, recapture graphs."""
+        with self.step("restore.resume", "restore.resume") as span, \
+                ActivationCoordinator(len(self.workers)) as coordinator:
+            bars = PhaseProgress(f"coldsnap restore [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")
+
+            def resume(w: Any) -> ResumeReply:
+                return AgentClient(self.records[w.rank].control).resume(
+                    self._resume_command(w, coordinator), on_progress=bars if w.rank == 0 else None,
+                    fds=self.fds_by_rank.get(w.rank, []))
 
             try:
-                resumed_ranks = call_every_rank([(w.rank, lambda w=w: resume(w)) for w in workers], coordinator)
+                resumed_ranks = call_every_rank([(w.rank, lambda w=w: resume(w)) for w in self.workers], coordinator)
             finally:
                 bars.finish()
-                for fd in handed_over:
-                    os.close(fd)
-                handed_over.clear()
-                for stager in stagers.values():
+                self._close_handed_over()
+                for stager in self.stagers.values():
                     stager.release()
             for rank, resumed in enumerate(resumed_ranks):
                 prefix = rank_prefix(rank)
@@ -279,32 +338,30 @@ def restore(context: OperationContext) -> OperationOutcome:
                 span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.seconds.items()})
                 if resumed.graphs_recaptured:
                     span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)
-        with timer.span("restore.canary") as span:
-            try:
-                canary = ask_canary(metadata.serving_port, descriptor.canary.prompt, len(descriptor.canary.token_ids) or 16)
-            except OSError as exc:  # HTTP errors included: the restored server did not answer right
-                raise OperationFailed("restore.canary", f"the canary request failed: {exc}") from None
+
+    def check_canary(self) -> None:
+        canary_record = self.descriptor.canary
+        with self.step("restore.canary", "restore.canary") as span:
+            # HTTP errors are OSErrors: the restored server did not answer right
+            canary = ask_canary(self.metadata.serving_port, canary_record.prompt, len(canary_record.token_ids) or 16)
             span["tokens"] = len(canary.token_ids)
-        if canary.token_ids != descriptor.canary.token_ids or canary.text != descriptor.canary.expected_response:
-            raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {descriptor.canary.expected_response!r}")
-        lease.release()
-    except BaseException as exc:
-        for stager in stagers.values():
+        if canary.token_ids != canary_record.token_ids or canary.text != canary_record.expected_response:
+            raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {canary_record.expected_response!r}")
+
+    def _close_handed_over(self) -> None:
+        for fd in self.handed_over:
+            os.close(fd)
+        self.handed_over.clear()
+
+    def unwind(self) -> None:
+        """After any failure (an interrupt included): nothing this restore started survives it."""
+        for stager in self.stagers.values():
             stager.cancel()
-        for stager in stagers.values():
+        for stager in self.stagers.values():
             stager.join()
             stager.release()
-        for fd in handed_over:
-            os.close(fd)
-        if restored_pid is not None:
-            kill_tree(restored_pid)
-        if lease is not None:
-            lease.close()
-        if isinstance(exc, CriuError):
-            raise OperationFailed("restore.criu", str(exc)) from None
-        if isinstance(exc, (AgentError, OSError)):
-            raise OperationFailed("restore.resume", f"{type(exc).__name__}: {exc}") from None
-        raise
-    warnings = [f"prefetch failed: {e}" for e in prefetch_error]
-    context.progress(f"ready: pid {restored_pid}, port {metadata.serving_port}, canary matched")
-    return OperationOutcome(artifact=str(artifact.root), warnings=warnings)
+        self._close_handed_over()
+        if self.restored_pid is not None:
+            kill_tree(self.restored_pid)
+        if self.lease is not None:
+            self.lease.close()

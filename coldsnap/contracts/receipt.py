@@ -107,7 +107,8 @@ class ErrorRecord(Contract):
     """Why an operation failed."""
 
     code: str = Field(pattern=r"^[a-z][a-z0-9_.-]*$")
-    """Stable machine-readable code (``criu.dump``, ``admission.driver_floor``...)."""
+    """Stable machine-readable code, one of :data:`coldsnap.contracts.errors.ERROR_CODES` (``restore.criu``,
+    ``admission.driver_floor``...)."""
     message: str
     """One readable line."""
 

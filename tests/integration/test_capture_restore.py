@@ -259,7 +259,7 @@ def test_a_capture_into_a_full_disk_fails_and_removes_what_it_wrote(tmp_path):
         result = coldsnap("capture", "--out", str(out), "--receipt-json", "-", "--", *workload(port))
         assert result.returncode == 1, result.stderr.decode()[-2000:]
         receipt = json.loads(result.stdout)
-        assert receipt["state"] == "failed" and receipt["error"]["code"] in ("capture.criu_dump", "capture.io"), receipt
+        assert receipt["state"] == "failed" and receipt["error"]["code"] in ("capture.prepare", "capture.criu_dump", "capture.commit"), receipt
         assert serving_pids(port) == []
         assert not out.exists() and list(disk.iterdir()) == []
         free = os.statvfs(disk)
@@ -429,3 +429,31 @@ def test_an_artifact_restores_from_a_moved_copy_and_a_read_only_mount_and_is_nev
         _restore_and_check(read_only, port, expected, env)
     finally:
         subprocess.run(["umount", str(read_only)], capture_output=True)
+
+
+@pytest.mark.parametrize("killed_at", ["restore.resume", "restore.canary"])
+def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path, killed_at):
+    """SIGKILL `coldsnap restore` as a step starts (from its live timing events): the restored agents
+    lose the launcher's lease and stop their tree; no receipt is left, the artifact is unchanged."""
+    artifact, port, _, _ = captured
+    before = (artifact / "artifact.json").read_bytes()
+    launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", str(artifact), "--receipt-json",
+                                 str(tmp_path / "receipt.json"), "--timing-events", "-"],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        for line in launcher.stdout:
+            event = json.loads(line)
+            if event.get("event") == "span_start" and event.get("name") == killed_at:
+                launcher.kill()
+                break
+        launcher.wait(10)
+        assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
+        deadline = time.monotonic() + 15
+        while serving_pids(port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert serving_pids(port) == []
+        assert not (tmp_path / "receipt.json").exists()
+        assert (artifact / "artifact.json").read_bytes() == before
+    finally:
+        launcher.kill()
+        stop(port)

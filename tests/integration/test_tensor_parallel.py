@@ -128,7 +128,7 @@ def test_one_rank_failing_its_prepare_commits_nothing(tmp_path, monkeypatch):
     receipt = tmp_path / "receipt.json"
     assert _in_process(["capture", "--out", str(out), "--receipt-json", str(receipt), "--", *workload(port)]) == 1
     error = json.loads(receipt.read_text())["error"]
-    assert error["code"] == "capture.agent" and "rank 1" in error["message"]
+    assert error["code"] == "capture.prepare" and "rank 1" in error["message"]
     assert not (out / "artifact.json").exists() and serving_pids(port) == []
 
 

@@ -1,0 +1,57 @@
+"""Every error code a receipt of this build can carry, and what it means.
+
+A code names the step that failed (admission checks before anything starts; then each step of the
+capture or restore sequence), never the exception type that surfaced. The receipt's ``error.code``
+is one of these; a manager can branch on it (retry, recapture, page someone) without parsing the
+message. ``tests/unit/test_error_codes.py`` checks that every code the code base raises is listed here
+and the README's table matches.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ERROR_CODES", "is_known_code"]
+
+ERROR_CODES: dict[str, str] = {
+    # The request and the envelope
+    "request.unsupported": "the request names an operation, engine, snapshot driver or policy value this build does not implement",
+    "request.operation": "the request is for another operation than the command given (`coldsnap restore` got a capture request)",
+    "interrupted": "SIGINT/SIGTERM: what the operation had started was stopped and removed",
+    "internal": "a bug: the message names the exception; nothing the operation started is left running",
+    # Capture
+    "capture.topology": "the request's workers do not match the engine's ranks, or more than one launch unit",
+    "capture.port": "the unit has no serving port for the canary",
+    "capture.exists": "the output directory already holds a committed artifact",
+    "capture.launch": "the serving command could not be started, or exited before its agents answered",
+    "capture.ready": "the engine's agents or HTTP server did not become ready within the timeout",
+    "capture.canary": "the engine did not answer the canary prompt",
+    "capture.prepare": "a rank's agent could not drain, release its graphs and memory, tear down NCCL or write its packs",
+    "capture.driver_floor": "the NVIDIA driver is below the snapshot driver's floor",
+    "capture.cuda_checkpoint": "the CUDA checkpoint of a GPU process failed (the tree was unlocked again)",
+    "capture.criu_dump": "CRIU could not dump the process tree",
+    "capture.residual": "a rank wrote no residual pack",
+    "capture.commit": "the capsule manifest or descriptor could not be written (e.g. the disk is full); nothing committed",
+    # Restore admission: nothing has started
+    "admission.artifact": "no committed artifact at the path, or its descriptor does not decode",
+    "admission.driver": "the artifact was captured for another engine or snapshot driver than the request names",
+    "admission.topology": "the artifact has more than one launch unit",
+    "admission.platform": "the artifact was captured on another CPU architecture",
+    "admission.kernel": "another kernel release, with compatibility.kernel=exact",
+    "admission.cuda": "the artifact needs a GPU and the CUDA checkpoint API, which this host lacks",
+    "admission.driver_floor": "the NVIDIA driver is below the snapshot driver's floor or the captured one",
+    "admission.gpu": "another GPU model or compute capability than the capture's",
+    "admission.criu": "CRIU is missing, too old, or `criu check` fails",
+    "admission.capsule": "the capsule manifest or an image is missing, changed, or from a coldsnap that cannot read it",
+    "admission.payload": "a native pack is missing or its bytes do not match the descriptor",
+    "admission.port": "the serving port is taken",
+    # Restore: each failure kills what was restored and leaves the artifact as it was
+    "restore.state_dir": "the runtime state directory cannot be created (choose one with --state-dir)",
+    "restore.criu": "CRIU could not restore the process tree",
+    "restore.lease": "the restored agents did not take the launcher's lease",
+    "restore.cuda": "the CUDA restore of a GPU process failed",
+    "restore.resume": "a rank's agent could not map and fill its memory, rebuild NCCL or recapture its graphs",
+    "restore.canary": "the restored server did not answer the canary, or answered other tokens than at capture",
+}
+
+
+def is_known_code(code: str) -> bool:
+    return code in ERROR_CODES
