@@ -9,13 +9,13 @@ an engine's sleep backend around sleep/wake; neither owns the mechanics.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
 from coldsnap.native import native
+from coldsnap.timing import timed
 
 __all__ = ["ModelMemory", "ModelMemoryError"]
 
@@ -24,15 +24,6 @@ Progress = Callable[[int, int], None]
 
 class ModelMemoryError(RuntimeError):
     """The request does not fit this process's memory (layout, adopted chunks, missing source)."""
-
-
-def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
-    """``work()``, its seconds added to ``seconds[name]`` (a step run twice, like a barrier, sums)."""
-    started = time.perf_counter()
-    try:
-        return work()
-    finally:
-        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
 
 
 class ModelMemory:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from coldsnap.agent.memory import ModelMemory, ModelMemoryError, timed as _timed
+from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.agent.protocol import (
     AgentFailure,
     CoordinatorRef,
@@ -40,6 +40,7 @@ from coldsnap.agent.protocol import (
     receive_line,
 )
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
+from coldsnap.timing import timed
 
 if TYPE_CHECKING:
     from coldsnap.collective.group import DistributedState, Rendezvous
@@ -173,7 +174,7 @@ class AgentServer:
             self._drain(rendezvous, seconds)
             try:
                 if self.hooks.release_graphs is not None:
-                    self.graphs_released = _timed(seconds, "release_graphs", lambda: self.hooks.release_graphs(graph_policy))
+                    self.graphs_released = timed(seconds, "release_graphs", lambda: self.hooks.release_graphs(graph_policy))
                 if self.collectives is not None:
                     self.collectives.teardown(rendezvous, seconds)
                 packs = self.memory.release(seconds, pack_dir, progress.phase("writing the native pack"),
@@ -196,7 +197,7 @@ class AgentServer:
         for rank 0 right now: they drain after rank 0 has (barrier ``drained``), so their last request
         can finish instead of deadlocking against a drained leader."""
         def acquire() -> None:
-            if not _timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
+            if not timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
                 raise CommandFailed("agent.drain", "could not drain: a request held the engine for 300 s")
 
         if rendezvous is None:
@@ -205,7 +206,7 @@ class AgentServer:
         if self.rank == 0:
             acquire()
         try:
-            _timed(seconds, "drain_barrier", lambda: rendezvous.barrier("agent.drained", 330))
+            timed(seconds, "drain_barrier", lambda: rendezvous.barrier("agent.drained", 330))
         except BaseException:
             if self.rank == 0:
                 self.serving_lock.release()
@@ -255,9 +256,9 @@ class AgentServer:
                 hook()
             recaptured: list[str] = []
             if self.graphs_released and self.hooks.recapture_graphs is not None:
-                recaptured = _timed(seconds, "recapture_graphs", self.hooks.recapture_graphs)
+                recaptured = timed(seconds, "recapture_graphs", self.hooks.recapture_graphs)
             if rendezvous is not None:  # every rank is whole again before any serves
-                _timed(seconds, "resumed_barrier", lambda: rendezvous.barrier("agent.resumed", 120))
+                timed(seconds, "resumed_barrier", lambda: rendezvous.barrier("agent.resumed", 120))
         self.graphs_released = []
         self.state = "serving"
         self.serving_lock.release()
