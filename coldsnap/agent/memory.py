@@ -10,7 +10,7 @@ an engine's sleep backend around sleep/wake; neither owns the mechanics.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
@@ -34,7 +34,7 @@ class ModelMemory:
     def allocations(self) -> dict[str, list[tuple[int, int]]]:
         """The preserved bytes per region: the allocator's blocks, or the layout's tensors where the
         engine placed tensors itself. Discarded regions preserve nothing."""
-        out = {}
+        out: dict[str, list[tuple[int, int]]] = {}
         for region_layout in self.layout.regions:
             region = self.regions.get(region_layout.tag)
             if region is None or region_layout.tag in DISCARDED_TAGS:
@@ -69,7 +69,7 @@ class ModelMemory:
 
     def restore(self, seconds: dict[str, float], *, layout_digest: str | None = None, payload: str | None = None,
                 residual: str | None = None, safetensors: list[str] | None = None, adopted: dict[str, int] | None = None,
-                fds: list[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
+                fds: Sequence[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
                 tags: Iterable[str] | None = None) -> dict[str, Any]:
         """Map the regions (``tags``, default all) at their addresses and fill them; returns what
         hydrated them. ``adopted`` (tag → chunk count) takes the chunks from ``fds`` in that order."""

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.agent.protocol import (
     AgentFailure,
+    AgentState,
     CoordinatorRef,
     FailureCode,
     Hydrated,
@@ -98,6 +99,8 @@ class AgentServer:
                  collectives: "DistributedState | None" = None):
         if collectives is not None and (collectives.rank, collectives.world) != (rank, world):
             raise ValueError(f"collectives are rank {collectives.rank} of {collectives.world}, the agent {rank} of {world}")
+        if collectives is not None and world == 1:  # their teardown and rebuild need the coordinator's barriers
+            raise ValueError("a single rank has no collectives to tear down")
         self.control = rank_control(control, rank)
         self.rank = rank
         self.world = world
@@ -107,7 +110,7 @@ class AgentServer:
         self.serving_lock = serving_lock
         self.port = port
         self.hooks = hooks or AgentHooks()
-        self.state = "serving"
+        self.state: AgentState = "serving"
         self.on_lease_lost: Callable[[], None] = _stop_process_group  # what a lapsed restore lease does
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -173,9 +176,11 @@ class AgentServer:
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             self._drain(rendezvous, seconds)
             try:
-                if self.hooks.release_graphs is not None:
-                    self.graphs_released = timed(seconds, "release_graphs", lambda: self.hooks.release_graphs(graph_policy))
+                release_graphs = self.hooks.release_graphs
+                if release_graphs is not None:
+                    self.graphs_released = timed(seconds, "release_graphs", lambda: release_graphs(graph_policy))
                 if self.collectives is not None:
+                    assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                     self.collectives.teardown(rendezvous, seconds)
                 packs = self.memory.release(seconds, pack_dir, progress.phase("writing the native pack"),
                                             self._before_release)
@@ -251,6 +256,7 @@ class AgentServer:
                 safetensors=command.safetensors, adopted=command.adopted, fds=fds, staged=command.staged,
                 progress=progress.phase("hydrating weights"))
             if self.collectives is not None:
+                assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                 self.collectives.rebuild(rendezvous, seconds)
             for hook in self.hooks.after_resume:
                 hook()
