@@ -128,6 +128,7 @@ NCCL_MINIMUM_VERSION: str
 class NcclError(RuntimeError):
     code: int | None  # ncclResult_t, or None when no NCCL call failed
 
+@type_check_only
 class NcclLoad(TypedDict):
     library: str
     version: str

@@ -21,7 +21,7 @@ import logging
 import sys
 import threading
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 __all__ = ["PluginRegistration", "after_import"]
 
@@ -95,7 +95,8 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
         spec = importlib.util.find_spec(fullname)
         if spec is None or spec.loader is None:
             return spec
-        spec.loader = _HookedLoader(spec.loader, self.hook)
+        # Not an importlib.abc.Loader subclass: that base's defaults would shadow the original's methods.
+        spec.loader = cast(importlib.abc.Loader, _HookedLoader(spec.loader, self.hook))
         return spec
 
 

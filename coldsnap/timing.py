@@ -1,5 +1,6 @@
 """Operation timing: spans on explicit clocks, folded into a receipt's timing envelope, and the
-optional NDJSON event stream (timing-event format 1) that mirrors them live.
+optional NDJSON event stream (timing-event format 1) that mirrors them live; and :func:`timed`, the
+seconds-per-step tally the in-process agent and the collectives report in their replies.
 
 The event stream is advisory: a failure to write it becomes a warning and never changes the
 operation's result. It is capped at 8,192 events and 64 KiB per event; past the cap events are
@@ -11,13 +12,24 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 from coldsnap.contracts.canonical import canonical_json, canonical_sha256
 from coldsnap.contracts.receipt import MAX_SPANS, Clock, Span, TimingEnvelope
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_FORMAT
 
-__all__ = ["OperationTimer", "TimingEventStream"]
+__all__ = ["OperationTimer", "TimingEventStream", "timed"]
+
+T = TypeVar("T")
+
+
+def timed(seconds: dict[str, float], name: str, work: Callable[[], T]) -> T:
+    """``work()``, its seconds added to ``seconds[name]`` (a step run twice, like a barrier, sums)."""
+    started = time.perf_counter()
+    try:
+        return work()
+    finally:
+        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
 
 
 class TimingEventStream:

@@ -14,6 +14,7 @@ names the vLLM version, and a failure to register at all leaves vLLM running wit
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from coldsnap.plugin import PluginRegistration, after_import
 
@@ -49,7 +50,7 @@ def _install() -> None:
     _select_sleep_backend(factory)
 
 
-def _select_sleep_backend(factory: type) -> None:
+def _select_sleep_backend(factory: Any) -> None:
     """``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` makes vLLM's sleep mode use coldsnap's backend on a
     vLLM without ``--sleep-mode-backend`` (0.26): its factory creates that backend whatever
     ``model_config.sleep_mode_backend`` says."""
@@ -67,7 +68,7 @@ def _select_sleep_backend(factory: type) -> None:
         object.__setattr__(overridden, "sleep_mode_backend", chosen)
         return original(cls, overridden)
 
-    create_backend.__coldsnap_override__ = True
+    create_backend.__coldsnap_override__ = True  # type: ignore[attr-defined]
     factory.create_backend = classmethod(create_backend)
 
 

@@ -216,7 +216,8 @@ def sleep_backend_override() -> str | None:
 
 
 def _selected_sleep_backend(model_config: Any) -> str:
-    return sleep_backend_override() or getattr(model_config, "sleep_mode_backend", "cumem")
+    configured: str = getattr(model_config, "sleep_mode_backend", "cumem")
+    return sleep_backend_override() or configured
 
 
 def keep_coldsnap_loads_out_of_sleep_pools(worker_module: Any) -> None:
@@ -234,7 +235,7 @@ def keep_coldsnap_loads_out_of_sleep_pools(worker_module: Any) -> None:
     once the engine imports its module (:func:`coldsnap.plugin.after_import`)."""
     worker = getattr(worker_module, "Worker", None)
     original = getattr(worker, "_maybe_get_memory_pool_context", None)
-    if original is None:
+    if worker is None or original is None:
         disabled("coldsnap's loader under --enable-sleep-mode", f"no {WORKER_MEMORY_POOL}")
         return
     if getattr(original, "__coldsnap__", False):

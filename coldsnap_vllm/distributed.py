@@ -62,6 +62,7 @@ exist only with the all-reduce fusion, which the H200 pair needs off), pipeline 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import threading
@@ -102,6 +103,11 @@ def _names(groups: Iterable[Any]) -> list[str]:
 def _pynccl(group: Any) -> Any:
     communicator = getattr(group, "device_communicator", None)
     return getattr(communicator, "pynccl_comm", None)
+
+
+def _new_unique_id(pynccl: Any) -> bytes:
+    """A fresh NCCL unique id from the library of vLLM's (old) communicator."""
+    return bytes(pynccl.nccl.ncclGetUniqueId().internal)
 
 
 def _abort_pynccl(pynccl: Any, name: str) -> float:
@@ -281,8 +287,8 @@ class VllmCollectives:
                 device = group.device_communicator.device
                 if hasattr(cls, "from_unique_id_bytes"):  # 0.33: the id goes through coldsnap's coordinator
                     unique_id = share_unique_id(rendezvous, f"vllm/{group.unique_name}/{self.generation}/unique_id",
-                                                group.rank_in_group == 0,
-                                                lambda old=old: bytes(old.nccl.ncclGetUniqueId().internal), timeout)
+                                                group.rank_in_group == 0, functools.partial(_new_unique_id, old),
+                                                timeout)
                     new = cls.from_unique_id_bytes(unique_id, group.rank_in_group, group.world_size, device)
                     new.group = old.group  # what vLLM's own constructor records
                 else:  # 0.26: the constructor mints the id on the group's rank 0 and broadcasts it over gloo
@@ -307,7 +313,7 @@ class VllmCollectives:
         for group in groups:
             communicator = getattr(group, "device_communicator", None)
             symmetric = getattr(communicator, "symm_mem_comm", None)
-            if symmetric is None or getattr(symmetric, "buffer", None) is None:
+            if communicator is None or symmetric is None or getattr(symmetric, "buffer", None) is None:
                 continue
             self.symmetric_memory[group.unique_name] = (type(symmetric), not symmetric.disabled)
             communicator.symm_mem_comm = None

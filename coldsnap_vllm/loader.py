@@ -106,7 +106,8 @@ def _plain_cpu_linear() -> Iterator[None]:
     original = layer_utils.dispatch_cpu_unquantized_gemm
 
     def keep_weight(layer: torch.nn.Module, remove_weight: bool) -> None:
-        layer.cpu_linear = torch.nn.functional.linear
+        # setattr: torch types Module attributes as tensors or modules, and this one is a function
+        setattr(layer, "cpu_linear", torch.nn.functional.linear)
 
     layer_utils.dispatch_cpu_unquantized_gemm = keep_weight
     try:
@@ -229,8 +230,8 @@ def _kv_allocator(original: Any, shared_backing: bool) -> Any:
         _start_agent()
         return result
 
-    allocate.__wrapped__ = original
-    allocate.__coldsnap_kv__ = True
+    allocate.__wrapped__ = original  # type: ignore[attr-defined]
+    allocate.__coldsnap_kv__ = True  # type: ignore[attr-defined]
     return allocate
 
 
@@ -301,7 +302,7 @@ def _remembering_runner(initialize_kv_cache: Any) -> Any:
         _Process.runner = self
         return initialize_kv_cache(self, *args, **kwargs)
 
-    initialize.__wrapped__ = initialize_kv_cache
+    initialize.__wrapped__ = initialize_kv_cache  # type: ignore[attr-defined]
     return initialize
 
 

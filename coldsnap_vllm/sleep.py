@@ -53,6 +53,8 @@ class PartialSleepError(ModelMemoryError):
 
 
 class ColdsnapSleepBackend(SleepModeBackend):
+    _state: str  # SleepModeBackend's: RUNNING, SUSPENDED, RESUMING
+
     def __init__(self) -> None:
         super().__init__()
         self.pack_dir = Path(os.environ.get("COLDSNAP_SLEEP_PACK_DIR", f"/dev/shm/coldsnap-sleep-{os.getpgrp()}"))

@@ -80,7 +80,7 @@ def _llama_tensors(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
     hidden, inter, heads, kv_heads, head_dim = (config["hidden_size"], config["intermediate_size"],
                                                 config["num_attention_heads"], config["num_key_value_heads"],
                                                 config["head_dim"])
-    tensors = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
+    tensors: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}"
         tensors += [(f"{prefix}.self_attn.q_proj.weight", (heads * head_dim, hidden)),

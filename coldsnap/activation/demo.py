@@ -113,12 +113,13 @@ def plain_server(command: list[str], env: dict[str, str] | None = None,
     """``command`` started plainly in its own session (output appended to ``log``, else dropped):
     (the process, its perf_counter start). Its whole tree is killed on exit."""
     started = time.perf_counter()
-    output = open(log, "ab") if log is not None else subprocess.DEVNULL
+    output = open(log, "ab") if log is not None else None
     try:
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT if log is not None else subprocess.DEVNULL,
+        process = subprocess.Popen(command, stdout=output if output is not None else subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT if output is not None else subprocess.DEVNULL,
                                    start_new_session=True, env={**os.environ, **(env or {})})
     finally:
-        if log is not None:
+        if output is not None:
             output.close()
     try:
         yield process, started

@@ -66,7 +66,8 @@ class ActivationCoordinator:
     def __exit__(self, *exc: object) -> None:
         if self._server is not None:
             self._server.stop()
-            self._thread.join(timeout=10)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
             self._context.term()
             self._server = None
 

@@ -4,7 +4,7 @@ rank's agent, and the lease that ties a restored tree to its launcher until the 
 from __future__ import annotations
 
 import socket
-from typing import Callable, TypeVar
+from typing import Callable, Sequence, TypeVar
 
 from coldsnap.agent.protocol import (
     MAX_FDS_PER_MESSAGE,
@@ -63,7 +63,7 @@ class AgentClient:
         return self._call(command, ResumeReply, on_progress, fds or [])
 
     def _call(self, command: Message, expected: type[R], on_progress: OnProgress | None = None,
-              fds: list[int] = ()) -> R:
+              fds: Sequence[int] = ()) -> R:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(self.timeout)
             connection.connect(address(self.control))

@@ -9,13 +9,13 @@ an engine's sleep backend around sleep/wake; neither owns the mechanics.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
 from coldsnap.native import native
+from coldsnap.timing import timed
 
 __all__ = ["ModelMemory", "ModelMemoryError"]
 
@@ -26,15 +26,6 @@ class ModelMemoryError(RuntimeError):
     """The request does not fit this process's memory (layout, adopted chunks, missing source)."""
 
 
-def timed(seconds: dict[str, float], name: str, work: Callable[[], Any]) -> Any:
-    """``work()``, its seconds added to ``seconds[name]`` (a step run twice, like a barrier, sums)."""
-    started = time.perf_counter()
-    try:
-        return work()
-    finally:
-        seconds[name] = round(seconds.get(name, 0.0) + time.perf_counter() - started, 6)
-
-
 class ModelMemory:
     def __init__(self, layout: MemoryLayout, regions: Mapping[str, StableRegion]):
         self.layout = layout
@@ -43,7 +34,7 @@ class ModelMemory:
     def allocations(self) -> dict[str, list[tuple[int, int]]]:
         """The preserved bytes per region: the allocator's blocks, or the layout's tensors where the
         engine placed tensors itself. Discarded regions preserve nothing."""
-        out = {}
+        out: dict[str, list[tuple[int, int]]] = {}
         for region_layout in self.layout.regions:
             region = self.regions.get(region_layout.tag)
             if region is None or region_layout.tag in DISCARDED_TAGS:
@@ -78,7 +69,7 @@ class ModelMemory:
 
     def restore(self, seconds: dict[str, float], *, layout_digest: str | None = None, payload: str | None = None,
                 residual: str | None = None, safetensors: list[str] | None = None, adopted: dict[str, int] | None = None,
-                fds: list[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
+                fds: Sequence[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
                 tags: Iterable[str] | None = None) -> dict[str, Any]:
         """Map the regions (``tags``, default all) at their addresses and fill them; returns what
         hydrated them. ``adopted`` (tag → chunk count) takes the chunks from ``fds`` in that order."""

@@ -23,10 +23,10 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = [
-    "AgentFailure", "Command", "CoordinatorRef", "FailureCode", "Hydrated", "LeaseTaken", "PackRef", "Prepare",
-    "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply", "Status",
-    "StatusReply", "TakeLease", "address", "rank_control", "decode_command", "decode_reply", "encode", "receive_line",
-    "MAX_FDS_PER_MESSAGE",
+    "AgentFailure", "AgentState", "Command", "CoordinatorRef", "FailureCode", "Hydrated", "LeaseTaken", "PackRef",
+    "Prepare", "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply",
+    "Status", "StatusReply", "TakeLease", "address", "rank_control", "decode_command", "decode_reply", "encode",
+    "receive_line", "MAX_FDS_PER_MESSAGE",
 ]
 
 MAX_FDS_PER_MESSAGE = 200
@@ -41,6 +41,9 @@ FailureCode = Literal[
     "agent.permissions",  # the kernel refused CPU state features the process used before the snapshot
     "agent.internal",  # anything else: a bug or an engine hook's own failure (type and message say which)
 ]
+
+AgentState = Literal["serving", "prepared"]
+"""``serving`` until ``prepare``, ``prepared`` (memory released, collectives down) until ``resume``."""
 
 
 class Message(BaseModel):
@@ -110,7 +113,7 @@ class RegionStatus(Message):
 
 
 class StatusReply(Message):
-    state: Literal["serving", "prepared"]
+    state: AgentState
     pid: int
     port: int | None
     rank: int

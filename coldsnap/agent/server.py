@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from coldsnap.agent.memory import ModelMemory, ModelMemoryError, timed as _timed
+from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.agent.protocol import (
     AgentFailure,
+    AgentState,
     CoordinatorRef,
     FailureCode,
     Hydrated,
@@ -40,6 +41,7 @@ from coldsnap.agent.protocol import (
     receive_line,
 )
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
+from coldsnap.timing import timed
 
 if TYPE_CHECKING:
     from coldsnap.collective.group import DistributedState, Rendezvous
@@ -97,6 +99,8 @@ class AgentServer:
                  collectives: "DistributedState | None" = None):
         if collectives is not None and (collectives.rank, collectives.world) != (rank, world):
             raise ValueError(f"collectives are rank {collectives.rank} of {collectives.world}, the agent {rank} of {world}")
+        if collectives is not None and world == 1:  # their teardown and rebuild need the coordinator's barriers
+            raise ValueError("a single rank has no collectives to tear down")
         self.control = rank_control(control, rank)
         self.rank = rank
         self.world = world
@@ -106,7 +110,7 @@ class AgentServer:
         self.serving_lock = serving_lock
         self.port = port
         self.hooks = hooks or AgentHooks()
-        self.state = "serving"
+        self.state: AgentState = "serving"
         self.on_lease_lost: Callable[[], None] = _stop_process_group  # what a lapsed restore lease does
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -172,9 +176,11 @@ class AgentServer:
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             self._drain(rendezvous, seconds)
             try:
-                if self.hooks.release_graphs is not None:
-                    self.graphs_released = _timed(seconds, "release_graphs", lambda: self.hooks.release_graphs(graph_policy))
+                release_graphs = self.hooks.release_graphs
+                if release_graphs is not None:
+                    self.graphs_released = timed(seconds, "release_graphs", lambda: release_graphs(graph_policy))
                 if self.collectives is not None:
+                    assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                     self.collectives.teardown(rendezvous, seconds)
                 packs = self.memory.release(seconds, pack_dir, progress.phase("writing the native pack"),
                                             self._before_release)
@@ -196,7 +202,7 @@ class AgentServer:
         for rank 0 right now: they drain after rank 0 has (barrier ``drained``), so their last request
         can finish instead of deadlocking against a drained leader."""
         def acquire() -> None:
-            if not _timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
+            if not timed(seconds, "drain", lambda: self.serving_lock.acquire(timeout=300)):
                 raise CommandFailed("agent.drain", "could not drain: a request held the engine for 300 s")
 
         if rendezvous is None:
@@ -205,7 +211,7 @@ class AgentServer:
         if self.rank == 0:
             acquire()
         try:
-            _timed(seconds, "drain_barrier", lambda: rendezvous.barrier("agent.drained", 330))
+            timed(seconds, "drain_barrier", lambda: rendezvous.barrier("agent.drained", 330))
         except BaseException:
             if self.rank == 0:
                 self.serving_lock.release()
@@ -250,14 +256,15 @@ class AgentServer:
                 safetensors=command.safetensors, adopted=command.adopted, fds=fds, staged=command.staged,
                 progress=progress.phase("hydrating weights"))
             if self.collectives is not None:
+                assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                 self.collectives.rebuild(rendezvous, seconds)
             for hook in self.hooks.after_resume:
                 hook()
             recaptured: list[str] = []
             if self.graphs_released and self.hooks.recapture_graphs is not None:
-                recaptured = _timed(seconds, "recapture_graphs", self.hooks.recapture_graphs)
+                recaptured = timed(seconds, "recapture_graphs", self.hooks.recapture_graphs)
             if rendezvous is not None:  # every rank is whole again before any serves
-                _timed(seconds, "resumed_barrier", lambda: rendezvous.barrier("agent.resumed", 120))
+                timed(seconds, "resumed_barrier", lambda: rendezvous.barrier("agent.resumed", 120))
         self.graphs_released = []
         self.state = "serving"
         self.serving_lock.release()

@@ -22,26 +22,29 @@ DYNAMIC_FEATURES = (18,)  # XTILEDATA: the only dynamically enabled feature so f
 _libc = ctypes.CDLL(None, use_errno=True) if platform.system() == "Linux" else None
 
 
-def _supported() -> bool:
-    return _libc is not None and platform.machine() in ("x86_64", "AMD64")
+def _supported_libc() -> ctypes.CDLL | None:
+    """libc where ``arch_prctl`` has the xstate permission calls (Linux on x86-64), else None."""
+    return _libc if platform.machine() in ("x86_64", "AMD64") else None
 
 
 def dynamic_permissions() -> int:
     """This process's permitted dynamic xstate features (a bit mask; 0 when unknown)."""
-    if not _supported():
+    libc = _supported_libc()
+    if libc is None:
         return 0
     mask = ctypes.c_uint64(0)
-    if _libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+    if libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
         return 0
     return int(mask.value) & sum(1 << bit for bit in DYNAMIC_FEATURES)
 
 
 def request_permissions(mask: int) -> list[int]:
     """Ask again for every dynamic feature in ``mask``; returns the features the kernel refused."""
-    if not _supported():
+    libc = _supported_libc()
+    if libc is None:
         return []
     refused = []
     for bit in DYNAMIC_FEATURES:
-        if mask & (1 << bit) and _libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, bit) != 0:
+        if mask & (1 << bit) and libc.syscall(SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, bit) != 0:
             refused.append(bit)
     return refused

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-from coldsnap.agent.memory import timed
 from coldsnap.collective.base import Backend, CollectiveError, Communicator
+from coldsnap.timing import timed
 
 __all__ = ["DistributedState", "ManagedCommunicator", "RankCollectives", "Rendezvous", "between_barriers",
            "share_unique_id"]

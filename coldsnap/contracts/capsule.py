@@ -9,7 +9,7 @@ CUDA state on which GPUs.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Final, Literal
 
 from pydantic import Field
 
@@ -18,7 +18,7 @@ from coldsnap.contracts.base import Contract, Identifier, Sha256Hex
 
 __all__ = ["CAPSULE_FORMAT", "ActivationMetadata", "CapsuleFile", "CapsuleManifest", "RegionRecord", "WorkerActivation"]
 
-CAPSULE_FORMAT = 1
+CAPSULE_FORMAT: Final = 1
 
 
 class CapsuleFile(Contract):

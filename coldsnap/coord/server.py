@@ -180,6 +180,8 @@ class Coordinator:
 
     def _apply_abort(self) -> None:
         reason = self._abort_reason
+        if reason is None:
+            return
         for name, barrier in list(self.barriers.items()):
             if not barrier.failed:
                 self._fail_barrier(name, reason)

@@ -301,7 +301,7 @@ class NativePack:
         return self.table.extents
 
     @classmethod
-    def open(cls, path: str | Path) -> "NativePack":
+    def open(cls, path: str | os.PathLike[str]) -> "NativePack":
         """Read and check the header and extents table of ``path``; no data is read.
 
         Raises :class:`PackBadMagic`, :class:`PackUnsupportedVersion`, :class:`PackTruncated`,

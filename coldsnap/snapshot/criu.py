@@ -227,9 +227,12 @@ class CriuSnapshotter:
         pidfile = work / "restore.pid"
         pidfile.unlink(missing_ok=True)
         log = f"restore-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
-        if state.external and owned_root is None:
-            raise CriuError("restore", None, "the image has files of its artifact open (its log); restore needs the artifact's root")
-        inherited = process_tree.inherited_files(state, owned_root, state_dir) if state.external else {}
+        inherited: dict[str, int] = {}
+        if state.external:
+            if owned_root is None:
+                raise CriuError("restore", None,
+                                "the image has files of its artifact open (its log); restore needs the artifact's root")
+            inherited = process_tree.inherited_files(state, owned_root, state_dir)
         started = time.monotonic()
         try:
             args = ["restore", "-D", str(images), "-W", str(work), "-d", "-o", log, "--pidfile", str(pidfile),

@@ -93,7 +93,7 @@ def parameter_shapes(shape: LmShape, world: int = 1) -> list[tuple[str, tuple[in
     check_world(shape, world)
     h, hd = shape.hidden_size, shape.head_dim
     heads, kv_heads, inter = shape.num_attention_heads // world, shape.num_key_value_heads // world, shape.intermediate_size // world
-    params = [("model.embed_tokens.weight", (shape.vocab_size, h))]
+    params: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab_size, h))]
     for i in range(shape.num_hidden_layers):
         p = f"model.layers.{i}."
         params += [
@@ -135,7 +135,8 @@ class TorchLM:
         backend = "host" if self.device.type == "cpu" else "cuda"
         element = torch.empty((), dtype=self.dtype).element_size()
 
-        tensors, offset = [], 0
+        tensors: list[dict[str, Any]] = []
+        offset = 0
         for name, dims in parameter_shapes(self.shape, world):
             length = math.prod(dims) * element
             tensors.append({"name": name, "dtype": str(self.dtype).removeprefix("torch."), "shape": list(dims),
