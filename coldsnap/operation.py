@@ -23,7 +23,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO, Callable, Literal
 
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.base import ContractError, decode_document
@@ -231,7 +231,7 @@ def run_operation(
         error = ErrorRecord(code="interrupted", message="the operation was interrupted (SIGINT/SIGTERM)")
     except Exception as exc:  # a bug, not a user mistake: still a failed receipt, never a lost one
         error = ErrorRecord(code="internal", message=f"{type(exc).__name__}: {exc}")
-    state = "failed" if error else "succeeded"
+    state: Literal["succeeded", "failed"] = "failed" if error else "succeeded"
     envelope = timer.envelope()
     timer.complete(state, envelope)
     warnings = [*context.warnings, *outcome.warnings, *timer.warnings, *(events.warnings if events else [])]

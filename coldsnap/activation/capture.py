@@ -13,10 +13,11 @@ Each step is a method of :class:`CaptureSequence` with its own span and error co
 from __future__ import annotations
 
 import contextlib
+import functools
 import platform
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal
 
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref
 from coldsnap.activation.engine_process import (Canary, EngineProcess, LaunchError, ask_canary, wait_for_agent,
@@ -77,6 +78,7 @@ class CaptureSequence:
         self.gpu_pids: list[int] = []
         self.gpus: list[dict[str, Any]] = []
         self.snapshotter: CriuSnapshotter | None = None
+        self.criu_tcp: Literal["established", "none"] = "none"
 
     @property
     def port(self) -> int:
@@ -150,6 +152,7 @@ class CaptureSequence:
 
     def record_canary(self) -> None:
         validation = self.request.policy.validation
+        assert validation.prompt is not None and validation.max_tokens is not None  # resolve_request fills both
         with self.step("capture.canary", "capture.canary") as span:
             self.canary = ask_canary(self.port, validation.prompt, validation.max_tokens)
             span["tokens"] = len(self.canary.token_ids)
@@ -168,7 +171,7 @@ class CaptureSequence:
             try:
                 # Progress bars follow rank 0; the ranks write their packs at the same time.
                 self.prepared = call_every_rank(
-                    [(w.rank, lambda c=c, r=w.rank: AgentClient(c).prepare(command, on_progress=bars if r == 0 else None))
+                    [(w.rank, functools.partial(AgentClient(c).prepare, command, on_progress=bars if w.rank == 0 else None))
                      for w, c in zip(self.workers, self.controls)], coordinator)
             finally:
                 bars.finish()
@@ -205,9 +208,10 @@ class CaptureSequence:
             pids = tree_pids(engine.pid)
             # No connected TCP socket (the canary's connection is closed): no --tcp-established and no
             # network lock, which saves nftables work at dump and at every restore.
-            tcp = "established" if connected_tcp_sockets(pids) else "none"
+            tcp: Literal["established", "none"] = "established" if connected_tcp_sockets(pids) else "none"
             tree_rss = resident_bytes(pids)
             self.snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp=tcp))
+            self.criu_tcp = tcp
             span["tcp"] = tcp
             result = self.snapshotter.dump(engine.pid, self.artifact.images(self.unit.unit_id), owned_root=self.artifact.root)
             self.dumped = True
@@ -232,7 +236,7 @@ class CaptureSequence:
                                           regions={tag: RegionRecord(**r.model_dump()) for tag, r in p.regions.items()},
                                           graphs_released=p.graphs_released)
                          for w, c, s, p in zip(self.workers, self.controls, self.statuses, self.prepared)],
-                criu_options=snapshotter.options.args(), criu_tcp=snapshotter.options.tcp,
+                criu_options=snapshotter.options.args(), criu_tcp=self.criu_tcp,
                 gpu_pids=self.gpu_pids, gpu_uuids=[d["uuid"] for d in self.gpus],
             ))
             worker_records = []
@@ -262,7 +266,7 @@ class CaptureSequence:
                     compute_capability=self.gpus[0]["compute_capability"] if self.gpus else None,
                     criu_version=".".join(map(str, snapshotter.criu.version())),
                 ),
-                canary=CanaryRecord(prompt=self.request.policy.validation.prompt, expected_response=canary.text,
+                canary=CanaryRecord(prompt=self.request.policy.validation.prompt or "", expected_response=canary.text,
                                     token_ids=canary.token_ids),
                 units=[UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records)],
             )

@@ -16,6 +16,7 @@ included — goes through its one unwind, which kills what was restored and leav
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import socket
@@ -239,8 +240,8 @@ class RestoreSequence:
         for w in self.workers:
             regions = self.records[w.rank].regions
             if w.payload is not None and WeightStager.stageable(regions):
-                self.stagers[w.rank] = WeightStager(regions, self.pack(w.payload), self.pack(w.residual), w.layout_digest,
-                                                    self.timer.now_ns)
+                self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
+                                                    w.layout_digest, self.timer.now_ns)
         with self.step("restore.criu_restore", "restore.criu") as span:
             try:
                 state_dir = self.artifact.state_dir()
@@ -264,7 +265,7 @@ class RestoreSequence:
         try:
             for w in self.workers:
                 if w.payload is not None and w.rank not in self.stagers:
-                    prefetch_file(self.pack(w.payload))
+                    prefetch_file(self.artifact.root / w.payload.path)
         except BaseException as exc:  # only a hint: hydration still reads the file itself
             self.prefetch_errors.append(exc)
 
@@ -324,7 +325,7 @@ class RestoreSequence:
                     fds=self.fds_by_rank.get(w.rank, []))
 
             try:
-                resumed_ranks = call_every_rank([(w.rank, lambda w=w: resume(w)) for w in self.workers], coordinator)
+                resumed_ranks = call_every_rank([(w.rank, functools.partial(resume, w)) for w in self.workers], coordinator)
             finally:
                 bars.finish()
                 self._close_handed_over()
