@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from coldsnap.activation.demo import cold_start, engine_commands, run_demo
+from coldsnap.demo import cold_start, engine_commands, run_demo
 from coldsnap.snapshot.process_tree import kill_tree
 
 

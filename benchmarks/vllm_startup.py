@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from coldsnap.activation.demo import cold_start, sleep_wake_cycle  # noqa: E402
+from coldsnap.demo import cold_start, sleep_wake_cycle  # noqa: E402
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402

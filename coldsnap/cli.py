@@ -319,7 +319,7 @@ def _cmd_restore(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     import os
 
-    from coldsnap.activation.demo import render_demo, run_demo
+    from coldsnap.demo import render_demo, run_demo
 
     if os.geteuid() != 0:
         print("coldsnap demo: CRIU needs root; run it as root (or in a privileged container)", file=sys.stderr)

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from coldsnap.activation.demo import cold_start, sleep_wake_cycle
+from coldsnap.demo import cold_start, sleep_wake_cycle
 from coldsnap.activation.engine_process import ask_canary
 from tests.gpu.gpu_checks import PROMPT_2, SKIP, NeedsMoreGpus, _coldsnap, _free_port
 

@@ -47,7 +47,7 @@ def _workload(size: str, device: str, port: int, tp: int = 1) -> list[str]:
             *(["--tp", str(tp)] if tp > 1 else [])]
 
 
-CHECKOUT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[1]
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
