@@ -106,6 +106,7 @@ class AgentServer:
         self.world = world
         self.collectives = collectives
         self.graphs_released: list[str] = []
+        self._preparations = 0  # prepares so far: which one the running watchdog belongs to
         self.memory = memory
         self.serving_lock = serving_lock
         self.port = port
@@ -230,9 +231,13 @@ class AgentServer:
         spent on disk does not count."""
         prepared_at = time.monotonic()
         timeout = float(os.environ.get("COLDSNAP_AGENT_RESUME_TIMEOUT_S", "300"))
+        # Each prepare arms its own watchdog: one left from an earlier prepare (a resume and a new prepare
+        # within its 0.5 s tick) must not count the new wait from the old prepare.
+        self._preparations += 1
+        generation = self._preparations
 
         def watch() -> None:
-            while self.state == "prepared":
+            while self.state == "prepared" and self._preparations == generation:
                 if time.monotonic() - prepared_at > timeout:
                     _stop_process_group(f"not resumed within {timeout:.0f} s of prepare")
                 time.sleep(0.5)

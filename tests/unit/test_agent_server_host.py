@@ -2,6 +2,7 @@
 status → prepare (packs written, regions released, serving lock held) → resume (bytes back, lock
 released), the refusals launchers rely on, and the engine hooks in their order."""
 
+import os
 import hashlib
 import threading
 import uuid
@@ -214,3 +215,38 @@ def test_a_failing_hook_fails_prepare_and_the_engine_keeps_serving(tmp_path):
     assert client.status().state == "serving" and not lock.locked() and _watchdogs() <= before
     assert bytes(memory.regions["weights"].host_view()) == live  # nothing was released
 
+
+
+WATCHDOG_SCRIPT = """
+import os, sys, threading, time, tempfile
+from coldsnap.agent.memory import ModelMemory
+from coldsnap.agent.protocol import Prepare, Resume
+from coldsnap.agent.server import AgentServer, _ProgressLines
+from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.memory import reserve
+
+weights = reserve("weights", 2 << 20, backend="host"); weights.map()
+layout = MemoryLayout.model_validate({"format": 1, "regions": [{"tag": "weights", "size_bytes": weights.size, "tensors": [
+    {"name": "w", "dtype": "uint8", "shape": [4096], "offset": 0, "length": 4096}]}]})
+agent = AgentServer(f"@wd-{os.getpid()}", ModelMemory(layout, {"weights": weights}), threading.Lock())
+directory, progress, started = tempfile.mkdtemp(), _ProgressLines(None), time.monotonic()
+prepared = agent.prepare(Prepare(pack_dir=directory), progress)
+time.sleep(1.8)
+agent.resume(Resume(layout_digest=prepared.layout_digest, payload=prepared.payload.path), progress, [])
+prepared = agent.prepare(Prepare(pack_dir=directory), progress)  # at once: the first watchdog has not ticked yet
+time.sleep(max(0.0, 3.0 - (time.monotonic() - started)))  # within the second prepare's own 2 s
+agent.resume(Resume(layout_digest=prepared.layout_digest, payload=prepared.payload.path), progress, [])
+print("survived", flush=True)
+"""
+
+
+def test_a_watchdog_of_an_earlier_prepare_does_not_time_a_later_one():
+    """Resume then prepare again within the watchdog's tick: the first prepare's watchdog must not kill the
+    process 2 s after the *first* prepare (it did, SIGKILLing its process group). Own session: a
+    regression kills only the child."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", WATCHDOG_SCRIPT], capture_output=True, text=True, timeout=60,
+                            start_new_session=True, env={**os.environ, "COLDSNAP_AGENT_RESUME_TIMEOUT_S": "2"})
+    assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
