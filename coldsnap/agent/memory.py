@@ -87,6 +87,10 @@ class ModelMemory:
             if count * selected[tag].chunk_bytes != selected[tag].high_water:
                 raise ModelMemoryError(f"region {tag!r}: {count} adopted chunks do not cover the "
                                        f"{selected[tag].high_water} bytes mapped before the release")
+        weight_tags = {t for t in selected if t not in DISCARDED_TAGS}
+        if weight_tags and not weight_tags <= set(adopted) and not payload and not safetensors:
+            # refused before anything is mapped, as the other refusals are
+            raise ModelMemoryError("restoring the weights needs a payload pack or safetensors files")
         taken = 0
         for tag, count in adopted.items():  # descriptors arrive in this order
             timed(seconds, f"adopt_{tag}", lambda: selected[tag].adopt_chunks(list(fds[taken:taken + count])))

@@ -165,3 +165,4 @@ def test_restore_without_a_source_is_refused_with_a_clear_message(tmp_path):
         memory.restore({}, layout_digest=memory.layout.digest())
     with pytest.raises(ModelMemoryError, match="needs a payload pack or safetensors files"):
         memory.restore({}, payload="", safetensors=[])  # empty is no source either
+    assert all(region.mapped_bytes == 0 for region in memory.regions.values())  # refused before mapping anything
