@@ -43,6 +43,7 @@ __all__ = [
     "OPERATIONS",
     "UNSUPPORTED",
     "UnsupportedRequest",
+    "WEIGHTS_MODES",
     "CANARY_PROMPT",
     "CANARY_RESPONSE",
     "unsupported_problems",
@@ -127,6 +128,12 @@ def _not_implemented(location: str, value: str, implemented: Iterable[str], scop
     return f"{location}: {value} is not implemented in {scope} (implemented: {', '.join(implemented)})"
 
 
+# Where restore takes the weights from. `native` and `auto` restore from the native pack (admission refuses a
+# missing or corrupt one: `auto`'s fallback to recovery replay is not built yet, so today it is `native`);
+# `recovery` (capture records the safetensors instead of a pack) and `cache-only-auto` are not built.
+WEIGHTS_MODES: tuple[WeightsMode, ...] = ("auto", "native")
+
+
 def unsupported_problems(request: OperationRequest) -> list[str]:
     """One line for every field of ``request`` naming what this build does not implement."""
     problems = []
@@ -137,6 +144,9 @@ def unsupported_problems(request: OperationRequest) -> list[str]:
         problems.append(_not_implemented("engine", request.engine, sorted(ENGINE_ADAPTERS)))
     if request.snapshot_driver not in SNAPSHOT_DRIVERS:
         problems.append(_not_implemented("snapshot_driver", request.snapshot_driver, SNAPSHOT_DRIVERS))
+    weights_mode = request.policy.weights.mode
+    if weights_mode is not None and weights_mode not in WEIGHTS_MODES:
+        problems.append(_not_implemented("policy.weights.mode", weights_mode, WEIGHTS_MODES))
     materialization = request.policy.weights.native_materialization
     if adapter is not None and materialization is not None and materialization not in adapter.native_materialization:
         problems.append(_not_implemented("policy.weights.native_materialization", materialization,
