@@ -18,12 +18,13 @@ It owns the operator contract's rules, so that no operation can get them slightl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Literal
+from typing import IO, Callable, Iterator, Literal
 
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.base import ContractError, decode_document
@@ -44,6 +45,7 @@ __all__ = [
     "OperationOutcome",
     "ReceiptDestination",
     "run_operation",
+    "step",
     "terminate_as_interrupt",
 ]
 
@@ -147,6 +149,20 @@ class OperationContext:
         r = self.request
         self._stderr.write(f"coldsnap {r.operation} [{r.engine}/{r.snapshot_driver}]: {message}\n")
         self._stderr.flush()
+
+
+@contextlib.contextmanager
+def step(timer: OperationTimer, span: str, code: str, failures: tuple[type[BaseException], ...],
+         describe: Callable[[BaseException], str] = str) -> Iterator[dict[str, str | int | bool]]:
+    """One step of an operation: its timing span, and any of ``failures`` raised inside reported as
+    ``OperationFailed(code, describe(exc))``; an :class:`OperationFailed` raised inside keeps its own code."""
+    with timer.span(span) as attributes:
+        try:
+            yield attributes
+        except OperationFailed:
+            raise
+        except failures as exc:
+            raise OperationFailed(code, describe(exc)) from None
 
 
 def terminate_as_interrupt() -> None:

@@ -12,12 +12,11 @@ Each step is a method of :class:`CaptureSequence` with its own span and error co
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import platform
 import time
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, ContextManager, Literal
 
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref
 from coldsnap.activation.engine_process import (Canary, EngineProcess, LaunchError, ask_canary, wait_for_agent,
@@ -31,7 +30,7 @@ from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.doctor import nvidia_kernel_driver
-from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
@@ -85,19 +84,11 @@ class CaptureSequence:
         assert self.unit.serving_port is not None  # checked before the sequence
         return self.unit.serving_port
 
-    @contextlib.contextmanager
-    def step(self, span: str, code: str) -> Iterator[dict[str, Any]]:
-        """One step: its span, and any failure of what it calls reported with its code and the engine's
-        last log line; an :class:`OperationFailed` raised inside keeps its own code."""
-        with self.timer.span(span) as attributes:
-            try:
-                yield attributes
-            except OperationFailed:
-                raise
-            except (LaunchError, AgentError, CriuError, CudaCheckpointError, OSError, ValueError) as exc:
-                tail = self.engine.log_tail() if self.engine is not None else ""
-                last = f" | engine log: {tail.splitlines()[-1]}" if tail else ""
-                raise OperationFailed(code, f"{exc}{last}") from None
+    def step(self, span: str, code: str) -> ContextManager[dict[str, str | int | bool]]:
+        """One step (:func:`coldsnap.operation.step`): a failure of what it calls is reported with its
+        code and the engine's last log line."""
+        return step(self.timer, span, code, (LaunchError, AgentError, CriuError, CudaCheckpointError, OSError, ValueError),
+                    lambda exc: f"{exc}{self._last_log_line()}")
 
     def run(self) -> OperationOutcome:
         try:

@@ -15,14 +15,13 @@ included — goes through its one unwind, which kills what was restored and leav
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import platform
 import socket
 import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager
 
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.engine_process import ask_canary
@@ -33,7 +32,7 @@ from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
-from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.native import probe_cuda
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import PhaseProgress
@@ -202,17 +201,11 @@ class RestoreSequence:
         self.staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}  # rank → (adopted chunks, staging stats)
         self.fds_by_rank: dict[int, list[int]] = {}
 
-    @contextlib.contextmanager
-    def step(self, span: str, code: str) -> Iterator[dict[str, Any]]:
-        """One step: its span, and any failure of what it calls (CRIU, CUDA, an agent, the OS) reported
-        with its code; an :class:`OperationFailed` raised inside keeps its own."""
-        with self.timer.span(span) as attributes:
-            try:
-                yield attributes
-            except OperationFailed:
-                raise
-            except (CriuError, CudaCheckpointError, AgentError, OSError, ContractError) as exc:
-                raise OperationFailed(code, f"{type(exc).__name__}: {exc}") from None
+    def step(self, span: str, code: str) -> ContextManager[dict[str, str | int | bool]]:
+        """One step (:func:`coldsnap.operation.step`): a failure of what it calls (CRIU, CUDA, an agent,
+        the OS) is reported with its code, the exception's type first."""
+        return step(self.timer, span, code, (CriuError, CudaCheckpointError, AgentError, OSError, ContractError),
+                    lambda exc: f"{type(exc).__name__}: {exc}")
 
     def run(self) -> OperationOutcome:
         try:

@@ -110,11 +110,10 @@ class ModelMemory:
                         "gb_per_s": round(stats.gb_per_s, 3), "direct": stats.direct, "cached_fraction": stats.cached_fraction}
             if residual:
                 timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
-        elif safetensors:
+        else:  # safetensors: a restore with no source was refused before mapping
+            assert safetensors
             stats_list = timed(seconds, "hydrate", lambda: replay_safetensors(safetensors, self.layout, weights))
             hydrated = {"source": "recovery", "bytes": sum(s.bytes for s in stats_list), "seconds": seconds["hydrate"]}
-        else:
-            raise ModelMemoryError("restoring the weights needs a payload pack or safetensors files")
         for tag in DISCARDED_TAGS:
             if tag in selected:
                 timed(seconds, f"zero_{tag}", selected[tag].zero)

@@ -62,7 +62,7 @@ def test_a_step_reports_what_fails_in_it_with_its_own_code(sequence):
     from coldsnap.snapshot.criu import CriuError
     from coldsnap.timing import OperationTimer
 
-    owner = SimpleNamespace(timer=OperationTimer(None), engine=None)
+    owner = SimpleNamespace(timer=OperationTimer(None), engine=None, _last_log_line=lambda: "")  # no engine started
     step = (RestoreSequence if sequence == "restore" else CaptureSequence).step
     code = "restore.criu" if sequence == "restore" else "capture.criu_dump"
     for failure in (OSError(28, "No space left on device"), CriuError("restore", 1, "Error (criu/cr-restore.c)")):
