@@ -411,6 +411,124 @@ def capture_restore_on_gpu() -> None:
         assert open(os.path.join(artifact, "artifact.json"), "rb").read() == descriptor_bytes  # artifact untouched
 
 
+
+def _gpu_pids() -> set[int]:
+    """Processes holding a CUDA context on any GPU here (nvidia-smi's compute apps)."""
+    import subprocess
+
+    listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True)
+    return {int(line) for line in listed.stdout.split() if line.strip().isdigit()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def failure_hygiene_on_gpu() -> None:
+    """The trustworthy-core faults on a GPU restore of the CUDA-graph workload: a moved copy and a
+    read-only bind mount restore (never written), a pages image corrupted in place is refused at
+    admission with nothing started, and a launcher SIGKILLed as CRIU, the CUDA restore, the resume or
+    the canary starts leaves no restored process, no CUDA context and no receipt behind."""
+    import json
+    import shutil
+    import signal
+    import subprocess
+    import time
+
+    from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    port = _free_port()
+    workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
+    expected = _cold_start_tokens(workload, port)
+    with tempfile.TemporaryDirectory() as scratch:
+        root = os.path.join(scratch, "root")
+        env = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1", "COLDSNAP_STATE_DIR": os.path.join(scratch, "state")}
+        captured = os.path.join(scratch, "captured")
+        status, receipt, err = _coldsnap("capture", "--out", captured, "--", *workload, env=env)
+        assert status == 0, (receipt, err[-3000:])
+        root_pid = json.load(open(os.path.join(captured, "units", "unit-0", "capsule.json")))["metadata"]["root_pid"]
+        os.makedirs(root)
+        moved = os.path.join(root, "moved")
+        shutil.copytree(captured, moved)  # a copy at a new path, new inodes; the original goes away
+        shutil.rmtree(captured)
+
+        def snapshot_bytes(tree: str) -> dict[str, bytes]:
+            return {os.path.relpath(os.path.join(d, f), tree): open(os.path.join(d, f), "rb").read()
+                    for d, _, files in os.walk(tree) for f in files}
+
+        def restore_and_check(artifact: str, label: str) -> None:
+            started = time.perf_counter()
+            status, receipt, err = _coldsnap("restore", artifact, env=env)
+            try:
+                assert status == 0, (label, receipt.get("error"), err[-2000:])
+                assert _complete(port) == expected, label
+                print(f"{label}: restored in {time.perf_counter() - started:.2f} s, tokens = cold start's")
+            finally:
+                kill_tree(root_pid)
+                time.sleep(0.5)
+
+        before = snapshot_bytes(moved)
+        restore_and_check(moved, "moved copy")
+        read_only = os.path.join(root, "read-only")
+        os.makedirs(read_only)
+        if subprocess.run(["mount", "--bind", moved, read_only], capture_output=True).returncode == 0:
+            try:
+                subprocess.run(["mount", "-o", "remount,ro,bind", read_only], check=True, capture_output=True)
+                restore_and_check(read_only, "read-only bind mount")
+            finally:
+                subprocess.run(["umount", read_only], capture_output=True)
+        else:
+            print("read-only bind mount: NOT RUN (mount --bind refused here)")
+        assert snapshot_bytes(moved) == before, "a restore wrote into the artifact"
+
+        for killed_at in ("restore.criu_restore", "restore.cuda_restore", "restore.resume", "restore.canary"):
+            receipt_path = os.path.join(scratch, f"receipt-{killed_at}.json")
+            launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", moved, "--receipt-json", receipt_path,
+                                         "--timing-events", "-"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+            try:
+                for line in launcher.stdout:
+                    event = json.loads(line)
+                    if event.get("event") == "span_start" and event.get("name") == killed_at:
+                        launcher.kill()
+                        break
+                launcher.wait(10)
+                assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
+                killed = time.monotonic()
+                while (_alive(root_pid) or root_pid in _gpu_pids()) and time.monotonic() < killed + 20:
+                    time.sleep(0.1)
+                left = _alive(root_pid)
+                print(f"launcher SIGKILLed as {killed_at} started: restored tree "
+                      f"{'STILL RUNNING' if left else f'gone after {time.monotonic() - killed:.2f} s'}, "
+                      f"CUDA contexts left {sorted(_gpu_pids())}")
+                assert not left and not _serving(f"--device cuda --port {port}") and root_pid not in _gpu_pids()
+                assert not os.path.exists(receipt_path)
+            finally:
+                launcher.kill()
+                kill_tree(root_pid)
+                time.sleep(0.5)
+
+        corrupt = os.path.join(root, "corrupt")
+        shutil.copytree(moved, corrupt)
+        images = os.path.join(corrupt, "units", "unit-0", "images")
+        pages = max((os.path.join(images, n) for n in os.listdir(images) if n.startswith("pages-")), key=os.path.getsize)
+        stat = os.stat(pages)
+        with open(pages, "r+b") as image:  # one byte flipped in place: same size, same mtime
+            image.seek(stat.st_size // 2)
+            byte = image.read(1)
+            image.seek(stat.st_size // 2)
+            image.write(bytes([byte[0] ^ 0xFF]))
+        os.utime(pages, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        status, receipt, err = _coldsnap("restore", corrupt, env=env)
+        print("corrupted pages image:", receipt.get("error"))
+        assert status == 1 and receipt["error"]["code"] == "admission.capsule", receipt
+        assert not _alive(root_pid) and root_pid not in _gpu_pids()
+        assert snapshot_bytes(moved) == before
+
 class NeedsMoreGpus(Exception):
     """The check cannot run on this host (exit status SKIP: reported as skipped, never as passed)."""
 
@@ -543,7 +661,7 @@ def tp2_capture_restore_on_gpu() -> None:
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
                                   hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip,
                                   torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
-                                  capture_restore_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu,
+                                  capture_restore_on_gpu, failure_hygiene_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu,
                                   concurrent_hydrations_bit_exact)}
 
 if __name__ == "__main__":
