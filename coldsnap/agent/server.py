@@ -107,6 +107,8 @@ class AgentServer:
         self.collectives = collectives
         self.graphs_released: list[str] = []
         self._preparations = 0  # prepares so far: which one the running watchdog belongs to
+        self._leased = 0  # the prepare whose restore a launcher has leased (0: none)
+        self.process_start: Callable[[], int] = _process_start_ticks  # changes when CRIU restores the process
         self.memory = memory
         self.serving_lock = serving_lock
         self.port = port
@@ -134,6 +136,7 @@ class AgentServer:
                     command = decode_command(line)
                     if isinstance(command, TakeLease):  # the connection is the lease: another thread owns it
                         closing.pop_all()
+                        self._leased = self._preparations
                         threading.Thread(target=hold_lease, args=(connection, self.on_lease_lost), name="coldsnap-agent-lease",
                                          daemon=True).start()
                         continue
@@ -228,18 +231,32 @@ class AgentServer:
         """A restored process that no launcher resumes must not linger frozen (its launcher was killed
         mid-restore, say): past the deadline it kills its own process group. The deadline runs on the
         monotonic clock, which CRIU's time namespace carries across the snapshot, so the time the image
-        spent on disk does not count."""
+        spent on disk does not count.
+
+        A second, short deadline closes the gap before the launcher's lease: the launcher takes it right
+        after CRIU returns, so a launcher killed while CRIU ran leaves a restored tree nobody holds. The
+        watchdog sees the restore (the kernel task is new: its start time in /proc changed) and stops
+        the tree when no lease came within ``COLDSNAP_AGENT_LEASE_WAIT_S`` (default 15 s) of it. Both
+        settings are read here, from the engine's environment as captured."""
         prepared_at = time.monotonic()
         timeout = float(os.environ.get("COLDSNAP_AGENT_RESUME_TIMEOUT_S", "300"))
+        lease_wait = float(os.environ.get("COLDSNAP_AGENT_LEASE_WAIT_S", "15"))
+        started_as = self.process_start()
         # Each prepare arms its own watchdog: one left from an earlier prepare (a resume and a new prepare
         # within its 0.5 s tick) must not count the new wait from the old prepare.
         self._preparations += 1
         generation = self._preparations
 
         def watch() -> None:
+            restored_at: float | None = None
             while self.state == "prepared" and self._preparations == generation:
-                if time.monotonic() - prepared_at > timeout:
+                now = time.monotonic()
+                if now - prepared_at > timeout:
                     _stop_process_group(f"not resumed within {timeout:.0f} s of prepare")
+                if restored_at is None and self.process_start() != started_as:
+                    restored_at = now
+                if restored_at is not None and self._leased != generation and now - restored_at > lease_wait:
+                    _stop_process_group(f"restored, but no launcher took the lease within {lease_wait:.0f} s")
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name="coldsnap-agent-watchdog", daemon=True).start()
@@ -362,6 +379,13 @@ def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lo
     if _agent is None:
         _agent = AgentServer(control, memory, serving_lock, port, hooks, rank, world, collectives).start()
     return _agent
+
+
+def _process_start_ticks() -> int:
+    """This process's start time in clock ticks since boot (/proc/self/stat, field 22): CRIU restores a
+    process as a new kernel task, so it differs after a restore."""
+    with open("/proc/self/stat", "rb") as stat:
+        return int(stat.read().rsplit(b")", 1)[1].split()[19])
 
 
 def _stop_process_group(reason: str = "the restoring launcher died before the canary matched") -> None:

@@ -431,7 +431,30 @@ def test_an_artifact_restores_from_a_moved_copy_and_a_read_only_mount_and_is_nev
         subprocess.run(["umount", str(read_only)], capture_output=True)
 
 
-@pytest.mark.parametrize("killed_at", ["restore.resume", "restore.canary"])
+
+def test_a_tree_restored_by_criu_that_no_launcher_leases_stops_itself(captured, tmp_path):
+    """What a launcher killed while CRIU runs leaves: CRIU finishes the restore, and the tree is frozen in
+    its prepared state with nobody to resume or lease it. Here CRIU restores it directly (no launcher at
+    all); the agent sees it was restored and stops its tree once COLDSNAP_AGENT_LEASE_WAIT_S (15 s, as
+    captured) passed without a lease."""
+    from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
+
+    artifact, port, _, _ = captured
+    capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]
+    try:
+        result = CriuSnapshotter(options=SnapshotOptions(tcp=capsule["criu_tcp"])).restore(
+            artifact / "units" / "unit-0" / "images", tmp_path / "state", artifact)
+        restored = time.monotonic()
+        assert serving_pids(port), "CRIU restored nothing"
+        while serving_pids(port) and time.monotonic() < restored + 30:
+            time.sleep(0.2)
+        assert serving_pids(port) == [], "the unleased restored tree was still running 30 s after CRIU"
+        assert time.monotonic() - restored >= 14  # stopped by the lease wait, not by anything sooner
+        assert result.pid == capsule["root_pid"]
+    finally:
+        stop(port)
+
+@pytest.mark.parametrize("killed_at", ["restore.criu_restore", "restore.resume", "restore.canary"])
 def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path, killed_at):
     """SIGKILL `coldsnap restore` as a step starts (from its live timing events): the restored agents
     lose the launcher's lease and stop their tree; no receipt is left, the artifact is unchanged."""
@@ -448,7 +471,7 @@ def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path
                 break
         launcher.wait(10)
         assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 25  # killed while CRIU ran: the agents' lease wait (15 s) stops the tree
         while serving_pids(port) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert serving_pids(port) == []

@@ -250,3 +250,47 @@ def test_a_watchdog_of_an_earlier_prepare_does_not_time_a_later_one():
     result = subprocess.run([sys.executable, "-c", WATCHDOG_SCRIPT], capture_output=True, text=True, timeout=60,
                             start_new_session=True, env={**os.environ, "COLDSNAP_AGENT_RESUME_TIMEOUT_S": "2"})
     assert result.returncode == 0 and "survived" in result.stdout, (result.returncode, result.stderr[-2000:])
+
+
+FAKE_RESTORE_SCRIPT = """
+import os, sys, threading, time, tempfile
+from coldsnap.agent.client import Lease
+from coldsnap.agent.memory import ModelMemory
+from coldsnap.agent.protocol import Prepare
+from coldsnap.agent.server import AgentServer, _ProgressLines
+from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.memory import reserve
+
+weights = reserve("weights", 2 << 20, backend="host"); weights.map()
+layout = MemoryLayout.model_validate({"format": 1, "regions": [{"tag": "weights", "size_bytes": weights.size, "tensors": [
+    {"name": "w", "dtype": "uint8", "shape": [4096], "offset": 0, "length": 4096}]}]})
+control = f"@fake-restore-{os.getpid()}"
+agent = AgentServer(control, ModelMemory(layout, {"weights": weights}), threading.Lock()).start()
+agent.prepare(Prepare(pack_dir=tempfile.mkdtemp()), _ProgressLines(None))
+agent.process_start = lambda: -1  # fake: the kernel task changed, as after a CRIU restore
+if sys.argv[1] == "leased":
+    lease = Lease([control])
+time.sleep(4)
+print("survived", flush=True)
+"""
+
+
+@pytest.mark.parametrize("leased", [False, True])
+def test_a_restored_agent_nobody_leases_stops_its_tree(leased):
+    """The launcher takes its lease right after CRIU returns; killed while CRIU ran, it leaves a restored
+    tree nobody holds. The watchdog sees the restore (faked here: the process start time it reads is
+    replaced; tests/integration/test_capture_restore.py restores with real CRIU) and, with no lease within
+    COLDSNAP_AGENT_LEASE_WAIT_S, SIGKILLs its process group; a leased one lives on. Own session: the kill
+    hits only the child."""
+    import signal
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-c", FAKE_RESTORE_SCRIPT, "leased" if leased else "alone"],
+                            capture_output=True, text=True, timeout=60, start_new_session=True,
+                            env={**os.environ, "COLDSNAP_AGENT_LEASE_WAIT_S": "1"})
+    if leased:
+        assert result.returncode == 0 and "survived" in result.stdout, result.stderr[-2000:]
+    else:
+        assert result.returncode == -signal.SIGKILL and "no launcher took the lease within 1 s" in result.stderr, \
+            (result.returncode, result.stderr[-2000:])
