@@ -2,9 +2,10 @@
 
 vLLM calls ``register()`` once in every process it starts (API server, EngineCore, each worker), so
 registration is idempotent and this module imports nothing from vLLM at import time. Registration
-installs the ``coldsnap`` load format (:mod:`coldsnap_vllm.loader`), which puts weights and KV cache
-in stable regions and starts coldsnap's agent in the process that owns them, and the ``coldsnap``
-sleep-mode backend (:mod:`coldsnap_vllm.sleep`).
+installs the ``coldsnap`` load format (:mod:`coldsnap_vllm.loader`: weights in a stable region), the
+KV-cache hook (:mod:`coldsnap_vllm.kv_cache`: the KV cache in one), which attaches coldsnap's agent in
+the process that owns both (:mod:`coldsnap_vllm.agent_bootstrap`), and the ``coldsnap`` sleep-mode
+backend (:mod:`coldsnap_vllm.sleep`).
 
 Supported: vLLM 0.26 → 0.33 (:mod:`coldsnap_vllm.compat` finds each hook per release). Whatever the
 installed vLLM, registering never raises: a missing hook turns its feature off with one warning that
@@ -32,7 +33,12 @@ def _install() -> None:
     low, high = compat.SUPPORTED
     supported = f"coldsnap supports vLLM {low[0]}.{low[1]} to {high[0]}.{high[1] - 1}"
     try:
-        import coldsnap_vllm.loader  # noqa: F401
+        import coldsnap_vllm.loader  # noqa: F401 - importing it registers the load format
+        from coldsnap_vllm.agent_bootstrap import remember_runners
+        from coldsnap_vllm.kv_cache import install_kv_hooks
+
+        remember_runners()
+        install_kv_hooks()
     except Exception as exc:  # noqa: BLE001 - PluginRegistration reports it once; the engine runs on
         raise RuntimeError(f"vLLM {version}: {type(exc).__name__}: {exc} ({supported})") from exc
     if not compat.supported(version):

@@ -1,14 +1,14 @@
-"""``--load-format coldsnap`` for vLLM: weights and KV cache in coldsnap's stable regions, and the agent.
+"""``--load-format coldsnap`` for vLLM: the model's weights in coldsnap's ``weights`` region.
 
     vllm serve MODEL --load-format coldsnap [--model-loader-extra-config '{"mode": "auto"}']
 
 The loader builds and loads the model exactly as vLLM's default loader does (weights come through
 vLLM's own iteration of the model's safetensors: the *recovery* path), runs
 ``process_weights_after_loading``, then moves every parameter and buffer into the ``weights`` region.
-vLLM's KV cache backing buffer is allocated in the ``kv_cache`` region. Once both exist, and when
-``COLDSNAP_CONTROL`` is set (``coldsnap capture`` sets it), the in-process agent starts: ``prepare``
-writes the native pack from the regions and releases them, ``resume`` hydrates them at the same
-addresses and zeroes the KV cache (vLLM does not zero on wake; coldsnap does).
+The KV cache goes to the ``kv_cache`` region (:mod:`coldsnap_vllm.kv_cache`), and then the agent
+attaches (:mod:`coldsnap_vllm.agent_bootstrap`): under ``coldsnap capture`` its ``prepare`` writes the
+native pack from the regions and releases them, ``resume`` hydrates them at the same addresses and
+zeroes the KV cache (vLLM does not zero on wake; coldsnap does).
 
 On CPUs, vLLM normally repacks linear weights for oneDNN/SGL kernels into buffers it owns (dropping
 the originals), which would put the weights back into the process image; the loader keeps them as
@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
-import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -37,35 +35,19 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from coldsnap.agent.memory import ModelMemory
 from coldsnap.hydrate import hydrate_pack
 from coldsnap.payload import NativePack, verify_file
 from coldsnap.payload.errors import PackError
 from coldsnap_vllm import compat
-from coldsnap_vllm.placement import (PlacedModel, call_with_kv_region, kv_capacity, layout_for, place_model_in_region,
-                                     planned_extents)
+from coldsnap_vllm.placement import place_model_in_region, planned_extents
+from coldsnap_vllm.process import ProcessState
 
-__all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES", "process_memory"]
+__all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES"]
 
 log = init_logger("vllm.coldsnap")  # vLLM's logger: the lines show in vLLM's own log format
 LOAD_FORMAT = "coldsnap"
 MODES = ("auto", "native", "recovery", "cache-only-auto")
 OPTION_KEYS = ("mode", "pack")
-
-
-class _Process:
-    """This process's coldsnap state: the placed weights, then its model memory (with the KV region), then the agent."""
-
-    placed: PlacedModel | None = None
-    memory: ModelMemory | None = None
-    agent: Any = None
-    allocating_kv = False  # inside a hooked KV allocation: a hooked function calling another is served once
-    runner: Any = None  # the model runner whose KV cache was placed (its graphs are the agent's to release)
-
-
-def process_memory() -> ModelMemory | None:
-    """This process's model memory once weights and KV cache are in their regions (else None)."""
-    return _Process.memory
 
 
 def _options(extra: dict[str, Any]) -> tuple[str, Path | None]:
@@ -199,128 +181,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         else:
             log.info("coldsnap: %d bytes of weights in the stable region at 0x%x (recovery, mode %s)",
                      placed.bytes, placed.region.base, self.mode)
-        _Process.placed = placed
+        ProcessState.placed = placed
         return model
 
 
-def _kv_allocator(original: Any, shared_backing: bool) -> Any:
-    """Wrap one vLLM KV allocation function so that, for a coldsnap model, its backing buffers come from
-    the ``kv_cache`` region; then the process's model memory is complete and the agent starts."""
-
-    def allocate(*args: Any, **kwargs: Any) -> Any:
-        config = next((a for a in (*args, *kwargs.values()) if hasattr(a, "kv_cache_tensors")), None)
-        if (_Process.placed is None or config is None or not config.kv_cache_tensors or _Process.memory is not None
-                or _Process.allocating_kv):
-            return original(*args, **kwargs)
-        weights = _Process.placed.region
-        _Process.allocating_kv = True
-        try:
-            result, region = call_with_kv_region(original, kv_capacity(config, shared_backing), weights.backend,
-                                                 weights.device, *args, **kwargs)
-        finally:
-            _Process.allocating_kv = False
-        if region is None:
-            log.warning("coldsnap: vLLM %s allocated its KV cache differently than expected; it stays in ordinary "
-                        "memory (and goes into a capture's process image)", compat.vllm_version())
-        regions = {"weights": weights}
-        if region is not None:
-            regions["kv_cache"] = region
-            log.info("coldsnap: KV cache in the kv_cache region: %d bytes at 0x%x", region.mapped_bytes, region.base)
-        _Process.memory = ModelMemory(layout_for(_Process.placed, region), regions)
-        _start_agent()
-        return result
-
-    allocate.__wrapped__ = original  # type: ignore[attr-defined]
-    allocate.__coldsnap_kv__ = True  # type: ignore[attr-defined]
-    return allocate
-
-
-def _install_kv_hooks() -> list[str]:
-    """Hook every KV allocation function this vLLM has (compat.KV_ALLOCATION_SITES); the names hooked."""
-    import importlib
-
-    hooked = []
-    for site in compat.KV_ALLOCATION_SITES:
-        owner_symbol = site.symbol.rsplit(".", 1)[0] if len(site.path) > 1 else site.module
-        try:
-            owner = compat.lookup(owner_symbol)
-            original = compat.lookup(site.symbol)
-        except LookupError:
-            continue
-        if getattr(original, "__coldsnap_kv__", False):
-            hooked.append(site.symbol)
-            continue
-        wrapper = _kv_allocator(original, shared_backing=site.shared_backing)
-        setattr(owner, site.path[-1], wrapper)
-        for name in site.also_bound:  # modules that imported the function by name
-            try:
-                bound = importlib.import_module(name)
-            except Exception:  # noqa: BLE001 - a runner this build does not have (or cannot import) is not used
-                continue
-            if getattr(bound, site.path[-1], None) is original:
-                setattr(bound, site.path[-1], wrapper)
-        hooked.append(site.symbol)
-    if not hooked:
-        compat.disabled("the KV cache in coldsnap's kv_cache region (discarded at capture, zeroed at restore)",
-                        "none of its known KV allocation functions exists; the KV cache stays in ordinary memory")
-    return hooked
-
-
-def distributed_rank() -> tuple[int, int]:
-    """This worker's global rank and the world size (0 of 1 when vLLM runs no process group)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _start_agent() -> None:
-    control = os.environ.get("COLDSNAP_CONTROL")
-    if not control or _Process.memory is None:
-        return
-    from coldsnap.agent import start_agent
-
-    # One agent per worker that owns model memory (EngineCore's worker at TP=1, every WorkerProc at
-    # TP>1), each at its rank's control socket. vLLM's engine loop is idle whenever the launcher drives
-    # the agents (after the canary, before resume); the lock only keeps two commands from overlapping.
-    from coldsnap.agent.server import AgentHooks
-    from coldsnap_vllm.distributed import VllmCollectives, VllmGraphs
-
-    rank, world = distributed_rank()
-    hooks = AgentHooks()
-    if _Process.runner is not None:
-        graphs = VllmGraphs(_Process.runner, world)
-        hooks.release_graphs, hooks.recapture_graphs = graphs.release_graphs, graphs.recapture_graphs
-    _Process.agent = start_agent(control, _Process.memory, serving_lock=threading.Lock(), rank=rank, world=world,
-                                 hooks=hooks, collectives=VllmCollectives(rank, world) if world > 1 else None)
-    log.info("coldsnap: agent of rank %d/%d listening at %s", rank, world, _Process.agent.control)
-
-
-def _remembering_runner(initialize_kv_cache: Any) -> Any:
-    def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _Process.runner = self
-        return initialize_kv_cache(self, *args, **kwargs)
-
-    initialize.__wrapped__ = initialize_kv_cache  # type: ignore[attr-defined]
-    return initialize
-
-
-def _remember_runners() -> None:
-    """Wrap the model runners' ``initialize_kv_cache`` (V1, V2, CPU) to note which runner this is."""
-    import importlib
-
-    for module_name, class_name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-                                    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"),
-                                    ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")):
-        try:
-            cls = getattr(importlib.import_module(module_name), class_name)
-        except (ImportError, AttributeError):
-            continue  # not in this vLLM build
-        method = cls.__dict__.get("initialize_kv_cache")
-        if method is not None and not hasattr(method, "__wrapped__"):
-            cls.initialize_kv_cache = _remembering_runner(method)
-
-
-_remember_runners()
-KV_HOOKS = _install_kv_hooks()

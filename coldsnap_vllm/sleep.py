@@ -40,7 +40,7 @@ BACKEND_NAME = "coldsnap"
 
 
 def _process_memory() -> ModelMemory:
-    from coldsnap_vllm.loader import process_memory
+    from coldsnap_vllm.process import process_memory
 
     memory = process_memory()
     if memory is None:
@@ -60,7 +60,7 @@ class ColdsnapSleepBackend(SleepModeBackend):
         self.pack_dir = Path(os.environ.get("COLDSNAP_SLEEP_PACK_DIR", f"/dev/shm/coldsnap-sleep-{os.getpgrp()}"))
         self.packs: dict[str, str] = {}
         self.seconds: dict[str, float] = {}
-        from coldsnap_vllm.loader import distributed_rank
+        from coldsnap_vllm.process import distributed_rank
 
         self.rank, self.world = distributed_rank()
         self.generation = 0  # sleeps of this worker; every worker of a world sleeps together

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from coldsnap.agent.client import AgentClient, AgentError
-from coldsnap.agent.protocol import StatusReply
+from coldsnap.agent.protocol import CONTROL_ENV, StatusReply
 from coldsnap.snapshot.process_tree import kill_tree
 
 __all__ = ["EngineProcess", "LaunchError", "Canary", "ask_canary", "wait_for_agent", "new_control_name"]
@@ -107,7 +107,7 @@ class EngineProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "coldsnap.snapshot.no_io_uring", "--", *command],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **env, "COLDSNAP_CONTROL": self.control, "PYTHONUNBUFFERED": "1"},
+                env={**os.environ, **env, CONTROL_ENV: self.control, "PYTHONUNBUFFERED": "1"},
                 start_new_session=True,  # its own session and process group: no --shell-job, one killpg
             )
         except OSError as exc:

@@ -14,6 +14,9 @@ abstract socket, which leaves no file behind to trip a restore), in the typed me
   from safetensors), zero the KV cache, rebuild collectives and graphs, release the serving lock;
 - ``lease`` → the restored tree lives only as long as the restoring launcher, until it says ``release``.
 
+An engine attaches with :func:`attach` (weights and KV cache in their regions, a serving lock, hooks);
+it starts the agent only under ``coldsnap capture`` and does nothing otherwise.
+
 Engine plugins add what only they know through :class:`AgentHooks` (graph policy, NCCL teardown and
 rebuild). The launcher side imports :mod:`~coldsnap.agent.protocol` and :mod:`~coldsnap.agent.client`
 only; the server (and what it imports) loads on first use of the names below.
@@ -21,7 +24,7 @@ only; the server (and what it imports) loads on first use of the names below.
 
 from typing import Any
 
-__all__ = ["AgentHooks", "AgentServer", "start_agent"]
+__all__ = ["AgentHooks", "AgentServer", "attach", "start_agent"]
 
 
 def __getattr__(name: str) -> Any:

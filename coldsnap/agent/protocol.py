@@ -225,6 +225,10 @@ def _first_problem(exc: ValidationError) -> str:
     return f"{where}: {error['msg']}"
 
 
+CONTROL_ENV = "COLDSNAP_CONTROL"
+"""Set by ``coldsnap capture`` in the engine's environment: the control socket its agent listens at."""
+
+
 def rank_control(control: str, rank: int) -> str:
     """The control socket of ``rank``: the engine's ``COLDSNAP_CONTROL`` for rank 0, suffixed for others."""
     return control if rank == 0 else f"{control}.rank{rank}"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.agent.protocol import (
+    CONTROL_ENV,
     AgentFailure,
     AgentState,
     CoordinatorRef,
@@ -46,7 +47,7 @@ from coldsnap.timing import timed
 if TYPE_CHECKING:
     from coldsnap.collective.group import DistributedState, Rendezvous
 
-__all__ = ["AgentHooks", "AgentServer", "CommandFailed", "hold_lease", "start_agent"]
+__all__ = ["AgentHooks", "AgentServer", "CommandFailed", "attach", "hold_lease", "start_agent"]
 
 log = logging.getLogger(__name__)
 
@@ -368,6 +369,24 @@ def _torch_device_bytes() -> int:
 
 
 _agent: AgentServer | None = None
+
+
+def attach(memory: ModelMemory, *, serving_lock: threading.Lock, port: int | None = None,
+           hooks: AgentHooks | None = None, rank: int = 0, world: int = 1,
+           collectives: "DistributedState | None" = None) -> AgentServer | None:
+    """The engine-facing entry point, called once per process when its model memory (weights, KV cache,
+    any graph region) is in place. Under ``coldsnap capture`` (:data:`CONTROL_ENV` in the environment) it
+    starts this process's agent at its rank's control socket and returns it; otherwise it starts nothing
+    and returns None, so an engine calls it unconditionally.
+
+    ``serving_lock`` is held by the engine while it serves a request (``prepare`` drains by taking it);
+    ``hooks`` add what only the engine knows (graphs, work before the regions are released);
+    ``collectives`` are torn down at ``prepare`` and rebuilt at ``resume`` when ``world`` > 1."""
+    control = os.environ.get(CONTROL_ENV)
+    if not control:
+        return None
+    return start_agent(control, memory, serving_lock=serving_lock, port=port, hooks=hooks, rank=rank, world=world,
+                       collectives=collectives)
 
 
 def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lock, port: int | None = None,

@@ -142,7 +142,8 @@ SLEEP_SCRIPT = """
 import os, sys, torch
 from coldsnap.agent.memory import ModelMemory
 from coldsnap.memory import reserve
-from coldsnap_vllm import loader, placement, register
+from coldsnap_vllm import placement, register
+from coldsnap_vllm.process import ProcessState
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
 register()
@@ -152,7 +153,7 @@ placed = placement.place_model_in_region(model)
 kv = reserve("kv_cache", 1 << 20, backend="host")
 kv.map()
 kv.host_view()[:] = b"\\x01" * kv.mapped_bytes
-loader._Process.memory = ModelMemory(placement.layout_for(placed, kv), {"weights": placed.region, "kv_cache": kv})
+ProcessState.memory = ModelMemory(placement.layout_for(placed, kv), {"weights": placed.region, "kv_cache": kv})
 x = torch.randn(2, 64)
 expected = model(x)
 backend = backend_class()
@@ -211,7 +212,8 @@ PARTIAL_SLEEP_SCRIPT = """
 import torch
 from coldsnap.agent.memory import ModelMemory
 from coldsnap.memory import reserve
-from coldsnap_vllm import loader, placement, register
+from coldsnap_vllm import placement, register
+from coldsnap_vllm.process import ProcessState
 from coldsnap_vllm.sleep import PartialSleepError
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
@@ -228,7 +230,7 @@ def rank_memory():
 # Two workers of a TP2 world, each with its own model memory (in one process: vLLM's CPU worker
 # ignores sleep, so a real TP2 sleep cannot run here).
 model0, memory0 = rank_memory()
-loader._Process.memory = memory0
+ProcessState.memory = memory0
 rank0 = backend_class()
 rank0.rank, rank0.world = 0, 2
 x = torch.randn(2, 32)
@@ -241,11 +243,11 @@ except PartialSleepError as exc:
     assert "rank(s) [1] of 2" in str(exc), exc
 assert rank0.state() == "SUSPENDED" and memory0.regions["weights"].mapped_bytes == 0  # still asleep, nothing mapped
 
-loader._Process.memory = rank_memory()[1]
+ProcessState.memory = rank_memory()[1]
 rank1 = backend_class()
 rank1.rank, rank1.world = 1, 2
 rank1.suspend(1)  # rank 1's record for sleep 1 appears
-loader._Process.memory = memory0
+ProcessState.memory = memory0
 rank0.resume(None)
 assert rank0.state() == "RUNNING" and torch.equal(model0(x), expected)
 print("ok")

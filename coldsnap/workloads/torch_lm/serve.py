@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import time
@@ -123,22 +122,20 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         server = ThreadingHTTPServer((args.host, args.port), _Handler)
         _Handler.model = model
         _Handler.model_name = f"coldsnap-torch-lm-{args.size}"
-    if os.environ.get("COLDSNAP_CONTROL"):
-        from coldsnap.agent import start_agent
-        from coldsnap.agent.memory import ModelMemory
-        from coldsnap.agent.server import AgentHooks
+    from coldsnap.agent import attach
+    from coldsnap.agent.memory import ModelMemory
+    from coldsnap.agent.server import AgentHooks
 
-        hooks = AgentHooks(release_graphs=model.release_graphs, recapture_graphs=model.recapture_graphs)
-        if model.device.type == "cuda":
-            # As vLLM's sleep does: hand torch's cached free blocks back before the CUDA checkpoint
-            # copies device memory into the process image. The decode graph's private pool stays.
-            hooks.before_release.append(torch.cuda.empty_cache)
-        regions = {"weights": model.weights, "kv_cache": model.kv}
-        if model.graph_memory is not None:
-            regions["cudagraph"] = model.graph_memory
-        start_agent(os.environ["COLDSNAP_CONTROL"], ModelMemory(model.layout, regions), serving_lock=model.lock,
-                    port=args.port if rank == 0 else None, hooks=hooks, rank=rank, world=world,
-                    collectives=collectives)
+    hooks = AgentHooks(release_graphs=model.release_graphs, recapture_graphs=model.recapture_graphs)
+    if model.device.type == "cuda":
+        # As vLLM's sleep does: hand torch's cached free blocks back before the CUDA checkpoint
+        # copies device memory into the process image. The decode graph's private pool stays.
+        hooks.before_release.append(torch.cuda.empty_cache)
+    regions = {"weights": model.weights, "kv_cache": model.kv}
+    if model.graph_memory is not None:
+        regions["cudagraph"] = model.graph_memory
+    attach(ModelMemory(model.layout, regions), serving_lock=model.lock, port=args.port if rank == 0 else None,
+           hooks=hooks, rank=rank, world=world, collectives=collectives)  # starts the agent under coldsnap only
     where = f"{args.host}:{args.port}" if rank == 0 else "rank 0's channel"
     sys.stderr.write(f"torch_lm: {args.size} rank {rank}/{world} on {device} ready on {where} "
                      f"in {time.perf_counter() - started:.2f} s\n")
