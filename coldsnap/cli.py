@@ -272,6 +272,9 @@ def _restore_request(args: argparse.Namespace) -> dict:
         raise UsageError(f"{directory}: not a coldsnap artifact directory (request.json: {exc})") from None
     captured.update(operation="restore", operation_id=args.operation_id or time.strftime("restore-%Y%m%dT%H%M%S"),
                     prepare_only=args.prepare_only, artifact=str(directory))
+    if args.weights:
+        policy = captured.setdefault("policy", {})
+        policy.setdefault("weights", {})["mode"] = args.weights
     return captured
 
 
@@ -486,6 +489,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
+    p.add_argument("--weights", choices=["auto", "native", "recovery"], metavar="MODE",
+                   help="where the weights come from: auto (the native pack, else — missing or failing verification — "
+                   "the safetensors the capture pinned, with a warning), native (the pack or nothing), recovery (the "
+                   "pinned safetensors, replayed into the captured layout); default: the capture's policy (auto)")
     p.add_argument("--state-dir", metavar="STATE",
                    help="where restores write (STATE/<artifact id>/logs/<unit>.log is the restored server's log); "
                    "default $COLDSNAP_STATE_DIR, else $XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or "

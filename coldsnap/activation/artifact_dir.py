@@ -132,6 +132,17 @@ class ArtifactDir:
             except OSError:
                 pass  # something appeared there meanwhile: not ours to remove
 
+    def external_record_dir(self, path: Path) -> Path | None:
+        """Where a restore keeps the validation record of ``path``, a file outside the artifact (a pinned
+        recovery safetensors), or None when the state directory cannot be made."""
+        try:
+            folder = hashlib.sha256(str(path.parent).encode()).hexdigest()[:16]
+            directory = self.state_dir() / "records" / "external" / folder
+            directory.mkdir(parents=True, exist_ok=True)
+            return directory
+        except OSError:
+            return None
+
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))
 

@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 from typing import Any, ContextManager, Literal
 
-from coldsnap.activation.artifact_dir import ArtifactDir, file_ref
+from coldsnap.activation.artifact_dir import ArtifactDir, file_ref, sha256_file
 from coldsnap.activation.engine_process import (Canary, EngineProcess, LaunchError, ask_canary, wait_for_agent,
                                                 wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
-from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryRecord, PlatformRecord, UnitRecord, WorkerRecord
+from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryRecord, PinnedFile, PlatformRecord, UnitRecord,
+                                        WorkerRecord)
 from coldsnap.contracts.capsule import ActivationMetadata, RegionRecord, WorkerActivation
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
@@ -153,11 +154,13 @@ class CaptureSequence:
         """Every rank at once: drain, drop the graphs the policy drops, tear NCCL down, write its packs,
         release weights and KV."""
         weights = self.request.policy.weights
-        generate = weights.native_generation != "off" or weights.mode != "recovery"
+        # No native pack only when recovery is the way back and native generation is off; otherwise
+        # `auto` and `native` restores need it.
+        native = not (weights.mode == "recovery" and weights.native_generation == "off")
         graph_policy = self.request.policy.graphs.mode or "retain"
         with self.step("capture.prepare", "capture.prepare") as span, ActivationCoordinator(len(self.workers)) as coordinator:
             bars = PhaseProgress(f"coldsnap capture [{self.request.engine}/{self.request.snapshot_driver}]: ")
-            command = Prepare(pack_dir=str(self.artifact.payload_dir) if generate else None, graph_policy=graph_policy,
+            command = Prepare(pack_dir=str(self.artifact.payload_dir), native=native, graph_policy=graph_policy,
                               coordinator=coordinator.command_field())
             try:
                 # Progress bars follow rank 0; the ranks write their packs at the same time.
@@ -216,6 +219,22 @@ class CaptureSequence:
                               f"in {result.seconds:.2f} s (resident memory without model memory: "
                               f"{rss_after_release / 2**20:.1f} MiB host + {device_after_release / 2**20:.1f} MiB GPU)")
 
+    def pin_recovery(self, rank: int, prepared: PrepareReply) -> list[PinnedFile] | None:
+        """The safetensors the rank's engine loaded its weights from, pinned by content: what a restore
+        replays when the pack is unusable (``auto``) or not wanted (``recovery``). None when the engine
+        reported none; a ``recovery`` capture then fails, since it could never restore that way."""
+        wanted = self.request.policy.weights.mode
+        if not prepared.recovery_files:
+            if wanted == "recovery":
+                raise OperationFailed("capture.recovery", f"weights.mode recovery, but the engine of rank {rank} "
+                                      "loaded its weights from no safetensors file coldsnap can pin")
+            return None
+        try:
+            return [PinnedFile(path=str(Path(f).resolve()), sha256=sha256_file(Path(f)), size_bytes=Path(f).stat().st_size)
+                    for f in prepared.recovery_files]
+        except OSError as exc:
+            raise OperationFailed("capture.recovery", f"rank {rank}'s recovery safetensors: {exc}") from None
+
     def commit(self) -> None:
         """The capsule manifest, the resolved request, then the descriptor, written atomically last."""
         artifact, request_, engine, canary, snapshotter = self.artifact, self.request, self.engine, self.canary, self.snapshotter
@@ -237,7 +256,8 @@ class CaptureSequence:
                 worker_records.append(WorkerRecord(
                     worker_id=w.worker_id, rank=w.rank, layout_digest=p.layout_digest,
                     residual=file_ref(artifact, Path(p.residual.path), p.residual.sha256),
-                    payload=file_ref(artifact, Path(p.payload.path), p.payload.sha256) if p.payload else None))
+                    payload=file_ref(artifact, Path(p.payload.path), p.payload.sha256) if p.payload else None,
+                    recovery=self.pin_recovery(w.rank, p)))
             artifact.request_path.write_bytes(canonical_json(request_.to_json_value()) + b"\n")
             driver = nvidia_kernel_driver()
             descriptor = ArtifactDescriptor(

@@ -21,7 +21,7 @@ import platform
 import socket
 import threading
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Literal
 
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.engine_process import ask_canary
@@ -29,7 +29,7 @@ from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, ra
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
-from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
+from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
@@ -78,7 +78,8 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
         raise OperationFailed("admission.cuda", "this driver has no CUDA checkpoint API")
 
 
-def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDescriptor, CapsuleManifest]:
+def admit(context: OperationContext,
+          artifact: ArtifactDir) -> tuple[ArtifactDescriptor, CapsuleManifest, dict[int, "WeightSource"]]:
     """Every check restore can make without starting anything; raises OperationFailed with the first problem."""
     timer = context.timer
     with timer.span("restore.admission.descriptor"):
@@ -152,29 +153,84 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> tuple[ArtifactDes
             raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
                                   f"artifact {sorted(w.rank for w in unit.workers)}")
     with timer.span("restore.admission.payload") as span:
-        for worker in unit.workers:
-            for ref in (worker.payload, worker.residual):
-                if ref is None:
-                    continue
-                try:
-                    verdict = verify_file(artifact.root / ref.path, ref.sha256, artifact.record_dir(artifact.root / ref.path))
-                except (PackError, OSError) as exc:
-                    raise OperationFailed("admission.payload", str(exc)) from None
-                span[f"{Path(ref.path).suffix[1:]}_verified_by"] = verdict.method
+        sources = weight_sources(context, artifact, unit.workers, span)
     with timer.span("restore.admission.port"):
         port = capsule.metadata.serving_port
         if not port_free(port):
             raise OperationFailed("admission.port", f"serving port {port} is taken")
-    return descriptor, capsule
+    return descriptor, capsule, sources
+
+
+WeightSource = Literal["native", "recovery"]
+
+
+def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: list[WorkerRecord],
+                   span: dict[str, Any]) -> dict[int, WeightSource]:
+    """Where each rank's weights will come from, every file verified (stat-bound record or full hash):
+    ``native`` the payload pack, ``recovery`` the safetensors the capture pinned — by ``weights.mode``:
+    ``native`` needs the pack, ``recovery`` the safetensors, ``auto`` takes the pack and falls back to
+    the safetensors (with a warning) when the pack is missing or fails verification. The residual is
+    needed either way."""
+    mode = context.request.policy.weights.mode or "auto"
+
+    def check(path: Path, sha256: str, record_dir: Path | None) -> str:
+        try:
+            return verify_file(path, sha256, record_dir).method
+        except (PackError, OSError) as exc:
+            raise _Unusable(str(exc)) from None
+
+    sources: dict[int, WeightSource] = {}
+    for worker in workers:
+        prefix = rank_prefix(worker.rank)
+        residual = artifact.root / worker.residual.path
+        try:
+            span[f"{prefix}residual_verified_by"] = check(residual, worker.residual.sha256, artifact.record_dir(residual))
+        except _Unusable as exc:
+            raise OperationFailed("admission.payload", str(exc)) from None
+        native_problem = None
+        if mode == "native" and worker.payload is None:
+            raise OperationFailed("admission.payload", f"weights.mode native, but rank {worker.rank} was captured "
+                                  "without a native pack (weights.mode recovery, native_generation off)")
+        if mode != "recovery" and worker.payload is not None:  # auto without a pack: recovery is the only way
+            try:
+                payload = artifact.root / worker.payload.path
+                span[f"{prefix}pack_verified_by"] = check(payload, worker.payload.sha256, artifact.record_dir(payload))
+                sources[worker.rank] = span[f"{prefix}source"] = "native"
+                continue
+            except _Unusable as exc:
+                native_problem = str(exc)
+                if mode == "native" or worker.recovery is None:
+                    raise OperationFailed("admission.payload", native_problem + (
+                        "" if mode == "native" else "; and the capture pinned no safetensors to recover from")) from None
+        if worker.recovery is None:  # (auto came here only with no pack recorded, and then capture pinned them)
+            raise OperationFailed("admission.recovery", f"weights.mode {mode}, but the capture pinned no safetensors "
+                                  f"for rank {worker.rank} (its engine reported none)")
+        try:
+            for pinned in worker.recovery:
+                file = Path(pinned.path)
+                check(file, pinned.sha256, artifact.external_record_dir(file))
+        except _Unusable as exc:
+            if native_problem:  # auto: neither source is usable
+                raise OperationFailed("admission.payload", f"{native_problem}; and the recovery safetensors: {exc}") from None
+            raise OperationFailed("admission.recovery", f"recovery safetensors: {exc}") from None
+        if native_problem:
+            context.warn(f"rank {worker.rank}: {native_problem}; restoring its weights from the pinned safetensors "
+                         "(weights.mode auto)")
+        sources[worker.rank] = span[f"{prefix}source"] = "recovery"
+    return sources
+
+
+class _Unusable(Exception):
+    """A weight source file that is missing, unreadable or not the bytes recorded."""
 
 
 def restore(context: OperationContext) -> OperationOutcome:
     artifact = ArtifactDir(Path(context.request.artifact))
-    descriptor, capsule = admit(context, artifact)
+    descriptor, capsule, sources = admit(context, artifact)
     if context.request.prepare_only:
         context.progress("admission passed; --prepare-only: nothing started")
         return OperationOutcome(artifact=str(artifact.root))
-    return RestoreSequence(context, artifact, descriptor, capsule).run()
+    return RestoreSequence(context, artifact, descriptor, capsule, sources).run()
 
 
 class RestoreSequence:
@@ -183,7 +239,7 @@ class RestoreSequence:
     restored killed, the lease dropped. The artifact is only read."""
 
     def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
-                 capsule: CapsuleManifest):
+                 capsule: CapsuleManifest, sources: dict[int, WeightSource]):
         self.context = context
         self.timer = context.timer
         self.artifact = artifact
@@ -192,6 +248,7 @@ class RestoreSequence:
         self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
         self.metadata = capsule.metadata
         self.records = {record.rank: record for record in self.metadata.workers}
+        self.sources = sources  # rank → where admission found its weights
         self.stagers: dict[int, WeightStager] = {}
         self.prefetch_errors: list[BaseException] = []
         self.warmer: threading.Thread | None = None
@@ -232,7 +289,7 @@ class RestoreSequence:
         shareable chunks (handed over at resume), or else its payload is read into the page cache."""
         for w in self.workers:
             regions = self.records[w.rank].regions
-            if w.payload is not None and WeightStager.stageable(regions):
+            if self.sources[w.rank] == "native" and w.payload is not None and WeightStager.stageable(regions):
                 self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
                                                     w.layout_digest, self.timer.now_ns)
         with self.step("restore.criu_restore", "restore.criu") as span:
@@ -257,8 +314,11 @@ class RestoreSequence:
 
         try:
             for w in self.workers:
-                if w.payload is not None and w.rank not in self.stagers:
+                if self.sources[w.rank] == "native" and w.payload is not None and w.rank not in self.stagers:
                     prefetch_file(self.artifact.root / w.payload.path)
+                elif self.sources[w.rank] == "recovery" and w.recovery:
+                    for pinned in w.recovery:
+                        prefetch_file(Path(pinned.path))
         except BaseException as exc:  # only a hint: hydration still reads the file itself
             self.prefetch_errors.append(exc)
 
@@ -303,6 +363,9 @@ class RestoreSequence:
             adopted, stats = self.staged[w.rank]
             return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), adopted=adopted,
                           staged=stats)
+        if self.sources[w.rank] == "recovery":
+            return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
+                          safetensors=[pinned.path for pinned in w.recovery or []], residual=str(self.pack(w.residual)))
         return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
                       payload=str(self.pack(w.payload)) if w.payload else None, residual=str(self.pack(w.residual)))
 

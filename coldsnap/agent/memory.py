@@ -45,20 +45,23 @@ class ModelMemory:
         return out
 
     def release(self, seconds: dict[str, float], pack_dir: Path | None = None, progress: Progress | None = None,
-                before_unmap: Callable[[], None] | None = None) -> dict[str, Any]:
-        """Write the payload and residual packs into ``pack_dir`` (when given), then unmap every region."""
-        from coldsnap.hydrate import write_pack_from_regions
+                before_unmap: Callable[[], None] | None = None, write_payload: bool = True) -> dict[str, Any]:
+        """Write the payload (unless not ``write_payload``: recovery will replay the model's tensors) and residual
+        packs into ``pack_dir`` (when given), then unmap every region."""
+        from coldsnap.hydrate import payload_extents, write_pack_from_regions
         from coldsnap.payload import PackKind, plan_residual
 
         result: dict[str, Any] = {}
         if pack_dir is not None:
             pack_dir.mkdir(parents=True, exist_ok=True)
-            payload = timed(seconds, "payload_write", lambda: write_pack_from_regions(
-                pack_dir, self.layout, self.regions, progress=progress))
-            residual_plan = plan_residual(self.allocations(), payload.table)
+            if write_payload:
+                payload = timed(seconds, "payload_write", lambda: write_pack_from_regions(
+                    pack_dir, self.layout, self.regions, progress=progress))
+                result["payload"] = {"path": str(payload.path), "sha256": payload.sha256, "size_bytes": payload.size_bytes}
+            # Planned against the tensors the payload holds, or would: the same residual either way.
+            residual_plan = plan_residual(self.allocations(), payload.table if write_payload else payload_extents(self.layout))
             residual = timed(seconds, "residual_write", lambda: write_pack_from_regions(
                 pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=residual_plan))
-            result["payload"] = {"path": str(payload.path), "sha256": payload.sha256, "size_bytes": payload.size_bytes}
             result["residual"] = {"path": str(residual.path), "sha256": residual.sha256, "size_bytes": residual.size_bytes}
         if before_unmap is not None:
             before_unmap()
@@ -68,11 +71,14 @@ class ModelMemory:
         return result
 
     def restore(self, seconds: dict[str, float], *, layout_digest: str | None = None, payload: str | None = None,
-                residual: str | None = None, safetensors: list[str] | None = None, adopted: dict[str, int] | None = None,
+                residual: str | None = None, safetensors: list[str] | None = None,
+                replay: Callable[[list[str]], int] | None = None, adopted: dict[str, int] | None = None,
                 fds: Sequence[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
                 tags: Iterable[str] | None = None) -> dict[str, Any]:
         """Map the regions (``tags``, default all) at their addresses and fill them; returns what
-        hydrated them. ``adopted`` (tag → chunk count) takes the chunks from ``fds`` in that order."""
+        hydrated them. ``adopted`` (tag → chunk count) takes the chunks from ``fds`` in that order.
+        Recovery (``safetensors`` without a payload): ``replay`` (the engine's own) or replay by tensor
+        name fills the model's tensors, then the residual the bytes around them, as after a pack."""
         from coldsnap.hydrate import hydrate_pack, replay_safetensors
 
         digest = layout_digest or self.layout.digest()
@@ -112,8 +118,14 @@ class ModelMemory:
                 timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
         else:  # safetensors: a restore with no source was refused before mapping
             assert safetensors
-            stats_list = timed(seconds, "hydrate", lambda: replay_safetensors(safetensors, self.layout, weights))
-            hydrated = {"source": "recovery", "bytes": sum(s.bytes for s in stats_list), "seconds": seconds["hydrate"]}
+            if replay is not None:
+                read = timed(seconds, "hydrate", lambda: replay(list(safetensors)))
+            else:
+                read = sum(s.bytes for s in timed(seconds, "hydrate",
+                                                  lambda: replay_safetensors(safetensors, self.layout, weights)))
+            hydrated = {"source": "recovery", "bytes": read, "seconds": seconds["hydrate"]}
+            if residual:
+                timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
         for tag in DISCARDED_TAGS:
             if tag in selected:
                 timed(seconds, f"zero_{tag}", selected[tag].zero)

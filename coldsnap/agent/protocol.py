@@ -77,6 +77,8 @@ class Prepare(Message):
     command: Literal["prepare"] = "prepare"
     pack_dir: str | None
     """Write the payload and residual packs here; ``None`` writes none."""
+    native: bool = True
+    """Write the payload pack; False: only the residual (recovery replays the model's tensors)."""
     graph_policy: Literal["retain", "recreate"] = "retain"
     coordinator: CoordinatorRef | None = None
 
@@ -140,6 +142,8 @@ class PrepareReply(Message):
     device_bytes: int
     regions: dict[str, RegionStatus]
     graphs_released: list[str]
+    recovery_files: list[str] = []
+    """The safetensors files the engine loaded its weights from (absolute paths; empty: none to pin)."""
 
 
 class Hydrated(Message):

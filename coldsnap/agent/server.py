@@ -92,6 +92,14 @@ class AgentHooks:
     one, and kernels captured against the old one must not replay. Runs before the teardown."""
     recapture_graphs: Callable[[], list[str]] | None = None
     """Capture again what ``release_graphs`` dropped (every rank at once: warm-ups run collectives)."""
+    recovery_files: list[str] = field(default_factory=list)
+    """The safetensors files the engine loaded its weights from (absolute paths): the recovery source a
+    capture pins. Empty: this engine has none, and restores need the native pack."""
+    replay_weights: Callable[[list[str]], int] | None = None
+    """Recovery: fill the mapped ``weights`` region from these safetensors files the engine's own way
+    (e.g. through its weight loaders, when its tensors are not the files' tensors by name); returns the
+    bytes read. None: coldsnap places each file tensor at the captured address of the layout tensor of
+    the same name (:func:`coldsnap.hydrate.replay_safetensors`)."""
 
 
 class AgentServer:
@@ -188,7 +196,7 @@ class AgentServer:
                     assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                     self.collectives.teardown(rendezvous, seconds)
                 packs = self.memory.release(seconds, pack_dir, progress.phase("writing the native pack"),
-                                            self._before_release)
+                                            self._before_release, write_payload=command.native)
             except BaseException:
                 self.serving_lock.release()
                 raise
@@ -200,7 +208,8 @@ class AgentServer:
             payload=PackRef(**packs["payload"]) if "payload" in packs else None,
             residual=PackRef(**packs["residual"]) if "residual" in packs else None,
             layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=_rss_bytes(),
-            device_bytes=_torch_device_bytes(), regions=self._regions(), graphs_released=list(self.graphs_released))
+            device_bytes=_torch_device_bytes(), regions=self._regions(), graphs_released=list(self.graphs_released),
+            recovery_files=list(self.hooks.recovery_files))
 
     def _drain(self, rendezvous: "Rendezvous | None", seconds: dict[str, float]) -> None:
         """Stop serving. Ranks > 0 only follow rank 0's requests, and one may be waiting in a collective
@@ -276,7 +285,8 @@ class AgentServer:
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             hydrated = self.memory.restore(
                 seconds, layout_digest=command.layout_digest, payload=command.payload, residual=command.residual,
-                safetensors=command.safetensors, adopted=command.adopted, fds=fds, staged=command.staged,
+                safetensors=command.safetensors, replay=self.hooks.replay_weights, adopted=command.adopted, fds=fds,
+                staged=command.staged,
                 progress=progress.phase("hydrating weights"))
             if self.collectives is not None:
                 assert rendezvous is not None  # collectives exist only for more than one rank (__init__)

@@ -19,6 +19,7 @@ from coldsnap.contracts.request import ModelSpec
 __all__ = [
     "ARTIFACT_FORMAT",
     "FileRef",
+    "PinnedFile",
     "PlatformRecord",
     "CanaryRecord",
     "WorkerRecord",
@@ -48,6 +49,23 @@ class FileRef(Contract):
     """SHA-256 of the file's bytes."""
     size_bytes: int = Field(ge=0)
     """File size."""
+
+
+def _absolute_path(path: str) -> str:
+    if not path.startswith("/") or posixpath.normpath(path) != path:
+        raise ValueError(f"{path!r} must be a normalized absolute path")
+    return path
+
+
+class PinnedFile(Contract):
+    """A file outside the artifact that a restore may read, pinned by content (a recovery safetensors)."""
+
+    path: Annotated[str, AfterValidator(_absolute_path)]
+    """Absolute path on the capture host; a restore host must have the same bytes there."""
+    sha256: Sha256Hex
+    """SHA-256 of the file's bytes at capture."""
+    size_bytes: int = Field(ge=0)
+    """File size at capture."""
 
 
 class PlatformRecord(Contract):
@@ -93,6 +111,10 @@ class WorkerRecord(Contract):
     """Stable bytes not in the native payload (pack + residual cover every preserved allocation)."""
     payload: FileRef | None
     """Native model payload (content-addressed pack), ``None`` when native generation was off."""
+    recovery: list[PinnedFile] | None = None
+    """The safetensors the engine loaded the weights from, replayed into the captured layout (plus the
+    residual) when the payload is missing, fails verification or ``weights.mode`` is ``recovery``;
+    ``None`` when the engine reported none."""
 
 
 class UnitRecord(Contract):

@@ -29,6 +29,8 @@ ERROR_CODES: dict[str, str] = {
     "capture.cuda_checkpoint": "the CUDA checkpoint of a GPU process failed (the tree was unlocked again)",
     "capture.criu_dump": "CRIU could not dump the process tree",
     "capture.residual": "a rank wrote no residual pack",
+    "capture.recovery": "weights.mode recovery, but a rank's engine loaded its weights from no safetensors file to pin, "
+                        "or one could not be read",
     "capture.commit": "the capsule manifest or descriptor could not be written (e.g. the disk is full); nothing committed",
     # Restore admission: nothing has started
     "admission.artifact": "no committed artifact at the path, or its descriptor does not decode",
@@ -41,7 +43,9 @@ ERROR_CODES: dict[str, str] = {
     "admission.gpu": "another GPU model or compute capability than the capture's",
     "admission.criu": "CRIU is missing, too old, or `criu check` fails",
     "admission.capsule": "the capsule manifest or an image is missing, changed, or from a coldsnap that cannot read it",
-    "admission.payload": "a native pack is missing or its bytes do not match the descriptor",
+    "admission.payload": "a native pack is missing or its bytes do not match the descriptor (and no recovery "
+                         "source may stand in: weights.mode native, or none recorded or verified)",
+    "admission.recovery": "weights.mode recovery, and a pinned safetensors file is not recorded, missing or changed",
     "admission.port": "the serving port is taken",
     # Restore: each failure kills what was restored and leaves the artifact as it was
     "restore.state_dir": "the runtime state directory cannot be created (choose one with --state-dir)",

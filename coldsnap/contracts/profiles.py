@@ -128,10 +128,11 @@ def _not_implemented(location: str, value: str, implemented: Iterable[str], scop
     return f"{location}: {value} is not implemented in {scope} (implemented: {', '.join(implemented)})"
 
 
-# Where restore takes the weights from. `native` and `auto` restore from the native pack (admission refuses a
-# missing or corrupt one: `auto`'s fallback to recovery replay is not built yet, so today it is `native`);
-# `recovery` (capture records the safetensors instead of a pack) and `cache-only-auto` are not built.
-WEIGHTS_MODES: tuple[WeightsMode, ...] = ("auto", "native")
+# Where restore takes the weights from. `native`: the native pack, or nothing; `auto`: the pack, else (missing or
+# failing verification) the safetensors the capture pinned, replayed into the captured layout plus the residual;
+# `recovery`: those safetensors always (a `recovery` capture with native generation off writes no pack).
+# `cache-only-auto` is not built.
+WEIGHTS_MODES: tuple[WeightsMode, ...] = ("auto", "native", "recovery")
 
 
 def unsupported_problems(request: OperationRequest) -> list[str]:

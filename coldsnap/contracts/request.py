@@ -82,7 +82,9 @@ class WeightsPolicy(Contract):
     """``auto`` prefers a verified native pack and falls back to recovery; ``native`` makes a missing pack fatal;
     ``recovery`` replays the pinned safetensors; ``cache-only-auto`` checks only the existing cache."""
     native_generation: Literal["off", "on"] | None = None
-    """Whether capture writes a native pack from the live weights."""
+    """Whether capture writes a native pack from the live weights when ``mode`` is ``recovery`` (``off``, the
+    default: no pack, restores replay the pinned safetensors); the other modes restore from the pack, so
+    capture always writes it for them."""
     native_materialization: NativeMaterialization | None = None
     """Whether a recovery restore also materializes a native pack (engine-dependent; see capabilities)."""
 

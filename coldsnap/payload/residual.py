@@ -14,7 +14,7 @@ region the addresses are contiguous, so one copy serves both.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from coldsnap.payload.errors import CoverError
 from coldsnap.payload.pack import PackTable, PlannedExtent
@@ -51,9 +51,9 @@ def _allocation_spans(allocations: Allocations) -> _Spans:
     return {tag: spans for tag, ranges in allocations.items() if (spans := _spans(tag, ranges, "allocation"))}
 
 
-def _table_spans(table: PackTable, what: str) -> _Spans:
+def _table_spans(table: PackTable | Sequence[PlannedExtent], what: str) -> _Spans:
     ranges: dict[str, list[tuple[int, int]]] = {}
-    for extent in table.extents:
+    for extent in table.extents if isinstance(table, PackTable) else table:
         ranges.setdefault(extent.region, []).append((extent.region_offset, extent.length))
     return {tag: _spans(tag, found, what) for tag, found in ranges.items()}
 
@@ -102,8 +102,10 @@ def _check_inside(spans: _Spans, allocated: _Spans, what: str) -> None:
             raise CoverError(f"{what} bytes {tag} {_show(outside[0])} lie outside the preserved allocations")
 
 
-def residual_extents(allocations: Allocations, payload_table: PackTable) -> dict[str, list[tuple[int, int]]]:
+def residual_extents(allocations: Allocations,
+                     payload_table: PackTable | Sequence[PlannedExtent]) -> dict[str, list[tuple[int, int]]]:
     """The allocated ranges the payload does not hold, per tag (tags with nothing left are omitted).
+    ``payload_table``: the written pack's table, or the extents it would hold (a capture without one).
 
     Raises :class:`CoverError` when the allocations overlap or the payload reaches outside them.
     """
@@ -118,7 +120,7 @@ def residual_extents(allocations: Allocations, payload_table: PackTable) -> dict
     return residual
 
 
-def plan_residual(allocations: Allocations, payload_table: PackTable) -> list[PlannedExtent]:
+def plan_residual(allocations: Allocations, payload_table: PackTable | Sequence[PlannedExtent]) -> list[PlannedExtent]:
     """:func:`residual_extents` as the extents :func:`~coldsnap.payload.pack.write_pack` writes."""
     return [
         PlannedExtent(region=tag, region_offset=offset, length=length)

@@ -21,6 +21,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-seq", type=int, default=None, help="KV cache length (default: the shape's maximum)")
     parser.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks, one process each (default 1)")
     parser.add_argument("--write-safetensors", metavar="DIR", help="write the weights as safetensors and exit")
+    parser.add_argument("--weights", metavar="DIR", help="load the weights from DIR/model.safetensors (written by "
+                        "--write-safetensors on the same kind of device) instead of drawing them from the seed; they "
+                        "are then the recovery source a capture pins")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="decode eagerly on the GPU too")
     # Set by the supervisor for each rank process.
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
@@ -33,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error("--tp must be at least 1")
-    if args.tp > 1 and args.write_safetensors:
-        parser.error("--write-safetensors writes the unsplit model: leave out --tp")
+    if args.tp > 1 and (args.write_safetensors or args.weights):
+        parser.error("--write-safetensors and --weights are for the unsplit model: leave out --tp")
     if args.tp > 1 and args.rank is None:
         from coldsnap.workloads.torch_lm.ranks import supervise
 

@@ -117,7 +117,8 @@ class TorchLM:
     ``followers`` (rank 0 only) are the channels every request is forwarded on before it runs."""
 
     def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None, cuda_graphs: bool = True,
-                 rank: int = 0, world: int = 1, communicator: Any = None, followers: list[socket.socket] | None = None):
+                 rank: int = 0, world: int = 1, communicator: Any = None, followers: list[socket.socket] | None = None,
+                 weights_file: Path | None = None):
         self.size = size
         self.shape = SIZES[size]
         check_world(self.shape, world)
@@ -157,7 +158,13 @@ class TorchLM:
         self.kv.map(kv_bytes)
         self.params = {t["name"]: self.weights.tensor(self.dtype, t["shape"], t["offset"]) for t in tensors}
         self.cache = self.kv.tensor(self.dtype, self.kv_dims(), 0)
-        self.initialize_weights()
+        self.weights_file = weights_file
+        if weights_file is None:
+            self.initialize_weights()
+        else:  # by name into the region, as a recovery restore replays them
+            from coldsnap.hydrate.replay import replay_safetensors
+
+            replay_safetensors([weights_file], self.layout, {"weights": self.weights})
         self.kv.zero()
         self._graph: torch.cuda.CUDAGraph | None = None
         if cuda_graphs and self.device.type == "cuda":

@@ -112,8 +112,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         else:
             unique_id = bytes.fromhex(_read_line(readers[0], "the communicator id").decode())
         communicator = collectives.connect("tp", backend, unique_id)
+    weights_file = Path(args.weights).resolve() / "model.safetensors" if args.weights else None
     model = TorchLM(args.size, device, args.seed, args.max_seq, cuda_graphs=not args.no_cuda_graphs,
-                    rank=rank, world=world, communicator=communicator, followers=channels if rank == 0 else None)
+                    rank=rank, world=world, communicator=communicator, followers=channels if rank == 0 else None,
+                    weights_file=weights_file)
     if args.write_safetensors:
         print(model.write_safetensors(Path(args.write_safetensors)))
         return 0
@@ -126,7 +128,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from coldsnap.agent.memory import ModelMemory
     from coldsnap.agent.server import AgentHooks
 
-    hooks = AgentHooks(release_graphs=model.release_graphs, recapture_graphs=model.recapture_graphs)
+    hooks = AgentHooks(release_graphs=model.release_graphs, recapture_graphs=model.recapture_graphs,
+                       recovery_files=[str(weights_file)] if weights_file else [])  # replayed by tensor name
     if model.device.type == "cuda":
         # As vLLM's sleep does: hand torch's cached free blocks back before the CUDA checkpoint
         # copies device memory into the process image. The decode graph's private pool stays.
