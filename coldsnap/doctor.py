@@ -6,30 +6,16 @@ It probes, it does not admit: restore admission repeats the checks that matter f
 from __future__ import annotations
 
 import os
-import platform
-import re
 import sys
-from pathlib import Path
 from typing import Any
 
 from coldsnap import __version__
 from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
+from coldsnap.host import host_facts, nvidia_kernel_driver
 from coldsnap.native import probe_cuda
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError
 
-__all__ = ["collect_report", "render_table", "nvidia_kernel_driver"]
-
-_NVIDIA_PROC = Path("/proc/driver/nvidia/version")
-
-
-def nvidia_kernel_driver(proc_file: Path = _NVIDIA_PROC) -> str | None:
-    """The NVIDIA kernel module version (``580.159.04``), or ``None`` without the driver."""
-    try:
-        text = proc_file.read_text()
-    except OSError:
-        return None
-    match = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
-    return match.group(1) if match else None
+__all__ = ["collect_report", "render_table"]
 
 
 def _criu_section() -> dict[str, Any]:
@@ -75,7 +61,7 @@ def collect_report() -> dict[str, Any]:
     return {
         "coldsnap": __version__,
         "python": sys.version.split()[0],
-        "host": {"kernel": platform.release(), "arch": platform.machine(), "root": os.geteuid() == 0},
+        "host": host_facts(),
         "criu": criu,
         "nvidia_driver": driver,
         "cuda": cuda,

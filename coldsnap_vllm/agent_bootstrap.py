@@ -29,7 +29,8 @@ def attach_agent() -> None:
     from coldsnap_vllm.distributed import VllmCollectives, VllmGraphs
 
     rank, world = distributed_rank()
-    hooks = AgentHooks()
+    # Recovery needs the files vLLM loaded and its loaders to refill them; a start from a pack has neither.
+    hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery)
     if ProcessState.runner is not None:
         graphs = VllmGraphs(ProcessState.runner, world)
         hooks.release_graphs, hooks.recapture_graphs = graphs.release_graphs, graphs.recapture_graphs

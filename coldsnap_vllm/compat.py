@@ -96,12 +96,14 @@ CHECKPOINT_PREPARE = "vllm.distributed.parallel_state:checkpoint_prepare_distrib
 CHECKPOINT_RESTORE = "vllm.distributed.parallel_state:checkpoint_restore_distributed_state"
 LOADER_REGISTRY = "vllm.model_executor.model_loader:register_model_loader"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
+SET_CURRENT_CONFIG = "vllm.config:set_current_vllm_config"
+PREPARE_WEIGHTS = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader._prepare_weights"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 WORKER_MEMORY_POOL = f"{WORKER_MODULE}:Worker._maybe_get_memory_pool_context"
 
 PROBED = (*(s.symbol for s in KV_ALLOCATION_SITES), CREATE_MODEL, INITIALIZE_MODEL, ONLINE_QUANT_CONFIG,
           HAS_ONLINE_QUANT, FINALIZE_LAYERWISE, SLEEP_FACTORY, PYNCCL_FROM_ID, CHECKPOINT_PREPARE, CHECKPOINT_RESTORE,
-          LOADER_REGISTRY, DEFAULT_LOADER, WORKER_MEMORY_POOL)
+          LOADER_REGISTRY, DEFAULT_LOADER, WORKER_MEMORY_POOL, SET_CURRENT_CONFIG, PREPARE_WEIGHTS)
 """Every symbol looked up here; ``scripts/vllm-api-surface.py`` records which exist in a vLLM wheel."""
 
 
@@ -153,6 +155,11 @@ def _exists(symbol: str) -> bool:
         return False
 
 
+def available(*symbols: str) -> bool:
+    """Whether this vLLM has every one of ``symbols``."""
+    return all(_exists(symbol) for symbol in symbols)
+
+
 def probe(exists: Callable[[str], bool] = _exists) -> dict[str, Any]:
     """Which hooks this vLLM offers, as the plugin will use them. ``exists`` answers for a symbol
     (default: import and look it up; tests pass the surface recorded from a wheel)."""
@@ -166,6 +173,7 @@ def probe(exists: Callable[[str], bool] = _exists) -> dict[str, Any]:
         "distributed_checkpoint_hooks": exists(CHECKPOINT_PREPARE) and exists(CHECKPOINT_RESTORE),
         "load_format": exists(LOADER_REGISTRY) and exists(DEFAULT_LOADER),
         "sleep_pools": exists(WORKER_MEMORY_POOL),
+        "recovery_replay": exists(SET_CURRENT_CONFIG) and exists(PREPARE_WEIGHTS),
     }
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -105,12 +106,33 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def __init__(self, load_config: Any):
         extra = dict(load_config.model_loader_extra_config or {})
         self.mode, self.pack = _options(extra)
+        self.weight_files: list[str] = []
         # vLLM's default loading reads the checkpoint by load format: safetensors (the pinned model's
         # files). A copy, so the shared config still says `coldsnap` to the next get_model_loader().
         inner = copy.copy(load_config)
         inner.load_format = "safetensors"
         inner.model_loader_extra_config = {k: v for k, v in extra.items() if k not in OPTION_KEYS}
         super().__init__(inner)
+
+    def _prepare_weights(self, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's, noting the safetensors it resolved (the files a capture pins for recovery)."""
+        prepared = super()._prepare_weights(*args, **kwargs)  # (folder, files, use_safetensors[, ...])
+        if prepared[2]:
+            self.weight_files = [str(Path(f).resolve()) for f in prepared[1]]
+        return prepared
+
+    def replay(self, model: torch.nn.Module, model_config: Any, pinned: list[str]) -> int:
+        """Recovery after a restore: the pinned safetensors through vLLM's own weight loaders into the
+        parameters, which sit at their captured addresses in the freshly mapped ``weights`` region (it
+        holds nothing else: placement leaves buffers in the process image). vLLM resolves the files
+        from the model's path again; they must be the pinned ones (admission verified their bytes)."""
+        self.weight_files = []
+        with compat.lookup(compat.SET_CURRENT_CONFIG)(self.vllm_config), torch.no_grad():  # as at load time
+            self.load_weights(model, model_config)
+        if sorted(self.weight_files) != sorted(pinned):
+            raise RuntimeError(f"coldsnap recovery: vLLM read the weights from {self.weight_files}, the capture pinned "
+                               f"{pinned}")
+        return sum(Path(f).stat().st_size for f in pinned)
 
     def _recover(self, model: torch.nn.Module, model_config: Any) -> None:
         """Recovery: the weights through vLLM's own iteration of the model's safetensors."""
@@ -137,6 +159,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         """vLLM's BaseModelLoader.load_model with one fork: when a native pack fits the freshly built
         model, its weights come from the pack (after placement) instead of the checkpoint. The model
         is built once either way (vLLM refuses to register its attention layers twice)."""
+        self.vllm_config = vllm_config
         if compat.online_quantized_before_build(vllm_config):  # 0.33: quantized while loading: vLLM's own path
             with _plain_cpu_linear():
                 model = super().load_model(vllm_config, model_config, prefix)
@@ -150,6 +173,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
             pack = None if online else self._fitting_pack(model)
             if pack is None:
                 self._recover(model, model_config)
+                if compat.available(compat.SET_CURRENT_CONFIG, compat.PREPARE_WEIGHTS):  # else restores need the pack
+                    ProcessState.recovery_files = list(self.weight_files)
+                    ProcessState.recovery = functools.partial(self.replay, model, model_config)
             if online:
                 compat.finalize_online_quantization(model, model_config)
             with _plain_cpu_linear():

@@ -1,9 +1,11 @@
 """Moving a loaded vLLM model's tensors into coldsnap's stable regions, and the KV cache with them.
 
-vLLM builds and post-processes the model its own way; coldsnap then copies every parameter and
-buffer storage into the ``weights`` region (4 KiB-aligned, one extent per storage, shared storages
-once) and rebinds the tensors to those bytes, so the native pack can be written from and hydrated to
-fixed addresses. The KV cache is allocated straight into the ``kv_cache`` region. No vLLM import here:
+vLLM builds and post-processes the model its own way; coldsnap then copies every parameter storage
+into the ``weights`` region (4 KiB-aligned, one extent per storage, shared storages once) and rebinds
+the parameters to those bytes, so the native pack can be written from and hydrated to fixed
+addresses. Buffers (rotary caches, attention scales: small, computed at build, not in the checkpoint)
+stay where vLLM made them, in the process image: the region then holds exactly what vLLM's weight
+loaders fill from the safetensors, so a recovery restore can refill all of it through them. The KV cache is allocated straight into the ``kv_cache`` region. No vLLM import here:
 the functions take torch modules and tensors, which is what keeps them testable without vLLM.
 """
 
@@ -35,29 +37,31 @@ def _backend(device: Any) -> tuple[str, int]:
     return ("host", 0) if device.type == "cpu" else ("cuda", device.index or 0)
 
 
-def _storages(model: Any) -> tuple[list[tuple[Any, str, str, Any]], dict[int, dict[str, Any]], int]:
-    """Every parameter and buffer slot, their distinct storages with planned region offsets, and the
-    bytes the region needs (4 KiB-aligned storages, each once)."""
-    slots: list[tuple[Any, str, str, Any]] = []  # (module, kind, name, tensor)
-    for module in model.modules():
-        for kind in ("_parameters", "_buffers"):
-            for name, tensor in getattr(module, kind).items():
-                if tensor is None or tensor.is_meta or tensor.numel() == 0:
-                    continue
-                slots.append((module, kind, name, tensor))
-    if not slots:
-        raise ValueError("the model has no parameters or buffers to place")
-    device = slots[0][3].device
-    names = {id(t): n for n, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]}
+def _storages(model: Any) -> tuple[list[tuple[Any, int]], dict[int, dict[str, Any]], int]:
+    """Every distinct parameter with its storage's key, the distinct storages with planned region
+    offsets, and the bytes the region needs (4 KiB-aligned storages, each once). A parameter that two
+    modules share (tied weights) is one entry; parameters sharing a storage share its extent."""
+    names: dict[int, str] = {}
+    parameters: list[Any] = []
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        if id(tensor) in names or tensor is None or tensor.is_meta or tensor.numel() == 0:
+            continue
+        names[id(tensor)] = name
+        parameters.append(tensor)
+    if not parameters:
+        raise ValueError("the model has no parameters to place")
+    device = parameters[0].device
+    slots: list[tuple[Any, int]] = []  # (parameter, its storage's key before placement)
     storages: dict[int, dict[str, Any]] = {}
     offset = 0
-    for _, _, name, tensor in slots:
+    for tensor in parameters:
         if tensor.device != device:
-            raise ValueError(f"{names.get(id(tensor), name)} is on {tensor.device}, the model on {device}")
+            raise ValueError(f"{names[id(tensor)]} is on {tensor.device}, the model on {device}")
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
+        slots.append((tensor, key))
         if key not in storages:
-            storages[key] = {"name": names.get(id(tensor), name), "nbytes": storage.nbytes(), "offset": offset}
+            storages[key] = {"name": names[id(tensor)], "nbytes": storage.nbytes(), "offset": offset}
             offset = -(-(offset + storage.nbytes()) // ALIGN) * ALIGN
     return slots, storages, offset
 
@@ -68,19 +72,19 @@ def planned_extents(model: Any) -> set[tuple[int, int]]:
 
 
 def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
-    """Copy every parameter and buffer of ``model`` into the region ``tag`` and rebind them there."""
+    """Copy every parameter of ``model`` into the region ``tag`` and rebind them there."""
     import torch
 
     slots, storages, offset = _storages(model)
-    device = slots[0][3].device
+    device = slots[0][0].device
     backend, index = _backend(device)
     region = reserve(tag, max(offset, ALIGN), backend=backend, device=index)
     region.map(max(offset, ALIGN))
     placed = PlacedModel(region)
     copied: dict[int, Any] = {}
     with torch.no_grad():
-        for module, kind, name, tensor in slots:
-            entry = storages[tensor.untyped_storage().data_ptr()]
+        for tensor, key in slots:
+            entry = storages[key]
             raw = copied.get(entry["offset"])
             if raw is None:
                 raw = region.tensor(torch.uint8, (entry["nbytes"],), entry["offset"])
@@ -91,10 +95,7 @@ def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
                 placed.bytes += entry["nbytes"]
             typed = raw.view(tensor.dtype) if entry["nbytes"] % tensor.element_size() == 0 else raw
             moved = typed.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
-            if kind == "_parameters":
-                tensor.data = moved  # the same Parameter object: vLLM's references stay valid
-            else:
-                module._buffers[name] = moved
+            tensor.data = moved  # the same Parameter object: vLLM's references stay valid
     return placed
 
 

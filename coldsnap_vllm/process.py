@@ -4,7 +4,7 @@ region), then the agent and the model runner whose graphs it manages."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from coldsnap.agent.memory import ModelMemory
 from coldsnap_vllm.placement import PlacedModel
@@ -23,6 +23,8 @@ class ProcessState:
     agent: "AgentServer | None" = None
     allocating_kv = False  # inside a hooked KV allocation: a hooked function calling another is served once
     runner: Any = None  # the model runner whose KV cache was placed (its graphs are the agent's to release)
+    recovery: "Callable[[list[str]], int] | None" = None  # refills the weights region through vLLM's loaders
+    recovery_files: list[str] = []  # the safetensors vLLM loaded the weights from (none: started from a pack)
 
 
 def process_memory() -> ModelMemory | None:

@@ -30,7 +30,7 @@ from coldsnap.contracts.capsule import ActivationMetadata, RegionRecord, WorkerA
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
-from coldsnap.doctor import nvidia_kernel_driver
+from coldsnap.host import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions

@@ -39,7 +39,7 @@ from coldsnap.progress import PhaseProgress
 from coldsnap.payload.validation import verify_file
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.staging import WeightStager
-from coldsnap.doctor import nvidia_kernel_driver
+from coldsnap.host import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
 

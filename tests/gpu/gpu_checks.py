@@ -344,7 +344,7 @@ def capture_restore_on_gpu() -> None:
     import time
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
-    from coldsnap.doctor import nvidia_kernel_driver
+    from coldsnap.host import nvidia_kernel_driver
     from coldsnap.snapshot.process_tree import kill_tree
 
     unqualified = int(nvidia_kernel_driver().split(".")[0]) < 610  # n610's floor (seeds)

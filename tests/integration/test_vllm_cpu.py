@@ -7,6 +7,7 @@ overrides the place). The model is a tiny Llama with random weights and a tokeni
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -282,6 +283,28 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
         print(f"restore {attempt}: {restore_s:.2f} s (vLLM cold start {reference['cold_start_s']:.1f} s)")
         stop_restored(artifact, port)
 
+
+def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, reference, tmp_path):
+    """The capture pinned the safetensors vLLM loaded; `--weights recovery` refills the weights region
+    through vLLM's own weight loaders in the restored worker, and `auto` does so when the pack is gone."""
+    artifact, port, root = captured
+    worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
+    assert [p["path"] for p in worker["recovery"]] == [str((model / "model.safetensors").resolve())]
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    next((copy / "payload").glob("*.pack")).unlink()
+    for directory, flags in ((artifact, ("--weights", "recovery")), (copy, ())):
+        receipt_path = tmp_path / f"{directory.name}-{len(flags)}.json"
+        result = coldsnap("restore", str(directory), *flags, "--receipt-json", str(receipt_path))
+        try:
+            assert result.returncode == 0, result.stderr.decode()[-3000:]
+            assert complete(port, PROMPT_2) == reference["tokens"]
+            receipt = json.loads(receipt_path.read_text())
+            spans = {s["name"]: s["attributes"] for s in receipt["timing"]["spans"]}
+            assert spans["restore.resume"]["source"] == "recovery", spans["restore.resume"]
+            assert bool(receipt["warnings"]) == (directory == copy)  # auto says it fell back
+        finally:
+            stop_restored(artifact, port)
 
 def test_an_unknown_mode_stops_vllm_with_a_clear_error(model, tmp_path):
     port = _free_port()

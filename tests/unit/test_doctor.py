@@ -1,6 +1,6 @@
-"""Pieces of doctor that do not need the host: parsing the NVIDIA driver version."""
+"""Host facts that do not need the host: parsing the NVIDIA driver version (coldsnap.host)."""
 
-from coldsnap.doctor import nvidia_kernel_driver
+from coldsnap.host import nvidia_kernel_driver
 
 
 def test_open_and_proprietary_module_versions(tmp_path):

@@ -40,8 +40,8 @@ PLUGINS = frozenset({"coldsnap_vllm", "coldsnap_sglang"})
 ENGINES = frozenset({"vllm", "sglang"})
 LOWER = frozenset({"memory", "payload", "hydrate", "snapshot", "coord", "collective"})
 # Leaf modules every part may use: the package root (``__version__``), the extension and its loader,
-# atomic writes, timing, progress lines, the plugin-registration helper.
-SHARED = frozenset({"(root)", "_C", "native", "atomic", "timing", "progress", "plugin"})
+# atomic writes, timing, progress lines, the plugin-registration helper, host facts.
+SHARED = frozenset({"(root)", "_C", "native", "atomic", "timing", "progress", "plugin", "host"})
 AGENT_ARROWS = frozenset({"memory", "payload", "hydrate", "collective", "coord", "contracts"}) | SHARED
 PLUGIN_ARROWS = frozenset({"agent", "memory", "payload", "hydrate", "collective", "contracts"}) | SHARED
 # What the launcher side (activation) may import of the agent; both are dependency-free.

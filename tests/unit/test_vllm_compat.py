@@ -39,6 +39,7 @@ def test_vllm_0_26_hooks():
         "distributed_checkpoint_hooks": False,
         "load_format": True,
         "sleep_pools": True,
+        "recovery_replay": True,
     }
 
 
@@ -53,6 +54,7 @@ def test_vllm_0_33_hooks():
         "distributed_checkpoint_hooks": True,
         "load_format": True,
         "sleep_pools": True,
+        "recovery_replay": True,
     }
 
 

@@ -1,0 +1,32 @@
+"""Facts about this host that capture, restore admission and ``coldsnap doctor`` all read.
+
+Reading them is cheap and side-effect free (no CUDA initialization here: that is
+:func:`coldsnap.native.probe_cuda`). ``doctor`` reports them; activation records them at capture and
+compares them at restore.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+from pathlib import Path
+
+__all__ = ["nvidia_kernel_driver", "host_facts"]
+
+_NVIDIA_PROC = Path("/proc/driver/nvidia/version")
+
+
+def nvidia_kernel_driver(proc_file: Path = _NVIDIA_PROC) -> str | None:
+    """The NVIDIA kernel module version (``580.159.04``), or ``None`` without the driver."""
+    try:
+        text = proc_file.read_text()
+    except OSError:
+        return None
+    match = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
+    return match.group(1) if match else None
+
+
+def host_facts() -> dict[str, str | bool]:
+    """Kernel release, CPU architecture and whether this process is root (CRIU needs it)."""
+    return {"kernel": platform.release(), "arch": platform.machine(), "root": os.geteuid() == 0}
