@@ -122,14 +122,14 @@ def _capture(artifact: Path, served: list[str], policy: dict | None = None) -> P
     return engine_log
 
 
-def _restore_and_ask(artifact: Path, port: int, attempt: int) -> tuple[list[int], dict]:
-    """`coldsnap restore`, then PROMPT_2's tokens from the restored server, which is stopped after:
+def _restore_and_ask(artifact: Path, port: int, attempt: int, *flags: str) -> tuple[list[int], dict]:
+    """`coldsnap restore [flags]`, then PROMPT_2's tokens from the restored server, which is stopped after:
     (tokens, the resume span's attributes)."""
     from coldsnap.snapshot.process_tree import kill_tree
 
     root_pid = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
     started = time.perf_counter()
-    status, receipt, err = _coldsnap("restore", str(artifact), env=_env())
+    status, receipt, err = _coldsnap("restore", str(artifact), *flags, env=_env())
     seconds = time.perf_counter() - started
     print(err[-2000:])
     try:
@@ -159,16 +159,19 @@ def _scene(*serve_args: str) -> Iterator[tuple[list[str], int, Path]]:
 
 
 def vllm_capture_restore_on_gpu() -> None:
-    """`coldsnap capture -- vllm serve M --load-format coldsnap` (default flags), `coldsnap restore` twice:
-    canary matched, PROMPT_2's greedy tokens = vLLM's default loader's, the KV cache in the kv_cache
-    region, graphs retained (policy retain at TP 1), vLLM's KV budget with coldsnap's loader within 2 %
-    of the default loader's."""
+    """`coldsnap capture -- vllm serve M --load-format coldsnap` (default flags), `coldsnap restore` twice
+    from the pack and once with ``--weights recovery``: canary matched, PROMPT_2's greedy tokens = vLLM's
+    default loader's, the KV cache in the kv_cache region, graphs retained (policy retain at TP 1),
+    vLLM's KV budget with coldsnap's loader within 2 % of the default loader's."""
     with _scene() as (served, port, artifact):
         kv_coldsnap = _kv_gib(_capture(artifact, served))
         first, resume = _restore_and_ask(artifact, port, 0)
         assert not resume.get("graphs_recaptured")  # retain: the captured graphs replay
         again, _ = _restore_and_ask(artifact, port, 1)
         assert again == first
+        # recovery: the weights refilled through vLLM's own loaders from the safetensors the capture pinned
+        recovered, resume = _restore_and_ask(artifact, port, 2, "--weights", "recovery")
+        assert resume["source"] == "recovery" and recovered == first, (resume, recovered)
 
     default_log = LOGS / "default-loader.log"
     seconds, expected = _serve_and_ask(served, port, default_log, _env())
