@@ -23,7 +23,7 @@ from typing import Any
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "STATE_FILE"]
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -57,13 +57,15 @@ def tree_pids(root: int) -> list[int]:
 
 
 def kill_tree(root: int, timeout: float = 10.0) -> None:
-    """SIGKILL the tree's process group (orphans too) and every descendant; wait until they are gone."""
+    """SIGKILL the tree's process group (orphans too) and every descendant; wait until they are gone.
+    The tree and the group are listed before the kill: once the root dies its children are init's and
+    no longer in its tree, and returning while one of them is still exiting would leave it behind."""
+    pids = set(tree_pids(root)) | set(group_members(root))
     try:
         os.killpg(root, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
-    pids = tree_pids(root)
-    for pid in reversed(pids):
+    for pid in sorted(pids, reverse=True):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -71,7 +73,7 @@ def kill_tree(root: int, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         alive = []
-        for pid in pids:
+        for pid in pids | set(group_members(root)):
             try:
                 os.waitpid(pid, os.WNOHANG)  # reap our own children; others are init's
             except ChildProcessError:
@@ -81,6 +83,22 @@ def kill_tree(root: int, timeout: float = 10.0) -> None:
         if not alive:
             return
         time.sleep(0.02)
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes (zombies left out) whose process group is ``pgid``."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            members.append(int(entry))
+    return members
 
 
 def _is_zombie(pid: int) -> bool:
