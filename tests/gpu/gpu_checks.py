@@ -15,6 +15,7 @@ import torch
 
 from coldsnap.hydrate import CopyItem, HydrationError, hydrate_items
 from coldsnap.memory import AllocationError, RegionError, reserve, reserve_staging
+from tests.processes import capsule_root_pid, group_members, launched_pid
 
 MiB = 1 << 20
 
@@ -300,12 +301,6 @@ def _coldsnap(*args: str, env: dict) -> tuple[int, dict, str]:
     return done.returncode, json.loads(done.stdout), done.stderr
 
 
-def _serving(command_line: str) -> bool:
-    import subprocess
-
-    return subprocess.run(["pgrep", "-f", command_line], capture_output=True).returncode == 0
-
-
 def _cold_start_tokens(workload: list[str], port: int, env: dict | None = None) -> list[int]:
     """Start ``workload`` plainly, ask PROMPT_2 once it answers, stop it."""
     import subprocess
@@ -339,7 +334,6 @@ def capture_restore_on_gpu() -> None:
     """The n610 sequence end to end on this GPU: capture (CUDA checkpoint + CRIU dump) of the CUDA-graph
     workload, restore twice with the same greedy tokens as a cold start, the driver floor, and a CUDA
     restore that fails (no GPU memory left) cleaning up after itself."""
-    import json
     import subprocess
     import time
 
@@ -357,9 +351,6 @@ def capture_restore_on_gpu() -> None:
     def coldsnap(*args: str, env: dict) -> tuple[int, dict, str]:
         return _coldsnap(*args, env=env)
 
-    def serving(port: int) -> bool:
-        return _serving(f"torch_lm --size tiny --device cuda --port {port}")
-
     complete = _complete
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -367,17 +358,17 @@ def capture_restore_on_gpu() -> None:
         if unqualified:
             status, receipt, err = coldsnap("capture", "--out", artifact, "--", *workload, env=strict)
             assert status == 1 and receipt["error"]["code"] == "capture.driver_floor", receipt
-            assert not serving(port) and not os.path.exists(os.path.join(artifact, "artifact.json"))
+            assert group_members(launched_pid(receipt)) == [] and not os.path.exists(os.path.join(artifact, "artifact.json"))
         status, receipt, err = coldsnap("capture", "--out", artifact, "--", *workload, env=allowed)
         print(err[-3000:])
         assert status == 0, receipt
-        assert not serving(port)  # nothing of the captured command left running
+        assert group_members(launched_pid(receipt)) == []  # nothing of the captured command left running
         spans = {s["name"]: s for s in receipt["timing"]["spans"]}
         print("capture phases:", {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
         assert "capture.cuda_checkpoint" in spans and spans["capture.cuda_checkpoint"]["attributes"]["processes"] == 1
         assert any("unqualified" in w for w in receipt["warnings"]) == unqualified
         descriptor_bytes = open(os.path.join(artifact, "artifact.json"), "rb").read()
-        root_pid = json.load(open(os.path.join(artifact, "units", "unit-0", "capsule.json")))["metadata"]["root_pid"]
+        root_pid = capsule_root_pid(artifact)  # every restored tree's process group
 
         if unqualified:  # refused at admission without the host owner's override, nothing started
             status, receipt, _ = coldsnap("restore", artifact, "--prepare-only", env=strict)
@@ -407,7 +398,7 @@ def capture_restore_on_gpu() -> None:
             filler.kill()
             filler.wait()
         time.sleep(0.5)
-        assert not serving(port), "a restored process was left running after the failed restore"
+        assert group_members(root_pid) == [], "a restored process was left running after the failed restore"
         assert open(os.path.join(artifact, "artifact.json"), "rb").read() == descriptor_bytes  # artifact untouched
 
 
@@ -451,7 +442,7 @@ def failure_hygiene_on_gpu() -> None:
         captured = os.path.join(scratch, "captured")
         status, receipt, err = _coldsnap("capture", "--out", captured, "--", *workload, env=env)
         assert status == 0, (receipt, err[-3000:])
-        root_pid = json.load(open(os.path.join(captured, "units", "unit-0", "capsule.json")))["metadata"]["root_pid"]
+        root_pid = capsule_root_pid(captured)  # every restored tree's process group
         os.makedirs(root)
         moved = os.path.join(root, "moved")
         shutil.copytree(captured, moved)  # a copy at a new path, new inodes; the original goes away
@@ -505,7 +496,7 @@ def failure_hygiene_on_gpu() -> None:
                 print(f"launcher SIGKILLed as {killed_at} started: restored tree "
                       f"{'STILL RUNNING' if left else f'gone after {time.monotonic() - killed:.2f} s'}, "
                       f"CUDA contexts left {sorted(_gpu_pids())}")
-                assert not left and not _serving(f"--device cuda --port {port}") and root_pid not in _gpu_pids()
+                assert not left and group_members(root_pid) == [] and root_pid not in _gpu_pids()
                 assert not os.path.exists(receipt_path)
             finally:
                 launcher.kill()
@@ -609,7 +600,6 @@ def tp2_capture_restore_on_gpu() -> None:
     through the coordinator after restore, the decode graphs (which hold NCCL kernels) recaptured; the
     same greedy tokens as a cold start, twice (a rank failing is tested on the CPU, where the sequence is
     the same: tests/integration/test_tensor_parallel.py)."""
-    import json
     import time
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
@@ -625,9 +615,6 @@ def tp2_capture_restore_on_gpu() -> None:
     def coldsnap(*args: str) -> tuple[int, dict, str]:
         return _coldsnap(*args, env=env)
 
-    def serving(port: int) -> bool:
-        return _serving(f"torch_lm --size tiny --device cuda --tp 2 --port {port}")
-
     complete = _complete
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -635,13 +622,13 @@ def tp2_capture_restore_on_gpu() -> None:
         status, receipt, err = coldsnap("capture", "--out", artifact, "--", *workload)
         print(err[-3000:])
         assert status == 0, receipt
-        assert not serving(port)
+        assert group_members(launched_pid(receipt)) == []  # neither the supervisor nor a rank left running
         spans = {s["name"]: s for s in receipt["timing"]["spans"]}
         print("capture phases:", {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
         print("prepare:", spans["capture.prepare"]["attributes"])
         assert spans["capture.cuda_checkpoint"]["attributes"]["processes"] == 2
         assert spans["capture.prepare"]["attributes"]["rank1.graphs_released"] == "decode"
-        root_pid = json.load(open(os.path.join(artifact, "units", "unit-0", "capsule.json")))["metadata"]["root_pid"]
+        root_pid = capsule_root_pid(artifact)  # every restored tree's process group
         for attempt in range(2):
             status, receipt, err = coldsnap("restore", artifact)
             print(err[-2000:])
@@ -655,7 +642,7 @@ def tp2_capture_restore_on_gpu() -> None:
             assert complete(port) == expected  # same tokens as the cold start, through the recaptured graphs
             kill_tree(root_pid)
         time.sleep(0.5)
-        assert not serving(port)
+        assert group_members(root_pid) == []
 
 
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.processes import capsule_root_pid, group_members, kill_group, launched_pid, wait_group_gone
+
 pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.criu,
@@ -44,30 +46,6 @@ def workload(port: int) -> list[str]:
     return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
 
 
-def pids_running(command_line: str) -> list[int]:
-    out = subprocess.run(["pgrep", "-f", command_line], capture_output=True, text=True)
-    return [int(p) for p in out.stdout.split()]
-
-
-def kill_running(command_line: str) -> None:
-    for pid in pids_running(command_line):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 10
-    while pids_running(command_line) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
-def serving_pids(port: int) -> list[int]:
-    return pids_running(f"torch_lm --size tiny --device cpu --port {port}")
-
-
-def stop(port: int) -> None:
-    kill_running(f"torch_lm --size tiny --device cpu --port {port}")
-
-
 def cold_start_tokens(command: list[str], port: int) -> list[int]:
     """Start ``command`` plainly; PROMPT_2's greedy tokens once it answers; then its whole tree is killed."""
     reference = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -93,9 +71,11 @@ def captured(tmp_path_factory):
     artifact = root / "artifact"
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"), "--", *workload(port))
     assert result.returncode == 0, result.stderr.decode()
-    assert serving_pids(port) == []  # nothing of the captured command left running
+    engine = launched_pid(json.loads((root / "capture-receipt.json").read_text()))
+    assert engine == capsule_root_pid(artifact)  # the restored tree's process group is the captured one's
+    assert group_members(engine) == []  # nothing of the captured command left running
     yield artifact, port, expected, root
-    stop(port)
+    kill_group(engine)
 
 
 def test_capture_commits_a_valid_artifact_and_receipt(captured):
@@ -127,7 +107,7 @@ def test_restore_twice_gives_the_same_greedy_tokens(captured):
         assert receipt["state"] == "succeeded" and coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
         resume = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.resume")
         assert resume["attributes"]["source"] == "native" and resume["attributes"]["bytes"] > 0
-        stop(port)
+        kill_group(capsule_root_pid(artifact))
 
 
 def test_request_json_on_stdin_and_one_receipt_on_stdout(captured):
@@ -139,7 +119,7 @@ def test_request_json_on_stdin_and_one_receipt_on_stdout(captured):
     assert result.stdout.count(b"\n") == 1
     receipt = json.loads(result.stdout)
     assert receipt["operation_id"] == "stdin-restore" and receipt["prepare_only"] is True
-    assert b"--prepare-only: nothing started" in result.stderr and serving_pids(port) == []
+    assert b"--prepare-only: nothing started" in result.stderr and group_members(capsule_root_pid(artifact)) == []
 
 
 def test_prepare_only_detects_a_taken_port_and_starts_nothing(captured):
@@ -152,7 +132,7 @@ def test_prepare_only_detects_a_taken_port_and_starts_nothing(captured):
     assert result.returncode == 1
     receipt = json.loads((root / "taken.json").read_text())
     assert receipt["state"] == "failed" and receipt["error"]["code"] == "admission.port"
-    assert serving_pids(port) == []
+    assert group_members(capsule_root_pid(artifact)) == []
 
 
 def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
@@ -167,7 +147,7 @@ def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
     result = coldsnap("restore", str(copy), "--prepare-only", "--receipt-json", "-")
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "admission.payload"
-    assert serving_pids(port) == []
+    assert group_members(capsule_root_pid(artifact)) == []
 
 
 def test_an_image_corrupted_in_place_is_refused_before_anything_starts(captured, tmp_path):
@@ -186,7 +166,7 @@ def test_an_image_corrupted_in_place_is_refused_before_anything_starts(captured,
     receipt = json.loads(result.stdout)
     assert receipt["state"] == "failed" and receipt["error"]["code"] == "admission.capsule"
     assert pages.name in receipt["error"]["message"]
-    assert serving_pids(port) == []
+    assert group_members(capsule_root_pid(artifact)) == []
     assert (copy / "artifact.json").read_bytes() == before
 
 
@@ -215,7 +195,7 @@ def test_a_capsule_criu_cannot_restore_fails_restore_kills_everything_and_keeps_
     result = coldsnap("restore", str(copy), "--receipt-json", "-")
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "restore.criu"
-    assert serving_pids(port) == []
+    assert group_members(capsule_root_pid(artifact)) == []
     assert (copy / "artifact.json").read_bytes() == before
 
 
@@ -224,8 +204,9 @@ def test_capture_refuses_a_directory_with_an_artifact(captured):
     before = (artifact / "artifact.json").read_bytes()
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", "-", "--", *workload(port))
     assert result.returncode == 1
-    assert json.loads(result.stdout)["error"]["code"] == "capture.exists"
-    assert (artifact / "artifact.json").read_bytes() == before and serving_pids(port) == []
+    receipt = json.loads(result.stdout)
+    assert receipt["error"]["code"] == "capture.exists"
+    assert (artifact / "artifact.json").read_bytes() == before and launched_pid(receipt) is None  # nothing started
 
 
 def test_failed_capture_commits_nothing(tmp_path):
@@ -260,7 +241,7 @@ def test_a_capture_into_a_full_disk_fails_and_removes_what_it_wrote(tmp_path):
         assert result.returncode == 1, result.stderr.decode()[-2000:]
         receipt = json.loads(result.stdout)
         assert receipt["state"] == "failed" and receipt["error"]["code"] in ("capture.prepare", "capture.criu_dump", "capture.commit"), receipt
-        assert serving_pids(port) == []
+        assert group_members(launched_pid(receipt)) == []
         assert not out.exists() and list(disk.iterdir()) == []
         free = os.statvfs(disk)
         assert free.f_bfree == free.f_blocks  # every byte it wrote is gone
@@ -295,13 +276,13 @@ def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):
     restored = CriuSnapshotter().restore(tmp_path / "artifact" / "units" / "unit-0" / "images", tmp_path / "state",
                                         tmp_path / "artifact")  # no resume follows
     try:
-        assert serving_pids(port) == [restored.pid]
-        while serving_pids(port) and time.monotonic() - started < 30:
+        assert group_members(restored.pid) == [restored.pid]
+        while group_members(restored.pid) and time.monotonic() - started < 30:
             time.sleep(0.2)
-        assert serving_pids(port) == []
+        assert group_members(restored.pid) == []
         assert time.monotonic() - started < 15
     finally:
-        stop(port)  # even when the watchdog failed, leave nothing behind
+        kill_group(restored.pid)  # even when the watchdog failed, leave nothing behind
 
 
 def test_prepare_only_detects_a_missing_capsule_file(captured, tmp_path):
@@ -313,14 +294,14 @@ def test_prepare_only_detects_a_missing_capsule_file(captured, tmp_path):
     assert result.returncode == 1
     error = json.loads(result.stdout)["error"]
     assert error["code"] == "admission.capsule" and "pages-" in error["message"]
-    assert serving_pids(port) == []
+    assert group_members(capsule_root_pid(artifact)) == []
 
 
 def test_restore_timing_events_match_the_receipt(captured, tmp_path):
     artifact, port, _, _ = captured
     events = tmp_path / "events.ndjson"
     result = coldsnap("restore", str(artifact), "--receipt-json", "-", "--timing-events", str(events))
-    stop(port)
+    kill_group(capsule_root_pid(artifact))
     assert result.returncode == 0, result.stderr.decode()
     assert coldsnap("validate", "timing-events", str(events)).returncode == 0
     from coldsnap.contracts import canonical_sha256
@@ -367,7 +348,7 @@ def test_prepare_only_refuses_a_capsule_this_coldsnap_cannot_read(captured, tmp_
     assert result.returncode == 1
     error = json.loads(result.stdout)["error"]
     assert error["code"] == code and message in error["message"], error
-    assert serving_pids(port) == []
+    assert group_members(capsule_root_pid(artifact)) == []  # the original's: the copy's capsule may not read
 
 
 def test_prepare_only_refuses_a_capsule_the_descriptor_does_not_vouch_for(captured, tmp_path):
@@ -396,7 +377,7 @@ def _restore_and_check(artifact: Path, port: int, expected: list[int], env: dict
         assert result.returncode == 0, result.stderr.decode()
         assert complete(port, PROMPT_2) == expected
     finally:
-        stop(port)
+        kill_group(capsule_root_pid(artifact))
     return json.loads(result.stdout)
 
 
@@ -439,20 +420,19 @@ def test_a_tree_restored_by_criu_that_no_launcher_leases_stops_itself(captured, 
     captured) passed without a lease."""
     from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
 
-    artifact, port, _, _ = captured
+    artifact, _, _, _ = captured
     capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]
     try:
         result = CriuSnapshotter(options=SnapshotOptions(tcp=capsule["criu_tcp"])).restore(
             artifact / "units" / "unit-0" / "images", tmp_path / "state", artifact)
         restored = time.monotonic()
-        assert serving_pids(port), "CRIU restored nothing"
-        while serving_pids(port) and time.monotonic() < restored + 30:
-            time.sleep(0.2)
-        assert serving_pids(port) == [], "the unleased restored tree was still running 30 s after CRIU"
+        assert group_members(capsule["root_pid"]), "CRIU restored nothing"
+        assert wait_group_gone(capsule["root_pid"], 30) == [], "the unleased restored tree was still running 30 s after CRIU"
         assert time.monotonic() - restored >= 14  # stopped by the lease wait, not by anything sooner
         assert result.pid == capsule["root_pid"]
     finally:
-        stop(port)
+        kill_group(capsule["root_pid"])
+
 
 @pytest.mark.parametrize("killed_at", ["restore.criu_restore", "restore.resume", "restore.canary"])
 def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path, killed_at):
@@ -471,12 +451,10 @@ def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path
                 break
         launcher.wait(10)
         assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
-        deadline = time.monotonic() + 25  # killed while CRIU ran: the agents' lease wait (15 s) stops the tree
-        while serving_pids(port) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert serving_pids(port) == []
+        # killed while CRIU ran, before the lease: the agents' lease wait (15 s) stops the tree
+        assert wait_group_gone(capsule_root_pid(artifact), 25) == []
         assert not (tmp_path / "receipt.json").exists()
         assert (artifact / "artifact.json").read_bytes() == before
     finally:
         launcher.kill()
-        stop(port)
+        kill_group(capsule_root_pid(artifact))

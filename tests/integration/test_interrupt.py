@@ -6,13 +6,14 @@ import subprocess
 import sys
 import time
 
+from tests.processes import group_members, launched_pid
+
 
 def test_sigterm_during_capture(tmp_path):
-    marker = "coldsnap-interrupt-test-sleeper"
     receipt = tmp_path / "receipt.json"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "coldsnap", "capture", "--out", str(tmp_path / "artifact"), "--port", "1",
-         "--receipt-json", str(receipt), "--", sys.executable, "-c", f"import time; time.sleep(120)  # {marker}"],
+         "--receipt-json", str(receipt), "--", sys.executable, "-c", "import time; time.sleep(120)"],
         stderr=subprocess.PIPE,
     )
     line = launcher.stderr.readline()
@@ -24,6 +25,5 @@ def test_sigterm_during_capture(tmp_path):
     document = json.loads(receipt.read_text())
     assert document["state"] == "failed" and document["error"]["code"] == "interrupted"
     time.sleep(0.2)
-    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.split()
-    assert left == []  # the started command was killed
+    assert group_members(launched_pid(document)) == []  # the started command was killed
     assert not (tmp_path / "artifact" / "artifact.json").exists()

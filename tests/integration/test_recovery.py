@@ -5,7 +5,6 @@ missing or corrupt — on the reference workload started from safetensors (``--w
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.processes import group_members, kill_group, launched_pid
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.criu, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
@@ -41,24 +42,6 @@ def complete(port: int) -> list[int]:
         return json.loads(response.read())["choices"][0]["token_ids"]
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def stop_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + 10
-    while alive(pgid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def spans(receipt: dict) -> dict[str, dict]:
     return {s["name"]: s.get("attributes", {}) for s in receipt["timing"]["spans"]}
 
@@ -83,7 +66,7 @@ def recoverable(tmp_path_factory):
                 assert time.monotonic() < deadline and reference.poll() is None, "the workload did not start"
                 time.sleep(0.2)
     finally:
-        stop_group(reference.pid)
+        kill_group(reference.pid)
         reference.wait()
     artifact = root / "artifact"
     status, receipt = coldsnap("capture", "--out", str(artifact), "--", *command)
@@ -93,7 +76,7 @@ def recoverable(tmp_path_factory):
     assert [p["path"] for p in pinned] == [str((root / "model" / "model.safetensors").resolve())]
     root_pid = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
     yield artifact, port, expected, root / "model" / "model.safetensors", root_pid
-    stop_group(root_pid)
+    kill_group(root_pid)
 
 
 def _restored(recoverable, artifact: Path, *flags: str) -> dict:
@@ -103,7 +86,7 @@ def _restored(recoverable, artifact: Path, *flags: str) -> dict:
         assert status == 0, receipt
         assert complete(port) == expected  # the tokens of the cold start from the safetensors
     finally:
-        stop_group(root_pid)
+        kill_group(root_pid)
     return receipt
 
 
@@ -147,7 +130,7 @@ def test_native_refuses_a_missing_pack_and_starts_nothing(recoverable, tmp_path)
     next((copy / "payload").glob("*.pack")).unlink()
     status, receipt = coldsnap("restore", str(copy), "--weights", "native")
     assert status == 1 and receipt["error"]["code"] == "admission.payload", receipt
-    assert not alive(recoverable[4])
+    assert group_members(recoverable[4]) == []
 
 
 def test_changed_safetensors_are_refused_before_anything_starts(recoverable, tmp_path):
@@ -168,7 +151,7 @@ def test_changed_safetensors_are_refused_before_anything_starts(recoverable, tmp
         status, receipt = coldsnap("restore", str(copy), "--state-dir", str(tmp_path / "s"))  # auto: neither source
         assert status == 1 and receipt["error"]["code"] == "admission.payload", receipt
         assert "recovery safetensors" in receipt["error"]["message"]
-        assert not alive(root_pid)
+        assert group_members(root_pid) == []
     finally:
         safetensors.write_bytes(original)
 
@@ -188,8 +171,7 @@ def test_a_recovery_capture_of_an_engine_without_safetensors_fails(tmp_path):
     status, receipt = coldsnap("capture", "--request-json", str(tmp_path / "request.json"))
     assert status == 1 and receipt["error"]["code"] == "capture.recovery", receipt
     assert not (tmp_path / "artifact" / "artifact.json").exists()
-    launched = spans(receipt).get("capture.launch", {}).get("pid")
-    assert launched is None or not alive(launched)
+    assert group_members(launched_pid(receipt)) == []  # launched, then killed
 
 
 def test_a_recovery_capture_writes_no_pack_and_restores_from_the_safetensors(recoverable, tmp_path):

@@ -18,21 +18,13 @@ pytestmark = [
 ]
 
 from tests.integration.test_capture_restore import (  # noqa: E402
-    PROMPT_2, _free_port, cold_start_tokens, coldsnap, complete, kill_running, pids_running)
+    PROMPT_2, _free_port, cold_start_tokens, coldsnap, complete)
+from tests.processes import capsule_root_pid, group_members, kill_group, launched_pid  # noqa: E402
 
 
 def workload(port: int) -> list[str]:
     return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--tp", "2",
             "--port", str(port)]
-
-
-def serving_pids(port: int) -> list[int]:
-    """The supervisor and both ranks."""
-    return pids_running(f"torch_lm --size tiny --device cpu --tp 2 --port {port}")
-
-
-def stop(port: int) -> None:
-    kill_running(f"torch_lm --size tiny --device cpu --tp 2 --port {port}")
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +36,11 @@ def tp_captured(tmp_path_factory):
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"),
                       "--", *workload(port))
     assert result.returncode == 0, result.stderr.decode()
-    assert serving_pids(port) == []
+    engine = launched_pid(json.loads((root / "capture-receipt.json").read_text()))
+    assert engine == capsule_root_pid(artifact)  # the restored tree's process group is the captured one's
+    assert group_members(engine) == []
     yield artifact, port, expected, root
-    stop(port)
+    kill_group(engine)
 
 
 def test_tp2_capture_records_a_worker_per_rank(tp_captured):
@@ -72,14 +66,14 @@ def test_tp2_restore_twice_gives_the_cold_start_tokens(tp_captured):
         assert result.returncode == 0, result.stderr.decode()
         assert b"canary matched" in result.stderr
         assert complete(port, PROMPT_2) == expected  # rank 1 follows again over a rebuilt communicator
-        assert len(serving_pids(port)) == 3
+        assert len(group_members(capsule_root_pid(artifact))) == 3  # the supervisor and both ranks
         assert coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
         resume = next(s for s in json.loads(receipt_path.read_text())["timing"]["spans"]
                       if s["name"] == "restore.resume")["attributes"]
         for rank_prefix in ("", "rank1."):
             assert resume[f"{rank_prefix}source"] == "native"
             assert {f"{rank_prefix}rebuild_ns", f"{rank_prefix}resumed_barrier_ns"} <= set(resume)
-        stop(port)
+        kill_group(capsule_root_pid(artifact))
 
 
 def _in_process(argv: list[str]) -> int:
@@ -109,7 +103,7 @@ def test_one_rank_failing_its_resume_fails_both_at_once(tp_captured, tmp_path, m
     assert time.monotonic() - started < 30  # not the 300 s rebuild barrier timeout
     error = json.loads(receipt.read_text())["error"]
     assert error["code"] == "restore.resume" and "rank 1" in error["message"] and "layout digest" in error["message"]
-    assert serving_pids(port) == []
+    assert group_members(capsule_root_pid(artifact)) == []
     assert (artifact / "artifact.json").read_bytes() == before
 
 
@@ -127,15 +121,17 @@ def test_one_rank_failing_its_prepare_commits_nothing(tmp_path, monkeypatch):
     out = tmp_path / "artifact"
     receipt = tmp_path / "receipt.json"
     assert _in_process(["capture", "--out", str(out), "--receipt-json", str(receipt), "--", *workload(port)]) == 1
-    error = json.loads(receipt.read_text())["error"]
+    document = json.loads(receipt.read_text())
+    error = document["error"]
     assert error["code"] == "capture.prepare" and "rank 1" in error["message"]
-    assert not (out / "artifact.json").exists() and serving_pids(port) == []
+    assert not (out / "artifact.json").exists() and group_members(launched_pid(document)) == []
 
 
 def test_capture_refuses_a_rank_count_the_engine_does_not_run(tmp_path):
     port = _free_port()
     result = coldsnap("capture", "--out", str(tmp_path / "a"), "--ranks", "1", "--receipt-json", "-", "--", *workload(port))
     assert result.returncode == 1
-    error = json.loads(result.stdout)["error"]
+    receipt = json.loads(result.stdout)
+    error = receipt["error"]
     assert error["code"] == "capture.topology" and "2 rank(s)" in error["message"]
-    assert serving_pids(port) == []
+    assert group_members(launched_pid(receipt)) == []

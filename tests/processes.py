@@ -1,0 +1,80 @@
+"""Tests find and kill the processes they started by a recorded process group id, never by matching
+command lines (a command-line pattern also matches other runs' processes, and misses processes that
+renamed themselves).
+
+Every tree a test cares about leads its own process group, so its pid is its pgid:
+
+- ``coldsnap capture`` starts the engine with ``start_new_session=True``; its pid is the capture
+  receipt's ``capture.launch`` span attribute ``pid`` (failed receipts carry the span too, once the
+  launch step ran) and the capsule's ``metadata.root_pid``;
+- CRIU restores the tree with the same pids, sessions and process groups: a restored tree's pgid is
+  the capsule's ``root_pid``;
+- cold starts in tests are ``subprocess.Popen(..., start_new_session=True)``: their pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["group_members", "kill_group", "wait_group_gone", "launched_pid", "capsule_root_pid"]
+
+_PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes whose process group is ``pgid``, sorted; threads excluded.
+
+    Not live: zombies, and processes already exiting (``PF_EXITING``: SIGKILLed, their memory maybe
+    gone, never to run user code again; kill_tree does not wait for a group's orphans to finish that).
+    """
+    assert isinstance(pgid, int) and pgid > 1, f"not a recorded process group id: {pgid!r}"  # never vacuously []
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ')'
+        except OSError:
+            continue  # exited meanwhile
+        # after the name (proc(5) fields 3...): state, ppid, pgrp, session, tty_nr, tpgid, flags
+        state, pgrp, flags = fields[0], int(fields[2]), int(fields[6])
+        if pgrp == pgid and state not in (b"Z", b"X") and not flags & _PF_EXITING:
+            members.append(int(entry))
+    return sorted(members)
+
+
+def wait_group_gone(pgid: int, timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for ``pgid`` to have no live members; the members left (``[]``: gone)."""
+    deadline = time.monotonic() + timeout
+    while (members := group_members(pgid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return members
+
+
+def kill_group(pgid: int, timeout: float = 10) -> list[int]:
+    """SIGKILL process group ``pgid`` (nothing to do if it has no members) and wait up to ``timeout`` s
+    until none is left; the members still alive then (``[]``). Never raises: it runs in cleanups."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return []
+    return wait_group_gone(pgid, timeout)
+
+
+def launched_pid(receipt: dict[str, Any]) -> int | None:
+    """The engine pid a capture receipt (succeeded or failed) recorded at launch; None: nothing was launched."""
+    for span in receipt["timing"]["spans"]:
+        if span["name"] == "capture.launch" and "pid" in span.get("attributes", {}):
+            return int(span["attributes"]["pid"])
+    return None
+
+
+def capsule_root_pid(artifact: str | os.PathLike[str], unit: str = "unit-0") -> int:
+    """The captured tree's root pid (and so the pgid of every restore of it), from the unit's capsule."""
+    return int(json.loads((Path(artifact) / "units" / unit / "capsule.json").read_text())["metadata"]["root_pid"])
