@@ -21,32 +21,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coldsnap.snapshot import process_tree
+
 __all__ = ["group_members", "kill_group", "wait_group_gone", "launched_pid", "capsule_root_pid"]
-
-_PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
-
 
 def group_members(pgid: int) -> list[int]:
     """The live processes whose process group is ``pgid``, sorted; threads excluded.
 
-    Not live: zombies, and processes already exiting (``PF_EXITING``: SIGKILLed, their memory maybe
-    gone, never to run user code again; kill_tree does not wait for a group's orphans to finish that).
+    Not live: zombies, and processes already exiting (``PF_EXITING``: SIGKILLed, never to run user code
+    again), which a test must not mistake for a survivor.
     """
     assert isinstance(pgid, int) and pgid > 1, f"not a recorded process group id: {pgid!r}"  # never vacuously []
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ')'
-        except OSError:
-            continue  # exited meanwhile
-        # after the name (proc(5) fields 3...): state, ppid, pgrp, session, tty_nr, tpgid, flags
-        state, pgrp, flags = fields[0], int(fields[2]), int(fields[6])
-        if pgrp == pgid and state not in (b"Z", b"X") and not flags & _PF_EXITING:
-            members.append(int(entry))
-    return sorted(members)
+    return process_tree.group_members(pgid, exiting=False)
 
 
 def wait_group_gone(pgid: int, timeout: float) -> list[int]:

@@ -19,7 +19,7 @@ import stat
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from coldsnap.atomic import write_atomic
 
@@ -34,18 +34,27 @@ class ImageStateError(RuntimeError):
     """The host is not in a state the image can be restored into (pids taken, a file shrank...)."""
 
 
-def tree_pids(root: int) -> list[int]:
-    """``root`` and all its descendants (threads excluded), parents before children."""
-    children: dict[int, list[int]] = {}
+_PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+
+
+def _process_stats() -> Iterator[tuple[int, list[bytes]]]:
+    """Every process (threads excluded) with its /proc stat fields after the name: proc(5)'s fields 3
+    on (state, ppid, pgrp, session, tty_nr, tpgid, flags, ...). Processes that exit meanwhile are skipped."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
+                yield int(entry), handle.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ')'
         except OSError:
-            continue  # exited meanwhile
-        children.setdefault(int(fields[1]), []).append(int(entry))
+            continue
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and all its descendants (threads excluded), parents before children."""
+    children: dict[int, list[int]] = {}
+    for pid, fields in _process_stats():
+        children.setdefault(int(fields[1]), []).append(pid)
     if not os.path.exists(f"/proc/{root}"):
         return []
     order, queue = [], [root]
@@ -85,20 +94,12 @@ def kill_tree(root: int, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes (zombies left out) whose process group is ``pgid``."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                fields = handle.read().rsplit(b")", 1)[1].split()
-        except OSError:  # gone meanwhile
-            continue
-        if int(fields[2]) == pgid and fields[0] != b"Z":
-            members.append(int(entry))
-    return members
+def group_members(pgid: int, exiting: bool = True) -> list[int]:
+    """Processes (zombies left out) whose process group is ``pgid``, sorted; without ``exiting``, also
+    those already in ``do_exit`` (SIGKILLed: they never run user code again, but still hold memory)."""
+    return sorted(pid for pid, fields in _process_stats()
+                  if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X")
+                  and (exiting or not int(fields[6]) & _PF_EXITING))
 
 
 def _is_zombie(pid: int) -> bool:
