@@ -1,0 +1,37 @@
+"""The restore benchmark's CPU mode (the reference workload, real CRIU): it runs, and its figures add up —
+the restore is the `coldsnap restore` process's exec → canary match, its phases placed on the wall clock."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytestmark = [pytest.mark.criu, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
+
+ROOT = Path(__file__).resolve().parents[2]
+BEFORE_THE_CANARY = ("exec → admission start", "restore.admission", "restore.criu_restore", "restore.lease",
+                     "restore.resume", "restore.canary")
+
+
+def test_restore_latency_cpu_mode(tmp_path):
+    out = tmp_path / "restore.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_latency.py"), "--size", "tiny", "--device",
+                           "cpu", "--repeat", "2", "--out", str(out), "--dir", str(tmp_path / "work")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    document = json.loads(out.read_text())
+    assert document["same_tokens_as_cold_start"] is True
+    restores = [r for r in document["runs"] if r["kind"] == "restore" and r["cache"] == "warm"]
+    assert len(restores) == 2
+    for run in restores:
+        phases = run["phases"]
+        assert all(name in phases for name in (*BEFORE_THE_CANARY, "canary → receipt", "receipt → process exit"))
+        before = sum(phases[name] for name in BEFORE_THE_CANARY)
+        # the phases before the canary's match lie inside exec → match (steps between spans are not phases)
+        assert 0.5 * run["seconds"] <= before <= run["seconds"] + 0.005, (before, run)
+    assert document["summary"]["restore (warm)"] > 0 and document["phase_medians_warm"]["exec → admission start"] > 0
+    assert "restore phases (median of 2 warm runs" in done.stdout
