@@ -15,15 +15,15 @@ from pathlib import Path
 from typing import Callable, get_args
 
 from coldsnap import __version__
-from coldsnap.contracts.artifact import ArtifactDescriptor
-from coldsnap.contracts.base import Contract, ContractError, decode_document, parse_strict_json
-from coldsnap.contracts.capabilities import build_capabilities
+from coldsnap.contracts.base import ContractError, decode_document, parse_strict_json
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.common import EngineName, SnapshotDriverName
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS, SNAPSHOT_DRIVERS, resolve_request
-from coldsnap.contracts.receipt import OperationReceipt
 from coldsnap.contracts.request import OperationRequest
-from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_ADAPTER
+
+# Contracts a command needs only for itself (capabilities, artifact and receipt validation, timing
+# events) are imported inside it: building pydantic models is most of this CLI's start-up, and a restore
+# is timed from its exec.
 from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 
 __all__ = ["main", "build_parser"]
@@ -46,6 +46,8 @@ def _read_input(path: str) -> bytes:
 
 
 def _cmd_capabilities(args: argparse.Namespace) -> int:
+    from coldsnap.contracts.capabilities import build_capabilities
+
     document = build_capabilities(__version__).to_json_value()
     if args.canonical:
         sys.stdout.buffer.write(canonical_json(document) + b"\n")
@@ -84,15 +86,19 @@ def _validate_request(data: bytes, source: str) -> str:
     return f"request format 4, {request.operation} {request.operation_id}, sha256 {request.canonical_sha256()}"
 
 
-def _validate_model(model: type[Contract], label: str) -> Callable[[bytes, str], str]:
+def _validate_model(module: str, name: str, label: str) -> Callable[[bytes, str], str]:
     def validate(data: bytes, source: str) -> str:
-        document = decode_document(model, data, source)
-        return f"{label} format {document.format}, sha256 {document.canonical_sha256()}"  # type: ignore[attr-defined]
+        import importlib
+
+        document = decode_document(getattr(importlib.import_module(f"coldsnap.contracts.{module}"), name), data, source)
+        return f"{label} format {document.format}, sha256 {document.canonical_sha256()}"
 
     return validate
 
 
 def _validate_timing_events(data: bytes, source: str) -> str:
+    from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_ADAPTER
+
     problems = []
     lines = data.split(b"\n")
     if lines and lines[-1] == b"":
@@ -126,8 +132,8 @@ def _validate_timing_events(data: bytes, source: str) -> str:
 
 VALIDATORS: dict[str, Callable[[bytes, str], str]] = {
     "request": _validate_request,
-    "artifact": _validate_model(ArtifactDescriptor, "artifact"),
-    "receipt": _validate_model(OperationReceipt, "receipt"),
+    "artifact": _validate_model("artifact", "ArtifactDescriptor", "artifact"),
+    "receipt": _validate_model("receipt", "OperationReceipt", "receipt"),
     "timing-events": _validate_timing_events,
 }
 

@@ -34,15 +34,35 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 
 
 class Contract(BaseModel):
-    """Base of all contract models: strict, closed, immutable, documented field by field."""
+    """Base of all contract models: strict, closed, immutable, documented field by field.
+
+    Each field's documentation is the docstring under it. pydantic can read those at class creation
+    (``use_attribute_docstrings``), but that parses every model's source at import — a tenth of a
+    restore's start-up — so :meth:`model_json_schema` reads them only when a schema is asked for."""
 
     model_config = ConfigDict(
         extra="forbid",
         strict=True,
         frozen=True,
-        use_attribute_docstrings=True,
         validate_default=True,
     )
+
+    @classmethod
+    def field_docs(cls) -> dict[str, str]:
+        """Field name → the docstring under the field in this class or a base (read from the source)."""
+        docs: dict[str, str] = {}
+        for klass in reversed(cls.__mro__):
+            if isinstance(klass, type) and issubclass(klass, Contract) and klass is not Contract:
+                docs.update(_attribute_docstrings(klass))
+        return docs
+
+    @classmethod
+    def model_json_schema(cls, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """pydantic's schema, each property described by its field's docstring."""
+        schema = super().model_json_schema(*args, **kwargs)
+        for name, doc in cls.field_docs().items():
+            schema.get("properties", {}).get(name, {}).setdefault("description", doc)
+        return schema
 
     def to_json_value(self) -> dict[str, Any]:
         """This document as plain JSON values (what canonical JSON is computed over)."""
@@ -53,6 +73,22 @@ class Contract(BaseModel):
 
     def canonical_sha256(self) -> str:
         return canonical_sha256(self.to_json_value())
+
+
+def _attribute_docstrings(klass: type) -> dict[str, str]:
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+    body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+    docs = {}
+    for statement, following in zip(body, body[1:]):
+        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                and isinstance(following.value.value, str)):
+            docs[statement.target.id] = inspect.cleandoc(following.value.value)
+    return docs
 
 
 class ContractError(ValueError):

@@ -157,8 +157,11 @@ def test_every_field_of_every_contract_is_documented():
     models = list(_all_models())
     assert len(models) > 20
     for model in models:
-        for name, info in model.model_fields.items():
-            assert info.description, f"{model.__name__}.{name} has no docstring"
+        docs = model.field_docs()
+        for name in model.model_fields:
+            assert docs.get(name), f"{model.__name__}.{name} has no docstring"
+        described = model.model_json_schema()["properties"]
+        assert all(described[name].get("description") for name in model.model_fields), model.__name__
         assert model.model_config.get("extra") == "forbid", model.__name__
 
 
