@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, get_args
+from typing import Any, Callable, get_args
 
 from coldsnap import __version__
 from coldsnap.contracts.base import ContractError, decode_document, parse_strict_json
@@ -285,8 +285,13 @@ def _restore_request(args: argparse.Namespace) -> dict:
 
 
 def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace], dict], operation: str) -> int:
-    from coldsnap import activation
     from coldsnap.operation import OperationFailed, run_operation, terminate_as_interrupt
+
+    perform: Callable[[Any], Any]
+    if operation == "capture":
+        from coldsnap.activation.capture import capture as perform
+    else:
+        from coldsnap.activation.restore import restore as perform
 
     terminate_as_interrupt()
     try:
@@ -305,7 +310,7 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
     def body(context):
         if context.request.operation != operation:
             raise OperationFailed("request.operation", f"`coldsnap {operation}` got a {context.request.operation} request")
-        return activation.capture(context) if operation == "capture" else activation.restore(context)
+        return perform(context)
 
     return run_operation(data, source, body, args.receipt_json, args.timing_events)
 

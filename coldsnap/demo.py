@@ -23,7 +23,7 @@ import tempfile
 import time
 import urllib.error
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.engine_process import ask_canary, post_empty
@@ -157,9 +157,11 @@ def _spans(receipt: dict[str, Any]) -> dict[str, float]:
 
 
 def _operation(document: dict[str, Any], receipt_path: Path, quiet: bool) -> dict[str, Any]:
-    from coldsnap import activation
-
-    body = activation.capture if document["operation"] == "capture" else activation.restore
+    body: Callable[[Any], Any]
+    if document["operation"] == "capture":
+        from coldsnap.activation.capture import capture as body
+    else:
+        from coldsnap.activation.restore import restore as body
     stderr = open(os.devnull, "w") if quiet else sys.stderr
     try:
         status = run_operation(json.dumps(document).encode(), "demo", body, str(receipt_path), stderr=stderr)

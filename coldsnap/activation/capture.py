@@ -37,6 +37,10 @@ from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.process_tree import anonymous_bytes, connected_tcp_sockets, resident_bytes, tree_pids
 
+RESTORE_CANARY_TOKENS = 2
+"""Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
+one decode step (KV cache read back, the decode CUDA graph replayed)."""
+
 __all__ = ["capture", "READY_TIMEOUT_S"]
 
 READY_TIMEOUT_S = 900.0
@@ -143,10 +147,12 @@ class CaptureSequence:
         return f" | engine log: {tail.splitlines()[-1]}" if tail else ""
 
     def record_canary(self) -> None:
+        """The canary's answer, and where the engine gives them, its prefill's top-1 predictions at every
+        prompt position: a restore then checks those plus the first :data:`RESTORE_CANARY_TOKENS` tokens."""
         validation = self.request.policy.validation
         assert validation.prompt is not None and validation.max_tokens is not None  # resolve_request fills both
         with self.step("capture.canary", "capture.canary") as span:
-            self.canary = ask_canary(self.port, validation.prompt, validation.max_tokens)
+            self.canary = ask_canary(self.port, validation.prompt, validation.max_tokens, prompt_argmax=True)
             span["tokens"] = len(self.canary.token_ids)
         self.context.progress(f"canary answered {self.canary.text!r} ({len(self.canary.token_ids)} tokens)")
 
@@ -278,7 +284,9 @@ class CaptureSequence:
                     criu_version=".".join(map(str, snapshotter.criu.version())),
                 ),
                 canary=CanaryRecord(prompt=self.request.policy.validation.prompt or "", expected_response=canary.text,
-                                    token_ids=canary.token_ids),
+                                    token_ids=canary.token_ids, prompt_argmax=canary.prompt_argmax,
+                                    restore_tokens=(min(RESTORE_CANARY_TOKENS, len(canary.token_ids))
+                                                    if canary.prompt_argmax and canary.token_ids else None)),
                 units=[UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records)],
             )
             artifact.commit(descriptor)

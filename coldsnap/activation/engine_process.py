@@ -50,18 +50,40 @@ class Canary:
     text: str
     token_ids: list[int]
     seconds: float
+    prompt_argmax: list[int] | None = None
+    """The top-1 next token the prefill predicted at each prompt position but the first (None: not asked,
+    or the engine gave no prompt logprobs)."""
 
 
-def ask_canary(port: int, prompt: str, max_tokens: int, timeout: float = 120.0) -> Canary:
-    """Greedy completion through the engine's own OpenAI-compatible ``POST /v1/completions``."""
-    body = json.dumps({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}).encode()
+def ask_canary(port: int, prompt: str, max_tokens: int, timeout: float = 120.0, prompt_argmax: bool = False) -> Canary:
+    """Greedy completion through the engine's own OpenAI-compatible ``POST /v1/completions``; with
+    ``prompt_argmax``, also the prefill's top-1 prediction at every prompt position (vLLM's
+    ``prompt_logprobs``: one forward pass checks the model at every position)."""
+    request: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    if prompt_argmax:
+        request["prompt_logprobs"] = 1
     started = time.perf_counter()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(request).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as response:
         document = json.loads(response.read())
     choice = document["choices"][0]
-    return Canary(choice["text"], list(choice.get("token_ids") or []), time.perf_counter() - started)
+    predicted = _top_ones(choice.get("prompt_logprobs")) if prompt_argmax else None
+    return Canary(choice["text"], list(choice.get("token_ids") or []), time.perf_counter() - started, predicted)
+
+
+def _top_ones(prompt_logprobs: Any) -> list[int] | None:
+    """The rank-1 token at each prompt position after the first, from an OpenAI-style ``prompt_logprobs``
+    list (``[None, {"<token id>": {"logprob": ..., "rank": ...}, ...}, ...]``); None when it is not that."""
+    if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) < 2:
+        return None
+    top = []
+    for entry in prompt_logprobs[1:]:
+        ranked = [int(token) for token, info in (entry or {}).items() if isinstance(info, dict) and info.get("rank") == 1]
+        if len(ranked) != 1:
+            return None
+        top.append(ranked[0])
+    return top
 
 
 def post_empty(port: int, path: str, timeout: float = 600.0) -> tuple[float, dict[str, Any]]:

@@ -397,13 +397,25 @@ class RestoreSequence:
                     span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)
 
     def check_canary(self) -> None:
-        canary_record = self.descriptor.canary
+        """The restored server must answer as the captured one did. Where capture recorded the prefill's
+        predictions, one prefill checks them at every prompt position plus the first generated tokens;
+        else every token and the text."""
+        record = self.descriptor.canary
+        quick = record.prompt_argmax is not None and record.restore_tokens is not None
+        tokens = record.restore_tokens if quick and record.restore_tokens else len(record.token_ids) or 16
         with self.step("restore.canary", "restore.canary") as span:
             # HTTP errors are OSErrors: the restored server did not answer right
-            canary = ask_canary(self.metadata.serving_port, canary_record.prompt, len(canary_record.token_ids) or 16)
+            canary = ask_canary(self.metadata.serving_port, record.prompt, tokens, prompt_argmax=quick)
             span["tokens"] = len(canary.token_ids)
-        if canary.token_ids != canary_record.token_ids or canary.text != canary_record.expected_response:
-            raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {canary_record.expected_response!r}")
+            span["checked"] = (f"prompt argmax at {len(record.prompt_argmax or [])} positions + {tokens} tokens" if quick
+                               else f"{tokens} tokens and the text")
+        if quick:
+            if canary.prompt_argmax != record.prompt_argmax or canary.token_ids != record.token_ids[:tokens]:
+                raise OperationFailed("restore.canary", f"canary predicted {canary.prompt_argmax} over the prompt and "
+                                      f"generated {canary.token_ids}; captured {record.prompt_argmax} and "
+                                      f"{record.token_ids[:tokens]}")
+        elif canary.token_ids != record.token_ids or canary.text != record.expected_response:
+            raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {record.expected_response!r}")
 
     def _close_handed_over(self) -> None:
         for fd in self.handed_over:

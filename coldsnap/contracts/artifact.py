@@ -96,6 +96,13 @@ class CanaryRecord(Contract):
     """Response text the restored server must reproduce."""
     token_ids: list[int]
     """Token ids the captured server produced."""
+    prompt_argmax: list[int] | None = None
+    """The top-1 next token the captured server's prefill predicted at each prompt position but the first
+    (its ``prompt_logprobs``); ``None`` when the engine gave none."""
+    restore_tokens: int | None = Field(default=None, ge=1)
+    """What a restore checks: with ``prompt_argmax``, one prefill's predictions at every prompt position
+    plus the first ``restore_tokens`` of ``token_ids`` (the same model checked at more positions for less
+    decode time); ``None``: every one of ``token_ids`` and the response text."""
 
 
 class WorkerRecord(Contract):

@@ -107,7 +107,29 @@ def test_restore_twice_gives_the_same_greedy_tokens(captured):
         assert receipt["state"] == "succeeded" and coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
         resume = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.resume")
         assert resume["attributes"]["source"] == "native" and resume["attributes"]["bytes"] > 0
+        canary = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.canary")["attributes"]
+        assert canary["checked"] == "prompt argmax at 45 positions + 2 tokens" and canary["tokens"] == 2
         kill_group(capsule_root_pid(artifact))
+    record = json.loads((artifact / "artifact.json").read_text())["canary"]
+    # the reference workload's tokens are a begin token and the prompt's 45 bytes: 45 predictions after the first
+    assert len(record["prompt"].encode()) == 45 and len(record["prompt_argmax"]) == 45
+    assert record["restore_tokens"] == 2 and len(record["token_ids"]) == 16
+
+
+def test_a_restore_whose_prefill_predicts_otherwise_fails_the_canary(captured, tmp_path):
+    """The quick canary is a real check: one prompt prediction recorded differently fails the restore
+    (restore.canary) and kills the restored tree."""
+    artifact, _, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    descriptor = json.loads((copy / "artifact.json").read_text())
+    descriptor["canary"]["prompt_argmax"][20] = (descriptor["canary"]["prompt_argmax"][20] + 1) % 256
+    (copy / "artifact.json").write_text(json.dumps(descriptor))
+    result = coldsnap("restore", str(copy), "--receipt-json", "-")
+    assert result.returncode == 1
+    receipt = json.loads(result.stdout)
+    assert receipt["error"]["code"] == "restore.canary" and "over the prompt" in receipt["error"]["message"]
+    assert group_members(capsule_root_pid(artifact)) == []
 
 
 def test_request_json_on_stdin_and_one_receipt_on_stdout(captured):

@@ -208,10 +208,12 @@ class TorchLM:
         x1, x2 = x.float()[..., : hd // 2], x.float()[..., hd // 2:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
-    def _decoder(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv_end: int) -> torch.Tensor:
+    def _decoder(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv_end: int,
+                 every_position: bool = False) -> torch.Tensor:
         """All layers for the tokens at ``positions``: their keys and values go into the cache there, and
         attention reads the cache's first ``kv_end`` positions under ``mask``. Index ops only, no Python
-        values from the GPU, so the same code is captured into a CUDA graph."""
+        values from the GPU, so the same code is captured into a CUDA graph. The logits of the last
+        position, or of every one (``every_position``: a row each)."""
         s, p = self.shape, self.params
         steps = x.shape[0]
         groups = self.heads // self.kv_heads
@@ -232,17 +234,19 @@ class TorchLM:
             h = self._rms(x, p[pre + "post_attention_layernorm.weight"])
             gate = torch.nn.functional.silu(h @ p[pre + "mlp.gate_proj.weight"].T)
             x = x + self._sum_over_ranks((gate * (h @ p[pre + "mlp.up_proj.weight"].T)) @ p[pre + "mlp.down_proj.weight"].T)
-        x = self._rms(x[-1:], p["model.norm.weight"])
-        return (x @ p["lm_head.weight"].T)[0]
+        x = self._rms(x if every_position else x[-1:], p["model.norm.weight"])
+        logits = x @ p["lm_head.weight"].T
+        return logits if every_position else logits[0]
 
     @torch.no_grad()
-    def forward(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        """Logits of the last position; writes the keys and values of ``tokens`` at ``start`` (eager)."""
+    def forward(self, tokens: torch.Tensor, start: int, every_position: bool = False) -> torch.Tensor:
+        """Logits of the last position (of every one: a row each); writes the keys and values of
+        ``tokens`` at ``start`` (eager)."""
         steps = tokens.numel()
         end = start + steps
         positions = torch.arange(start, end, device=self.device)
         mask = torch.full((steps, end), float("-inf"), device=self.device).triu(start + 1)
-        return self._decoder(self.params["model.embed_tokens.weight"][tokens], positions, mask, end)
+        return self._decoder(self.params["model.embed_tokens.weight"][tokens], positions, mask, end, every_position)
 
     @torch.no_grad()
     def _decode_step(self) -> torch.Tensor:
@@ -299,8 +303,10 @@ class TorchLM:
         self._graph.replay()
         return self._graph_logits
 
-    def generate(self, prompt: str, max_tokens: int) -> list[int]:
-        """Greedy generation; returns the new token ids."""
+    def generate(self, prompt: str, max_tokens: int, prompt_argmax: list | None = None) -> list[int]:
+        """Greedy generation; returns the new token ids. ``prompt_argmax``, when given, receives the top-1
+        next token and its log-probability at every prompt position but the last (the prefill's
+        predictions, as an OpenAI server's ``prompt_logprobs`` give them)."""
         ids = encode(prompt)
         if len(ids) + max_tokens > self.max_seq:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds {self.max_seq}")
@@ -308,7 +314,11 @@ class TorchLM:
             for follower in self.followers:  # under the lock: followers run requests in this order
                 follower.sendall(json.dumps({"prompt": prompt, "max_tokens": max_tokens}).encode() + b"\n")
             out: list[int] = []
-            logits = self.forward(torch.tensor(ids, device=self.device), 0)
+            logits = self.forward(torch.tensor(ids, device=self.device), 0, every_position=prompt_argmax is not None)
+            if prompt_argmax is not None:
+                best = torch.log_softmax(logits[:-1].float(), -1).max(-1)
+                prompt_argmax.extend(zip(best.indices.tolist(), best.values.tolist()))
+                logits = logits[-1]
             position = len(ids)
             for _ in range(max_tokens):
                 token = int(logits.float().argmax())

@@ -53,15 +53,21 @@ class _Handler(BaseHTTPRequestHandler):
                 raise ValueError("only temperature 0 (greedy) is supported")
             if not isinstance(prompt, str) or not 1 <= max_tokens <= 4096:
                 raise ValueError("prompt must be a string and max_tokens in 1..4096")
+            want_prompt = request.get("prompt_logprobs") is not None  # top-1 only, whatever the number asked
             started = time.perf_counter()
-            ids = self.model.generate(prompt, max_tokens)
+            predicted: list | None = [] if want_prompt else None
+            ids = self.model.generate(prompt, max_tokens, predicted)
         except (ValueError, KeyError, TypeError) as exc:
             self._reply(400, {"error": str(exc)})
             return
+        choice: dict = {"index": 0, "text": decode(ids), "token_ids": ids, "finish_reason": "length"}
+        if predicted is not None:  # vLLM's shape: per prompt token, None first, then {token id: {logprob, rank}}
+            choice["prompt_logprobs"] = [None] + [{str(token): {"logprob": logprob, "rank": 1}}
+                                                  for token, logprob in predicted]
         self._reply(200, {
             "object": "text_completion",
             "model": self.model_name,
-            "choices": [{"index": 0, "text": decode(ids), "token_ids": ids, "finish_reason": "length"}],
+            "choices": [choice],
             "usage": {"prompt_tokens": len(encode(prompt)), "completion_tokens": len(ids),
                       "seconds": round(time.perf_counter() - started, 4)},
         })
