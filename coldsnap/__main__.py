@@ -1,5 +1,3 @@
-import sys
+from coldsnap.cli import run
 
-from coldsnap.cli import main
-
-sys.exit(main())
+run()
