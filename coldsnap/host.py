@@ -12,7 +12,7 @@ import platform
 import re
 from pathlib import Path
 
-__all__ = ["nvidia_kernel_driver", "host_facts"]
+__all__ = ["nvidia_kernel_driver", "host_facts", "stat_fields"]
 
 _NVIDIA_PROC = Path("/proc/driver/nvidia/version")
 
@@ -30,3 +30,11 @@ def nvidia_kernel_driver(proc_file: Path = _NVIDIA_PROC) -> str | None:
 def host_facts() -> dict[str, str | bool]:
     """Kernel release, CPU architecture and whether this process is root (CRIU needs it)."""
     return {"kernel": platform.release(), "arch": platform.machine(), "root": os.geteuid() == 0}
+
+
+def stat_fields(pid: int | str = "self") -> list[bytes]:
+    """A process's ``/proc/<pid>/stat`` fields after its name: proc(5)'s fields 3 on (state, ppid, pgrp,
+    session, tty_nr, tpgid, flags, ...; field N is index N - 3). The name may hold spaces and ')', so it is
+    cut at the last ')'. OSError when the process is gone."""
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rsplit(b")", 1)[1].split()

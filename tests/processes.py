@@ -17,13 +17,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from coldsnap.snapshot import process_tree
 
-__all__ = ["group_members", "kill_group", "wait_group_gone", "launched_pid", "capsule_root_pid"]
+__all__ = ["group_members", "kill_group", "wait_group_gone", "launched_pid", "capsule_root_pid",
+           "restore_killed_at"]
 
 def group_members(pgid: int) -> list[int]:
     """The live processes whose process group is ``pgid``, sorted; threads excluded.
@@ -64,3 +67,23 @@ def launched_pid(receipt: dict[str, Any]) -> int | None:
 def capsule_root_pid(artifact: str | os.PathLike[str], unit: str = "unit-0") -> int:
     """The captured tree's root pid (and so the pgid of every restore of it), from the unit's capsule."""
     return int(json.loads((Path(artifact) / "units" / unit / "capsule.json").read_text())["metadata"]["root_pid"])
+
+
+def restore_killed_at(artifact: str | os.PathLike[str], step: str, receipt: str | os.PathLike[str],
+                      env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Run ``coldsnap restore`` of ``artifact`` and SIGKILL it as the span ``step`` starts (read from its
+    live timing events); returns the reaped launcher (its returncode is -SIGKILL unless it ended first)."""
+    launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", str(artifact), "--receipt-json", str(receipt),
+                                 "--timing-events", "-"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    try:
+        assert launcher.stdout is not None
+        for line in launcher.stdout:
+            event = json.loads(line)
+            if event.get("event") == "span_start" and event.get("name") == step:
+                launcher.kill()
+                break
+        launcher.wait(10)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    return launcher

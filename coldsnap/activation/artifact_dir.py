@@ -92,8 +92,11 @@ class ArtifactDir:
     def record_dir(self, path: Path) -> Path | None:
         """Where a restore keeps the validation record of ``path`` (a file in this artifact), or None
         when the state directory cannot be made (verification then hashes unrecorded files in full)."""
+        return self._records(self.relative(path.parent))
+
+    def _records(self, folder: str) -> Path | None:
         try:
-            directory = self.state_dir() / "records" / self.relative(path.parent)
+            directory = self.state_dir() / "records" / folder
             directory.mkdir(parents=True, exist_ok=True)
             return directory
         except OSError:
@@ -135,13 +138,7 @@ class ArtifactDir:
     def external_record_dir(self, path: Path) -> Path | None:
         """Where a restore keeps the validation record of ``path``, a file outside the artifact (a pinned
         recovery safetensors), or None when the state directory cannot be made."""
-        try:
-            folder = hashlib.sha256(str(path.parent).encode()).hexdigest()[:16]
-            directory = self.state_dir() / "records" / "external" / folder
-            directory.mkdir(parents=True, exist_ok=True)
-            return directory
-        except OSError:
-            return None
+        return self._records(f"external/{hashlib.sha256(str(path.parent).encode()).hexdigest()[:16]}")
 
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))

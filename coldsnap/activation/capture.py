@@ -236,8 +236,8 @@ class CaptureSequence:
                                       "loaded its weights from no safetensors file coldsnap can pin")
             return None
         try:
-            return [PinnedFile(path=str(Path(f).resolve()), sha256=sha256_file(Path(f)), size_bytes=Path(f).stat().st_size)
-                    for f in prepared.recovery_files]
+            files = [Path(f).resolve() for f in prepared.recovery_files]
+            return [PinnedFile(path=str(f), sha256=sha256_file(f), size_bytes=f.stat().st_size) for f in files]
         except OSError as exc:
             raise OperationFailed("capture.recovery", f"rank {rank}'s recovery safetensors: {exc}") from None
 

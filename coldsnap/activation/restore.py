@@ -401,8 +401,9 @@ class RestoreSequence:
         predictions, one prefill checks them at every prompt position plus the first generated tokens;
         else every token and the text."""
         record = self.descriptor.canary
-        quick = record.prompt_argmax is not None and record.restore_tokens is not None
-        tokens = record.restore_tokens if quick and record.restore_tokens else len(record.token_ids) or 16
+        quick_tokens = record.restore_tokens if record.prompt_argmax is not None else None
+        quick = quick_tokens is not None
+        tokens = quick_tokens or len(record.token_ids) or 16
         with self.step("restore.canary", "restore.canary") as span:
             # HTTP errors are OSErrors: the restored server did not answer right
             canary = ask_canary(self.metadata.serving_port, record.prompt, tokens, prompt_argmax=quick)

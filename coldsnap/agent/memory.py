@@ -105,17 +105,16 @@ class ModelMemory:
             if region.tag not in adopted:
                 timed(seconds, f"map_{region.tag}", region.map)
         weights = {t: r for t, r in selected.items() if t not in DISCARDED_TAGS}
+        staged_elsewhere = bool(adopted) and set(weights) <= set(adopted)  # another process hydrated payload and residual
         hydrated: dict[str, Any] = {}
         if not weights:
             hydrated = {"source": "none", "bytes": 0}
-        elif adopted and set(weights) <= set(adopted):  # another process hydrated payload and residual
+        elif staged_elsewhere:
             hydrated = {"source": "native", "staged": True, **(staged or {})}
         elif payload:
             stats = timed(seconds, "hydrate", lambda: hydrate_pack(payload, weights, layout_digest=digest, progress=progress))
             hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds,
                         "gb_per_s": round(stats.gb_per_s, 3), "direct": stats.direct, "cached_fraction": stats.cached_fraction}
-            if residual:
-                timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
         else:  # safetensors: a restore with no source was refused before mapping
             assert safetensors
             if replay is not None:
@@ -124,8 +123,8 @@ class ModelMemory:
                 read = sum(s.bytes for s in timed(seconds, "hydrate",
                                                   lambda: replay_safetensors(safetensors, self.layout, weights)))
             hydrated = {"source": "recovery", "bytes": read, "seconds": seconds["hydrate"]}
-            if residual:
-                timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
+        if residual and weights and not staged_elsewhere:  # the bytes around the tensors, whichever filled them
+            timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
         for tag in DISCARDED_TAGS:
             if tag in selected:
                 timed(seconds, f"zero_{tag}", selected[tag].zero)

@@ -42,6 +42,7 @@ from coldsnap.agent.protocol import (
     receive_line,
 )
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
+from coldsnap.host import stat_fields
 from coldsnap.timing import timed
 
 if TYPE_CHECKING:
@@ -413,8 +414,7 @@ def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lo
 def _process_start_ticks() -> int:
     """This process's start time in clock ticks since boot (/proc/self/stat, field 22): CRIU restores a
     process as a new kernel task, so it differs after a restore."""
-    with open("/proc/self/stat", "rb") as stat:
-        return int(stat.read().rsplit(b")", 1)[1].split()[19])
+    return int(stat_fields()[19])
 
 
 def _stop_process_group(reason: str = "the restoring launcher died before the canary matched") -> None:

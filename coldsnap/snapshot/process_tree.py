@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from coldsnap.atomic import write_atomic
+from coldsnap.host import stat_fields
 
 __all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "STATE_FILE"]
 
@@ -38,16 +39,16 @@ _PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
 
 def _process_stats() -> Iterator[tuple[int, list[bytes]]]:
-    """Every process (threads excluded) with its /proc stat fields after the name: proc(5)'s fields 3
-    on (state, ppid, pgrp, session, tty_nr, tpgid, flags, ...). Processes that exit meanwhile are skipped."""
+    """Every process (threads excluded) with its :func:`~coldsnap.host.stat_fields`; processes that exit
+    meanwhile are skipped."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat", "rb") as handle:
-                yield int(entry), handle.read().rsplit(b")", 1)[1].split()  # the name may hold spaces and ')'
-        except OSError:
+            fields = stat_fields(entry)
+        except OSError:  # exited meanwhile
             continue
+        yield int(entry), fields
 
 
 def tree_pids(root: int) -> list[int]:
@@ -104,8 +105,7 @@ def group_members(pgid: int, exiting: bool = True) -> list[int]:
 
 def _is_zombie(pid: int) -> bool:
     try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        return stat_fields(pid)[0] == b"Z"
     except OSError:
         return False
 

@@ -15,7 +15,7 @@ import torch
 
 from coldsnap.hydrate import CopyItem, HydrationError, hydrate_items
 from coldsnap.memory import AllocationError, RegionError, reserve, reserve_staging
-from tests.processes import capsule_root_pid, group_members, launched_pid
+from tests.processes import capsule_root_pid, group_members, launched_pid, restore_killed_at
 
 MiB = 1 << 20
 
@@ -424,7 +424,6 @@ def failure_hygiene_on_gpu() -> None:
     read-only bind mount restore (never written), a pages image corrupted in place is refused at
     admission with nothing started, and a launcher SIGKILLed as CRIU, the CUDA restore, the resume or
     the canary starts leaves no restored process, no CUDA context and no receipt behind."""
-    import json
     import shutil
     import signal
     import subprocess
@@ -479,15 +478,8 @@ def failure_hygiene_on_gpu() -> None:
 
         for killed_at in ("restore.criu_restore", "restore.cuda_restore", "restore.resume", "restore.canary"):
             receipt_path = os.path.join(scratch, f"receipt-{killed_at}.json")
-            launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", moved, "--receipt-json", receipt_path,
-                                         "--timing-events", "-"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
             try:
-                for line in launcher.stdout:
-                    event = json.loads(line)
-                    if event.get("event") == "span_start" and event.get("name") == killed_at:
-                        launcher.kill()
-                        break
-                launcher.wait(10)
+                launcher = restore_killed_at(moved, killed_at, receipt_path, env)
                 assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
                 killed = time.monotonic()
                 while (_alive(root_pid) or root_pid in _gpu_pids()) and time.monotonic() < killed + 20:
@@ -499,7 +491,6 @@ def failure_hygiene_on_gpu() -> None:
                 assert not left and group_members(root_pid) == [] and root_pid not in _gpu_pids()
                 assert not os.path.exists(receipt_path)
             finally:
-                launcher.kill()
                 kill_tree(root_pid)
                 time.sleep(0.5)
 

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import capsule_root_pid, group_members, kill_group, launched_pid, wait_group_gone
+from tests.processes import (capsule_root_pid, group_members, kill_group, launched_pid, restore_killed_at,
+                             wait_group_gone)
 
 pytest.importorskip("torch")
 pytestmark = [
@@ -462,21 +463,12 @@ def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path
     lose the launcher's lease and stop their tree; no receipt is left, the artifact is unchanged."""
     artifact, port, _, _ = captured
     before = (artifact / "artifact.json").read_bytes()
-    launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", str(artifact), "--receipt-json",
-                                 str(tmp_path / "receipt.json"), "--timing-events", "-"],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        for line in launcher.stdout:
-            event = json.loads(line)
-            if event.get("event") == "span_start" and event.get("name") == killed_at:
-                launcher.kill()
-                break
-        launcher.wait(10)
+        launcher = restore_killed_at(artifact, killed_at, tmp_path / "receipt.json")
         assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
         # killed while CRIU ran, before the lease: the agents' lease wait (15 s) stops the tree
         assert wait_group_gone(capsule_root_pid(artifact), 25) == []
         assert not (tmp_path / "receipt.json").exists()
         assert (artifact / "artifact.json").read_bytes() == before
     finally:
-        launcher.kill()
         kill_group(capsule_root_pid(artifact))

@@ -158,7 +158,6 @@ class TorchLM:
         self.kv.map(kv_bytes)
         self.params = {t["name"]: self.weights.tensor(self.dtype, t["shape"], t["offset"]) for t in tensors}
         self.cache = self.kv.tensor(self.dtype, self.kv_dims(), 0)
-        self.weights_file = weights_file
         if weights_file is None:
             self.initialize_weights()
         else:  # by name into the region, as a recovery restore replays them
