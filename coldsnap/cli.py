@@ -270,14 +270,19 @@ def _capture_request(args: argparse.Namespace) -> dict:
     }
 
 
-def _restore_request(args: argparse.Namespace) -> dict:
+def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
+    """The request of ``operation`` (restore, warm, wake) on an artifact: its capture's, re-aimed."""
     directory = Path(args.artifact).resolve()
     try:
         captured = json.loads((directory / "request.json").read_text())
     except (OSError, ValueError) as exc:
         raise UsageError(f"{directory}: not a coldsnap artifact directory (request.json: {exc})") from None
-    captured.update(operation="restore", operation_id=args.operation_id or time.strftime("restore-%Y%m%dT%H%M%S"),
-                    prepare_only=args.prepare_only, artifact=str(directory))
+    captured.update(operation=operation, operation_id=args.operation_id or time.strftime(f"{operation}-%Y%m%dT%H%M%S"),
+                    artifact=str(directory))
+    if operation == "restore":
+        captured["prepare_only"] = args.prepare_only
+    if operation == "warm" and args.ttl is not None:
+        captured["standby_ttl_s"] = args.ttl
     if args.weights:
         policy = captured.setdefault("policy", {})
         policy.setdefault("weights", {})["mode"] = args.weights
@@ -290,8 +295,12 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
     perform: Callable[[Any], Any]
     if operation == "capture":
         from coldsnap.activation.capture import capture as perform
-    else:
+    elif operation == "restore":
         from coldsnap.activation.restore import restore as perform
+    elif operation == "warm":
+        from coldsnap.activation.standby import warm as perform
+    else:
+        from coldsnap.activation.standby import wake as perform
 
     terminate_as_interrupt()
     try:
@@ -319,15 +328,51 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     return _run_lifecycle(args, _capture_request, "capture")
 
 
-def _cmd_restore(args: argparse.Namespace) -> int:
-    if not args.request_json and not args.artifact:
-        print("coldsnap: give the artifact directory (or --request-json)", file=sys.stderr)
-        return EXIT_USAGE
+def _use_state_dir(args: argparse.Namespace) -> None:
     if args.state_dir:
         from coldsnap.activation.artifact_dir import STATE_DIR_ENV
 
         os.environ[STATE_DIR_ENV] = os.path.abspath(args.state_dir)
-    return _run_lifecycle(args, _restore_request, "restore")
+
+
+def _cmd_artifact_operation(args: argparse.Namespace) -> int:
+    """restore, warm and wake: an artifact directory (wake: or a standby id), or a strict request."""
+    if not args.request_json and not args.artifact:
+        print("coldsnap: give the artifact directory (or --request-json)", file=sys.stderr)
+        return EXIT_USAGE
+    _use_state_dir(args)
+    if args.operation == "wake" and args.artifact and not args.request_json:
+        from coldsnap.activation.standby import standby_artifact
+
+        try:
+            args.artifact = str(standby_artifact(args.artifact))
+        except ValueError as exc:
+            print(f"coldsnap wake: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+    return _run_lifecycle(args, lambda a: _artifact_request(a, args.operation), args.operation)
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    _use_state_dir(args)
+    from coldsnap.activation.artifact_dir import state_root
+    from coldsnap.activation.standby import list_standbys
+
+    standbys = list_standbys()
+    now = time.time_ns()
+    rows = [{"standby_id": r.standby_id, "state": state, "pid": r.pid, "serving_port": r.serving_port,
+             "artifact": r.artifact, "warmed_by": r.operation_id, "age_s": round((now - r.warmed_unix_ns) / 1e9, 1),
+             "ttl_s": r.ttl_s} for r, state in standbys]
+    if args.json:
+        sys.stdout.write(json.dumps({"state_root": str(state_root()), "standbys": rows}, indent=2) + "\n")
+        return EXIT_OK
+    if not rows:
+        print(f"no warm standbys (state directory {state_root()})")
+        return EXIT_OK
+    print(f"{'STANDBY':<17} {'STATE':<10} {'PID':>7} {'PORT':>5} {'AGE s':>8} {'TTL s':>6}  ARTIFACT")
+    for row in rows:
+        print(f"{row['standby_id']:<17} {row['state']:<10} {row['pid']:>7} {row['serving_port'] or '-':>5} "
+              f"{row['age_s']:>8.1f} {row['ttl_s'] or '-':>6}  {row['artifact']}")
+    return EXIT_OK
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -393,6 +438,20 @@ def _add_operation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--receipt-json", metavar="PATH|-", help="write the one receipt (format 2) here; - for stdout (progress stays on stderr)")
     p.add_argument("--timing-events", metavar="PATH|-", help="live NDJSON timing events (needs --receipt-json); a new absolute path or -")
     p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: capture-/restore-<time>)")
+
+
+def _add_weights_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--weights", choices=["auto", "native", "recovery"], metavar="MODE",
+                   help="where the weights come from: auto (the native pack, else — missing or failing verification — "
+                   "the safetensors the capture pinned, with a warning), native (the pack or nothing), recovery (the "
+                   "pinned safetensors, replayed into the captured layout); default: the capture's policy (auto)")
+
+
+def _add_state_dir_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--state-dir", metavar="STATE",
+                   help="where restores write (STATE/<artifact id>/logs/<unit>.log is the restored server's log, "
+                   "STATE/<artifact id>/standby.json a warm standby's record); default $COLDSNAP_STATE_DIR, else "
+                   "$XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or /tmp/coldsnap-<uid>")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -500,16 +559,54 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
-    p.add_argument("--weights", choices=["auto", "native", "recovery"], metavar="MODE",
-                   help="where the weights come from: auto (the native pack, else — missing or failing verification — "
-                   "the safetensors the capture pinned, with a warning), native (the pack or nothing), recovery (the "
-                   "pinned safetensors, replayed into the captured layout); default: the capture's policy (auto)")
-    p.add_argument("--state-dir", metavar="STATE",
-                   help="where restores write (STATE/<artifact id>/logs/<unit>.log is the restored server's log); "
-                   "default $COLDSNAP_STATE_DIR, else $XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or "
-                   "/tmp/coldsnap-<uid>")
+    _add_weights_flag(p)
+    _add_state_dir_flag(p)
     _add_operation_flags(p)
-    p.set_defaults(func=_cmd_restore)
+    p.set_defaults(func=_cmd_artifact_operation, operation="restore")
+
+    p = commands.add_parser(
+        "warm",
+        help="restore an artifact ahead of demand into a warm standby that does not serve yet",
+        description="Run restore's admission and its steps up to the CUDA restore (the tree restored, CUDA state "
+        "back on this host's GPUs, NCCL rebuilt), then park it: no weights and no KV cache on the GPU, the serving "
+        "port bound but answering nothing until `coldsnap wake`, the native pack read into the page cache. The "
+        "standby is recorded under the state directory (`coldsnap status` lists it) and stops itself, leaving "
+        "nothing behind, when no wake came within --ttl. One standby per artifact: warming a warm artifact "
+        "succeeds without a second one. Exit 0 when parked, 1 on failure (nothing is left running), 2 for bad input.",
+    )
+    p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
+    p.add_argument("--ttl", type=int, metavar="SECONDS",
+                   help="how long the standby waits for a wake before it stops itself (default 3600)")
+    _add_weights_flag(p)
+    _add_state_dir_flag(p)
+    _add_operation_flags(p)
+    p.set_defaults(func=_cmd_artifact_operation, operation="warm")
+
+    p = commands.add_parser(
+        "wake",
+        help="make a warm standby serve: hydrate its weights, zero its KV cache, check the canary",
+        description="Take the warm standby of DIR (or of the standby ID `coldsnap status` shows): every rank maps "
+        "and hydrates its weights from the native pack (or the pinned safetensors, by --weights), zeroes its KV "
+        "cache and recaptures dropped CUDA graphs; the canary must give the captured tokens exactly. Then the "
+        "standby is the serving process. A failed wake stops the standby. Exit 0 when serving, 1 on a failed "
+        "wake (or no standby: code wake.standby), 2 for bad input.",
+    )
+    p.add_argument("artifact", nargs="?", metavar="DIR|ID", help="artifact directory, or a standby id from coldsnap status")
+    _add_weights_flag(p)
+    _add_state_dir_flag(p)
+    _add_operation_flags(p)
+    p.set_defaults(func=_cmd_artifact_operation, operation="wake")
+
+    p = commands.add_parser(
+        "status",
+        help="list the warm standbys on this host",
+        description="List the live warm standbys under the state directory: id, what their agents say "
+        "(standby), root pid, serving port, age, deadline and artifact. Records of standbys that are gone "
+        "(killed, expired) are removed on the way. Exit 0.",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
+    _add_state_dir_flag(p)
+    p.set_defaults(func=_cmd_status)
 
     p = commands.add_parser(
         "demo",

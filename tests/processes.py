@@ -70,10 +70,10 @@ def capsule_root_pid(artifact: str | os.PathLike[str], unit: str = "unit-0") -> 
 
 
 def restore_killed_at(artifact: str | os.PathLike[str], step: str, receipt: str | os.PathLike[str],
-                      env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+                      env: dict[str, str] | None = None, operation: str = "restore") -> subprocess.Popen[bytes]:
     """Run ``coldsnap restore`` of ``artifact`` and SIGKILL it as the span ``step`` starts (read from its
     live timing events); returns the reaped launcher (its returncode is -SIGKILL unless it ended first)."""
-    launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", str(artifact), "--receipt-json", str(receipt),
+    launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", operation, str(artifact), "--receipt-json", str(receipt),
                                  "--timing-events", "-"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     try:
         assert launcher.stdout is not None

@@ -21,7 +21,7 @@ import platform
 import socket
 import threading
 from pathlib import Path
-from typing import Any, ContextManager, Literal
+from typing import Any, Callable, ContextManager, Literal
 
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.engine_process import ask_canary
@@ -82,7 +82,8 @@ def admit(context: OperationContext,
           artifact: ArtifactDir) -> tuple[ArtifactDescriptor, CapsuleManifest, dict[int, "WeightSource"]]:
     """Every check restore can make without starting anything; raises OperationFailed with the first problem."""
     timer = context.timer
-    with timer.span("restore.admission.descriptor"):
+    op = context.request.operation  # restore or warm: the same admission, each under its own span names
+    with timer.span(f"{op}.admission.descriptor"):
         require_implemented_driver(context.request.snapshot_driver)
         if not artifact.committed():
             raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")
@@ -107,14 +108,14 @@ def admit(context: OperationContext,
 
     checker = threading.Thread(target=check_criu, name="coldsnap-criu-check", daemon=True)
     checker.start()
-    with timer.span("restore.admission.platform"):
+    with timer.span(f"{op}.admission.platform"):
         if descriptor.platform.arch != platform.machine():
             raise OperationFailed("admission.platform", f"captured on {descriptor.platform.arch}, this is {platform.machine()}")
         if context.request.policy.compatibility.kernel == "exact" and descriptor.platform.kernel != platform.release():
             raise OperationFailed("admission.kernel", f"captured on kernel {descriptor.platform.kernel}, this is {platform.release()}")
         if descriptor.platform.nvidia_driver is not None:
             _admit_gpu(context, descriptor)
-    with timer.span("restore.admission.criu"):
+    with timer.span(f"{op}.admission.criu"):
         checker.join()
         if "error" in criu_checked:
             raise OperationFailed("admission.criu", str(criu_checked["error"])) from None
@@ -124,7 +125,7 @@ def admit(context: OperationContext,
         if not check.ok:
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
     unit = descriptor.units[0]
-    with timer.span("restore.admission.capsule") as span:
+    with timer.span(f"{op}.admission.capsule") as span:
         capsule_path = artifact.capsule_path(unit.unit_id)
         try:  # the manifest itself first: the descriptor binds its digest
             verify_file(capsule_path, unit.capsule.sha256, artifact.record_dir(capsule_path))
@@ -152,11 +153,17 @@ def admit(context: OperationContext,
         if recorded != sorted(w.rank for w in unit.workers):
             raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
                                   f"artifact {sorted(w.rank for w in unit.workers)}")
-    with timer.span("restore.admission.payload") as span:
+    with timer.span(f"{op}.admission.payload") as span:
         sources = weight_sources(context, artifact, unit.workers, span)
-    with timer.span("restore.admission.port"):
+    with timer.span(f"{op}.admission.port"):
         port = capsule.metadata.serving_port
         if not port_free(port):
+            from coldsnap.activation.standby import live_standby
+
+            standby = live_standby(artifact)
+            if standby is not None:
+                raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this artifact "
+                                      f"(pid {standby.pid}): `coldsnap wake {artifact.root}` makes it serve")
             raise OperationFailed("admission.port", f"serving port {port} is taken")
     return descriptor, capsule, sources
 
@@ -236,11 +243,17 @@ def restore(context: OperationContext) -> OperationOutcome:
 class RestoreSequence:
     """The steps of one admitted restore, each its own method, span and error code (:meth:`step`), and
     one :meth:`unwind` for every failure: staging cancelled, handed-over memory closed, whatever CRIU
-    restored killed, the lease dropped. The artifact is only read."""
+    restored killed, the lease dropped. The artifact is only read.
+
+    A warm standby runs the same steps in two operations (:mod:`coldsnap.activation.standby`):
+    ``warm`` up to the CUDA restore, then parks the ranks (:meth:`run_warm`); ``wake`` takes the
+    parked tree from there (:meth:`run_wake`). Spans are named after the operation (``warm.criu_restore``);
+    error codes after the step (``restore.criu``)."""
 
     def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
-                 capsule: CapsuleManifest, sources: dict[int, WeightSource]):
+                 capsule: CapsuleManifest, sources: dict[int, WeightSource], restored_pid: int | None = None):
         self.context = context
+        self.op = context.request.operation
         self.timer = context.timer
         self.artifact = artifact
         self.descriptor = descriptor
@@ -252,7 +265,7 @@ class RestoreSequence:
         self.stagers: dict[int, WeightStager] = {}
         self.prefetch_errors: list[BaseException] = []
         self.warmer: threading.Thread | None = None
-        self.restored_pid: int | None = None
+        self.restored_pid = restored_pid  # what unwind kills: set once CRIU restored it (a standby's from the start)
         self.lease: Lease | None = None
         self.handed_over: list[int] = []  # descriptors of staged memory, closed once sent (or on failure)
         self.staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}  # rank → (adopted chunks, staging stats)
@@ -265,20 +278,32 @@ class RestoreSequence:
                     lambda exc: f"{type(exc).__name__}: {exc}")
 
     def run(self) -> OperationOutcome:
+        """restore: the tree from nothing to serving."""
+        return self._run(self.restore_tree, self.take_lease, self.restore_cuda, self.collect_staged_weights,
+                         self.resume_ranks, self.check_canary)
+
+    def run_warm(self, park: Callable[["RestoreSequence"], None]) -> OperationOutcome:
+        """warm: the tree restored (CUDA included) and parked by ``park``, not serving; the weights' pack
+        read into the page cache meanwhile for the wake."""
+        return self._run(self.restore_tree, self.take_lease, self.restore_cuda, self.collect_staged_weights,
+                         functools.partial(park, self))
+
+    def run_wake(self) -> OperationOutcome:
+        """wake: a parked standby (already restored) hydrated, resumed and proven by the canary."""
+        return self._run(self.take_lease, self.resume_ranks, self.check_canary)
+
+    def _run(self, *steps: Callable[[], None]) -> OperationOutcome:
         try:
-            self.restore_tree()
-            self.take_lease()
-            self.restore_cuda()
-            self.collect_staged_weights()
-            self.resume_ranks()
-            self.check_canary()
+            for run_step in steps:
+                run_step()
             assert self.lease is not None
-            self.lease.release()  # the server is on its own now
+            self.lease.release()  # the process is on its own now
         except BaseException:
             self.unwind()
             raise
         warnings = [f"prefetch failed: {e}" for e in self.prefetch_errors]
-        self.context.progress(f"ready: pid {self.restored_pid}, port {self.metadata.serving_port}, canary matched")
+        self.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {self.restored_pid}, port "
+                              f"{self.metadata.serving_port}{'' if self.op == 'warm' else ', canary matched'}")
         return OperationOutcome(artifact=str(self.artifact.root), warnings=warnings)
 
     def pack(self, ref: FileRef | None) -> Path | None:
@@ -287,12 +312,13 @@ class RestoreSequence:
     def restore_tree(self) -> None:
         """CRIU restores the tree; meanwhile each rank's GPU weights are hydrated by this launcher into
         shareable chunks (handed over at resume), or else its payload is read into the page cache."""
-        for w in self.workers:
+        # (a standby's weights are hydrated at wake, by its own agents: only its pack is read ahead)
+        for w in self.workers if self.op == "restore" else []:
             regions = self.records[w.rank].regions
             if self.sources[w.rank] == "native" and w.payload is not None and WeightStager.stageable(regions):
                 self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
                                                     w.layout_digest, self.timer.now_ns)
-        with self.step("restore.criu_restore", "restore.criu") as span:
+        with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
             try:
                 state_dir = self.artifact.state_dir()
             except OSError as exc:
@@ -324,14 +350,14 @@ class RestoreSequence:
 
     def take_lease(self) -> None:
         """Until the canary matches, the restored tree dies with this launcher."""
-        with self.step("restore.lease", "restore.lease"):
+        with self.step(f"{self.op}.lease", "restore.lease"):
             self.lease = Lease([self.records[w.rank].control for w in self.workers])
 
     def restore_cuda(self) -> None:
         gpu_pids = list(self.metadata.gpu_pids)
         if not gpu_pids:
             return
-        with self.step("restore.cuda_restore", "restore.cuda") as span:
+        with self.step(f"{self.op}.cuda_restore", "restore.cuda") as span:
             # Same ordinal, maybe another GPU: remap the captured UUIDs onto this host's.
             current = [d["uuid"] for d in cuda_devices()]
             pairs = [(old, new) for old, new in zip(self.metadata.gpu_uuids, current) if old != new]
@@ -342,10 +368,10 @@ class RestoreSequence:
         """The chunks each stager hydrated, exported for its rank's resume. A failed staging is a warning:
         that rank's agent hydrates from the pack itself."""
         if self.stagers:
-            with self.timer.span("restore.stage_wait"):
+            with self.timer.span(f"{self.op}.stage_wait"):
                 staged = {rank: stager.join() for rank, stager in self.stagers.items()}
             for rank, stager in self.stagers.items():
-                self.timer.add_timeline_span("restore.stage_weights" + (f".rank{rank}" if rank else ""),
+                self.timer.add_timeline_span(f"{self.op}.stage_weights" + (f".rank{rank}" if rank else ""),
                                              stager.started_ns, stager.finished_ns,
                                              **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
                 if staged[rank]:
@@ -371,9 +397,9 @@ class RestoreSequence:
 
     def resume_ranks(self) -> None:
         """Every rank at once: map and fill its regions, zero the KV cache, rebuild NCCL, recapture graphs."""
-        with self.step("restore.resume", "restore.resume") as span, \
+        with self.step(f"{self.op}.resume", "restore.resume") as span, \
                 ActivationCoordinator(len(self.workers)) as coordinator:
-            bars = PhaseProgress(f"coldsnap restore [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")
+            bars = PhaseProgress(f"coldsnap {self.op} [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")
 
             def resume(w: Any) -> ResumeReply:
                 return AgentClient(self.records[w.rank].control).resume(
@@ -404,7 +430,7 @@ class RestoreSequence:
         quick_tokens = record.restore_tokens if record.prompt_argmax is not None else None
         quick = quick_tokens is not None
         tokens = quick_tokens or len(record.token_ids) or 16
-        with self.step("restore.canary", "restore.canary") as span:
+        with self.step(f"{self.op}.canary", "restore.canary") as span:
             # HTTP errors are OSErrors: the restored server did not answer right
             canary = ask_canary(self.metadata.serving_port, record.prompt, tokens, prompt_argmax=quick)
             span["tokens"] = len(canary.token_ids)

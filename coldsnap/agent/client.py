@@ -17,6 +17,8 @@ from coldsnap.agent.protocol import (
     ProtocolError,
     Resume,
     ResumeReply,
+    Standby,
+    StandbyReply,
     Status,
     StatusReply,
     TakeLease,
@@ -28,7 +30,7 @@ from coldsnap.agent.protocol import (
 
 __all__ = ["AgentClient", "AgentError", "Lease", "rank_control"]
 
-R = TypeVar("R", StatusReply, PrepareReply, ResumeReply)
+R = TypeVar("R", StatusReply, PrepareReply, ResumeReply, StandbyReply)
 OnProgress = Callable[[str, int, int], None]
 
 
@@ -61,6 +63,9 @@ class AgentClient:
     def resume(self, command: Resume, on_progress: OnProgress | None = None, fds: list[int] | None = None) -> ResumeReply:
         """``fds`` travel with the command (SCM_RIGHTS); the caller still owns and closes its copies."""
         return self._call(command, ResumeReply, on_progress, fds or [])
+
+    def standby(self, command: Standby) -> StandbyReply:
+        return self._call(command, StandbyReply)
 
     def _call(self, command: Message, expected: type[R], on_progress: OnProgress | None = None,
               fds: Sequence[int] = ()) -> R:

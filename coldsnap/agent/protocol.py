@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 __all__ = [
     "AgentFailure", "AgentState", "Command", "CoordinatorRef", "FailureCode", "Hydrated", "LeaseTaken", "PackRef",
     "Prepare", "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply",
-    "Status", "StatusReply", "TakeLease", "address", "rank_control", "decode_command", "decode_reply", "encode",
+    "Standby", "StandbyReply", "Status", "StatusReply", "TakeLease", "address", "rank_control", "decode_command", "decode_reply", "encode",
     "receive_line", "MAX_FDS_PER_MESSAGE",
 ]
 
@@ -42,8 +42,10 @@ FailureCode = Literal[
     "agent.internal",  # anything else: a bug or an engine hook's own failure (type and message say which)
 ]
 
-AgentState = Literal["serving", "prepared"]
-"""``serving`` until ``prepare``, ``prepared`` (memory released, collectives down) until ``resume``."""
+AgentState = Literal["serving", "prepared", "standby"]
+"""``serving`` until ``prepare``, ``prepared`` (memory released, collectives down) until ``resume``; a
+restored process may be parked in ``standby`` first (collectives rebuilt, memory still released), which
+``resume`` also leaves."""
 
 
 class Message(BaseModel):
@@ -99,7 +101,19 @@ class Resume(Message):
     """What the launcher's staging measured, reported back in :class:`Hydrated`."""
 
 
-Command = Annotated[Union[Status, TakeLease, Prepare, Resume], Field(discriminator="command")]
+class Standby(Message):
+    """A restored process, CUDA restored, parks as a warm standby: its collectives are rebuilt now, its
+    model memory stays released until ``resume``, and no launcher holds it meanwhile. The restore
+    deadlines of a prepared process are replaced by ``ttl_s`` (None: none): past it, the process
+    removes ``record`` (the launcher's standby registry entry) and stops its process group."""
+
+    command: Literal["standby"] = "standby"
+    ttl_s: int | None
+    record: str | None = None
+    coordinator: CoordinatorRef | None = None
+
+
+Command = Annotated[Union[Status, TakeLease, Prepare, Resume, Standby], Field(discriminator="command")]
 
 # ---- replies -------------------------------------------------------------------------------------
 
@@ -162,6 +176,11 @@ class ResumeReply(Message):
     graphs_recaptured: list[str]
 
 
+class StandbyReply(Message):
+    rank: int
+    seconds: dict[str, float]
+
+
 class LeaseTaken(Message):
     leased: Literal[True] = True
 
@@ -175,7 +194,7 @@ class AgentFailure(Message):
 
 class Reply(Message):
     ok: bool
-    reply: StatusReply | PrepareReply | ResumeReply | None = None
+    reply: StatusReply | PrepareReply | ResumeReply | StandbyReply | None = None
     failure: AgentFailure | None = None
 
 
@@ -196,14 +215,14 @@ class ProtocolError(RuntimeError):
     """A line that is not a message of this protocol (the other side runs another build, or died)."""
 
 
-_COMMAND: TypeAdapter[Status | TakeLease | Prepare | Resume] = TypeAdapter(Command)
+_COMMAND: TypeAdapter[Status | TakeLease | Prepare | Resume | Standby] = TypeAdapter(Command)
 
 
 def encode(message: Message) -> bytes:
     return message.model_dump_json().encode() + b"\n"
 
 
-def decode_command(line: bytes) -> Status | TakeLease | Prepare | Resume:
+def decode_command(line: bytes) -> Status | TakeLease | Prepare | Resume | Standby:
     try:
         return _COMMAND.validate_json(line)
     except ValidationError as exc:

@@ -32,6 +32,8 @@ from coldsnap.agent.protocol import (
     Reply,
     Resume,
     ResumeReply,
+    Standby,
+    StandbyReply,
     Status,
     StatusReply,
     TakeLease,
@@ -126,6 +128,7 @@ class AgentServer:
         self.state: AgentState = "serving"
         self.on_lease_lost: Callable[[], None] = _stop_process_group  # what a lapsed restore lease does
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
+        self._prepared_start = 0  # this process's start time when it was prepared (a restore changes it)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(address(self.control))
         self._listener.listen(4)
@@ -162,13 +165,15 @@ class AgentServer:
                 except OSError:
                     pass
 
-    def handle(self, command: Status | Prepare | Resume, progress: "_ProgressLines | None" = None,
-               fds: list[int] | None = None) -> StatusReply | PrepareReply | ResumeReply:
+    def handle(self, command: Status | Prepare | Resume | Standby, progress: "_ProgressLines | None" = None,
+               fds: list[int] | None = None) -> StatusReply | PrepareReply | ResumeReply | StandbyReply:
         progress = progress or _ProgressLines(None)
         if isinstance(command, Status):
             return self.status()
         if isinstance(command, Prepare):
             return self.prepare(command, progress)
+        if isinstance(command, Standby):
+            return self.standby(command)
         return self.resume(command, progress, fds or [])
 
     def status(self) -> StatusReply:
@@ -252,7 +257,7 @@ class AgentServer:
         prepared_at = time.monotonic()
         timeout = float(os.environ.get("COLDSNAP_AGENT_RESUME_TIMEOUT_S", "300"))
         lease_wait = float(os.environ.get("COLDSNAP_AGENT_LEASE_WAIT_S", "15"))
-        started_as = self.process_start()
+        started_as = self._prepared_start = self.process_start()
         # Each prepare arms its own watchdog: one left from an earlier prepare (a resume and a new prepare
         # within its 0.5 s tick) must not count the new wait from the old prepare.
         self._preparations += 1
@@ -276,20 +281,17 @@ class AgentServer:
         """Map the regions again and fill them: from chunks the launcher already hydrated (``adopted``:
         tag → chunk count, the file descriptors in that order), else from the pack or safetensors.
         Then the collectives are rebuilt and dropped graphs recaptured, every rank together."""
-        if self.state != "prepared":
-            raise CommandFailed("agent.state", f"resume needs state prepared, not {self.state}")
+        if self.state not in ("prepared", "standby"):
+            raise CommandFailed("agent.state", f"resume needs state prepared or standby, not {self.state}")
         seconds: dict[str, float] = {}
-        refused = request_permissions(self._xstate)
-        if refused:
-            raise CommandFailed("agent.permissions",
-                                f"the kernel refused x86 state features {refused} this process used before the snapshot")
+        self._request_permissions()
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             hydrated = self.memory.restore(
                 seconds, layout_digest=command.layout_digest, payload=command.payload, residual=command.residual,
                 safetensors=command.safetensors, replay=self.hooks.replay_weights, adopted=command.adopted, fds=fds,
                 staged=command.staged,
                 progress=progress.phase("hydrating weights"))
-            if self.collectives is not None:
+            if self.collectives is not None and self.state == "prepared":  # a standby rebuilt them already
                 assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                 self.collectives.rebuild(rendezvous, seconds)
             for hook in self.hooks.after_resume:
@@ -303,6 +305,50 @@ class AgentServer:
         self.state = "serving"
         self.serving_lock.release()
         return ResumeReply(rank=self.rank, hydrate=_hydrated(hydrated), seconds=seconds, graphs_recaptured=recaptured)
+
+
+    def _request_permissions(self) -> None:
+        refused = request_permissions(self._xstate)
+        if refused:
+            raise CommandFailed("agent.permissions",
+                                f"the kernel refused x86 state features {refused} this process used before the snapshot")
+
+    def standby(self, command: Standby) -> StandbyReply:
+        """Park a restored, CUDA-restored process as a warm standby: rebuild its collectives now (every
+        rank together), keep its model memory released and its serving lock held (a request that
+        arrives waits for ``resume``), and replace the prepared state's restore deadlines with the
+        standby's ``ttl_s``, after which the process removes its registry ``record`` and stops its
+        process group: a standby nobody wakes leaves nothing behind."""
+        if self.state != "prepared":
+            raise CommandFailed("agent.state", f"standby needs state prepared, not {self.state}")
+        if self.process_start() == self._prepared_start:
+            raise CommandFailed("agent.state", "standby needs a restored process (this one was prepared, not restored)")
+        seconds: dict[str, float] = {}
+        self._request_permissions()
+        with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
+            if self.collectives is not None:
+                assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
+                self.collectives.rebuild(rendezvous, seconds)
+            if rendezvous is not None:
+                timed(seconds, "standby_barrier", lambda: rendezvous.barrier("agent.standby", 120))
+        self.state = "standby"  # ends the prepared state's watchdog
+        if command.ttl_s is not None:
+            self._arm_standby_expiry(command.ttl_s, command.record)
+        return StandbyReply(rank=self.rank, seconds=seconds)
+
+    def _arm_standby_expiry(self, ttl_s: int, record: str | None) -> None:
+        parked_at = time.monotonic()
+
+        def watch() -> None:
+            while self.state == "standby":
+                if time.monotonic() - parked_at > ttl_s:
+                    if record is not None and self.rank == 0:
+                        with contextlib.suppress(OSError):
+                            os.unlink(record)
+                    _stop_process_group(f"warm standby not woken within {ttl_s} s")
+                time.sleep(0.5)
+
+        threading.Thread(target=watch, name="coldsnap-agent-standby-expiry", daemon=True).start()
 
 
 def _hydrated(summary: dict[str, Any]) -> Hydrated:

@@ -24,7 +24,7 @@ __all__ = [
 EngineName = Literal["vllm", "sglang", "torch-lm"]
 """``torch-lm`` is coldsnap's own reference workload (``coldsnap.workloads.torch_lm``)."""
 SnapshotDriverName = Literal["n580", "n610"]
-OperationName = Literal["capture", "restore", "sleep", "wake", "status"]
+OperationName = Literal["capture", "restore", "warm", "sleep", "wake", "status"]
 OperationState = Literal["succeeded", "failed"]
 
 ReplaySemantics = Literal[

@@ -54,6 +54,10 @@ ERROR_CODES: dict[str, str] = {
     "restore.cuda": "the CUDA restore of a GPU process failed",
     "restore.resume": "a rank's agent could not map and fill its memory, rebuild NCCL or recapture its graphs",
     "restore.canary": "the restored server did not answer the canary, or answered other tokens than at capture",
+    # Warm standby (`coldsnap warm`): admission and the restore's steps as above, then
+    "warm.standby": "a rank's agent could not park as a standby (rebuild NCCL), or the standby could not be recorded",
+    # Waking a standby (`coldsnap wake`); a failed wake stops the standby
+    "wake.standby": "no live warm standby of the artifact (never warmed, woken already, expired or killed)",
 }
 
 

@@ -103,10 +103,14 @@ ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
                               native_materialization=("off",)),
 }
 
-# The operations `coldsnap capture` and `coldsnap restore` run, with what repeating a request does.
+# The operations `coldsnap capture`, `restore`, `warm` and `wake` run, with what repeating a request does:
+# a repeated warm finds the standby it made and succeeds without a second one; a wake turns the standby
+# into the serving process (a repeated wake finds no standby and fails, changing nothing).
 OPERATIONS: dict[OperationName, ReplaySemantics] = {
     "capture": "conflicts-with-existing-output",
     "restore": "replacement-oriented",
+    "warm": "convergent",
+    "wake": "replacement-oriented",
 }
 
 

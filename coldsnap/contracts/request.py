@@ -7,7 +7,7 @@ default and one that omits it have the same canonical SHA-256.
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -161,6 +161,9 @@ class OperationRequest(Contract):
     """Artifact directory: written by ``capture`` (must not hold a committed descriptor), read by the others."""
     prepare_only: bool = False
     """``restore`` only: run admission (formats, driver floor, CRIU check, payload verification, ports), start nothing."""
+    standby_ttl_s: int | None = Field(default=None, ge=1, le=7 * 86400)
+    """``warm`` only: seconds the standby waits for ``wake`` before it stops itself (default 3600).
+    Left out of the canonical form when absent, so requests without it keep their digests."""
     policy: Policy = Field(default_factory=Policy)
     """Overrides of the snapshot driver's default policy."""
 
@@ -182,4 +185,12 @@ class OperationRequest(Contract):
                 raise ValueError(f"units: unit {unit.unit_id!r} assigns one device_slot twice: {slots}")
         if self.prepare_only and self.operation != "restore":
             raise ValueError(f"prepare_only applies to restore only, not {self.operation}")
+        if self.standby_ttl_s is not None and self.operation != "warm":
+            raise ValueError(f"standby_ttl_s applies to warm only, not {self.operation}")
         return self
+
+    def to_json_value(self) -> dict[str, Any]:
+        value = super().to_json_value()
+        if value.get("standby_ttl_s") is None:
+            value.pop("standby_ttl_s", None)
+        return value

@@ -35,7 +35,7 @@ class ImageStateError(RuntimeError):
     """The host is not in a state the image can be restored into (pids taken, a file shrank...)."""
 
 
-_PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
 
 def _process_stats() -> Iterator[tuple[int, list[bytes]]]:
@@ -100,7 +100,7 @@ def group_members(pgid: int, exiting: bool = True) -> list[int]:
     those already in ``do_exit`` (SIGKILLed: they never run user code again, but still hold memory)."""
     return sorted(pid for pid, fields in _process_stats()
                   if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X")
-                  and (exiting or not int(fields[6]) & _PF_EXITING))
+                  and (exiting or not int(fields[6]) & PF_EXITING))
 
 
 def _is_zombie(pid: int) -> bool:

@@ -76,6 +76,30 @@ def test_tp2_restore_twice_gives_the_cold_start_tokens(tp_captured):
         kill_group(capsule_root_pid(artifact))
 
 
+def test_tp2_warm_rebuilds_nccl_and_wake_serves_the_cold_start_tokens(tp_captured, tmp_path, monkeypatch):
+    """Both ranks park together (their communicator rebuilt at warm), and wake together without rebuilding it."""
+    artifact, port, expected, _ = tp_captured
+    monkeypatch.setenv("COLDSNAP_STATE_DIR", str(tmp_path / "state"))
+    try:
+        result = coldsnap("warm", str(artifact), "--receipt-json", str(tmp_path / "warm.json"))
+        assert result.returncode == 0, result.stderr.decode()
+        standby = next(s for s in json.loads((tmp_path / "warm.json").read_text())["timing"]["spans"]
+                       if s["name"] == "warm.standby")["attributes"]
+        for rank_prefix in ("", "rank1."):
+            assert {f"{rank_prefix}rebuild_ns", f"{rank_prefix}standby_barrier_ns"} <= set(standby)
+        assert len(group_members(capsule_root_pid(artifact))) == 3
+        result = coldsnap("wake", str(artifact), "--receipt-json", str(tmp_path / "wake.json"))
+        assert result.returncode == 0, result.stderr.decode()
+        assert complete(port, PROMPT_2) == expected
+        resume = next(s for s in json.loads((tmp_path / "wake.json").read_text())["timing"]["spans"]
+                      if s["name"] == "wake.resume")["attributes"]
+        for rank_prefix in ("", "rank1."):
+            assert resume[f"{rank_prefix}source"] == "native"
+            assert f"{rank_prefix}rebuild_ns" not in resume  # rebuilt at warm already
+    finally:
+        kill_group(capsule_root_pid(artifact))
+
+
 def _in_process(argv: list[str]) -> int:
     from coldsnap.cli import main
 

@@ -63,7 +63,7 @@ def test_an_agent_refuses_a_command_its_state_does_not_allow():
     agent = AgentServer(control, memory=None, serving_lock=threading.Lock()).start()
     with pytest.raises(AgentError) as refused:
         AgentClient(control, timeout=5).resume(Resume(layout_digest="d" * 64))
-    assert refused.value.code == "agent.state" and "resume needs state prepared, not serving" in str(refused.value)
+    assert refused.value.code == "agent.state" and "resume needs state prepared or standby, not serving" in str(refused.value)
     agent.state = "prepared"
     with pytest.raises(AgentError) as refused:
         AgentClient(control, timeout=5).prepare(Prepare(pack_dir=None))

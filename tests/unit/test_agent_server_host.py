@@ -103,7 +103,7 @@ def test_refusals_leave_the_agent_where_it_was(tmp_path):
     digest = memory.layout.digest()
     with pytest.raises(AgentError) as refused:
         client.resume(Resume(layout_digest=digest))
-    assert refused.value.code == "agent.state" and "resume needs state prepared, not serving" in str(refused.value)
+    assert refused.value.code == "agent.state" and "resume needs state prepared or standby, not serving" in str(refused.value)
     assert not lock.locked()
 
     before = _watchdogs()

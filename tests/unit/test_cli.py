@@ -22,7 +22,8 @@ def test_capabilities_is_json_naming_formats_and_drivers():
     assert caps["protocol"]["receipt_format"] == 2
     assert caps["protocol"]["timing_event_format"] == 1
     assert [d["name"] for d in caps["snapshot_drivers"]] == ["n610"]
-    assert sorted(caps["operations"]) == ["capture", "restore"]
+    assert caps["operations"] == {"capture": "conflicts-with-existing-output", "restore": "replacement-oriented",
+                                  "warm": "convergent", "wake": "replacement-oriented"}
     assert {e["name"]: e["native_materialization"] for e in caps["engines"]} == {"vllm": ["off"], "torch-lm": ["off"]}
     canonical = coldsnap("capabilities", "--canonical").stdout
     assert json.loads(canonical) == caps and b" " not in canonical.replace(b"coldsnap 0", b"").split(b'"boundary"')[0]
@@ -169,5 +170,5 @@ def test_validate_request_names_what_this_build_does_not_implement(tmp_path):
     result = coldsnap("validate", "request", str(path))
     assert result.returncode == 2 and result.stdout == b""
     assert result.stderr.decode().splitlines() == [
-        f"{path}: operation: sleep is not implemented in this build (implemented: capture, restore)",
+        f"{path}: operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)",
         f"{path}: {N580_REFUSED}"]

@@ -44,9 +44,8 @@ def test_valid_request_decodes_and_resolves(request_document):
 UNSUPPORTED = [
     ({"snapshot_driver": "n580"}, "snapshot_driver: n580 is not implemented in this build (implemented: n610)"),
     ({"engine": "sglang"}, "engine: sglang is not implemented in this build (implemented: torch-lm, vllm)"),
-    ({"operation": "sleep"}, "operation: sleep is not implemented in this build (implemented: capture, restore)"),
-    ({"operation": "wake"}, "operation: wake is not implemented in this build (implemented: capture, restore)"),
-    ({"operation": "status"}, "operation: status is not implemented in this build (implemented: capture, restore)"),
+    ({"operation": "sleep"}, "operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)"),
+    ({"operation": "status"}, "operation: status is not implemented in this build (implemented: capture, restore, warm, wake)"),
     ({"policy": {"weights": {"native_materialization": "async"}}},
      "policy.weights.native_materialization: async is not implemented in this build for vllm (implemented: off)"),
     ({"policy": {"weights": {"mode": "cache-only-auto"}}},
@@ -181,7 +180,8 @@ def test_capabilities_list_exactly_what_this_build_implements():
     assert {e["name"]: (e["python_package"], e["native_materialization"], e["default_native_materialization"])
             for e in caps["engines"]} == {"vllm": ("coldsnap_vllm", ["off"], "off"),
                                           "torch-lm": ("coldsnap.workloads.torch_lm", ["off"], "off")}
-    assert caps["operations"] == {"capture": "conflicts-with-existing-output", "restore": "replacement-oriented"}
+    assert caps["operations"] == {"capture": "conflicts-with-existing-output", "restore": "replacement-oriented",
+                                  "warm": "convergent", "wake": "replacement-oriented"}
 
 
 def test_everything_capabilities_lists_is_accepted():
