@@ -8,6 +8,8 @@ Engines as in ``coldsnap demo``: the reference workload (torch-lm), or ``vllm se
 vLLM's CPU build (cold start with vLLM's own loader; the capture with ``--load-format coldsnap``).
 Cold start: process start → first token. Restore: the `coldsnap restore` process's exec → the canary's match
 (the first validated token), with its phases on the wall clock and what follows (receipt, process exit).
+With ``--standby``: `coldsnap warm` parks a standby, then the `coldsnap wake` process's exec → the canary's
+match, with its phases, as a row of its own.
 Both are measured with the page cache warm (repeated) and, when caches can be dropped (root), cold.
 Writes JSON (every run with its phases), prints a table, and draws a phase chart when matplotlib is
 installed. Needs root (CRIU) and torch.
@@ -39,47 +41,75 @@ def drop_caches() -> bool:
         return False
 
 
-def restore_once(request: dict, work: Path, index: int) -> tuple[float, dict[str, float]]:
-    """One `coldsnap restore` as a user runs it (a new process: interpreter start and imports count):
-    seconds from its exec to the canary's match (what the user waits for), and its timeline (
-    :func:`receipt_timeline`); the tree is killed afterwards."""
-    document = {**request, "operation": "restore", "operation_id": f"bench-restore-{index}"}
-    receipt_path = work / f"restore-{index}.json"
+def run_operation(operation: str, request: dict, work: Path, index: int) -> tuple[dict, int, int]:
+    """One `coldsnap restore|warm|wake` as a user runs it (a new process: interpreter start and imports
+    count): its receipt, and the wall clock at its exec and its exit."""
+    document = {**request, "operation": operation, "operation_id": f"bench-{operation}-{index}"}
+    receipt_path = work / f"{operation}-{index}.json"
     receipt_path.unlink(missing_ok=True)
     exec_ns = time.time_ns()
-    done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", "--request-json", "-", "--receipt-json",
+    done = subprocess.run([sys.executable, "-m", "coldsnap", operation, "--request-json", "-", "--receipt-json",
                            str(receipt_path)], input=json.dumps(document).encode(), capture_output=True)
     exit_ns = time.time_ns()
     if done.returncode != 0:
-        raise RuntimeError(f"restore failed: {done.stderr.decode().strip().splitlines()[-1:]}")
-    receipt = json.loads(receipt_path.read_text())
+        raise RuntimeError(f"{operation} failed: {done.stderr.decode().strip().splitlines()[-1:]}")
+    return json.loads(receipt_path.read_text()), exec_ns, exit_ns
+
+
+def kill_restored(request: dict) -> None:
     capsule = json.loads((Path(request["artifact"]) / "units" / "unit-0" / "capsule.json").read_text())
     kill_tree(int(capsule["metadata"]["root_pid"]))
+
+
+def restore_once(request: dict, work: Path, index: int) -> tuple[float, dict[str, float]]:
+    """One `coldsnap restore`: seconds from its exec to the canary's match (what the user waits for), and
+    its timeline (:func:`receipt_timeline`); the tree is killed afterwards."""
+    receipt, exec_ns, exit_ns = run_operation("restore", request, work, index)
+    kill_restored(request)
     timeline = receipt_timeline(receipt, exec_ns, exit_ns)
     return timeline.pop("exec → canary matched"), timeline
 
 
+def standby_once(request: dict, work: Path, index: int) -> tuple[float, float, dict[str, float]]:
+    """`coldsnap warm` (exec → exit: the standby parked), then `coldsnap wake` of it: seconds from the
+    wake's exec to the canary's match, and the wake's timeline; the tree is killed afterwards."""
+    receipt, exec_ns, exit_ns = run_operation("warm", request, work, index)
+    warm_s = (exit_ns - exec_ns) / 1e9
+    receipt, exec_ns, exit_ns = run_operation("wake", request, work, index)
+    kill_restored(request)
+    timeline = receipt_timeline(receipt, exec_ns, exit_ns)
+    return warm_s, timeline.pop("exec → canary matched"), timeline
+
+
 def receipt_timeline(receipt: dict, exec_ns: int, exit_ns: int) -> dict[str, float]:
-    """A restore process's timeline in seconds, placed on the wall clock by the receipt's clock origins:
-    ``exec → admission start`` (interpreter start, imports, request decoding), each ``restore.*`` phase
-    (admission summed), ``exec → canary matched`` (the restore as the user sees it: the goal figure),
-    ``canary → receipt`` and ``receipt → process exit`` (after the goal, but the process's own time)."""
+    """A restore (or wake) process's timeline in seconds, placed on the wall clock by the receipt's clock
+    origins: ``exec → admission start`` (interpreter start, imports, request decoding), each ``restore.*``
+    (``wake.*``) phase (admission summed), ``exec → canary matched`` (the restore as the user sees it: the
+    goal figure), ``canary → receipt`` and ``receipt → process exit`` (after the goal, but the process's
+    own time)."""
+    op = receipt["operation"]
     origins = {c["clock_id"]: c["unix_origin_ns"] for c in receipt["timing"]["clocks"]}
     spans = [s for s in receipt["timing"]["spans"] if s["placement"] == "timeline"]
 
     def at(span: dict, end: bool = False) -> int:
         return origins[span["clock_id"]] + span["start_ns"] + (span["duration_ns"] if end else 0)
 
-    admission = [s for s in spans if s["name"].startswith("restore.admission.")]
-    canary = next(s for s in spans if s["name"] == "restore.canary")
+    admission = [s for s in spans if s["name"].startswith(f"{op}.admission.")]
+    canary = next(s for s in spans if s["name"] == f"{op}.canary")
     timeline = {"exec → admission start": (min(at(s) for s in admission) - exec_ns) / 1e9,
-                "restore.admission": sum(s["duration_ns"] for s in admission) / 1e9}
+                f"{op}.admission": sum(s["duration_ns"] for s in admission) / 1e9}
     timeline.update({s["name"]: s["duration_ns"] / 1e9 for s in spans
-                     if s["name"].startswith("restore.") and not s["name"].startswith("restore.admission.")})
+                     if s["name"].startswith(f"{op}.") and not s["name"].startswith(f"{op}.admission.")})
     timeline["exec → canary matched"] = (at(canary, end=True) - exec_ns) / 1e9
     timeline["canary → receipt"] = (receipt["finished_unix_ns"] - at(canary, end=True)) / 1e9
     timeline["receipt → process exit"] = (exit_ns - receipt["finished_unix_ns"]) / 1e9
     return {name: round(value, 4) for name, value in timeline.items()}
+
+
+def medians(timelines: list[dict[str, float]]) -> dict[str, float]:
+    """Each phase's median over the runs that have it."""
+    names = list(dict.fromkeys(name for timeline in timelines for name in timeline))
+    return {name: round(statistics.median(t[name] for t in timelines if name in t), 4) for name in names}
 
 
 def pyplot() -> Any:
@@ -93,6 +123,9 @@ def pyplot() -> Any:
         print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
         return None
     return plt
+
+
+_WAKE_COLORS = {"admission": "#bcbd22", "lease": "#17becf", "resume": "#9467bd", "canary": "#e377c2"}
 
 
 def draw_phase_chart(document: dict, png: Path) -> bool:
@@ -117,6 +150,13 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     for name, value in sequential:
         axis.barh(["restore"], [value], left=left, label=name.removeprefix("restore."))
         left += value
+    wake = {n: v for n, v in document.get("wake_phase_medians_warm", {}).items()
+            if n not in ("canary → receipt", "receipt → process exit")}
+    left = 0.0
+    for name, value in wake.items():  # the standby's wake, its own row (medians)
+        axis.barh(["wake\n(warm standby)"], [value], left=left, color=_WAKE_COLORS.get(name.split(".")[-1], "#8c564b"),
+                  label=f"wake: {name.removeprefix('wake.')}")
+        left += value
     if staged is not None:
         before = phases.get("exec → admission start", 0.0) + phases.get("restore.admission", 0.0)
         axis.barh(["weights staged\n(in parallel)"], [staged], left=before, color="#d62728",
@@ -125,7 +165,7 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     axis.set_xlabel("seconds (page cache warm)")
     tp = f" TP{document['tp']}" if document.get("tp", 1) > 1 else ""
     axis.set_title(f"{document.get('engine', 'torch-lm')} {document['size']}{tp} on {document['device']}: "
-                   "cold start vs coldsnap restore", fontsize=9)
+                   "cold start vs coldsnap restore" + (" and wake" if wake else ""), fontsize=9)
     axis.legend(fontsize=7, loc="lower right")
     figure.tight_layout()
     figure.savefig(png, dpi=120)
@@ -140,6 +180,7 @@ def main(engine: str = "torch-lm") -> int:
     parser.add_argument("--tp", type=int, default=1, help="torch-lm: tensor-parallel ranks, one GPU each (default 1)")
     parser.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     parser.add_argument("--repeat", type=int, default=3, help="warm runs of each (default 3)")
+    parser.add_argument("--standby", action="store_true", help="also warm a standby and time its wake, --repeat times")
     parser.add_argument("--out", default="restore_latency.json")
     parser.add_argument("--png", help="draw the phase chart here (needs matplotlib)")
     parser.add_argument("--dir", help="work directory (default: a temporary one)")
@@ -165,18 +206,21 @@ def main(engine: str = "torch-lm") -> int:
         runs.append({"kind": "cold start", "cache": "warm", "seconds": round(cold_start(command, port, env=env)[0], 3)})
         seconds, phases = restore_once(request, work, index)
         runs.append({"kind": "restore", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
+    for index in range(args.repeat if args.standby else 0):
+        warm_s, seconds, phases = standby_once(request, work, index)
+        runs.append({"kind": "warm (to standby)", "cache": "warm", "seconds": round(warm_s, 3)})
+        runs.append({"kind": "wake", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
     if drop_caches():
         runs.append({"kind": "cold start", "cache": "cold", "seconds": round(cold_start(command, port, env=env)[0], 3)})
         drop_caches()
         seconds, phases = restore_once(request, work, 999)
         runs.append({"kind": "restore", "cache": "cold", "seconds": round(seconds, 3), "phases": phases})
 
-    last = next((r for r in reversed(runs) if r.get("phases") and r["cache"] == "warm"), None)
-    warm_restores = [r["phases"] for r in runs if r["kind"] == "restore" and r["cache"] == "warm"]
-    phase_medians = {name: round(statistics.median(p[name] for p in warm_restores if name in p), 4)
-                     for name in warm_restores[0]} if warm_restores else {}
+    last = next((r for r in reversed(runs) if r.get("phases") and r["kind"] == "restore" and r["cache"] == "warm"), None)
+    phase_medians, wake_medians = (medians([r["phases"] for r in runs if r["kind"] == kind and r["cache"] == "warm"])
+                                   for kind in ("restore", "wake"))
     summary = {}
-    for kind in ("cold start", "restore"):
+    for kind in ("cold start", "restore", "warm (to standby)", "wake"):
         for cache in ("warm", "cold"):
             values = [r["seconds"] for r in runs if r["kind"] == kind and r["cache"] == cache]
             if values:
@@ -187,6 +231,9 @@ def main(engine: str = "torch-lm") -> int:
                 "restore_measured": "the coldsnap restore process from its exec to the canary's match (its exit after that "
                                     "is the 'receipt → process exit' phase)",
                 "phases_last_restore": (last or {}).get("phases", {}), "phase_medians_warm": phase_medians,
+                "wake_measured": "the coldsnap wake process from its exec to the canary's match, the standby parked "
+                                 "by coldsnap warm before (warm: its process's exec → exit)" if args.standby else None,
+                "wake_phase_medians_warm": wake_medians,
                 "runs": runs, "summary": summary,
                 "capture_phases_s": demo["capture_phases_s"], "image_bytes": demo["image_bytes"],
                 "non_model_bytes": demo["non_model_bytes"], "image_to_non_model_rss": demo["image_to_non_model_rss"],
@@ -196,14 +243,16 @@ def main(engine: str = "torch-lm") -> int:
     for name, value in summary.items():
         print(f"{name:<24} {value:>9.3f}")
     for cache in ("warm", "cold"):
-        if f"cold start ({cache})" in summary and f"restore ({cache})" in summary:
-            print(f"speedup ({cache}): {summary[f'cold start ({cache})'] / summary[f'restore ({cache})']:.2f}x")
+        for kind in ("restore", "wake"):
+            if f"cold start ({cache})" in summary and f"{kind} ({cache})" in summary:
+                print(f"speedup of {kind} ({cache}): {summary[f'cold start ({cache})'] / summary[f'{kind} ({cache})']:.2f}x")
     print(f"process image {document['image_bytes'] / 2**20:.1f} MiB = {document['image_to_non_model_rss']}x the "
           f"non-model memory ({document['non_model_bytes'] / 2**20:.1f} MiB); payload {document['payload_bytes'] / 2**30:.2f} GiB")
-    if phase_medians:
-        print(f"restore phases (median of {len(warm_restores)} warm runs; exec → canary matched is the restore):")
-        for name, value in phase_medians.items():
-            print(f"  {name:<28} {value:8.3f} s")
+    for kind, values in (("restore", phase_medians), ("wake", wake_medians)):
+        if values:
+            print(f"{kind} phases (medians, page cache warm; exec → canary matched is the {kind}):")
+            for name, value in values.items():
+                print(f"  {name:<28} {value:8.3f} s")
     if args.png:
         draw_phase_chart(document, Path(args.png))
     return 0

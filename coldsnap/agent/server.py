@@ -206,6 +206,7 @@ class AgentServer:
             except BaseException:
                 self.serving_lock.release()
                 raise
+        timed(seconds, "malloc_trim", _trim_heap)
         self.state = "prepared"
         self._xstate = dynamic_permissions()  # CRIU does not carry AMX permission; resume asks again
         self._arm_watchdog()
@@ -405,6 +406,17 @@ class _ProgressLines:
                 self.connection = None  # the launcher stopped listening; the work goes on
 
         return report
+
+
+def _trim_heap() -> None:
+    """Hand the C heap's free pages back to the kernel (glibc ``malloc_trim``): freed host memory the
+    allocator kept would otherwise be resident, and CRIU writes every resident page into the image."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim this way
+        pass
 
 
 def _rss_bytes() -> int:

@@ -1,5 +1,6 @@
 """The restore benchmark's CPU mode (the reference workload, real CRIU): it runs, and its figures add up —
-the restore is the `coldsnap restore` process's exec → canary match, its phases placed on the wall clock."""
+the restore is the `coldsnap restore` process's exec → canary match, its phases placed on the wall clock;
+with --standby, the wake of a warm standby the same way."""
 
 import json
 import os
@@ -20,7 +21,7 @@ BEFORE_THE_CANARY = ("exec → admission start", "restore.admission", "restore.c
 def test_restore_latency_cpu_mode(tmp_path):
     out = tmp_path / "restore.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_latency.py"), "--size", "tiny", "--device",
-                           "cpu", "--repeat", "2", "--out", str(out), "--dir", str(tmp_path / "work")],
+                           "cpu", "--repeat", "2", "--standby", "--out", str(out), "--dir", str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     document = json.loads(out.read_text())
@@ -34,4 +35,12 @@ def test_restore_latency_cpu_mode(tmp_path):
         # the phases before the canary's match lie inside exec → match (steps between spans are not phases)
         assert 0.5 * run["seconds"] <= before <= run["seconds"] + 0.005, (before, run)
     assert document["summary"]["restore (warm)"] > 0 and document["phase_medians_warm"]["exec → admission start"] > 0
-    assert "restore phases (median of 2 warm runs" in done.stdout
+    assert "restore phases (medians, page cache warm" in done.stdout
+    wakes = [r for r in document["runs"] if r["kind"] == "wake"]
+    assert len(wakes) == 2 and len([r for r in document["runs"] if r["kind"] == "warm (to standby)"]) == 2
+    for run in wakes:  # the wake of a standby: no CRIU, no CUDA restore in it
+        before = sum(run["phases"][name] for name in ("exec → admission start", "wake.admission", "wake.lease",
+                                                      "wake.resume", "wake.canary"))
+        assert 0.5 * run["seconds"] <= before <= run["seconds"] + 0.005, (before, run)
+        assert "wake.criu_restore" not in run["phases"]
+    assert document["summary"]["wake (warm)"] > 0 and "speedup of wake (warm)" in done.stdout

@@ -284,6 +284,34 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
         stop_restored(artifact, port)
 
 
+def test_a_warm_standby_wakes_to_vllms_default_loader_answers(captured, reference, tmp_path):
+    """`coldsnap warm` parks the restored vLLM tree (no weights, no KV cache, not answering); `coldsnap
+    wake` makes it serve vLLM's default loader's tokens. A second standby, killed, leaves nothing."""
+    artifact, port, _ = captured
+    state = ("--state-dir", str(tmp_path / "state"))
+    try:
+        result = coldsnap("warm", str(artifact), *state, "--receipt-json", str(tmp_path / "warm.json"))
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        assert coldsnap("validate", "receipt", str(tmp_path / "warm.json")).returncode == 0
+        listed = json.loads(coldsnap("status", "--json", *state).stdout)["standbys"]
+        assert [s["state"] for s in listed] == ["standby"]
+        result = coldsnap("wake", str(artifact), *state, "--receipt-json", str(tmp_path / "wake.json"))
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        assert coldsnap("validate", "receipt", str(tmp_path / "wake.json")).returncode == 0
+        spans = {s["name"]: s["attributes"] for s in json.loads((tmp_path / "wake.json").read_text())["timing"]["spans"]}
+        assert spans["wake.resume"]["source"] == "native" and "zero_kv_cache_ns" in spans["wake.resume"]
+        assert complete(port, PROMPT_2) == reference["tokens"]
+        stop_restored(artifact, port)
+
+        assert coldsnap("warm", str(artifact), *state).returncode == 0
+        stop_restored(artifact, port)  # a standby killed: its port free, its record removed by the next status
+        assert not port_taken(port)
+        assert json.loads(coldsnap("status", "--json", *state).stdout)["standbys"] == []
+        assert list((tmp_path / "state").glob("*/standby.json")) == []
+    finally:
+        stop_restored(artifact, port)
+
+
 def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, reference, tmp_path):
     """The capture pinned the safetensors vLLM loaded; `--weights recovery` refills the weights region
     through vLLM's own weight loaders in the restored worker, and `auto` does so when the pack is gone."""

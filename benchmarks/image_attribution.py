@@ -1,0 +1,193 @@
+"""What a capture's process image holds: its host and device state, mapping by mapping.
+
+    python benchmarks/image_attribution.py --size 8b --device cuda --out attribution.json
+
+Runs the reference workload as `coldsnap capture` would (coldsnap's agent, one canary to warm it up),
+lets its agent release the model memory (``prepare``: weights written to a pack, KV cache and graph
+regions unmapped, the allocator's cache emptied, the C heap trimmed), and then reads what CRIU would
+dump — every private page resident in the tree's mappings (``Anonymous`` in ``/proc/PID/smaps``, shared
+anonymous memory by its ``Rss``) — grouped by what the mapping is. For a GPU tree it then takes the
+CUDA checkpoint and reads the mappings again: what appeared or grew is the device state the driver
+moved into the process (CUDA context, loaded kernels, allocations outside coldsnap's regions), which
+it compares with the GPU memory the process held (``nvidia-smi``) and with torch's caching allocator
+(``memory_reserved``). Then it unlocks the GPU again and stops the workload; nothing is written but
+``--out``. Needs torch; the GPU part needs the CUDA checkpoint API (root).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from coldsnap.activation.engine_process import EngineProcess, ask_canary, wait_for_agent, wait_for_http
+from coldsnap.agent.client import AgentClient
+from coldsnap.agent.protocol import Prepare
+from coldsnap.snapshot.cuda_checkpoint import TreeCheckpoint, gpu_processes
+from coldsnap.snapshot.process_tree import tree_pids
+
+LARGE = 64 << 20
+_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+
+
+def mappings(pid: int) -> list[dict]:
+    """Every mapping of ``pid``: start, end, permissions, path, and the bytes CRIU dumps from it."""
+    found: list[dict] = []
+    with open(f"/proc/{pid}/smaps") as handle:
+        for line in handle:
+            header = _HEADER.match(line)
+            if header:
+                found.append({"start": int(header[1], 16), "end": int(header[2], 16), "perms": header[3],
+                              "path": header[4].strip(), "fields": {}})
+            elif found and ":" in line:
+                key, _, value = line.partition(":")
+                parts = value.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    found[-1]["fields"][key] = int(parts[0]) * 1024
+    for mapping in found:
+        fields, shared = mapping["fields"], "s" in mapping["perms"]
+        # private pages (anonymous, or file pages written to) are dumped; shared anonymous memory too
+        anonymous_shared = shared and (not mapping["path"] or mapping["path"].startswith(("/dev/zero", "/SYSV", "/dev/shm"))
+                                       or mapping["path"].endswith("(deleted)"))
+        mapping["dumped"] = fields.get("Rss", 0) if anonymous_shared else fields.get("Anonymous", 0)
+    return found
+
+
+def category(mapping: dict) -> str:
+    path = mapping["path"]
+    size = mapping["end"] - mapping["start"]
+    if path == "[heap]":
+        return "C heap (brk)"
+    if path == "[stack]" or path.startswith("[stack"):
+        return "main thread stack"
+    if path.startswith("/dev/nvidia"):
+        return f"NVIDIA device mappings ({os.path.basename(path).rstrip('0123456789')}*)"
+    if path.startswith("["):
+        return f"kernel-provided {path}"
+    if not path:
+        return ("large anonymous mappings (>= 64 MiB: malloc arenas, torch CPU tensors, driver buffers)" if size >= LARGE
+                else "small anonymous mappings (thread stacks, malloc arenas, Python objects)")
+    name = os.path.basename(path.split(" ")[0])
+    if ".so" in name:
+        return f"written pages of shared libraries: {_library_family(name)}"
+    return f"written pages of other files: {name}"
+
+
+def _library_family(name: str) -> str:
+    for family in ("libtorch_cuda", "libtorch_cpu", "libcublasLt", "libcublas", "libcudnn", "libnccl", "libcuda",
+                   "libcudart", "libnvrtc", "libpython", "libc10_cuda", "libc10"):
+        if name.startswith(family):
+            return family
+    return "other .so"
+
+
+def dumped_by_category(pids: list[int]) -> dict[str, int]:
+    totals: dict[str, int] = defaultdict(int)
+    for pid in pids:
+        for mapping in mappings(pid):
+            if mapping["dumped"]:
+                totals[category(mapping)] += mapping["dumped"]
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def grown_by_checkpoint(before: dict[int, list[dict]], after: dict[int, list[dict]]) -> dict[str, int]:
+    """What the CUDA checkpoint added to the dumped pages, by the kind of mapping that holds it."""
+    totals: dict[str, int] = defaultdict(int)
+    for pid, mapped in after.items():
+        earlier = {(m["start"], m["end"]): m["dumped"] for m in before.get(pid, [])}
+        for mapping in mapped:
+            grown = mapping["dumped"] - earlier.get((mapping["start"], mapping["end"]), 0)
+            if grown > 0:
+                new = (mapping["start"], mapping["end"]) not in earlier
+                totals[("new " if new else "grown ") + category(mapping)] += grown
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def gpu_memory_by_pid() -> dict[int, int]:
+    """GPU memory each process holds, per nvidia-smi (bytes); empty without it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    held: dict[int, int] = {}
+    for line in out.splitlines():
+        pid, _, used = line.partition(",")
+        if pid.strip().isdigit() and used.strip().isdigit():
+            held[int(pid)] = int(used) << 20
+    return held
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", default="tiny", choices=["tiny", "1b", "8b"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--port", type=int, default=18961)
+    parser.add_argument("--out", default="image_attribution.json")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="coldsnap-attribution-"))
+    command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", args.size, "--device", args.device,
+               "--port", str(args.port)]
+    engine = EngineProcess(command, work / "serve.log", {})
+    checkpointed: list[int] = []
+    try:
+        wait_for_agent(engine.control, engine.alive, 600)
+        wait_for_http(args.port, engine.alive, 600)
+        ask_canary(args.port, "Warm the server up, as capture's canary does.", 16)
+        pids = tree_pids(engine.pid)
+        serving_gpu = gpu_memory_by_pid()
+        prepared = AgentClient(engine.control).prepare(Prepare(pack_dir=str(work / "pack")))
+        released_gpu = gpu_memory_by_pid()
+        before = {pid: mappings(pid) for pid in pids}
+        host = dumped_by_category(pids)
+        document: dict = {"benchmark": "image_attribution", "size": args.size, "device": args.device,
+                          "host_dumped_bytes": sum(host.values()), "host_by_category": host,
+                          "agent_rss_bytes": prepared.rss_bytes, "torch_reserved_bytes": prepared.device_bytes,
+                          "prepare_seconds": prepared.seconds}
+        gpu_pids = gpu_processes(pids)
+        if gpu_pids:
+            document["gpu_bytes_serving"] = sum(serving_gpu.get(p, 0) for p in gpu_pids)
+            document["gpu_bytes_after_release"] = sum(released_gpu.get(p, 0) for p in gpu_pids)
+            TreeCheckpoint().checkpoint(gpu_pids)
+            checkpointed = gpu_pids
+            after = {pid: mappings(pid) for pid in pids}
+            device = grown_by_checkpoint(before, after)
+            document["device_state_bytes"] = sum(device.values())
+            document["device_state_by_mapping"] = device
+            document["device_state_outside_torch_bytes"] = document["device_state_bytes"] - prepared.device_bytes
+        Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+        print(render(document))
+    finally:
+        if checkpointed:
+            TreeCheckpoint().restore(checkpointed)
+        engine.kill()
+    return 0
+
+
+def render(document: dict) -> str:
+    mib = 2**20
+    lines = [f"process image of torch-lm {document['size']} on {document['device']}, model memory released:",
+             "", "| host state (what CRIU dumps) | MiB |", "|---|---:|"]
+    lines += [f"| {name} | {value / mib:.1f} |" for name, value in document["host_by_category"].items() if value >= mib]
+    lines.append(f"| **host total** | **{document['host_dumped_bytes'] / mib:.1f}** |")
+    if "device_state_bytes" in document:
+        lines += ["", "| device state (what the CUDA checkpoint moved into the process) | MiB |", "|---|---:|"]
+        lines += [f"| {name} | {value / mib:.1f} |" for name, value in document["device_state_by_mapping"].items()
+                  if value >= mib]
+        lines.append(f"| **device total** | **{document['device_state_bytes'] / mib:.1f}** |")
+        lines += ["", f"GPU memory of the process: {document['gpu_bytes_serving'] / mib:.0f} MiB serving, "
+                  f"{document['gpu_bytes_after_release'] / mib:.0f} MiB with model memory released; of the device state, "
+                  f"torch's caching allocator holds {document['torch_reserved_bytes'] / mib:.1f} MiB (graph pools, "
+                  f"activations, cuBLAS workspaces), the rest ({document['device_state_outside_torch_bytes'] / mib:.1f} "
+                  "MiB) is the CUDA context, loaded kernels and driver allocations."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
