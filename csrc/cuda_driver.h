@@ -64,6 +64,8 @@ constexpr int CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1;
 constexpr unsigned int CU_STREAM_NON_BLOCKING = 1;
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
 constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 1;
+constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 1;
+constexpr unsigned int CU_MEMHOSTREGISTER_READ_ONLY = 8;
 
 // CUDA checkpoint argument structs, layouts copied from cuda.h (CUDA 13.0).
 struct CUcheckpointLockArgs {
@@ -146,6 +148,8 @@ using PFN_cuEventSynchronize = CUresult (*)(CUevent);
 using PFN_cuEventDestroy = CUresult (*)(CUevent);
 using PFN_cuMemHostAlloc = CUresult (*)(void**, std::size_t, unsigned int);
 using PFN_cuMemFreeHost = CUresult (*)(void*);
+using PFN_cuMemHostRegister = CUresult (*)(void*, std::size_t, unsigned int);
+using PFN_cuMemHostUnregister = CUresult (*)(void*);
 using PFN_cuMemGetInfo = CUresult (*)(std::size_t*, std::size_t*);
 // Legacy CUDA IPC (cudaIpcOpenMemHandle maps a peer's allocation; the checkpoint API of driver 580
 // refuses a process holding such a mapping, and vLLM's custom all-reduce never closes its own).
@@ -214,6 +218,8 @@ using PFN_cuIpcCloseMemHandle = CUresult (*)(CUdeviceptr);
   X(cuEventDestroy, "cuEventDestroy_v2")                      \
   X(cuMemHostAlloc, "cuMemHostAlloc")                         \
   X(cuMemFreeHost, "cuMemFreeHost")                           \
+  X(cuMemHostRegister, "cuMemHostRegister_v2")                \
+  X(cuMemHostUnregister, "cuMemHostUnregister")               \
   X(cuMemGetInfo, "cuMemGetInfo_v2")
 
 #define COLDSNAP_CUDA_ALL(X)  \

@@ -3,7 +3,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -373,6 +380,62 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("dst"), py::arg("src"), py::arg("length"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
       "Synchronous host -> device copy (src is a host address).");
+  m.def(
+      "map_file_pinned",
+      [](const std::string& path, int device) {
+        // The whole file mapped read-only from the page cache and registered with the driver: copies
+        // out of it are DMA reads of those pages (no staging copy through a ring).
+        const auto& api = cu::use_device(device);
+        int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd < 0) throw cu::CudaError(path + ": " + std::strerror(errno));
+        struct stat st {};
+        if (::fstat(fd, &st) != 0 || st.st_size == 0) {
+          ::close(fd);
+          throw cu::CudaError(path + ": cannot map an empty or unreadable file");
+        }
+        auto length = static_cast<std::size_t>(st.st_size);
+        void* address = ::mmap(nullptr, length, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+        ::close(fd);
+        if (address == MAP_FAILED) throw cu::CudaError(path + ": mmap: " + std::strerror(errno));
+        cu::CUresult result = api.cuMemHostRegister(address, length, cu::CU_MEMHOSTREGISTER_PORTABLE | cu::CU_MEMHOSTREGISTER_READ_ONLY);
+        if (result != 0) {
+          ::munmap(address, length);
+          api.check(result, "cuMemHostRegister");
+        }
+        return std::make_tuple(reinterpret_cast<std::uint64_t>(address), static_cast<std::uint64_t>(length));
+      },
+      py::arg("path"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "Map a file read-only and register it as pinned host memory; returns (address, length).");
+  m.def(
+      "unmap_file_pinned",
+      [](std::uint64_t address, std::uint64_t length, int device) {
+        const auto& api = cu::use_device(device);
+        cu::CUresult result = api.cuMemHostUnregister(reinterpret_cast<void*>(address));
+        ::munmap(reinterpret_cast<void*>(address), length);
+        api.check(result, "cuMemHostUnregister");
+      },
+      py::arg("address"), py::arg("length"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "Unregister and unmap what map_file_pinned mapped.");
+  m.def(
+      "copy_pinned_to_device",
+      [](const std::vector<std::tuple<std::uint64_t, std::uint64_t, std::uint64_t>>& items, int device) {
+        // (source address, length, destination): all queued on one stream, then one wait. From
+        // registered memory each copy is a DMA at the link's rate; one stream already saturates it.
+        const auto& api = cu::use_device(device);
+        cu::CUstream stream = nullptr;
+        api.check(api.cuStreamCreate(&stream, cu::CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+        cu::CUresult result = 0;
+        for (const auto& [src, length, dst] : items) {
+          result = api.cuMemcpyHtoDAsync(dst, reinterpret_cast<const void*>(src), length, stream);
+          if (result != 0) break;
+        }
+        cu::CUresult synced = api.cuStreamSynchronize(stream);
+        api.cuStreamDestroy(stream);
+        api.check(result, "cuMemcpyHtoDAsync");
+        api.check(synced, "cuStreamSynchronize");
+      },
+      py::arg("items"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "Copy (source, length, destination) extents from pinned host memory to the device, then wait.");
   m.def(
       "close_ipc_mapping",
       [](std::uint64_t address, int device) {

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Literal
 
 from pydantic import Field
 
@@ -36,8 +37,9 @@ from coldsnap.activation.artifact_dir import ArtifactDir, state_root
 from coldsnap.activation.restore import RestoreSequence, admit, weight_sources
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
-from coldsnap.agent.protocol import Standby
+from coldsnap.agent.protocol import Standby, StandbyReply
 from coldsnap.atomic import write_atomic
+from coldsnap.contracts.artifact import WorkerRecord
 from coldsnap.contracts.base import Contract, ContractError, load_document
 from coldsnap.host import stat_fields
 from coldsnap.snapshot.process_tree import PF_EXITING
@@ -152,11 +154,17 @@ def _park(sequence: RestoreSequence, ttl_s: int) -> None:
     controls = [sequence.records[w.rank].control for w in sequence.workers]
     with sequence.step("warm.standby", "warm.standby") as span, \
             ActivationCoordinator(len(sequence.workers)) as coordinator:
-        command = Standby(ttl_s=ttl_s, record=str(path), coordinator=coordinator.command_field())
-        replies = call_every_rank([(w.rank, functools.partial(AgentClient(control).standby, command))
-                                   for w, control in zip(sequence.workers, controls)], coordinator)
-        for reply in replies:
-            span.update({f"{rank_prefix(reply.rank)}{name}_ns": int(seconds * 1e9) for name, seconds in reply.seconds.items()})
+        calls: list[tuple[int, Callable[[], StandbyReply]]] = [(w.rank, functools.partial(AgentClient(control).standby, Standby(
+                    ttl_s=ttl_s, record=str(path), coordinator=coordinator.command_field(),
+                    pin_payload=_pinnable_payload(sequence, w))))
+                 for w, control in zip(sequence.workers, controls)]
+        for reply in call_every_rank(calls, coordinator):
+            prefix = rank_prefix(reply.rank)
+            span.update({f"{prefix}{name}_ns": int(seconds * 1e9) for name, seconds in reply.seconds.items()})
+            span[f"{prefix}pinned_bytes"] = reply.pinned_bytes
+            if reply.pin_error:
+                sequence.context.warn(f"rank {reply.rank}: the payload pack could not be pinned ({reply.pin_error}); "
+                                      "its wake hydrates through the staging ring")
         start_ticks = _start_ticks(sequence.restored_pid)
         if start_ticks is None:
             raise OperationFailed("warm.standby", f"the standby (pid {sequence.restored_pid}) exited while parking")
@@ -169,6 +177,16 @@ def _park(sequence: RestoreSequence, ttl_s: int) -> None:
         span["ttl_s"] = ttl_s
     sequence.context.progress(f"standby {record.standby_id} parked; `coldsnap wake {sequence.artifact.root}` "
                               f"makes it serve (it stops itself after {ttl_s} s)")
+
+
+def _pinnable_payload(sequence: RestoreSequence, worker: WorkerRecord) -> str | None:
+    """The rank's payload pack when its wake will hydrate GPU weights from it (and pinning is not
+    switched off with ``COLDSNAP_STANDBY_PIN_PACK=0``): the standby pins it ahead of the wake."""
+    weights = sequence.records[worker.rank].regions.get("weights")
+    if (os.environ.get("COLDSNAP_STANDBY_PIN_PACK", "1") == "0" or worker.payload is None
+            or sequence.sources[worker.rank] != "native" or weights is None or weights.backend != "cuda"):
+        return None
+    return str(sequence.artifact.root / worker.payload.path)
 
 
 def wake(context: OperationContext) -> OperationOutcome:

@@ -10,12 +10,15 @@ an engine's sleep backend around sleep/wake; neither owns the mechanics.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory.regions import DISCARDED_TAGS, StableRegion
 from coldsnap.native import native
 from coldsnap.timing import timed
+
+if TYPE_CHECKING:
+    from coldsnap.hydrate import PinnedPack
 
 __all__ = ["ModelMemory", "ModelMemoryError"]
 
@@ -43,6 +46,15 @@ class ModelMemory:
             if blocks:
                 out[region_layout.tag] = blocks
         return out
+
+    def pin_pack(self, path: str) -> "PinnedPack":
+        """``path`` (a payload pack of the GPU weights region) mapped and pinned for a later :meth:`restore`."""
+        from coldsnap.hydrate import PinnedPack
+
+        weights = self.regions.get("weights")
+        if weights is None or weights.backend != "cuda":
+            raise ModelMemoryError("only a GPU weights region is hydrated from a pinned pack")
+        return PinnedPack(path, weights.device)
 
     def release(self, seconds: dict[str, float], pack_dir: Path | None = None, progress: Progress | None = None,
                 before_unmap: Callable[[], None] | None = None, write_payload: bool = True) -> dict[str, Any]:
@@ -74,7 +86,7 @@ class ModelMemory:
                 residual: str | None = None, safetensors: list[str] | None = None,
                 replay: Callable[[list[str]], int] | None = None, adopted: dict[str, int] | None = None,
                 fds: Sequence[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
-                tags: Iterable[str] | None = None) -> dict[str, Any]:
+                tags: Iterable[str] | None = None, pinned: "PinnedPack | None" = None) -> dict[str, Any]:
         """Map the regions (``tags``, default all) at their addresses and fill them; returns what
         hydrated them. ``adopted`` (tag → chunk count) takes the chunks from ``fds`` in that order.
         Recovery (``safetensors`` without a payload): ``replay`` (the engine's own) or replay by tensor
@@ -112,8 +124,12 @@ class ModelMemory:
         elif staged_elsewhere:
             hydrated = {"source": "native", "staged": True, **(staged or {})}
         elif payload:
-            stats = timed(seconds, "hydrate", lambda: hydrate_pack(payload, weights, layout_digest=digest, progress=progress))
-            hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds,
+            if pinned is not None:  # the payload pack, pinned ahead (a standby): DMA copies only
+                stats = timed(seconds, "hydrate", lambda: pinned.hydrate(weights, layout_digest=digest))
+            else:
+                stats = timed(seconds, "hydrate",
+                              lambda: hydrate_pack(payload, weights, layout_digest=digest, progress=progress))
+            hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "pinned": pinned is not None,
                         "gb_per_s": round(stats.gb_per_s, 3), "direct": stats.direct, "cached_fraction": stats.cached_fraction}
         else:  # safetensors: a restore with no source was refused before mapping
             assert safetensors

@@ -111,6 +111,9 @@ class Standby(Message):
     ttl_s: int | None
     record: str | None = None
     coordinator: CoordinatorRef | None = None
+    pin_payload: str | None = None
+    """A GPU rank's payload pack to map and register as pinned host memory now, so that the wake's
+    hydration from it is DMA copies (its pages stay locked in memory while the standby waits)."""
 
 
 Command = Annotated[Union[Status, TakeLease, Prepare, Resume, Standby], Field(discriminator="command")]
@@ -179,6 +182,9 @@ class ResumeReply(Message):
 class StandbyReply(Message):
     rank: int
     seconds: dict[str, float]
+    pinned_bytes: int = 0
+    """Bytes of the payload pack registered as pinned memory (0: none asked, or pinning failed: ``pin_error``)."""
+    pin_error: str | None = None
 
 
 class LeaseTaken(Message):

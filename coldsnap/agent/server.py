@@ -49,6 +49,7 @@ from coldsnap.timing import timed
 
 if TYPE_CHECKING:
     from coldsnap.collective.group import DistributedState, Rendezvous
+    from coldsnap.hydrate import PinnedPack
 
 __all__ = ["AgentHooks", "AgentServer", "CommandFailed", "attach", "hold_lease", "start_agent"]
 
@@ -129,6 +130,7 @@ class AgentServer:
         self.on_lease_lost: Callable[[], None] = _stop_process_group  # what a lapsed restore lease does
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._prepared_start = 0  # this process's start time when it was prepared (a restore changes it)
+        self._pinned: "PinnedPack | None" = None  # a standby's payload pack, pinned for its wake
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(address(self.control))
         self._listener.listen(4)
@@ -287,11 +289,16 @@ class AgentServer:
         seconds: dict[str, float] = {}
         self._request_permissions()
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
-            hydrated = self.memory.restore(
-                seconds, layout_digest=command.layout_digest, payload=command.payload, residual=command.residual,
-                safetensors=command.safetensors, replay=self.hooks.replay_weights, adopted=command.adopted, fds=fds,
-                staged=command.staged,
-                progress=progress.phase("hydrating weights"))
+            pinned, self._pinned = self._pinned, None
+            try:
+                hydrated = self.memory.restore(
+                    seconds, layout_digest=command.layout_digest, payload=command.payload, residual=command.residual,
+                    safetensors=command.safetensors, replay=self.hooks.replay_weights, adopted=command.adopted, fds=fds,
+                    staged=command.staged, pinned=pinned if pinned is not None and pinned.path == command.payload else None,
+                    progress=progress.phase("hydrating weights"))
+            finally:
+                if pinned is not None:  # unlocking GBs of pages takes a while: not on the wake's path
+                    threading.Thread(target=pinned.close, name="coldsnap-agent-unpin", daemon=True).start()
             if self.collectives is not None and self.state == "prepared":  # a standby rebuilt them already
                 assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                 self.collectives.rebuild(rendezvous, seconds)
@@ -332,10 +339,19 @@ class AgentServer:
                 self.collectives.rebuild(rendezvous, seconds)
             if rendezvous is not None:
                 timed(seconds, "standby_barrier", lambda: rendezvous.barrier("agent.standby", 120))
+        pin_error = None
+        pin = command.pin_payload
+        if pin is not None:
+            try:
+                self._pinned = timed(seconds, "pin_payload", lambda: self.memory.pin_pack(pin))
+            except Exception as exc:  # the wake then hydrates through the staging ring: slower, still right
+                log.warning("coldsnap agent: could not pin %s: %s", pin, exc)
+                pin_error = f"{type(exc).__name__}: {exc}"
         self.state = "standby"  # ends the prepared state's watchdog
         if command.ttl_s is not None:
             self._arm_standby_expiry(command.ttl_s, command.record)
-        return StandbyReply(rank=self.rank, seconds=seconds)
+        return StandbyReply(rank=self.rank, seconds=seconds, pinned_bytes=self._pinned.length if self._pinned else 0,
+                            pin_error=pin_error)
 
     def _arm_standby_expiry(self, ttl_s: int, record: str | None) -> None:
         parked_at = time.monotonic()

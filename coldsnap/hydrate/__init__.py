@@ -16,7 +16,7 @@ from coldsnap.hydrate.engine import (
     prefetch_file,
     read_file,
 )
-from coldsnap.hydrate.native_pack import hydrate_pack, payload_extents, write_pack_from_regions
+from coldsnap.hydrate.native_pack import PinnedPack, hydrate_pack, payload_extents, write_pack_from_regions
 from coldsnap.hydrate.replay import SafetensorsIndex, replay_safetensors
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "CopyItem",
     "HydrationError",
     "HydrationStats",
+    "PinnedPack",
     "SafetensorsIndex",
     "hydrate_items",
     "hydrate_pack",

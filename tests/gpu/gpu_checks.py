@@ -636,11 +636,70 @@ def tp2_capture_restore_on_gpu() -> None:
         assert group_members(root_pid) == []
 
 
+def standby_on_gpu() -> None:
+    """Warm standby of the CUDA-graph workload on this GPU: `coldsnap warm` parks it (CUDA restored,
+    payload pack pinned, weights not on the GPU), `coldsnap wake` hydrates from the pinned pack and
+    serves the cold start's tokens; the same with pinning off (the staging ring); a killed standby and
+    an expired one leave no process and no CUDA context behind."""
+    import json
+    import subprocess
+    import time
+
+    from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    port = _free_port()
+    workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
+    expected = _cold_start_tokens(workload, port)
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1", "COLDSNAP_STATE_DIR": os.path.join(scratch, "state")}
+        artifact = os.path.join(scratch, "artifact")
+        status, receipt, err = _coldsnap("capture", "--out", artifact, "--", *workload, env=env)
+        assert status == 0, (receipt, err[-3000:])
+        root_pid = capsule_root_pid(artifact)
+
+        def standbys() -> list[dict]:
+            listed = subprocess.run([sys.executable, "-m", "coldsnap", "status", "--json"], capture_output=True, text=True,
+                                    env=env, check=True)
+            return json.loads(listed.stdout)["standbys"]
+
+        try:
+            for pin in ("1", "0"):
+                status, warm, err = _coldsnap("warm", artifact, env={**env, "COLDSNAP_STANDBY_PIN_PACK": pin})
+                assert status == 0, (warm.get("error"), err[-2000:])
+                parked = next(s for s in warm["timing"]["spans"] if s["name"] == "warm.standby")["attributes"]
+                assert (parked["pinned_bytes"] > 0) == (pin == "1"), parked
+                assert [s["state"] for s in standbys()] == ["standby"] and root_pid in _gpu_pids()
+                started = time.perf_counter()
+                status, wake, err = _coldsnap("wake", artifact, env=env)
+                assert status == 0, (wake.get("error"), err[-2000:])
+                resume = next(s for s in wake["timing"]["spans"] if s["name"] == "wake.resume")["attributes"]
+                assert resume["source"] == "native" and resume["pinned"] == (pin == "1"), resume
+                assert _complete(port) == expected
+                print(f"pin {pin}: woken in {time.perf_counter() - started:.2f} s, tokens = cold start's; {resume}")
+                kill_tree(root_pid)
+            status, _, err = _coldsnap("warm", artifact, env=env)
+            assert status == 0, err[-2000:]
+            kill_tree(root_pid)  # killed standby: nothing left, and status forgets it
+            assert standbys() == [] and root_pid not in _gpu_pids()
+            status, _, err = _coldsnap("warm", artifact, "--ttl", "3", env=env)
+            assert status == 0, err[-2000:]
+            deadline = time.monotonic() + 20
+            while group_members(root_pid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert group_members(root_pid) == [], "an expired standby was still running"
+            time.sleep(1)
+            assert root_pid not in _gpu_pids() and standbys() == []
+            print("killed and expired standbys: no process, no CUDA context, no record left")
+        finally:
+            kill_tree(root_pid)
+
+
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
                                   hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip,
                                   torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
                                   capture_restore_on_gpu, failure_hygiene_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu,
-                                  concurrent_hydrations_bit_exact)}
+                                  concurrent_hydrations_bit_exact, standby_on_gpu)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "_nccl_rank":
