@@ -417,7 +417,7 @@ class RestoreSequence:
                 prefix = rank_prefix(rank)
                 hydrated = resumed.hydrate
                 span.update({f"{prefix}bytes": hydrated.bytes, f"{prefix}source": hydrated.source,
-                             f"{prefix}staged": hydrated.staged})
+                             f"{prefix}staged": hydrated.staged, f"{prefix}pinned": hydrated.stats.get("pinned") is True})
                 span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.seconds.items()})
                 if resumed.graphs_recaptured:
                     span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)

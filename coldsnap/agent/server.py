@@ -131,6 +131,9 @@ class AgentServer:
         self._xstate = 0  # dynamic x86 state permissions recorded at prepare
         self._prepared_start = 0  # this process's start time when it was prepared (a restore changes it)
         self._pinned: "PinnedPack | None" = None  # a standby's payload pack, pinned for its wake
+        self._to_unpin: list["PinnedPack"] = []  # pinned packs a wake used, unpinned once no lease is held
+        self._leases = 0  # launchers' leases held now
+        self._lease_count = threading.Lock()  # guards _leases and _to_unpin
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(address(self.control))
         self._listener.listen(4)
@@ -152,7 +155,9 @@ class AgentServer:
                     if isinstance(command, TakeLease):  # the connection is the lease: another thread owns it
                         closing.pop_all()
                         self._leased = self._preparations
-                        threading.Thread(target=hold_lease, args=(connection, self.on_lease_lost), name="coldsnap-agent-lease",
+                        with self._lease_count:
+                            self._leases += 1
+                        threading.Thread(target=self._hold_lease, args=(connection,), name="coldsnap-agent-lease",
                                          daemon=True).start()
                         continue
                     reply = Reply(ok=True, reply=self.handle(command, _ProgressLines(connection), fds))
@@ -166,6 +171,22 @@ class AgentServer:
                     connection.sendall(encode(reply))
                 except OSError:
                     pass
+
+    def _hold_lease(self, connection: socket.socket) -> None:
+        hold_lease(connection, self.on_lease_lost)
+        with self._lease_count:
+            self._leases -= 1
+        self._unpin_later(None)
+
+    def _unpin_later(self, pinned: "PinnedPack | None") -> None:
+        """Unpin a woken standby's pack (unregistering and unmapping GBs stalls the process's CUDA calls and
+        page faults for a while) once its launcher released the lease, i.e. after the canary matched."""
+        with self._lease_count:
+            if pinned is not None:
+                self._to_unpin.append(pinned)
+            if self._leases == 0:
+                while self._to_unpin:
+                    threading.Thread(target=self._to_unpin.pop().close, name="coldsnap-agent-unpin", daemon=True).start()
 
     def handle(self, command: Status | Prepare | Resume | Standby, progress: "_ProgressLines | None" = None,
                fds: list[int] | None = None) -> StatusReply | PrepareReply | ResumeReply | StandbyReply:
@@ -297,8 +318,8 @@ class AgentServer:
                     staged=command.staged, pinned=pinned if pinned is not None and pinned.path == command.payload else None,
                     progress=progress.phase("hydrating weights"))
             finally:
-                if pinned is not None:  # unlocking GBs of pages takes a while: not on the wake's path
-                    threading.Thread(target=pinned.close, name="coldsnap-agent-unpin", daemon=True).start()
+                if pinned is not None:
+                    self._unpin_later(pinned)
             if self.collectives is not None and self.state == "prepared":  # a standby rebuilt them already
                 assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                 self.collectives.rebuild(rendezvous, seconds)
