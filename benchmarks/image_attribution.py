@@ -17,6 +17,7 @@ it compares with the GPU memory the process held (``nvidia-smi``) and with torch
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -27,8 +28,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from coldsnap.activation.engine_process import EngineProcess, ask_canary, wait_for_agent, wait_for_http
+from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank
 from coldsnap.agent.client import AgentClient
-from coldsnap.agent.protocol import Prepare
+from coldsnap.agent.protocol import Prepare, rank_control
 from coldsnap.snapshot.cuda_checkpoint import TreeCheckpoint, gpu_processes
 from coldsnap.snapshot.process_tree import tree_pids
 
@@ -129,27 +131,34 @@ def main() -> int:
     parser.add_argument("--size", default="tiny", choices=["tiny", "1b", "8b"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--port", type=int, default=18961)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each (default 1)")
     parser.add_argument("--out", default="image_attribution.json")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="coldsnap-attribution-"))
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", args.size, "--device", args.device,
-               "--port", str(args.port)]
+               "--port", str(args.port), *(["--tp", str(args.tp)] if args.tp > 1 else [])]
     engine = EngineProcess(command, work / "serve.log", {})
     checkpointed: list[int] = []
     try:
-        wait_for_agent(engine.control, engine.alive, 600)
+        controls = [rank_control(engine.control, rank) for rank in range(args.tp)]
+        for control in controls:
+            wait_for_agent(control, engine.alive, 600)
         wait_for_http(args.port, engine.alive, 600)
         ask_canary(args.port, "Warm the server up, as capture's canary does.", 16)
         pids = tree_pids(engine.pid)
         serving_gpu = gpu_memory_by_pid()
-        prepared = AgentClient(engine.control).prepare(Prepare(pack_dir=str(work / "pack")))
+        with ActivationCoordinator(args.tp) as coordinator:  # ranks tear NCCL down together, as at capture
+            command = Prepare(pack_dir=str(work / "pack"), coordinator=coordinator.command_field())
+            replies = call_every_rank([(rank, functools.partial(AgentClient(control).prepare, command))
+                                       for rank, control in enumerate(controls)], coordinator)
         released_gpu = gpu_memory_by_pid()
         before = {pid: mappings(pid) for pid in pids}
         host = dumped_by_category(pids)
         document: dict = {"benchmark": "image_attribution", "size": args.size, "device": args.device,
                           "host_dumped_bytes": sum(host.values()), "host_by_category": host,
-                          "agent_rss_bytes": prepared.rss_bytes, "torch_reserved_bytes": prepared.device_bytes,
-                          "prepare_seconds": prepared.seconds}
+                          "tp": args.tp, "agent_rss_bytes": sum(r.rss_bytes for r in replies),
+                          "torch_reserved_bytes": sum(r.device_bytes for r in replies),
+                          "prepare_seconds": [r.seconds for r in replies]}
         gpu_pids = gpu_processes(pids)
         if gpu_pids:
             document["gpu_bytes_serving"] = sum(serving_gpu.get(p, 0) for p in gpu_pids)
@@ -160,7 +169,7 @@ def main() -> int:
             device = grown_by_checkpoint(before, after)
             document["device_state_bytes"] = sum(device.values())
             document["device_state_by_mapping"] = device
-            document["device_state_outside_torch_bytes"] = document["device_state_bytes"] - prepared.device_bytes
+            document["device_state_outside_torch_bytes"] = document["device_state_bytes"] - document["torch_reserved_bytes"]
         Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
         print(render(document))
     finally:
@@ -172,7 +181,8 @@ def main() -> int:
 
 def render(document: dict) -> str:
     mib = 2**20
-    lines = [f"process image of torch-lm {document['size']} on {document['device']}, model memory released:",
+    tp = f" TP{document['tp']} (all ranks)" if document.get("tp", 1) > 1 else ""
+    lines = [f"process image of torch-lm {document['size']}{tp} on {document['device']}, model memory released:",
              "", "| host state (what CRIU dumps) | MiB |", "|---|---:|"]
     lines += [f"| {name} | {value / mib:.1f} |" for name, value in document["host_by_category"].items() if value >= mib]
     lines.append(f"| **host total** | **{document['host_dumped_bytes'] / mib:.1f}** |")

@@ -125,7 +125,10 @@ def pyplot() -> Any:
     return plt
 
 
-_WAKE_COLORS = {"admission": "#bcbd22", "lease": "#17becf", "resume": "#9467bd", "canary": "#e377c2"}
+# One color per phase, whichever operation's row it is in (restore.resume and wake.resume alike).
+_PHASE_COLORS = {"exec → admission start": "#1f77b4", "admission": "#ff7f0e", "criu_restore": "#2ca02c",
+                 "lease": "#17becf", "cuda_restore": "#9467bd", "stage_wait": "#8c564b", "resume": "#e377c2",
+                 "canary": "#7f7f7f"}
 
 
 def draw_phase_chart(document: dict, png: Path) -> bool:
@@ -144,18 +147,20 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     order = ["exec → admission start", "restore.admission", "restore.criu_restore", "restore.lease", "restore.cuda_restore",
              "restore.stage_wait", "restore.resume", "restore.canary"]
     sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items() if n not in order]
-    figure, axis = plt.subplots(figsize=(9, 3.2))
+    figure, axis = plt.subplots(figsize=(10, 3.6))
     axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999", label="cold start")
     left = 0.0
     for name, value in sequential:
-        axis.barh(["restore"], [value], left=left, label=name.removeprefix("restore."))
+        phase = name.removeprefix("restore.")
+        axis.barh(["restore"], [value], left=left, label=phase, color=_PHASE_COLORS.get(phase))
         left += value
     wake = {n: v for n, v in document.get("wake_phase_medians_warm", {}).items()
             if n not in ("canary → receipt", "receipt → process exit")}
     left = 0.0
     for name, value in wake.items():  # the standby's wake, its own row (medians)
-        axis.barh(["wake\n(warm standby)"], [value], left=left, color=_WAKE_COLORS.get(name.split(".")[-1], "#8c564b"),
-                  label=f"wake: {name.removeprefix('wake.')}")
+        phase = name.removeprefix("wake.")
+        axis.barh(["wake\n(warm standby)"], [value], left=left, color=_PHASE_COLORS.get(phase),
+                  label=None if phase in {n.removeprefix("restore.") for n in phases} else phase)  # shown above
         left += value
     if staged is not None:
         before = phases.get("exec → admission start", 0.0) + phases.get("restore.admission", 0.0)
@@ -166,7 +171,7 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     tp = f" TP{document['tp']}" if document.get("tp", 1) > 1 else ""
     axis.set_title(f"{document.get('engine', 'torch-lm')} {document['size']}{tp} on {document['device']}: "
                    "cold start vs coldsnap restore" + (" and wake" if wake else ""), fontsize=9)
-    axis.legend(fontsize=7, loc="lower right")
+    axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
     figure.savefig(png, dpi=120)
     return True
