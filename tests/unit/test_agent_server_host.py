@@ -294,3 +294,62 @@ def test_a_restored_agent_nobody_leases_stops_its_tree(leased):
     else:
         assert result.returncode == -signal.SIGKILL and "no launcher took the lease within 1 s" in result.stderr, \
             (result.returncode, result.stderr[-2000:])
+
+
+def test_standby_parks_a_restored_agent_until_resume_and_its_ttl_stops_it(tmp_path, monkeypatch):
+    """standby: refused unless prepared and restored (a new process start time); then the agent is in
+    state standby with its memory released and its lease-free deadlines replaced by the TTL; resume
+    leaves it as from prepared. An expired standby removes its record and stops its process group."""
+    from coldsnap.agent.protocol import Standby
+
+    agent, client, memory, lock, live = _agent()
+    digest = memory.layout.digest()
+    with pytest.raises(AgentError) as refused:
+        client.standby(Standby(ttl_s=None))
+    assert refused.value.code == "agent.state" and "standby needs state prepared, not serving" in str(refused.value)
+    prepared = client.prepare(Prepare(pack_dir=str(tmp_path)))
+    with pytest.raises(AgentError) as refused:  # prepared, but this process was never restored
+        client.standby(Standby(ttl_s=None))
+    assert "standby needs a restored process" in str(refused.value)
+
+    agent.process_start = lambda: -1  # as after a CRIU restore
+    stopped: list[str] = []
+    import coldsnap.agent.server as server
+
+    monkeypatch.setattr(server, "_stop_process_group", lambda reason="": stopped.append(reason))
+    record = tmp_path / "standby.json"
+    record.write_text("{}")
+    parked = client.standby(Standby(ttl_s=1, record=str(record)))
+    assert parked.rank == 0 and parked.pinned_bytes == 0 and parked.pin_error is None
+    status = client.status()
+    assert status.state == "standby" and lock.locked()  # requests wait for the wake
+    assert {t: r.mapped for t, r in status.regions.items()} == {"weights": 0, "kv_cache": 0}
+    with pytest.raises(AgentError) as refused:
+        client.standby(Standby(ttl_s=None))
+    assert "standby needs state prepared, not standby" in str(refused.value)
+
+    resumed = client.resume(Resume(layout_digest=digest, payload=prepared.payload.path, residual=prepared.residual.path))
+    assert resumed.hydrate.source == "native" and not lock.locked() and client.status().state == "serving"
+    assert bytes(memory.regions["weights"].host_view(0, ALLOCATED)) == live[:ALLOCATED]
+    import time
+
+    time.sleep(1.6)  # past the TTL: a woken standby's deadline is gone with its state
+    assert record.exists() and not stopped
+
+
+def test_a_standby_nobody_wakes_removes_its_record_and_stops(tmp_path, monkeypatch):
+    import coldsnap.agent.server as server
+    from coldsnap.agent.protocol import Standby
+
+    stopped: list[str] = []
+    monkeypatch.setattr(server, "_stop_process_group", lambda reason="": stopped.append(reason))
+    agent, client, memory, lock, _ = _agent()
+    client.prepare(Prepare(pack_dir=str(tmp_path)))
+    agent.process_start = lambda: -1
+    record = tmp_path / "standby.json"
+    record.write_text("{}")
+    client.standby(Standby(ttl_s=1, record=str(record)))
+    deadline = threading.Event()
+    deadline.wait(2.5)
+    assert stopped and "not woken within 1 s" in stopped[0] and not record.exists()
+    agent.state = "serving"  # end the expiry thread (the real one SIGKILLs the group instead)
