@@ -162,6 +162,8 @@ def _park(sequence: RestoreSequence, ttl_s: int) -> None:
             prefix = rank_prefix(reply.rank)
             span.update({f"{prefix}{name}_ns": int(seconds * 1e9) for name, seconds in reply.seconds.items()})
             span[f"{prefix}pinned_bytes"] = reply.pinned_bytes
+            if reply.graphs_recaptured:
+                span[f"{prefix}graphs_recaptured"] = ",".join(reply.graphs_recaptured)
             if reply.pin_error:
                 sequence.context.warn(f"rank {reply.rank}: the payload pack could not be pinned ({reply.pin_error}); "
                                       "its wake hydrates through the staging ring")

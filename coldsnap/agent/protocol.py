@@ -102,8 +102,9 @@ class Resume(Message):
 
 
 class Standby(Message):
-    """A restored process, CUDA restored, parks as a warm standby: its collectives are rebuilt now, its
-    model memory stays released until ``resume``, and no launcher holds it meanwhile. The restore
+    """A restored process, CUDA restored, parks as a warm standby: its collectives are rebuilt now (and
+    the graphs that held NCCL kernels captured again), its model memory stays released until ``resume``,
+    and no launcher holds it meanwhile. The restore
     deadlines of a prepared process are replaced by ``ttl_s`` (None: none): past it, the process
     removes ``record`` (the launcher's standby registry entry) and stops its process group."""
 
@@ -185,6 +186,8 @@ class StandbyReply(Message):
     pinned_bytes: int = 0
     """Bytes of the payload pack registered as pinned memory (0: none asked, or pinning failed: ``pin_error``)."""
     pin_error: str | None = None
+    graphs_recaptured: list[str] = []
+    """Graphs the snapshot dropped (they held NCCL kernels), captured again against the rebuilt collectives."""
 
 
 class LeaseTaken(Message):

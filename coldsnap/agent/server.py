@@ -354,10 +354,13 @@ class AgentServer:
             raise CommandFailed("agent.state", "standby needs a restored process (this one was prepared, not restored)")
         seconds: dict[str, float] = {}
         self._request_permissions()
+        recaptured: list[str] = []
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             if self.collectives is not None:
                 assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                 self.collectives.rebuild(rendezvous, seconds)
+            if self.graphs_released and self.hooks.recapture_graphs is not None:
+                recaptured = self._recapture_parked(self.hooks.recapture_graphs, seconds)
             if rendezvous is not None:
                 timed(seconds, "standby_barrier", lambda: rendezvous.barrier("agent.standby", 120))
         pin_error = None
@@ -372,7 +375,24 @@ class AgentServer:
         if command.ttl_s is not None:
             self._arm_standby_expiry(command.ttl_s, command.record)
         return StandbyReply(rank=self.rank, seconds=seconds, pinned_bytes=self._pinned.length if self._pinned else 0,
-                            pin_error=pin_error)
+                            pin_error=pin_error, graphs_recaptured=recaptured)
+
+    def _recapture_parked(self, recapture: Callable[[], list[str]], seconds: dict[str, float]) -> list[str]:
+        """Capture the graphs the snapshot dropped (those holding NCCL kernels) again now, against the
+        collectives just rebuilt, so the wake does not: the regions are mapped for the capture — its
+        warm-up runs read and write them, and what they leave does not matter, since the wake hydrates
+        the weights and zeroes the KV cache and graph memory at the same addresses, where the graphs
+        find them — then released again, so the standby holds no model memory."""
+        for region in self.memory.regions.values():
+            timed(seconds, f"map_{region.tag}_for_graphs", region.map)
+        try:
+            for hook in self.hooks.after_resume:
+                hook()
+            recaptured = timed(seconds, "recapture_graphs", recapture)
+        finally:
+            self.memory.release(seconds, None, None, self._before_release)
+        self.graphs_released = []
+        return recaptured
 
     def _arm_standby_expiry(self, ttl_s: int, record: str | None) -> None:
         parked_at = time.monotonic()

@@ -353,3 +353,26 @@ def test_a_standby_nobody_wakes_removes_its_record_and_stops(tmp_path, monkeypat
     deadline.wait(2.5)
     assert stopped and "not woken within 1 s" in stopped[0] and not record.exists()
     agent.state = "serving"  # end the expiry thread (the real one SIGKILLs the group instead)
+
+
+def test_a_standby_recaptures_dropped_graphs_with_its_regions_mapped_then_releases_them(tmp_path, monkeypatch):
+    """Graphs the snapshot dropped (they held NCCL kernels) are captured at standby, with every region
+    mapped for the capture's warm-up and released after it; the wake then captures nothing."""
+    import coldsnap.agent.server as server
+    from coldsnap.agent.protocol import Standby
+
+    monkeypatch.setattr(server, "_stop_process_group", lambda reason="": None)
+    calls: list[tuple[str, dict[str, int]]] = []
+    hooks = AgentHooks(release_graphs=lambda policy: ["decode"], recapture_graphs=lambda: calls.append(
+        ("recapture", {t: r.mapped_bytes for t, r in memory.regions.items()})) or ["decode"])
+    agent, client, memory, lock, live = _agent(hooks)
+    prepared = client.prepare(Prepare(pack_dir=str(tmp_path)))
+    agent.process_start = lambda: -1
+    parked = client.standby(Standby(ttl_s=None))
+    assert parked.graphs_recaptured == ["decode"] and "recapture_graphs" in parked.seconds
+    assert calls == [("recapture", {"weights": 4 * MiB, "kv_cache": 2 * MiB})]  # mapped for the capture
+    assert {t: r.mapped for t, r in client.status().regions.items()} == {"weights": 0, "kv_cache": 0}  # and released
+    resumed = client.resume(Resume(layout_digest=memory.layout.digest(), payload=prepared.payload.path,
+                                   residual=prepared.residual.path))
+    assert resumed.graphs_recaptured == [] and len(calls) == 1
+    assert bytes(memory.regions["weights"].host_view(0, ALLOCATED)) == live[:ALLOCATED]
