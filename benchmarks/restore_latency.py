@@ -42,14 +42,13 @@ def drop_caches() -> bool:
 
 
 def run_operation(operation: str, request: dict, work: Path, index: int) -> tuple[dict, int, int]:
-    """One `coldsnap restore|warm|wake` as a user runs it (a new process: interpreter start and imports
-    count): its receipt, and the wall clock at its exec and its exit."""
-    document = {**request, "operation": operation, "operation_id": f"bench-{operation}-{index}"}
+    """One `coldsnap restore|warm|wake DIR` as a user runs it (a new process: interpreter start and
+    imports count): its receipt, and the wall clock at its exec and its exit."""
     receipt_path = work / f"{operation}-{index}.json"
     receipt_path.unlink(missing_ok=True)
     exec_ns = time.time_ns()
-    done = subprocess.run([sys.executable, "-m", "coldsnap", operation, "--request-json", "-", "--receipt-json",
-                           str(receipt_path)], input=json.dumps(document).encode(), capture_output=True)
+    done = subprocess.run([sys.executable, "-m", "coldsnap", operation, request["artifact"], "--operation-id",
+                           f"bench-{operation}-{index}", "--receipt-json", str(receipt_path)], capture_output=True)
     exit_ns = time.time_ns()
     if done.returncode != 0:
         raise RuntimeError(f"{operation} failed: {done.stderr.decode().strip().splitlines()[-1:]}")

@@ -12,7 +12,9 @@ import platform
 import re
 from pathlib import Path
 
-__all__ = ["nvidia_kernel_driver", "host_facts", "stat_fields"]
+__all__ = ["PF_EXITING", "nvidia_kernel_driver", "host_facts", "live_start_ticks", "stat_fields"]
+
+PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
 _NVIDIA_PROC = Path("/proc/driver/nvidia/version")
 
@@ -38,3 +40,15 @@ def stat_fields(pid: int | str = "self") -> list[bytes]:
     cut at the last ')'. OSError when the process is gone."""
     with open(f"/proc/{pid}/stat", "rb") as handle:
         return handle.read().rsplit(b")", 1)[1].split()
+
+
+def live_start_ticks(pid: int) -> int | None:
+    """The start time of ``pid`` (clock ticks since boot, field 22) while it lives; None once it is gone,
+    a zombie or exiting (SIGKILLed). Together with the pid it names one process: a reused pid differs."""
+    try:
+        fields = stat_fields(pid)
+        if fields[0] in (b"Z", b"X") or int(fields[6]) & PF_EXITING:
+            return None
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None

@@ -26,10 +26,10 @@ of ``artifact.json`` (the same for a moved or copied artifact).
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from pathlib import Path
 
+from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
@@ -39,16 +39,6 @@ from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record
 
 __all__ = ["ArtifactDir", "STATE_DIR_ENV", "file_ref", "sha256_file", "state_root"]
 
-STATE_DIR_ENV = "COLDSNAP_STATE_DIR"
-
-
-def state_root() -> Path:
-    """Where restores keep what they write (see the module docstring)."""
-    chosen = os.environ.get(STATE_DIR_ENV) or (
-        str(Path(os.environ["XDG_RUNTIME_DIR"]) / "coldsnap") if os.environ.get("XDG_RUNTIME_DIR") else "")
-    if chosen:
-        return Path(chosen)
-    return Path("/run/coldsnap") if os.geteuid() == 0 else Path(f"/tmp/coldsnap-{os.getuid()}")
 
 
 def sha256_file(path: Path) -> str:
@@ -83,8 +73,7 @@ class ArtifactDir:
     def state_dir(self) -> Path:
         """This artifact's state directory (created once): where its restores write."""
         if self._state_dir is None:
-            identity = hashlib.sha256(self.descriptor_path.read_bytes()).hexdigest()[:16]
-            path = state_root() / identity
+            path = state_root() / artifact_id(self.root)
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._state_dir = path
         return self._state_dir

@@ -41,8 +41,7 @@ from coldsnap.agent.protocol import Standby, StandbyReply
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import WorkerRecord
 from coldsnap.contracts.base import Contract, ContractError, load_document
-from coldsnap.host import stat_fields
-from coldsnap.snapshot.process_tree import PF_EXITING
+from coldsnap.host import live_start_ticks
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 
 __all__ = ["DEFAULT_TTL_S", "StandbyRecord", "list_standbys", "live_standby", "record_path", "warm", "wake"]
@@ -82,17 +81,6 @@ def record_path(artifact: ArtifactDir) -> Path:
     return artifact.state_dir() / RECORD_NAME
 
 
-def _start_ticks(pid: int) -> int | None:
-    """The start time of ``pid`` while it lives; None once it is gone, a zombie or exiting (SIGKILLed)."""
-    try:
-        fields = stat_fields(pid)
-        if fields[0] in (b"Z", b"X") or int(fields[6]) & PF_EXITING:
-            return None
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
 def _read_live(path: Path) -> StandbyRecord | None:
     """The record at ``path`` if its process still runs; a stale or unreadable record is removed."""
     if not path.exists():
@@ -102,7 +90,7 @@ def _read_live(path: Path) -> StandbyRecord | None:
     except ContractError:  # torn or from another build: nothing can wake it through this record
         path.unlink(missing_ok=True)
         return None
-    if _start_ticks(record.pid) != record.start_ticks:
+    if live_start_ticks(record.pid) != record.start_ticks:
         path.unlink(missing_ok=True)
         return None
     return record
@@ -167,7 +155,7 @@ def _park(sequence: RestoreSequence, ttl_s: int) -> None:
             if reply.pin_error:
                 sequence.context.warn(f"rank {reply.rank}: the payload pack could not be pinned ({reply.pin_error}); "
                                       "its wake hydrates through the staging ring")
-        start_ticks = _start_ticks(sequence.restored_pid)
+        start_ticks = live_start_ticks(sequence.restored_pid)
         if start_ticks is None:
             raise OperationFailed("warm.standby", f"the standby (pid {sequence.restored_pid}) exited while parking")
         record = StandbyRecord(format=1, standby_id=path.parent.name, artifact=str(sequence.artifact.root),

@@ -56,6 +56,26 @@ class ModelMemory:
             raise ModelMemoryError("only a GPU weights region is hydrated from a pinned pack")
         return PinnedPack(path, weights.device)
 
+    def prefill(self, pinned: "PinnedPack", seconds: dict[str, float]) -> dict[str, Any]:
+        """Map the weight regions and fill them from ``pinned`` (this process's own payload pack) ahead of
+        :meth:`restore`, which is then given the result as ``prefilled``; :meth:`unfill` undoes it."""
+        weights = {t: r for t, r in self.regions.items() if t not in DISCARDED_TAGS}
+        try:
+            for region in weights.values():
+                timed(seconds, f"map_{region.tag}", region.map)
+            stats = timed(seconds, "hydrate", lambda: pinned.hydrate(weights, layout_digest=self.layout.digest()))
+        except BaseException:
+            self.unfill()
+            raise
+        return {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "pinned": True, "prefilled": True,
+                "gb_per_s": round(stats.gb_per_s, 3)}
+
+    def unfill(self) -> None:
+        """Release what :meth:`prefill` mapped."""
+        for tag, region in self.regions.items():
+            if tag not in DISCARDED_TAGS and region.mapped_bytes:
+                region.unmap()
+
     def release(self, seconds: dict[str, float], pack_dir: Path | None = None, progress: Progress | None = None,
                 before_unmap: Callable[[], None] | None = None, write_payload: bool = True) -> dict[str, Any]:
         """Write the payload (unless not ``write_payload``: recovery will replay the model's tensors) and residual
@@ -86,7 +106,8 @@ class ModelMemory:
                 residual: str | None = None, safetensors: list[str] | None = None,
                 replay: Callable[[list[str]], int] | None = None, adopted: dict[str, int] | None = None,
                 fds: Sequence[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
-                tags: Iterable[str] | None = None, pinned: "PinnedPack | None" = None) -> dict[str, Any]:
+                tags: Iterable[str] | None = None, pinned: "PinnedPack | None" = None,
+                prefilled: dict[str, Any] | None = None) -> dict[str, Any]:
         """Map the regions (``tags``, default all) at their addresses and fill them; returns what
         hydrated them. ``adopted`` (tag → chunk count) takes the chunks from ``fds`` in that order.
         Recovery (``safetensors`` without a payload): ``replay`` (the engine's own) or replay by tensor
@@ -114,13 +135,15 @@ class ModelMemory:
             timed(seconds, f"adopt_{tag}", lambda: selected[tag].adopt_chunks(list(fds[taken:taken + count])))
             taken += count
         for region in selected.values():
-            if region.tag not in adopted:
+            if region.tag not in adopted and not (prefilled and region.tag not in DISCARDED_TAGS):
                 timed(seconds, f"map_{region.tag}", region.map)
         weights = {t: r for t, r in selected.items() if t not in DISCARDED_TAGS}
         staged_elsewhere = bool(adopted) and set(weights) <= set(adopted)  # another process hydrated payload and residual
         hydrated: dict[str, Any] = {}
         if not weights:
             hydrated = {"source": "none", "bytes": 0}
+        elif prefilled:  # mapped and filled from the payload already (:meth:`prefill`)
+            hydrated = dict(prefilled)
         elif staged_elsewhere:
             hydrated = {"source": "native", "staged": True, **(staged or {})}
         elif payload:

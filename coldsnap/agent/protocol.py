@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 __all__ = [
     "AgentFailure", "AgentState", "Command", "CoordinatorRef", "FailureCode", "Hydrated", "LeaseTaken", "PackRef",
-    "Prepare", "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply",
+    "Prefill", "PrefillReply", "Prepare", "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply",
     "Standby", "StandbyReply", "Status", "StatusReply", "TakeLease", "address", "rank_control", "decode_command", "decode_reply", "encode",
     "receive_line", "MAX_FDS_PER_MESSAGE",
 ]
@@ -117,7 +117,16 @@ class Standby(Message):
     hydration from it is DMA copies (its pages stay locked in memory while the standby waits)."""
 
 
-Command = Annotated[Union[Status, TakeLease, Prepare, Resume, Standby], Field(discriminator="command")]
+class Prefill(Message):
+    """A standby whose wake is on its way: fill the weights from the pinned pack now, in the background
+    (``resume`` of the same pack then takes them as they are). Answered at once. The wake's launcher
+    sends it before its own start-up is done, with the standard library only (the line
+    ``{"command":"prefill"}``): see :mod:`coldsnap.activation.early_wake`."""
+
+    command: Literal["prefill"] = "prefill"
+
+
+Command = Annotated[Union[Status, TakeLease, Prepare, Resume, Standby, Prefill], Field(discriminator="command")]
 
 # ---- replies -------------------------------------------------------------------------------------
 
@@ -190,6 +199,12 @@ class StandbyReply(Message):
     """Graphs the snapshot dropped (they held NCCL kernels), captured again against the rebuilt collectives."""
 
 
+class PrefillReply(Message):
+    started: bool
+    reason: str | None = None
+    """Why not (not a standby, no pinned pack, started already)."""
+
+
 class LeaseTaken(Message):
     leased: Literal[True] = True
 
@@ -203,7 +218,7 @@ class AgentFailure(Message):
 
 class Reply(Message):
     ok: bool
-    reply: StatusReply | PrepareReply | ResumeReply | StandbyReply | None = None
+    reply: StatusReply | PrepareReply | ResumeReply | StandbyReply | PrefillReply | None = None
     failure: AgentFailure | None = None
 
 
@@ -224,14 +239,14 @@ class ProtocolError(RuntimeError):
     """A line that is not a message of this protocol (the other side runs another build, or died)."""
 
 
-_COMMAND: TypeAdapter[Status | TakeLease | Prepare | Resume | Standby] = TypeAdapter(Command)
+_COMMAND: TypeAdapter[Status | TakeLease | Prepare | Resume | Standby | Prefill] = TypeAdapter(Command)
 
 
 def encode(message: Message) -> bytes:
     return message.model_dump_json().encode() + b"\n"
 
 
-def decode_command(line: bytes) -> Status | TakeLease | Prepare | Resume | Standby:
+def decode_command(line: bytes) -> Status | TakeLease | Prepare | Resume | Standby | Prefill:
     try:
         return _COMMAND.validate_json(line)
     except ValidationError as exc:

@@ -23,6 +23,8 @@ from coldsnap.agent.protocol import (
     Hydrated,
     LeaseTaken,
     PackRef,
+    Prefill,
+    PrefillReply,
     Prepare,
     PrepareReply,
     ProgressLine,
@@ -134,6 +136,8 @@ class AgentServer:
         self._to_unpin: list["PinnedPack"] = []  # pinned packs a wake used, unpinned once no lease is held
         self._leases = 0  # launchers' leases held now
         self._lease_count = threading.Lock()  # guards _leases and _to_unpin
+        self._prefill: "_Prefill | None" = None  # a standby's weights being (or filled) ahead of its wake
+        self._prefill_lock = threading.Lock()
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(address(self.control))
         self._listener.listen(4)
@@ -188,11 +192,13 @@ class AgentServer:
                 while self._to_unpin:
                     threading.Thread(target=self._to_unpin.pop().close, name="coldsnap-agent-unpin", daemon=True).start()
 
-    def handle(self, command: Status | Prepare | Resume | Standby, progress: "_ProgressLines | None" = None,
-               fds: list[int] | None = None) -> StatusReply | PrepareReply | ResumeReply | StandbyReply:
+    def handle(self, command: Status | Prepare | Resume | Standby | Prefill, progress: "_ProgressLines | None" = None,
+               fds: list[int] | None = None) -> StatusReply | PrepareReply | ResumeReply | StandbyReply | PrefillReply:
         progress = progress or _ProgressLines(None)
         if isinstance(command, Status):
             return self.status()
+        if isinstance(command, Prefill):
+            return self.prefill()
         if isinstance(command, Prepare):
             return self.prepare(command, progress)
         if isinstance(command, Standby):
@@ -311,11 +317,13 @@ class AgentServer:
         self._request_permissions()
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             pinned, self._pinned = self._pinned, None
+            usable = pinned if pinned is not None and pinned.path == command.payload else None
             try:
+                prefilled = self._take_prefill(usable, seconds)
                 hydrated = self.memory.restore(
                     seconds, layout_digest=command.layout_digest, payload=command.payload, residual=command.residual,
                     safetensors=command.safetensors, replay=self.hooks.replay_weights, adopted=command.adopted, fds=fds,
-                    staged=command.staged, pinned=pinned if pinned is not None and pinned.path == command.payload else None,
+                    staged=command.staged, pinned=usable, prefilled=prefilled,
                     progress=progress.phase("hydrating weights"))
             finally:
                 if pinned is not None:
@@ -372,10 +380,46 @@ class AgentServer:
                 log.warning("coldsnap agent: could not pin %s: %s", pin, exc)
                 pin_error = f"{type(exc).__name__}: {exc}"
         self.state = "standby"  # ends the prepared state's watchdog
-        if command.ttl_s is not None:
-            self._arm_standby_expiry(command.ttl_s, command.record)
+        self._watch_standby(command.ttl_s, command.record)
         return StandbyReply(rank=self.rank, seconds=seconds, pinned_bytes=self._pinned.length if self._pinned else 0,
                             pin_error=pin_error, graphs_recaptured=recaptured)
+
+    def prefill(self) -> PrefillReply:
+        """A wake is coming (:class:`Prefill`): fill the weights from the pinned pack in the background."""
+        with self._prefill_lock:
+            if self.state != "standby" or self._pinned is None or self._prefill is not None:
+                reason = ("not a standby" if self.state != "standby" else
+                          "no pinned pack" if self._pinned is None else "started already")
+                return PrefillReply(started=False, reason=reason)
+            self._prefill = _Prefill(self.memory, self._pinned)
+        return PrefillReply(started=True)
+
+    def _take_prefill(self, pinned: "PinnedPack | None", seconds: dict[str, float]) -> dict[str, Any] | None:
+        """The weights a :meth:`prefill` filled, once it is done, when the resume wants that pack
+        (``pinned``); else they are released again and the resume fills the weights its own way."""
+        with self._prefill_lock:
+            prefill, self._prefill = self._prefill, None
+        if prefill is None:
+            return None
+        prefill.thread.join()
+        seconds.update({f"prefill_{name}": value for name, value in prefill.seconds.items()})
+        if prefill.error is not None or pinned is not prefill.pinned:
+            if prefill.error is None:
+                self.memory.unfill()
+            return None
+        return prefill.result
+
+    def _abandon_stale_prefill(self) -> None:
+        """A prefill whose wake never came (its launcher failed before the lease): release the weights."""
+        with self._prefill_lock:
+            prefill = self._prefill
+            if (prefill is None or prefill.finished_at is None or self._leases
+                    or time.monotonic() - prefill.finished_at < PREFILL_HOLD_S):
+                return
+            self._prefill = None
+            if prefill.error is None:
+                self.memory.unfill()
+        log.warning("coldsnap agent: no wake took the prefilled weights within %.0f s; released them", PREFILL_HOLD_S)
 
     def _recapture_parked(self, recapture: Callable[[], list[str]], seconds: dict[str, float]) -> list[str]:
         """Capture the graphs the snapshot dropped (those holding NCCL kernels) again now, against the
@@ -394,19 +438,47 @@ class AgentServer:
         self.graphs_released = []
         return recaptured
 
-    def _arm_standby_expiry(self, ttl_s: int, record: str | None) -> None:
+    def _watch_standby(self, ttl_s: int | None, record: str | None) -> None:
+        """While parked: stop past the TTL (removing the registry record first), and release weights a
+        prefill filled for a wake that never came."""
         parked_at = time.monotonic()
 
         def watch() -> None:
             while self.state == "standby":
-                if time.monotonic() - parked_at > ttl_s:
+                if ttl_s is not None and time.monotonic() - parked_at > ttl_s:
                     if record is not None and self.rank == 0:
                         with contextlib.suppress(OSError):
                             os.unlink(record)
                     _stop_process_group(f"warm standby not woken within {ttl_s} s")
+                self._abandon_stale_prefill()
                 time.sleep(0.5)
 
         threading.Thread(target=watch, name="coldsnap-agent-standby-expiry", daemon=True).start()
+
+
+PREFILL_HOLD_S = 30.0
+"""How long weights a prefill filled wait for their wake's resume before they are released again."""
+
+
+class _Prefill:
+    """One background fill of a standby's weights from its pinned pack (:meth:`AgentServer.prefill`)."""
+
+    def __init__(self, memory: ModelMemory, pinned: "PinnedPack"):
+        self.pinned = pinned
+        self.seconds: dict[str, float] = {}
+        self.result: dict[str, Any] | None = None
+        self.error: BaseException | None = None
+        self.finished_at: float | None = None
+        self.thread = threading.Thread(target=self._run, args=(memory,), name="coldsnap-agent-prefill", daemon=True)
+        self.thread.start()
+
+    def _run(self, memory: ModelMemory) -> None:
+        try:
+            self.result = memory.prefill(self.pinned, self.seconds)
+        except BaseException as exc:  # reported by the resume that takes it (it then fills the weights itself)
+            log.exception("coldsnap agent: prefill failed")
+            self.error = exc
+        self.finished_at = time.monotonic()
 
 
 def _hydrated(summary: dict[str, Any]) -> Hydrated:

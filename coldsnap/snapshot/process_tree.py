@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from coldsnap.atomic import write_atomic
-from coldsnap.host import stat_fields
+from coldsnap.host import PF_EXITING, stat_fields
 
 __all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "STATE_FILE"]
 
@@ -35,7 +35,6 @@ class ImageStateError(RuntimeError):
     """The host is not in a state the image can be restored into (pids taken, a file shrank...)."""
 
 
-PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
 
 def _process_stats() -> Iterator[tuple[int, list[bytes]]]:

@@ -73,3 +73,26 @@ def test_an_agent_refuses_a_command_its_state_does_not_allow():
 def test_an_agent_that_is_not_there_is_an_os_error():
     with pytest.raises(OSError):
         AgentClient(f"@coldsnap-test-nobody-{uuid.uuid4().hex[:8]}", timeout=1).status()  # connection refused
+
+
+def test_the_early_wake_sends_the_protocols_prefill_line():
+    """early_wake writes Prefill by hand (it may not import pydantic): the same bytes as the protocol's."""
+    from coldsnap.activation.early_wake import PREFILL_LINE
+    from coldsnap.agent.protocol import Prefill, decode_command, encode
+
+    assert PREFILL_LINE == encode(Prefill()) and isinstance(decode_command(PREFILL_LINE), Prefill)
+
+
+def test_the_early_wake_reads_only_the_plain_wake():
+    from coldsnap.activation.early_wake import start_prefill
+
+    for arguments in (["--weights", "native", "DIR"], ["--request-json", "-"], [], ["a", "b"], ["--help"]):
+        assert start_prefill(arguments) == 0  # nothing to do, nothing raised
+
+
+def test_the_early_wake_imports_no_pydantic():
+    import subprocess
+    import sys
+
+    code = "import sys, coldsnap.activation.early_wake; sys.exit('pydantic' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -376,3 +376,73 @@ def test_a_standby_recaptures_dropped_graphs_with_its_regions_mapped_then_releas
                                    residual=prepared.residual.path))
     assert resumed.graphs_recaptured == [] and len(calls) == 1
     assert bytes(memory.regions["weights"].host_view(0, ALLOCATED)) == live[:ALLOCATED]
+
+
+class HostPackStandingInForPinned:
+    """Stands in for :class:`coldsnap.hydrate.PinnedPack`, which needs a GPU: fills host regions from the
+    same pack through the hydration engine."""
+
+    def __init__(self, path: str):
+        self.path, self.length, self.closed = path, os.path.getsize(path), False
+
+    def hydrate(self, regions, *, layout_digest=None):
+        from coldsnap.hydrate import hydrate_pack
+
+        return hydrate_pack(self.path, regions, layout_digest=layout_digest)
+
+    def close(self):
+        self.closed = True
+
+
+def _parked(tmp_path, monkeypatch):
+    import coldsnap.agent.server as server
+    from coldsnap.agent.protocol import Standby
+
+    monkeypatch.setattr(server, "_stop_process_group", lambda reason="": None)
+    agent, client, memory, lock, live = _agent()
+    prepared = client.prepare(Prepare(pack_dir=str(tmp_path)))
+    agent.process_start = lambda: -1
+    client.standby(Standby(ttl_s=None))
+    agent._pinned = HostPackStandingInForPinned(prepared.payload.path)  # what pin_payload does on a GPU
+    return agent, client, memory, live, prepared
+
+
+def test_a_prefill_fills_the_weights_before_the_wake_and_its_resume_takes_them(tmp_path, monkeypatch):
+    from coldsnap.activation.early_wake import _send_prefill
+
+    agent, client, memory, live, prepared = _parked(tmp_path, monkeypatch)
+    assert _send_prefill(agent.control) is True  # the early wake's own line, answered at once
+    assert _send_prefill(agent.control) is False  # once
+    agent._prefill.thread.join(10)
+    assert memory.regions["weights"].mapped_bytes == 4 * MiB and memory.regions["kv_cache"].mapped_bytes == 0
+    resumed = client.resume(Resume(layout_digest=memory.layout.digest(), payload=prepared.payload.path,
+                                   residual=prepared.residual.path))
+    assert resumed.hydrate.source == "native" and resumed.hydrate.stats.get("prefilled") is True
+    assert "prefill_hydrate" in resumed.seconds and "hydrate" not in resumed.seconds
+    assert bytes(memory.regions["weights"].host_view(0, ALLOCATED)) == live[:ALLOCATED]
+    assert bytes(memory.regions["kv_cache"].host_view()) == bytes(2 * MiB)
+
+
+def test_a_prefill_for_another_source_or_no_wake_is_released(tmp_path, monkeypatch):
+    import coldsnap.agent.server as server
+
+    agent, client, memory, live, prepared = _parked(tmp_path, monkeypatch)
+    monkeypatch.setattr(server, "PREFILL_HOLD_S", 0.2)
+    from coldsnap.activation.early_wake import _send_prefill
+
+    assert _send_prefill(agent.control)
+    deadline = threading.Event()
+    for _ in range(40):  # the standby's watcher releases weights no resume took
+        if agent._prefill is None:
+            break
+        deadline.wait(0.1)
+    assert agent._prefill is None and memory.regions["weights"].mapped_bytes == 0
+
+    assert _send_prefill(agent.control)  # again, then a resume that wants another source: released, refilled
+    agent._prefill.thread.join(10)
+    other = tmp_path / "copy.pack"
+    other.write_bytes(open(prepared.payload.path, "rb").read())
+    resumed = client.resume(Resume(layout_digest=memory.layout.digest(), payload=str(other),
+                                   residual=prepared.residual.path))
+    assert resumed.hydrate.stats.get("prefilled") is None and "hydrate" in resumed.seconds
+    assert bytes(memory.regions["weights"].host_view(0, ALLOCATED)) == live[:ALLOCATED]

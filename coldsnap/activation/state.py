@@ -1,0 +1,31 @@
+"""Where restores keep what they write, and an artifact's identity there (standard library only: the
+program's entry reads them before anything else is imported, see :mod:`coldsnap.activation.early_wake`).
+
+STATE is ``--state-dir`` / ``COLDSNAP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/coldsnap``, else
+``/run/coldsnap`` (root), else ``/tmp/coldsnap-<uid>``; an artifact's state lives in
+``STATE/<artifact id>/``, the id being the start of the SHA-256 of its ``artifact.json`` (the same for a
+moved or copied artifact).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+__all__ = ["STATE_DIR_ENV", "artifact_id", "state_root"]
+
+STATE_DIR_ENV = "COLDSNAP_STATE_DIR"
+
+
+def state_root() -> Path:
+    chosen = os.environ.get(STATE_DIR_ENV) or (
+        str(Path(os.environ["XDG_RUNTIME_DIR"]) / "coldsnap") if os.environ.get("XDG_RUNTIME_DIR") else "")
+    if chosen:
+        return Path(chosen)
+    return Path("/run/coldsnap") if os.geteuid() == 0 else Path(f"/tmp/coldsnap-{os.getuid()}")
+
+
+def artifact_id(root: Path) -> str:
+    """The id of the artifact committed in ``root`` (OSError when it has none)."""
+    return hashlib.sha256((root / "artifact.json").read_bytes()).hexdigest()[:16]
