@@ -588,8 +588,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Take the warm standby of DIR (or of the standby ID `coldsnap status` shows): every rank maps "
         "and hydrates its weights from the native pack (or the pinned safetensors, by --weights), zeroes its KV "
         "cache and recaptures dropped CUDA graphs; the canary must give the captured tokens exactly. Then the "
-        "standby is the serving process. A failed wake stops the standby. Exit 0 when serving, 1 on a failed "
-        "wake (or no standby: code wake.standby), 2 for bad input.",
+        "standby is the serving process. A failed wake stops the standby. On a GPU the weights come from the "
+        "pack the standby pinned at warm, and a plain `coldsnap wake DIR|ID` asks the standby to start filling "
+        "them before anything else (they are released again if no resume takes them). Exit 0 when serving, 1 "
+        "on a failed wake (or no standby: code wake.standby), 2 for bad input.",
     )
     p.add_argument("artifact", nargs="?", metavar="DIR|ID", help="artifact directory, or a standby id from coldsnap status")
     _add_weights_flag(p)
