@@ -21,7 +21,7 @@ import json
 import socket
 from pathlib import Path
 
-from coldsnap.activation.state import artifact_id, state_root
+from coldsnap.activation.state import standby_record_file
 from coldsnap.host import live_start_ticks
 
 __all__ = ["start_prefill"]
@@ -59,10 +59,8 @@ def _standby_record(arguments: list[str]) -> dict | None:
             targets.append(argument)
     if len(targets) != 1:
         return None
-    root = Path(options["--state-dir"]).resolve() if options.get("--state-dir") else state_root()
-    target = Path(targets[0])
-    identity = artifact_id(target) if (target / "artifact.json").exists() else targets[0]
-    record = json.loads((root / identity / "standby.json").read_text())
+    root = Path(options["--state-dir"]).resolve() if options.get("--state-dir") else None
+    record = json.loads(standby_record_file(targets[0], root).read_text())
     if live_start_ticks(int(record["pid"])) != record["start_ticks"]:
         return None
     return record

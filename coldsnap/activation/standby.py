@@ -36,6 +36,7 @@ from pydantic import Field
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
 from coldsnap.activation.restore import RestoreSequence, admit, weight_sources
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
+from coldsnap.activation.state import STANDBY_RECORD, standby_record_file
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Standby, StandbyReply
 from coldsnap.atomic import write_atomic
@@ -47,7 +48,6 @@ from coldsnap.operation import OperationContext, OperationFailed, OperationOutco
 __all__ = ["DEFAULT_TTL_S", "StandbyRecord", "list_standbys", "live_standby", "record_path", "warm", "wake"]
 
 DEFAULT_TTL_S = 3600
-RECORD_NAME = "standby.json"
 
 
 class StandbyRecord(Contract):
@@ -78,7 +78,7 @@ class StandbyRecord(Contract):
 
 
 def record_path(artifact: ArtifactDir) -> Path:
-    return artifact.state_dir() / RECORD_NAME
+    return artifact.state_dir() / STANDBY_RECORD
 
 
 def _read_live(path: Path) -> StandbyRecord | None:
@@ -108,7 +108,7 @@ def list_standbys() -> list[tuple[StandbyRecord, str]]:
     """Every live standby under the state root with its agents' state (``standby``, or what else rank 0
     says, or ``unreachable``); stale records are removed on the way."""
     found: list[tuple[StandbyRecord, str]] = []
-    for path in sorted(state_root().glob(f"*/{RECORD_NAME}")):
+    for path in sorted(state_root().glob(f"*/{STANDBY_RECORD}")):
         record = _read_live(path)
         if record is None:
             continue
@@ -210,9 +210,8 @@ def standby_artifact(target: str) -> Path:
     given = Path(target)
     if (given / "artifact.json").exists():
         return given.resolve()
-    path = state_root() / target / RECORD_NAME
     try:
-        return Path(json.loads(path.read_text())["artifact"])
+        return Path(json.loads(standby_record_file(target).read_text())["artifact"])
     except (OSError, ValueError, KeyError, TypeError):
         raise ValueError(f"{target}: neither an artifact directory nor the id of a standby under {state_root()} "
                          "(`coldsnap status` lists them)") from None

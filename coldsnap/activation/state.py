@@ -13,9 +13,11 @@ import hashlib
 import os
 from pathlib import Path
 
-__all__ = ["STATE_DIR_ENV", "artifact_id", "state_root"]
+__all__ = ["STANDBY_RECORD", "STATE_DIR_ENV", "artifact_id", "standby_record_file", "state_root"]
 
 STATE_DIR_ENV = "COLDSNAP_STATE_DIR"
+STANDBY_RECORD = "standby.json"
+"""A warm standby's record in its artifact's state directory (:mod:`coldsnap.activation.standby`)."""
 
 
 def state_root() -> Path:
@@ -29,3 +31,11 @@ def state_root() -> Path:
 def artifact_id(root: Path) -> str:
     """The id of the artifact committed in ``root`` (OSError when it has none)."""
     return hashlib.sha256((root / "artifact.json").read_bytes()).hexdigest()[:16]
+
+
+def standby_record_file(target: str, root: Path | None = None) -> Path:
+    """Where the standby record that ``coldsnap wake TARGET`` means is: an artifact directory's, else
+    the standby id's (a state directory's name), under ``root`` (default :func:`state_root`)."""
+    given = Path(target)
+    identity = artifact_id(given) if (given / "artifact.json").exists() else target
+    return (root or state_root()) / identity / STANDBY_RECORD

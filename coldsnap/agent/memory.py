@@ -67,7 +67,7 @@ class ModelMemory:
         except BaseException:
             self.unfill()
             raise
-        return {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "pinned": True, "prefilled": True,
+        return {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "pinned": True,
                 "gb_per_s": round(stats.gb_per_s, 3)}
 
     def unfill(self) -> None:
@@ -134,6 +134,8 @@ class ModelMemory:
         for tag, count in adopted.items():  # descriptors arrive in this order
             timed(seconds, f"adopt_{tag}", lambda: selected[tag].adopt_chunks(list(fds[taken:taken + count])))
             taken += count
+        if pinned is not None and prefilled is None and payload and not adopted:  # the pinned pack, not filled ahead
+            prefilled = self.prefill(pinned, seconds)
         for region in selected.values():
             if region.tag not in adopted and not (prefilled and region.tag not in DISCARDED_TAGS):
                 timed(seconds, f"map_{region.tag}", region.map)
@@ -142,17 +144,13 @@ class ModelMemory:
         hydrated: dict[str, Any] = {}
         if not weights:
             hydrated = {"source": "none", "bytes": 0}
-        elif prefilled:  # mapped and filled from the payload already (:meth:`prefill`)
+        elif prefilled:  # mapped and filled from the pinned payload (:meth:`prefill`)
             hydrated = dict(prefilled)
         elif staged_elsewhere:
             hydrated = {"source": "native", "staged": True, **(staged or {})}
         elif payload:
-            if pinned is not None:  # the payload pack, pinned ahead (a standby): DMA copies only
-                stats = timed(seconds, "hydrate", lambda: pinned.hydrate(weights, layout_digest=digest))
-            else:
-                stats = timed(seconds, "hydrate",
-                              lambda: hydrate_pack(payload, weights, layout_digest=digest, progress=progress))
-            hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds, "pinned": pinned is not None,
+            stats = timed(seconds, "hydrate", lambda: hydrate_pack(payload, weights, layout_digest=digest, progress=progress))
+            hydrated = {"source": "native", "bytes": stats.bytes, "seconds": stats.seconds,
                         "gb_per_s": round(stats.gb_per_s, 3), "direct": stats.direct, "cached_fraction": stats.cached_fraction}
         else:  # safetensors: a restore with no source was refused before mapping
             assert safetensors

@@ -474,7 +474,7 @@ class _Prefill:
 
     def _run(self, memory: ModelMemory) -> None:
         try:
-            self.result = memory.prefill(self.pinned, self.seconds)
+            self.result = {**memory.prefill(self.pinned, self.seconds), "prefilled": True}
         except BaseException as exc:  # reported by the resume that takes it (it then fills the weights itself)
             log.exception("coldsnap agent: prefill failed")
             self.error = exc
