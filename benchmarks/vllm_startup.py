@@ -84,13 +84,24 @@ def parse_log(log: Path) -> dict[str, float]:
 
 
 class Bench:
+    """The steps, for vLLM; an engine's benchmark subclasses it (``sglang_startup.py``)."""
+
+    name = "vllm_startup"
+    engine_env = VLLM_ENV
+
+    def serve_command(self, *extra: str) -> list[str]:
+        return serve_command(self.model, self.port, *extra)
+
+    def parse_log(self, log: Path) -> dict[str, float]:
+        return parse_log(log)
+
     def __init__(self, args: argparse.Namespace):
         self.args = args
         self.work = Path(args.dir)
         self.work.mkdir(parents=True, exist_ok=True)
-        self.state_path = self.work / "vllm-startup.json"
+        self.state_path = self.work / f"{self.name.replace('_', '-')}.json"
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {
-            "benchmark": "vllm_startup", "shape": args.shape, "device": args.device, "runs": []}
+            "benchmark": self.name, "shape": args.shape, "device": args.device, "runs": []}
         self.model = self.work / f"llama-{args.shape}"
         self.artifact = self.work / "artifact"
         self.port = args.port
@@ -104,7 +115,7 @@ class Bench:
             write_atomic(Path(self.args.out), document)
 
     def env(self, **more: str) -> dict[str, str]:
-        return {**VLLM_ENV, "VLLM_CACHE_ROOT": str(self.cache), **more}
+        return {**self.engine_env, "VLLM_CACHE_ROOT": str(self.cache), **more}
 
     def record(self, **run: object) -> None:
         run["at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -130,9 +141,9 @@ class Bench:
     def cold_start(self, kind: str, cache: str, env: dict[str, str], *extra: str) -> None:
         index = len(self.state["runs"])
         log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
-        seconds, answer = cold_start(serve_command(self.model, self.port, *extra), self.port, 900, env, log, PROMPT, 12)
+        seconds, answer = cold_start(self.serve_command(*extra), self.port, 900, env, log, PROMPT, 12)
         expected = self.expected()
-        self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=parse_log(log),
+        self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=self.parse_log(log),
                     same_tokens=expected is None or answer == expected)
 
     def step_cold_empty(self) -> None:
@@ -159,7 +170,7 @@ class Bench:
         if (self.artifact / "artifact.json").exists():
             return
         receipt = self.work / "capture-receipt.json"
-        command = serve_command(self.model, self.port, *self.args.vllm_args, "--load-format", "coldsnap")
+        command = self.serve_command(*self.args.vllm_args, "--load-format", "coldsnap")
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(self.artifact),
                                "--receipt-json", str(receipt), "--", *command], env={**os.environ, **self.env()})
@@ -176,7 +187,7 @@ class Bench:
             "image_bytes": dump["image_bytes"],
             "non_model_bytes": dump["rss_after_release_bytes"] + dump["device_bytes_after_release"],
             "payload_bytes": sum(p.stat().st_size for p in (self.artifact / "payload").glob("*.pack")),
-            "engine_log": parse_log(log),
+            "engine_log": self.parse_log(log),
         }
         self.state["capture"]["image_to_non_model"] = round(dump["image_bytes"] / self.state["capture"]["non_model_bytes"], 3)
         print(json.dumps(self.state["capture"]), flush=True)
@@ -221,7 +232,7 @@ class Bench:
     def sleep_cycle(self, kind: str, env: dict[str, str], *extra: str) -> None:
         index = len(self.state["runs"])
         log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
-        command = serve_command(self.model, self.port, *self.args.vllm_args, "--enable-sleep-mode", *extra)
+        command = self.serve_command(*self.args.vllm_args, "--enable-sleep-mode", *extra)
         timed = sleep_wake_cycle(command, self.port, 900, env, log, PROMPT, 12)
         wake, first_token = timed["wake_s"], timed["first_completion_after_wake_s"]
         self.record(kind=kind, cache="warm", seconds=round(wake + first_token, 3), tokens=timed["after"],
@@ -256,7 +267,8 @@ def summarize(runs: list[dict]) -> dict[str, float]:
 
 
 def render(state: dict) -> str:
-    lines = [f"vLLM {state.get('vllm', '')} startup, {state['shape']} on {state['device']}: median seconds"]
+    engine = "SGLang " + state["sglang"] if "sglang" in state else f"vLLM {state.get('vllm', '')}"
+    lines = [f"{engine} startup, {state['shape']} on {state['device']}: median seconds"]
     for label, value in state.get("summary", {}).items():
         runs = [r["seconds"] for r in state["runs"] if _label(r) == label]
         spread = f"  (n={len(runs)}, {min(runs)}–{max(runs)})" if len(runs) > 1 else "  (n=1)" if runs else "×"
@@ -276,7 +288,7 @@ def render(state: dict) -> str:
     if any(not r.get("same_tokens", True) for r in state["runs"]):
         lines.append("  WARNING: some run's tokens differ from the first cold start's")
     else:
-        lines.append("  every run's greedy token ids = the first cold start's (vLLM's default loader)")
+        lines.append(f"  every run's greedy token ids = the first cold start's ({engine.split()[0]}'s default loader)")
     return "\n".join(lines)
 
 

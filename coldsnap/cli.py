@@ -29,7 +29,7 @@ from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 __all__ = ["main", "build_parser"]
 
 DESCRIPTION = """\
-coldsnap captures an initialized LLM serving process (vLLM; SGLang is not built yet) once and restores
+coldsnap captures an initialized LLM serving process (vLLM, SGLang at TP1) once and restores
 it in seconds: CRIU + the CUDA checkpoint driver API for the process, a content-addressed native pack
 for the weights.
 
@@ -254,7 +254,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
             raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
     if ranks < 1:
         raise UsageError("--ranks must be at least 1")
-    model = args.model or _option_value(command, "--model") or _served_model(command)
+    model = args.model or _option_value(command, "--model") or _option_value(command, "--model-path") or _served_model(command)
     if model is None and engine == "torch-lm":
         model = f"coldsnap-torch-lm-{_option_value(command, '--size') or 'tiny'}"
     return {

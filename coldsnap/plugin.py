@@ -15,15 +15,17 @@ itself imports the module.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.util
 import logging
+import re
 import sys
 import threading
 from types import ModuleType
 from typing import Any, Callable, cast
 
-__all__ = ["PluginRegistration", "after_import"]
+__all__ = ["PluginRegistration", "after_import", "lookup", "exists", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +111,33 @@ def after_import(name: str, hook: Callable[[ModuleType], None]) -> None:
         return
     if not any(isinstance(f, _AfterImportFinder) and f.name == name and f.hook is hook for f in sys.meta_path):
         sys.meta_path.insert(0, _AfterImportFinder(name, hook))
+
+
+def lookup(symbol: str) -> Any:
+    """The object ``module:attr.attr`` names; LookupError when the module or an attribute is missing."""
+    module_name, _, path = symbol.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise LookupError(f"{module_name}: {exc}") from None
+    for part in path.split(".") if path else ():
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise LookupError(f"{symbol}: no {part}") from None
+    return target
+
+
+def exists(symbol: str) -> bool:
+    """Whether :func:`lookup` finds ``symbol``."""
+    try:
+        lookup(symbol)
+        return True
+    except LookupError:
+        return False
+
+
+def release(version: str) -> tuple[int, int] | None:
+    """(major, minor) of a version string ("0.5.17" → (0, 5)); None when it is not one."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else None

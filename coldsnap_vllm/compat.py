@@ -39,9 +39,12 @@ import contextlib
 import importlib
 import logging
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable
+
+from coldsnap.plugin import exists as _exists
+from coldsnap.plugin import lookup
+from coldsnap.plugin import release as _release
 
 __all__ = ["SUPPORTED", "KV_ALLOCATION_SITES", "PROBED", "KvAllocationSite", "vllm_version", "supported",
            "probe", "lookup", "disabled", "create_model", "online_quantized_before_build",
@@ -122,37 +125,9 @@ def vllm_version() -> str:
         return "unknown"
 
 
-def _release(version: str) -> tuple[int, int] | None:
-    match = re.match(r"(\d+)\.(\d+)", version)
-    return (int(match.group(1)), int(match.group(2))) if match else None
-
-
 def supported(version: str) -> bool:
     release = _release(version)
     return release is not None and SUPPORTED[0] <= release < SUPPORTED[1]
-
-
-def lookup(symbol: str) -> Any:
-    """The object ``module:attr.attr`` names; LookupError when the module or an attribute is missing."""
-    module_name, _, path = symbol.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise LookupError(f"{module_name}: {exc}") from None
-    for part in path.split(".") if path else ():
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise LookupError(f"{symbol}: no {part}") from None
-    return target
-
-
-def _exists(symbol: str) -> bool:
-    try:
-        lookup(symbol)
-        return True
-    except LookupError:
-        return False
 
 
 def available(*symbols: str) -> bool:

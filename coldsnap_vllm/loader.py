@@ -37,7 +37,9 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from coldsnap.hydrate import hydrate_pack
-from coldsnap.payload import NativePack, verify_file
+from coldsnap.agent.placement import (MODES, OPTION_KEYS, PackDoesNotFit, check_pack_fits, load_options,
+                                      open_fitting_pack, placed_extents)
+from coldsnap.payload import NativePack
 from coldsnap.payload.errors import PackError
 from coldsnap_vllm import compat
 from coldsnap_vllm.placement import place_model_in_region, planned_extents
@@ -47,35 +49,7 @@ __all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES"]
 
 log = init_logger("vllm.coldsnap")  # vLLM's logger: the lines show in vLLM's own log format
 LOAD_FORMAT = "coldsnap"
-MODES = ("auto", "native", "recovery", "cache-only-auto")
-OPTION_KEYS = ("mode", "pack")
-
-
-def _options(extra: dict[str, Any]) -> tuple[str, Path | None]:
-    mode = extra.get("mode", "auto")
-    if mode not in MODES:
-        raise ValueError(f"--model-loader-extra-config mode must be one of {', '.join(MODES)}, not {mode!r}")
-    pack = extra.get("pack")
-    if pack is not None and not isinstance(pack, str):
-        raise ValueError(f"--model-loader-extra-config pack must be a path to a native pack, not {pack!r}")
-    if mode == "native" and not pack:
-        raise ValueError("coldsnap mode 'native' needs --model-loader-extra-config pack=<native pack written by "
-                         "coldsnap capture>; use mode 'auto' to load through vLLM when there is none")
-    return mode, Path(pack) if pack else None
-
-
-class PackDoesNotFit(ValueError):
-    """The native pack was written for another model, dtype or vLLM build: its tensors are not this model's."""
-
-
-def _check_pack_fits(pack: Any, extents: set[tuple[int, int]]) -> None:
-    """Every weight storage of this model at the same offset and length in the pack, and nothing else."""
-    theirs = {(t.offset, t.length) for e in pack.extents if e.region == "weights" for t in e.tensors}
-    if extents != theirs:
-        missing, extra = len(extents - theirs), len(theirs - extents)
-        raise PackDoesNotFit(f"native pack {pack.path.name} does not fit this model: {missing} of its {len(extents)} "
-                             f"weight tensors are not in the pack and {extra} of the pack's are not the model's "
-                             "(another model, dtype or vLLM build)")
+OPTION = "--model-loader-extra-config"
 
 
 @contextlib.contextmanager
@@ -105,7 +79,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
 
     def __init__(self, load_config: Any):
         extra = dict(load_config.model_loader_extra_config or {})
-        self.mode, self.pack = _options(extra)
+        self.mode, self.pack = load_options(extra, OPTION)
         self.weight_files: list[str] = []
         # vLLM's default loading reads the checkpoint by load format: safetensors (the pinned model's
         # files). A copy, so the shared config still says `coldsnap` to the next get_model_loader().
@@ -186,10 +160,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         if self.pack is None or self.mode == "recovery":
             return None
         try:
-            verify_file(self.pack)  # the digest its name claims (a stat-bound record makes this cheap)
-            pack = NativePack.open(self.pack)
-            _check_pack_fits(pack, planned_extents(model))
-            return pack
+            return open_fitting_pack(self.pack, planned_extents(model))
         except (PackDoesNotFit, PackError) as exc:
             if self.mode == "native":
                 raise ValueError(f"coldsnap mode 'native': {exc}") from None
@@ -200,7 +171,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         placed = place_model_in_region(model)
         if pack is not None:
             # Weight post-processing could have changed the layout the pack was checked against.
-            _check_pack_fits(pack, {(t["offset"], t["length"]) for t in placed.tensors})
+            check_pack_fits(pack, placed_extents(placed))
             stats = hydrate_pack(pack.path, {"weights": placed.region})
             log.info("coldsnap: %d bytes of weights hydrated from %s at %.2f GB/s (native)", stats.bytes,
                      pack.path.name, stats.gb_per_s)

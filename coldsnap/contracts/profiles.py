@@ -96,9 +96,10 @@ SNAPSHOT_DRIVERS: dict[str, SnapshotDriverProfile] = {
 }
 
 # Materialization (a recovery restore also writing a native pack) is `off` everywhere: no restore path
-# writes a pack, whatever the request says. SGLang joins when its plugin does more than register.
+# writes a pack, whatever the request says.
 ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
     "vllm": EngineAdapter(name="vllm", python_package="coldsnap_vllm", native_materialization=("off",)),
+    "sglang": EngineAdapter(name="sglang", python_package="coldsnap_sglang", native_materialization=("off",)),
     "torch-lm": EngineAdapter(name="torch-lm", python_package="coldsnap.workloads.torch_lm",
                               native_materialization=("off",)),
 }

@@ -24,7 +24,8 @@ def test_capabilities_is_json_naming_formats_and_drivers():
     assert [d["name"] for d in caps["snapshot_drivers"]] == ["n610"]
     assert caps["operations"] == {"capture": "conflicts-with-existing-output", "restore": "replacement-oriented",
                                   "warm": "convergent", "wake": "replacement-oriented"}
-    assert {e["name"]: e["native_materialization"] for e in caps["engines"]} == {"vllm": ["off"], "torch-lm": ["off"]}
+    assert {e["name"]: e["native_materialization"] for e in caps["engines"]} == {"vllm": ["off"], "sglang": ["off"],
+                                                                                   "torch-lm": ["off"]}
     canonical = coldsnap("capabilities", "--canonical").stdout
     assert json.loads(canonical) == caps and b" " not in canonical.replace(b"coldsnap 0", b"").split(b'"boundary"')[0]
 
@@ -155,8 +156,8 @@ def test_a_snapshot_driver_this_build_cannot_run_is_refused_before_anything_star
 
 @pytest.mark.parametrize("flags, line", [
     (["--driver", "n580"], f"coldsnap capture [vllm/n580]: failed: request.unsupported: {N580_REFUSED}"),
-    (["--engine", "sglang"], "coldsnap capture [sglang/n610]: failed: request.unsupported: "
-                             "engine: sglang is not implemented in this build (implemented: torch-lm, vllm)"),
+    (["--engine", "sglang", "--driver", "n580"], f"coldsnap capture [sglang/n580]: failed: request.unsupported: "
+                                                 f"{N580_REFUSED}"),
 ])
 def test_friendly_flags_naming_what_is_not_built_get_one_line_and_no_traceback(tmp_path, flags, line):
     result = coldsnap("capture", *flags, "--out", str(tmp_path / "a"), "--", "vllm", "serve", "m", "--port", "1")

@@ -43,7 +43,6 @@ def test_valid_request_decodes_and_resolves(request_document):
 # What the contract can name but this build does not implement: refused by name, not as a parse error.
 UNSUPPORTED = [
     ({"snapshot_driver": "n580"}, "snapshot_driver: n580 is not implemented in this build (implemented: n610)"),
-    ({"engine": "sglang"}, "engine: sglang is not implemented in this build (implemented: torch-lm, vllm)"),
     ({"operation": "sleep"}, "operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)"),
     ({"operation": "status"}, "operation: status is not implemented in this build (implemented: capture, restore, warm, wake)"),
     ({"policy": {"weights": {"native_materialization": "async"}}},
@@ -71,8 +70,8 @@ def test_every_unsupported_field_is_named():
                             policy={"weights": {"native_materialization": "async"}})
     with pytest.raises(UnsupportedRequest) as caught:
         resolve_request(_decode_request(document))
-    # SGLang has no adapter here to judge a materialization mode against; the engine refusal says enough.
-    assert [p.split(":")[0] for p in caught.value.problems] == ["operation", "engine", "snapshot_driver"]
+    assert [p.split(":")[0] for p in caught.value.problems] == ["operation", "snapshot_driver",
+                                                                "policy.weights.native_materialization"]
 
 
 def test_explicit_off_materialization_is_accepted_for_every_engine():
@@ -179,6 +178,7 @@ def test_capabilities_list_exactly_what_this_build_implements():
         ("n610", 610, "retain")]
     assert {e["name"]: (e["python_package"], e["native_materialization"], e["default_native_materialization"])
             for e in caps["engines"]} == {"vllm": ("coldsnap_vllm", ["off"], "off"),
+                                          "sglang": ("coldsnap_sglang", ["off"], "off"),
                                           "torch-lm": ("coldsnap.workloads.torch_lm", ["off"], "off")}
     assert caps["operations"] == {"capture": "conflicts-with-existing-output", "restore": "replacement-oriented",
                                   "warm": "convergent", "wake": "replacement-oriented"}

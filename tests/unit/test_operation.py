@@ -98,7 +98,6 @@ def test_bad_request_exits_2_without_receipt():
 
 @pytest.mark.parametrize("overrides, problem", [
     ({"snapshot_driver": "n580"}, "snapshot_driver: n580 is not implemented in this build (implemented: n610)"),
-    ({"engine": "sglang"}, "engine: sglang is not implemented in this build (implemented: torch-lm, vllm)"),
     ({"operation": "sleep"}, "operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)"),
     ({"policy": {"weights": {"native_materialization": "required"}}},
      "policy.weights.native_materialization: required is not implemented in this build for vllm (implemented: off)"),

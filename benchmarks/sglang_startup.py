@@ -1,0 +1,94 @@
+"""SGLang startup: `sglang.launch_server` cold start vs `coldsnap restore`, side by side (GPU).
+
+    # H200 with SGLang 0.5.17 from scripts/gpu-prepare.sh --sglang, an 8B-shaped Llama built on the spot:
+    python benchmarks/sglang_startup.py --shape 8b --dir /tmp/sbench --out sglang-8b.json
+    python benchmarks/sglang_startup.py --shape 8b --dir /tmp/sbench --steps restore,cold-warm
+
+The same steps, timing and JSON as ``vllm_startup.py`` (its ``Bench``), for SGLang: a cold start is
+`python -m sglang.launch_server`'s exec to its first completion (SGLang's default loader, safetensors in
+the page cache, CUDA graphs on), a restore is `coldsnap restore`'s exec to its exit after the canary
+matched, and every run's greedy token ids are checked against the first cold start's. Steps: model,
+cold-warm (SGLang's default loader; SGLang has no compile cache by default), capture (``--load-format
+coldsnap``), restore, native (a start from the captured pack), dropped. SGLang runs with the Triton
+attention backend and PyTorch sampling (``SGLANG_ARGS``: the slim SGLang the H200 gets has no FA3
+kernels and no FlashInfer JIT cache); add flags with ``--sglang-arg``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from vllm_startup import Bench, draw, render  # noqa: E402
+
+STEPS = ("model", "cold-warm", "capture", "restore", "native", "dropped")
+SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")
+SGLANG_ENV = {"HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0", "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1",
+              "SGLANG_PLUGINS": "coldsnap"}
+LOG_PHASES = {  # SGLang 0.5.17's own log lines → phase names
+    "weights load": r"Load weight end\. elapsed=([0-9.]+) s",
+    "KV cache": r"Memory pool end\. elapsed=([0-9.]+) s",
+    "CUDA graphs": r"Capture cuda graph end\. Time elapsed: ([0-9.]+) s",
+}
+KV_LINE = r"KV Cache is allocated\. #tokens: \d+, K size: ([0-9.]+) GB"
+
+
+class SglangBench(Bench):
+    name = "sglang_startup"
+    engine_env = SGLANG_ENV
+
+    def serve_command(self, *extra: str) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model), "--port", str(self.port),
+                *SGLANG_ARGS, *extra]
+
+    def parse_log(self, log: Path) -> dict[str, float]:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        phases = {name: float(found[-1]) for name, pattern in LOG_PHASES.items() if (found := re.findall(pattern, text))}
+        kv = re.findall(KV_LINE, text)
+        if kv:
+            phases["kv_cache_gib"] = round(2 * float(kv[-1]), 2)  # K and V
+        return phases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="8b", choices=["tiny", "8b"], help="the model's shape (default 8b)")
+    parser.add_argument("--steps", default=",".join(s for s in STEPS if s != "native"),
+                        help=f"comma-separated, in order (default all but native): {', '.join(STEPS)}")
+    parser.add_argument("--repeat", type=int, default=3, help="restores and cold starts (default 3)")
+    parser.add_argument("--dir", help="work directory (keeps model, artifact, logs, state; default a temporary one)")
+    parser.add_argument("--out", help="write the JSON here too")
+    parser.add_argument("--png", help="draw the chart here (needs matplotlib)")
+    parser.add_argument("--port", type=int, default=18241)
+    parser.add_argument("--sglang-arg", dest="vllm_args", action="append", default=[],
+                        help="extra `sglang.launch_server` argument (repeat; e.g. --sglang-arg=--mem-fraction-static=0.3)")
+    args = parser.parse_args()
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in STEPS]
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; steps are {', '.join(STEPS)}")
+    args.device = "cuda"
+    args.dir = args.dir or tempfile.mkdtemp(prefix="coldsnap-sglang-bench-")
+    bench = SglangBench(args)
+    from coldsnap_sglang.compat import sglang_version
+
+    bench.state["sglang"] = sglang_version()
+    for step in steps:
+        print(f"sglang_startup: step {step}", file=sys.stderr, flush=True)
+        getattr(bench, "step_" + step.replace("-", "_"))()
+    bench.save()
+    print(render(bench.state))
+    if args.png:
+        draw(bench.state, Path(args.png))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

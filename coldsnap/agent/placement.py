@@ -1,0 +1,156 @@
+"""Moving a loaded model's parameters into coldsnap's ``weights`` stable region (engine-neutral).
+
+An engine builds and post-processes its model its own way; coldsnap then copies every parameter storage
+into the ``weights`` region (4 KiB-aligned, one extent per storage, shared storages once) and rebinds
+the parameters to those bytes, so the native pack can be written from and hydrated to fixed
+addresses. Buffers (rotary caches, attention scales: small, computed at build, not in the checkpoint)
+stay where the engine made them, in the process image: the region then holds exactly what the engine's
+weight loaders fill from the safetensors, so a recovery restore can refill all of it through them.
+Used by both engine plugins; no engine import here: the functions take torch modules and tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.memory import StableRegion, reserve
+from coldsnap.payload import NativePack, verify_file
+
+__all__ = ["ALIGN", "MODES", "OPTION_KEYS", "PackDoesNotFit", "PlacedModel", "check_pack_fits", "layout_for", "load_options",
+           "open_fitting_pack", "place_model_in_region", "placed_extents", "planned_extents"]
+
+ALIGN = 4096
+
+
+@dataclass
+class PlacedModel:
+    """What :func:`place_model_in_region` did: the region and one layout entry per storage."""
+
+    region: StableRegion
+    tensors: list[dict[str, Any]] = field(default_factory=list)
+    bytes: int = 0
+
+
+def _backend(device: Any) -> tuple[str, int]:
+    return ("host", 0) if device.type == "cpu" else ("cuda", device.index or 0)
+
+
+def _storages(model: Any) -> tuple[list[tuple[Any, int]], dict[int, dict[str, Any]], int]:
+    """Every distinct parameter with its storage's key, the distinct storages with planned region
+    offsets, and the bytes the region needs (4 KiB-aligned storages, each once). A parameter that two
+    modules share (tied weights) is one entry; parameters sharing a storage share its extent."""
+    names: dict[int, str] = {}
+    parameters: list[Any] = []
+    for name, tensor in model.named_parameters(remove_duplicate=False):
+        if id(tensor) in names or tensor is None or tensor.is_meta or tensor.numel() == 0:
+            continue
+        names[id(tensor)] = name
+        parameters.append(tensor)
+    if not parameters:
+        raise ValueError("the model has no parameters to place")
+    device = parameters[0].device
+    slots: list[tuple[Any, int]] = []  # (parameter, its storage's key before placement)
+    storages: dict[int, dict[str, Any]] = {}
+    offset = 0
+    for tensor in parameters:
+        if tensor.device != device:
+            raise ValueError(f"{names[id(tensor)]} is on {tensor.device}, the model on {device}")
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        slots.append((tensor, key))
+        if key not in storages:
+            storages[key] = {"name": names[id(tensor)], "nbytes": storage.nbytes(), "offset": offset}
+            offset = -(-(offset + storage.nbytes()) // ALIGN) * ALIGN
+    return slots, storages, offset
+
+
+def planned_extents(model: Any) -> set[tuple[int, int]]:
+    """(offset, length) of every storage as :func:`place_model_in_region` would lay it out."""
+    return {(entry["offset"], entry["nbytes"]) for entry in _storages(model)[1].values()}
+
+
+def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
+    """Copy every parameter of ``model`` into the region ``tag`` and rebind them there."""
+    import torch
+
+    slots, storages, offset = _storages(model)
+    device = slots[0][0].device
+    backend, index = _backend(device)
+    region = reserve(tag, max(offset, ALIGN), backend=backend, device=index)
+    region.map(max(offset, ALIGN))
+    placed = PlacedModel(region)
+    copied: dict[int, Any] = {}
+    with torch.no_grad():
+        for tensor, key in slots:
+            entry = storages[key]
+            raw = copied.get(entry["offset"])
+            if raw is None:
+                raw = region.tensor(torch.uint8, (entry["nbytes"],), entry["offset"])
+                raw.copy_(torch.empty(0, dtype=torch.uint8, device=device).set_(tensor.untyped_storage()))
+                copied[entry["offset"]] = raw
+                placed.tensors.append({"name": entry["name"], "dtype": "uint8", "shape": [entry["nbytes"]],
+                                       "offset": entry["offset"], "length": entry["nbytes"]})
+                placed.bytes += entry["nbytes"]
+            typed = raw.view(tensor.dtype) if entry["nbytes"] % tensor.element_size() == 0 else raw
+            moved = typed.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+            tensor.data = moved  # the same Parameter object: vLLM's references stay valid
+    return placed
+
+
+def layout_for(placed: PlacedModel, kv: StableRegion | None) -> MemoryLayout:
+    regions = [{"tag": placed.region.tag, "size_bytes": placed.region.size, "tensors": placed.tensors}]
+    if kv is not None:
+        regions.append({"tag": kv.tag, "size_bytes": kv.size, "tensors": []})
+    return MemoryLayout.model_validate({"format": 1, "regions": regions})
+
+
+# The ``coldsnap`` load format's options, the same for every engine (its model-loader extra config).
+MODES = ("auto", "native", "recovery", "cache-only-auto")
+OPTION_KEYS = ("mode", "pack")
+
+
+def load_options(extra: dict[str, Any], option: str) -> tuple[str, Path | None]:
+    """``mode`` and ``pack`` from the load format's extra config (``option`` names the engine's flag in
+    messages): ``auto`` (default) and ``cache-only-auto`` use the pack when it fits the model, else load
+    through the engine; ``native`` requires a fitting pack; ``recovery`` always loads through the engine."""
+    mode = extra.get("mode", "auto")
+    if mode not in MODES:
+        raise ValueError(f"{option} mode must be one of {', '.join(MODES)}, not {mode!r}")
+    pack = extra.get("pack")
+    if pack is not None and not isinstance(pack, str):
+        raise ValueError(f"{option} pack must be a path to a native pack, not {pack!r}")
+    if mode == "native" and not pack:
+        raise ValueError(f"coldsnap mode 'native' needs {option} pack=<native pack written by coldsnap capture>; use "
+                         "mode 'auto' to load through the engine when there is none")
+    return mode, Path(pack) if pack else None
+
+
+class PackDoesNotFit(ValueError):
+    """The native pack was written for another model, dtype or engine build: its tensors are not this model's."""
+
+
+def check_pack_fits(pack: NativePack, extents: set[tuple[int, int]]) -> None:
+    """Every weight storage of this model at the same offset and length in the pack, and nothing else."""
+    theirs = {(t.offset, t.length) for e in pack.extents if e.region == "weights" for t in e.tensors}
+    if extents != theirs:
+        missing, extra = len(extents - theirs), len(theirs - extents)
+        raise PackDoesNotFit(f"native pack {pack.path.name} does not fit this model: {missing} of its {len(extents)} "
+                             f"weight tensors are not in the pack and {extra} of the pack's are not the model's "
+                             "(another model, dtype or engine build)")
+
+
+def open_fitting_pack(path: Path, extents: set[tuple[int, int]]) -> NativePack:
+    """The native pack at ``path``, verified against the digest its name claims (a stat-bound record
+    makes this cheap) and checked to fit ``extents``; raises :class:`PackDoesNotFit` or a pack error."""
+    verify_file(path)
+    pack = NativePack.open(path)
+    check_pack_fits(pack, extents)
+    return pack
+
+
+def placed_extents(placed: PlacedModel) -> set[tuple[int, int]]:
+    """(offset, length) of every storage :func:`place_model_in_region` placed."""
+    return {(t["offset"], t["length"]) for t in placed.tensors}

@@ -1,0 +1,94 @@
+"""coldsnap's agent in an SGLang scheduler process: attached once the target model's memory is complete
+(weights placed by the load format, KV cache allocated in its region), with the graph hooks for a
+``recreate`` graph policy.
+
+SGLang runs the model inside each scheduler process (one per TP rank). At TP1 the agent attaches and
+the graphs SGLang captured are kept (``retain``) or dropped and captured again after the restore
+(``recreate``: ``ModelRunner.init_cuda_graphs`` from the restored runner's own plan). At TP > 1 the
+NCCL communicators would have to be torn down before the CUDA checkpoint and rebuilt inside SGLang's
+groups after it; that is not built, so no agent attaches there (one warning) and a capture stops at
+its readiness check instead of producing an image that cannot be restored.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from typing import Any, Callable
+
+from coldsnap_sglang.process import ProcessState
+
+__all__ = ["after_alloc_memory_pool", "SglangGraphs"]
+
+log = logging.getLogger("sglang.coldsnap")
+
+GRAPH_RUNNERS = ("decode_cuda_graph_runner", "prefill_cuda_graph_runner")
+
+
+class SglangGraphs:
+    """Release and recapture the CUDA graphs of one ``ModelRunner``."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+
+    def release_graphs(self, policy: str) -> list[str]:
+        if policy == "retain":
+            return []
+        import torch
+
+        released = [name for name in GRAPH_RUNNERS if getattr(self.runner, name, None) is not None]
+        for name in released:
+            setattr(self.runner, name, None)
+        gc.collect()  # the graphs' executables go with their runners
+        torch.cuda.synchronize()
+        return released
+
+    def recapture_graphs(self) -> list[str]:
+        self.runner.init_cuda_graphs()
+        return [name for name in GRAPH_RUNNERS if getattr(self.runner, name, None) is not None]
+
+
+def _attach(runner: Any) -> None:
+    from coldsnap.agent import attach
+    from coldsnap.agent.memory import ModelMemory
+    from coldsnap.agent.placement import layout_for
+    from coldsnap.agent.server import AgentHooks
+    from coldsnap.memory import regions
+
+    placed = ProcessState.placed
+    assert placed is not None
+    kv = regions().get("kv_cache")
+    if kv is None or not kv.mapped_bytes:
+        kv = None
+        log.warning("coldsnap: SGLang allocated no KV cache in coldsnap's kv_cache region; it stays in ordinary memory "
+                    "(and goes into a capture's process image)")
+    else:
+        log.info("coldsnap: KV cache in the kv_cache region: %d bytes at 0x%x", kv.mapped_bytes, kv.base)
+    memory_regions = {"weights": placed.region, **({"kv_cache": kv} if kv is not None else {})}
+    ProcessState.memory = ModelMemory(layout_for(placed, kv), memory_regions)
+    ProcessState.runner = runner
+    graphs = SglangGraphs(runner)
+    hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
+                       release_graphs=graphs.release_graphs, recapture_graphs=graphs.recapture_graphs)
+    ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=0, world=1, hooks=hooks)
+    if ProcessState.agent is not None:
+        log.info("coldsnap: agent listening at %s", ProcessState.agent.control)
+
+
+def after_alloc_memory_pool(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """HookRegistry AROUND hook on ``ModelRunner.alloc_memory_pool``: SGLang's, then (for the target model
+    the ``coldsnap`` load format placed) the agent attaches."""
+    result = original(runner, *args, **kwargs)
+    if (not ProcessState.active or ProcessState.placed is None or ProcessState.memory is not None
+            or getattr(runner, "is_draft_worker", False)):
+        return result
+    tp_size = int(getattr(runner, "tp_size", 1) or 1)
+    pp_size = int(getattr(getattr(runner, "server_args", None), "pp_size", 1) or 1)
+    if tp_size * pp_size > 1:
+        log.warning("coldsnap: SGLang at TP %d / PP %d: coldsnap's NCCL teardown and rebuild inside SGLang's groups is "
+                    "not built; no agent attaches, so `coldsnap capture` of this server stops at its readiness check",
+                    tp_size, pp_size)
+        return result
+    _attach(runner)
+    return result

@@ -1,0 +1,127 @@
+"""coldsnap's SGLang hooks against SGLang 0.5.17's real modules (no GPU).
+
+Runs when scripts/install-sglang.sh has made .venv-sglang (scripts/test.sh does; COLDSNAP_SGLANG_VENV
+overrides the place): SGLang's GPU build, imported on a machine without a GPU. What runs here: SGLang's
+own plugin loading (``load_plugins``: entry point + HookRegistry), its argument parser, ``LoadConfig``
+and ``get_model_loader`` with ``--load-format coldsnap``, the memory-saver factory, the model runner's
+hook, and the plugin against an SGLang that lacks hooks or is outside the supported range. Not run
+here (SGLang has no CPU model path without its kernels): loading a model, the KV cache in its region,
+the agent in a scheduler — those ran on the H200 (tests/gpu/sglang_checks.py, benchmarks/sglang_startup.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV = Path(os.environ.get("COLDSNAP_SGLANG_VENV", ROOT / ".venv-sglang"))
+PYTHON = VENV / "bin" / "python"
+
+pytestmark = pytest.mark.skipif(not PYTHON.exists(), reason="SGLang is not installed (bash scripts/install-sglang.sh)")
+
+PRELUDE = """
+import logging, sys, warnings
+warnings.filterwarnings("ignore")
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+"""
+
+
+def run(code: str, tmp_path: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "probe.py"
+    script.write_text(PRELUDE + textwrap.dedent(code))
+    done = subprocess.run([str(PYTHON), str(script)], capture_output=True, text=True, timeout=timeout, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr[-4000:])
+    return done
+
+
+def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_path):
+    model = tmp_path / "model"
+    subprocess.run([str(PYTHON), "-m", "coldsnap_vllm.tiny_model", str(model)], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run(f"""
+        from sglang.srt.plugins import load_plugins
+        load_plugins()  # what launch_server, every scheduler and the detokenizer do first
+        from sglang.srt.server_args import prepare_server_args
+        args = prepare_server_args(["--model-path", "{model}", "--load-format", "coldsnap", "--device", "cpu"])
+        assert args.load_format == "coldsnap", args.load_format
+        from sglang.srt.configs.load_config import LoadConfig, LoadFormat
+        from sglang.srt.model_loader.loader import get_model_loader
+        from coldsnap_sglang.loader import ColdsnapModelLoader
+        from coldsnap_sglang.process import ProcessState
+        assert not ProcessState.active
+        config = LoadConfig(load_format="coldsnap", model_loader_extra_config='{{"mode": "recovery", "num_threads": 4}}')
+        assert config.load_format is ColdsnapModelLoader and ProcessState.active
+        loader = get_model_loader(config)
+        assert isinstance(loader, ColdsnapModelLoader) and loader.mode == "recovery" and loader.pack is None
+        assert loader.load_config.load_format == LoadFormat.SAFETENSORS  # SGLang's loading reads safetensors
+        assert loader.load_config.model_loader_extra_config == {{"num_threads": 4}}
+        assert config.load_format is ColdsnapModelLoader  # the shared config still names the loader
+        assert LoadConfig(load_format="safetensors").load_format == LoadFormat.SAFETENSORS  # others are SGLang's
+        for extra, message in (({{"mode": "bogus"}}, "mode must be one of auto, native, recovery, cache-only-auto"),
+                               ({{"mode": "native"}}, "coldsnap mode 'native' needs --model-loader-extra-config pack="),
+                               ({{"bogus": 1}}, "Unexpected extra config keys")):
+            try:
+                get_model_loader(LoadConfig(load_format="coldsnap", model_loader_extra_config=extra))
+            except ValueError as exc:
+                assert message in str(exc), exc
+            else:
+                raise AssertionError(extra)
+        import sglang.srt.model_executor.model_runner as model_runner  # the scheduler's import: the agent's hook
+        from coldsnap_sglang.agent_bootstrap import after_alloc_memory_pool
+        hooked = model_runner.ModelRunner.alloc_memory_pool
+        assert getattr(hooked, "__wrapped__", None) is not None, hooked
+        print("ok")
+    """, tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ok"
+    assert "coldsnap" not in done.stderr.lower() or "warning" not in done.stderr.lower(), done.stderr
+
+
+def test_memory_saver_is_coldsnaps_only_for_a_model_the_load_format_placed(tmp_path):
+    done = run("""
+        import torch
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.utils.torch_memory_saver_adapter import TorchMemorySaverAdapter
+        from coldsnap.agent.placement import place_model_in_region
+        from coldsnap_sglang.memory_saver import ColdsnapMemorySaverAdapter
+        from coldsnap_sglang.process import ProcessState
+        assert not isinstance(TorchMemorySaverAdapter.create(enable=False), ColdsnapMemorySaverAdapter)
+        ProcessState.active = True
+        ProcessState.placed = place_model_in_region(torch.nn.Linear(8, 8))  # a host region here
+        adapter = TorchMemorySaverAdapter.create(enable=False)
+        assert isinstance(adapter, ColdsnapMemorySaverAdapter) and not adapter.enabled
+        with adapter.region("kv_cache"):  # a host model: no pluggable allocator, SGLang's own allocation
+            kv = torch.zeros(4)
+        assert kv.sum() == 0
+        print("ok")
+    """, tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("patch, warning", [
+    ("compat.sglang_version = lambda: '0.4.9'", "SGLang 0.4.9 is outside the supported range"),
+    ("compat.ALLOC_MEMORY_POOL = 'sglang.srt.model_executor.model_runner:ModelRunner.gone'",
+     "the coldsnap agent (capture and restore of this server) disabled"),
+    ("compat.HOOK_REGISTRY = 'sglang.srt.plugins.hook_registry:Gone'", "coldsnap sglang plugin disabled"),
+])
+def test_an_sglang_without_a_hook_runs_without_that_feature_and_one_warning(tmp_path, patch, warning):
+    done = run(f"""
+        from coldsnap_sglang import compat
+        {patch}
+        from sglang.srt.plugins import load_plugins
+        load_plugins()  # never raises into SGLang
+        import sglang.srt.model_executor.model_runner  # where the agent's hook would go
+        from sglang.srt.configs.load_config import LoadConfig, LoadFormat
+        assert LoadConfig(load_format="safetensors").load_format == LoadFormat.SAFETENSORS
+        print("ok")
+    """, tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ok"
+    assert sum(warning in line for line in done.stderr.splitlines()) == 1, done.stderr
