@@ -45,13 +45,13 @@ def _coldsnap_load_format(original: Callable[..., Any], load_config: Any, *args:
     return original(load_config, *args, **kwargs)
 
 
-def _hook(registry: Any, symbol: str, hook: Callable[..., Any], feature: str) -> bool:
+def _hook(registry: Any, symbol: str, hook: Callable[..., Any], feature: str, kind: str = "AROUND") -> bool:
     from coldsnap_sglang import compat
 
     if not compat.exists(symbol):
         compat.disabled(feature, f"SGLang has no {symbol}")
         return False
-    hook_type = compat.lookup("sglang.srt.plugins.hook_registry:HookType").AROUND
+    hook_type = getattr(compat.lookup("sglang.srt.plugins.hook_registry:HookType"), kind)
     registry.register(compat.hook_target(symbol), hook, hook_type)
     return True
 

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from coldsnap_sglang.process import ProcessState
 
-__all__ = ["after_alloc_memory_pool", "SglangGraphs"]
+__all__ = ["after_alloc_memory_pool", "flush_scheduler_cache", "SglangGraphs"]
 
 log = logging.getLogger("sglang.coldsnap")
 
@@ -49,6 +49,27 @@ class SglangGraphs:
         return [name for name in GRAPH_RUNNERS if getattr(self.runner, name, None) is not None]
 
 
+def flush_scheduler_cache() -> None:
+    """Before the regions are released: SGLang's own ``/flush_cache`` (what its
+    ``release_memory_occupation`` does). The KV cache comes back zeroed, so the prefix cache's tree, the
+    request-to-token table and the KV allocator's free list must start empty too, else the first request
+    after a restore would read a cached prefix from zeroed KV. Through the server, so that the scheduler
+    flushes on its own thread: called from the agent's thread, ``Scheduler.flush_cache`` raced the
+    scheduler's idle checks and killed it (H200, SGLang 0.5.17)."""
+    import urllib.error
+    import urllib.request
+
+    args = ProcessState.runner.server_args
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://{host}:{args.port}/flush_cache", method="POST"),
+                                    timeout=60) as response:
+            response.read()
+    except (OSError, urllib.error.HTTPError) as exc:
+        raise RuntimeError(f"coldsnap: SGLang's /flush_cache failed ({exc}); a restore would read cached prefixes "
+                           "from zeroed KV") from None
+
+
 def _attach(runner: Any) -> None:
     from coldsnap.agent import attach
     from coldsnap.agent.memory import ModelMemory
@@ -70,7 +91,8 @@ def _attach(runner: Any) -> None:
     ProcessState.runner = runner
     graphs = SglangGraphs(runner)
     hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
-                       release_graphs=graphs.release_graphs, recapture_graphs=graphs.recapture_graphs)
+                       release_graphs=graphs.release_graphs, recapture_graphs=graphs.recapture_graphs,
+                       before_release=[flush_scheduler_cache])
     ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=0, world=1, hooks=hooks)
     if ProcessState.agent is not None:
         log.info("coldsnap: agent listening at %s", ProcessState.agent.control)

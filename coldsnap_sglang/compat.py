@@ -15,7 +15,9 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
   pool calls for the adapter whose ``region("kv_cache")`` wraps its buffer allocation;
 - **the model runner** (:data:`ALLOC_MEMORY_POOL`, :data:`INIT_CUDA_GRAPHS`): ``ModelRunner.alloc_memory_pool``
   (after it the scheduler's model memory is complete and its agent attaches) and ``init_cuda_graphs``
-  (recapture after a restore that dropped the graphs).
+  (recapture after a restore that dropped the graphs);
+- **the server's** ``/flush_cache`` route: empties the prefix cache and the pools (on the scheduler's
+  thread) before the KV cache is released.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ MEMORY_SAVER_CREATE = "sglang.srt.utils.torch_memory_saver_adapter:TorchMemorySa
 MODEL_RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
 ALLOC_MEMORY_POOL = f"{MODEL_RUNNER_MODULE}:ModelRunner.alloc_memory_pool"
 INIT_CUDA_GRAPHS = f"{MODEL_RUNNER_MODULE}:ModelRunner.init_cuda_graphs"
+
 HOOK_REGISTRY = "sglang.srt.plugins.hook_registry:HookRegistry"
 
 PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, DEFAULT_LOADER, MEMORY_SAVER_CREATE, ALLOC_MEMORY_POOL,

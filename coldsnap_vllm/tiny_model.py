@@ -107,7 +107,9 @@ def build_llama_8b_shape(directory: str | Path, seed: int = 0, device: str | Non
     fast = _tokenizer(directory, 512)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     LlamaConfig(**LLAMA_3_8B, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-                pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16").save_pretrained(directory)
+                pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16",
+                # SGLang reads the class from config.json (vLLM infers it); save_pretrained of a bare config omits it
+                architectures=["LlamaForCausalLM"]).save_pretrained(directory)
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
     shards: list[dict[str, Any]] = [{}]
