@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a connected machine: gather what the offline GPU test host lacks into one folder.
 #
-#   bash scripts/gpu-prepare.sh [--vllm] [BUNDLE_DIR]     (default .gpu-bundle, git-ignored)
+#   bash scripts/gpu-prepare.sh [--vllm] [--sglang] [BUNDLE_DIR]     (default .gpu-bundle, git-ignored)
 #
 # BUNDLE_DIR/wheels     Python 3.12 manylinux x86_64 wheels of coldsnap's runtime dependencies that the
 #                       GPU host's image does not have (pydantic and its parts, pyzmq), versions pinned to
@@ -11,15 +11,19 @@
 #
 # --vllm, also:
 # BUNDLE_DIR/vllm       vLLM 0.26.0 (the release whose torch is the host's 2.11.0+cu130) and the packages the
-#                       host lacks, slimmed and split into ≤ 62 MiB parts (scripts/gpu-prepare-vllm.py);
-#                       bring them one per device call and put them together with scripts/gpu-vllm.sh.
+#                       host lacks, slimmed and split into ≤ 56 MiB parts (scripts/gpu-prepare-engine.py);
+#                       bring them one per device call and put them together with scripts/gpu-engine.sh vllm.
+# --sglang, also:
+# BUNDLE_DIR/sglang     SGLang 0.5.17 (likewise torch 2.11.0, CUDA 13), its sglang-kernel without FA3 and
+#                       sm100, and the packages its server start imports that the host lacks, in ≤ 62 MiB
+#                       parts; put them together with scripts/gpu-engine.sh sglang.
 #
 # Carry BUNDLE_DIR to the GPU host with the checkout, then run scripts/gpu-test.sh there.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
-with_vllm=0
-if [ "${1:-}" = "--vllm" ]; then with_vllm=1; shift; fi
+engines=()
+while [ "${1:-}" = "--vllm" ] || [ "${1:-}" = "--sglang" ]; do engines+=("${1#--}"); shift; done
 bundle=${1:-.gpu-bundle}
 log() { printf 'gpu-prepare: %s\n' "$*" >&2; }
 
@@ -51,7 +55,7 @@ log "downloading benchmark comparators: fastsafetensors, instanttensor"
     2> >(grep -v "^WARNING: Location" >&2) || log "comparator wheels unavailable; the benchmark will say so"
 
 bash scripts/install-criu.sh --download-only "$bundle/criu-debs"
-if [ "$with_vllm" = 1 ]; then
-    python3 scripts/gpu-prepare-vllm.py "$bundle"
-fi
+for engine in "${engines[@]}"; do
+    python3 scripts/gpu-prepare-engine.py "$engine" "$bundle"
+done
 log "bundle ready: $(du -sh "$bundle" | cut -f1) in $bundle"
