@@ -13,7 +13,7 @@ exit after the canary matched. vLLM runs with its default flags (torch.compile, 
 Steps (``--steps``, run in the order given; results accumulate in ``DIR/vllm-startup.json``, so a run
 can be split over several invocations, e.g. device calls of at most 10 minutes):
 
-  model        write the model (``coldsnap_vllm.tiny_model --shape``) unless it is there
+  model        write the model (``coldsnap.workloads.tiny_llama --shape``) unless it is there
   cold-empty   cold start with an empty vLLM compile cache (a fresh VLLM_CACHE_ROOT)
   capture      `coldsnap capture -- vllm serve M --load-format coldsnap` (warm compile cache)
   restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
@@ -132,7 +132,7 @@ class Bench:
         if (self.model / "coldsnap-tiny-model.json").exists():  # written last
             return
         started = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "coldsnap_vllm.tiny_model", str(self.model), "--shape", self.args.shape],
+        subprocess.run([sys.executable, "-m", "coldsnap.workloads.tiny_llama", str(self.model), "--shape", self.args.shape],
                        check=True)
         self.state["model_write_s"] = round(time.perf_counter() - started, 2)
         self.state["model_bytes"] = sum(p.stat().st_size for p in self.model.glob("*.safetensors"))

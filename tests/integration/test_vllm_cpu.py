@@ -101,7 +101,7 @@ def served(command: list[str], port: int, log: Path, env: dict | None = None):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(VENV / "bin" / "python"), "-m", "coldsnap_vllm.tiny_model", str(directory)], check=True,
+    subprocess.run([str(VENV / "bin" / "python"), "-m", "coldsnap.workloads.tiny_llama", str(directory)], check=True,
                    capture_output=True, timeout=300)
     return directory
 

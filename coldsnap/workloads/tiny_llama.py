@@ -1,8 +1,8 @@
 """Llama-shaped models with seeded random weights and a tokenizer trained on the spot.
 
-    python -m coldsnap_vllm.tiny_model DIR [--seed N] [--shape tiny|8b] [--device cuda]
+    python -m coldsnap.workloads.tiny_llama DIR [--seed N] [--shape tiny|8b] [--device cuda]
 
-For tests, ``coldsnap demo --engine vllm`` and the vLLM benchmark on machines without a model hub:
+For tests, ``coldsnap demo --engine vllm|sglang`` and the engine benchmarks on machines without a model hub:
 ``config.json`` (LlamaConfig), safetensors weights and a byte-level BPE tokenizer (512 tokens) with a
 chat-free ``tokenizer_config.json``. The same seed gives the same files (the tokenizer's merges are
 learned from a fixed text).
@@ -140,7 +140,7 @@ def build_llama_8b_shape(directory: str | Path, seed: int = 0, device: str | Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m coldsnap_vllm.tiny_model", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m coldsnap.workloads.tiny_llama", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory")
     parser.add_argument("--seed", type=int, default=0)
