@@ -17,16 +17,14 @@ kernels and no FlashInfer JIT cache); add flags with ``--sglang-arg``.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_startup import Bench, draw, render  # noqa: E402
+from vllm_startup import Bench, run_steps  # noqa: E402
 
 STEPS = ("model", "cold-warm", "capture", "restore", "native", "dropped")
 SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")
@@ -70,24 +68,10 @@ def main() -> int:
     parser.add_argument("--sglang-arg", dest="vllm_args", action="append", default=[],
                         help="extra `sglang.launch_server` argument (repeat; e.g. --sglang-arg=--mem-fraction-static=0.3)")
     args = parser.parse_args()
-    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
-    unknown = [s for s in steps if s not in STEPS]
-    if unknown:
-        parser.error(f"unknown step(s) {', '.join(unknown)}; steps are {', '.join(STEPS)}")
     args.device = "cuda"
-    args.dir = args.dir or tempfile.mkdtemp(prefix="coldsnap-sglang-bench-")
-    bench = SglangBench(args)
     from coldsnap_sglang.compat import sglang_version
 
-    bench.state["sglang"] = sglang_version()
-    for step in steps:
-        print(f"sglang_startup: step {step}", file=sys.stderr, flush=True)
-        getattr(bench, "step_" + step.replace("-", "_"))()
-    bench.save()
-    print(render(bench.state))
-    if args.png:
-        draw(bench.state, Path(args.png))
-    return 0
+    return run_steps(SglangBench, parser, args, STEPS, "sglang", sglang_version())
 
 
 if __name__ == "__main__":

@@ -340,17 +340,23 @@ def main() -> int:
         return restore_latency_main(engine="vllm")
     if rest:
         parser.error(f"unknown arguments: {' '.join(rest)}")
-    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
-    unknown = [s for s in steps if s not in STEPS]
-    if unknown:
-        parser.error(f"unknown step(s) {', '.join(unknown)}; steps are {', '.join(STEPS)}")
-    args.dir = args.dir or tempfile.mkdtemp(prefix="coldsnap-vllm-bench-")
-    bench = Bench(args)
     from coldsnap_vllm.compat import vllm_version
 
-    bench.state["vllm"] = vllm_version()
+    return run_steps(Bench, parser, args, STEPS, "vllm", vllm_version())
+
+
+def run_steps(bench_class: type[Bench], parser: argparse.ArgumentParser, args: argparse.Namespace,
+              known: tuple[str, ...], engine: str, version: str) -> int:
+    """Run ``args.steps`` (checked against ``known``) of an engine's benchmark, then print its table."""
+    steps = [s.strip() for s in args.steps.split(",") if s.strip()]
+    unknown = [s for s in steps if s not in known]
+    if unknown:
+        parser.error(f"unknown step(s) {', '.join(unknown)}; steps are {', '.join(known)}")
+    args.dir = args.dir or tempfile.mkdtemp(prefix=f"coldsnap-{engine}-bench-")
+    bench = bench_class(args)
+    bench.state[engine] = version
     for step in steps:
-        print(f"vllm_startup: step {step}", file=sys.stderr, flush=True)
+        print(f"{bench.name}: step {step}", file=sys.stderr, flush=True)
         getattr(bench, "step_" + step.replace("-", "_"))()
     bench.save()
     print(render(bench.state))

@@ -28,11 +28,8 @@ from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config, _initialize_model
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-from coldsnap.agent.placement import (OPTION_KEYS, PackDoesNotFit, check_pack_fits, load_options, open_fitting_pack,
-                                      place_model_in_region, placed_extents, planned_extents)
-from coldsnap.hydrate import hydrate_pack
+from coldsnap.agent.placement import OPTION_KEYS, fitting_pack, load_options, place_weights
 from coldsnap.payload import NativePack
-from coldsnap.payload.errors import PackError
 from coldsnap_sglang.process import ProcessState
 
 __all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "OPTION"]
@@ -113,25 +110,9 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return sum(Path(f).stat().st_size for f in pinned)
 
     def _fitting_pack(self, model: torch.nn.Module) -> NativePack | None:
-        if self.pack is None or self.mode == "recovery":
-            return None
-        try:
-            return open_fitting_pack(self.pack, planned_extents(model))
-        except (PackDoesNotFit, PackError) as exc:
-            if self.mode == "native":
-                raise ValueError(f"coldsnap mode 'native': {exc}") from None
-            log.warning("coldsnap: %s; loading the weights through SGLang instead (recovery)", exc)
-            return None
+        return fitting_pack(self.pack, self.mode, model, "SGLang", log)
 
     def _place(self, model: torch.nn.Module, pack: NativePack | None) -> torch.nn.Module:
-        placed = place_model_in_region(model)
-        if pack is not None:
-            check_pack_fits(pack, placed_extents(placed))  # post-processing could have changed the layout
-            stats = hydrate_pack(pack.path, {"weights": placed.region})
-            log.info("coldsnap: %d bytes of weights hydrated from %s at %.2f GB/s (native)", stats.bytes,
-                     pack.path.name, stats.gb_per_s)
-        else:
-            log.info("coldsnap: %d bytes of weights in the stable region at 0x%x (recovery, mode %s)",
-                     placed.bytes, placed.region.base, self.mode)
+        placed = place_weights(model, pack, self.mode, log)
         ProcessState.placed = placed
         return model

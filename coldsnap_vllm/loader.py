@@ -36,13 +36,9 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from coldsnap.hydrate import hydrate_pack
-from coldsnap.agent.placement import (MODES, OPTION_KEYS, PackDoesNotFit, check_pack_fits, load_options,
-                                      open_fitting_pack, placed_extents)
+from coldsnap.agent.placement import MODES, OPTION_KEYS, fitting_pack, load_options, place_weights
 from coldsnap.payload import NativePack
-from coldsnap.payload.errors import PackError
 from coldsnap_vllm import compat
-from coldsnap_vllm.placement import place_model_in_region, planned_extents
 from coldsnap_vllm.process import ProcessState
 
 __all__ = ["ColdsnapModelLoader", "LOAD_FORMAT", "MODES"]
@@ -157,27 +153,10 @@ class ColdsnapModelLoader(DefaultModelLoader):
         return self._place(model, pack).eval()
 
     def _fitting_pack(self, model: torch.nn.Module) -> NativePack | None:
-        if self.pack is None or self.mode == "recovery":
-            return None
-        try:
-            return open_fitting_pack(self.pack, planned_extents(model))
-        except (PackDoesNotFit, PackError) as exc:
-            if self.mode == "native":
-                raise ValueError(f"coldsnap mode 'native': {exc}") from None
-            log.warning("coldsnap: %s; loading the weights through vLLM instead (recovery)", exc)
-            return None
+        return fitting_pack(self.pack, self.mode, model, "vLLM", log)
 
     def _place(self, model: torch.nn.Module, pack: NativePack | None) -> torch.nn.Module:
-        placed = place_model_in_region(model)
-        if pack is not None:
-            # Weight post-processing could have changed the layout the pack was checked against.
-            check_pack_fits(pack, placed_extents(placed))
-            stats = hydrate_pack(pack.path, {"weights": placed.region})
-            log.info("coldsnap: %d bytes of weights hydrated from %s at %.2f GB/s (native)", stats.bytes,
-                     pack.path.name, stats.gb_per_s)
-        else:
-            log.info("coldsnap: %d bytes of weights in the stable region at 0x%x (recovery, mode %s)",
-                     placed.bytes, placed.region.base, self.mode)
+        placed = place_weights(model, pack, self.mode, log)
         ProcessState.placed = placed
         return model
 

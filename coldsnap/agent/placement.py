@@ -11,16 +11,20 @@ Used by both engine plugins; no engine import here: the functions take torch mod
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory import StableRegion, reserve
+from coldsnap.hydrate import hydrate_pack
 from coldsnap.payload import NativePack, verify_file
+from coldsnap.payload.errors import PackError
 
 __all__ = ["ALIGN", "MODES", "OPTION_KEYS", "PackDoesNotFit", "PlacedModel", "check_pack_fits", "layout_for", "load_options",
-           "open_fitting_pack", "place_model_in_region", "placed_extents", "planned_extents"]
+           "open_fitting_pack", "place_model_in_region", "placed_extents", "planned_extents", "fitting_pack",
+           "place_weights"]
 
 ALIGN = 4096
 
@@ -154,3 +158,33 @@ def open_fitting_pack(path: Path, extents: set[tuple[int, int]]) -> NativePack:
 def placed_extents(placed: PlacedModel) -> set[tuple[int, int]]:
     """(offset, length) of every storage :func:`place_model_in_region` placed."""
     return {(t["offset"], t["length"]) for t in placed.tensors}
+
+
+def fitting_pack(path: Path | None, mode: str, model: Any, engine: str, log: logging.Logger) -> NativePack | None:
+    """The native pack a ``coldsnap`` load format starts ``model`` from: None without one or in mode
+    ``recovery``; a pack that does not fit (or fails verification) is an error in mode ``native``, else
+    one warning and None (the engine loads the weights itself)."""
+    if path is None or mode == "recovery":
+        return None
+    try:
+        return open_fitting_pack(path, planned_extents(model))
+    except (PackDoesNotFit, PackError) as exc:
+        if mode == "native":
+            raise ValueError(f"coldsnap mode 'native': {exc}") from None
+        log.warning("coldsnap: %s; loading the weights through %s instead (recovery)", exc, engine)
+        return None
+
+
+def place_weights(model: Any, pack: NativePack | None, mode: str, log: logging.Logger) -> PlacedModel:
+    """``model``'s parameters moved into the ``weights`` region, then filled from ``pack`` when there is
+    one (else they keep what the engine loaded)."""
+    placed = place_model_in_region(model)
+    if pack is not None:
+        check_pack_fits(pack, placed_extents(placed))  # post-processing could have changed the layout
+        stats = hydrate_pack(pack.path, {"weights": placed.region})
+        log.info("coldsnap: %d bytes of weights hydrated from %s at %.2f GB/s (native)", stats.bytes,
+                 pack.path.name, stats.gb_per_s)
+    else:
+        log.info("coldsnap: %d bytes of weights in the stable region at 0x%x (recovery, mode %s)", placed.bytes,
+                 placed.region.base, mode)
+    return placed
