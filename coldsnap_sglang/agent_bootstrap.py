@@ -41,7 +41,8 @@ class SglangGraphs:
         for name in released:
             setattr(self.runner, name, None)
         gc.collect()  # the graphs' executables go with their runners
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         return released
 
     def recapture_graphs(self) -> list[str]:
