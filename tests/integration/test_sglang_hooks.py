@@ -6,7 +6,8 @@ own plugin loading (``load_plugins``: entry point + HookRegistry), its argument 
 and ``get_model_loader`` with ``--load-format coldsnap``, the memory-saver factory, the model runner's
 hook, and the plugin against an SGLang that lacks hooks or is outside the supported range. Not run
 here (SGLang has no CPU model path without its kernels): loading a model, the KV cache in its region,
-the agent in a scheduler — those ran on the H200 (tests/gpu/sglang_checks.py, benchmarks/sglang_startup.py).
+the agent in a scheduler — those ran on the H200 (benchmarks/sglang_startup.py, `coldsnap demo --engine
+sglang`); tests/unit/test_sglang_plugin.py covers the plugin's own logic with stand-ins.
 """
 
 from __future__ import annotations
