@@ -266,8 +266,12 @@ def summarize(runs: list[dict]) -> dict[str, float]:
     return summary
 
 
+def _engine(state: dict) -> str:
+    return "SGLang " + state["sglang"] if "sglang" in state else f"vLLM {state.get('vllm', '')}"
+
+
 def render(state: dict) -> str:
-    engine = "SGLang " + state["sglang"] if "sglang" in state else f"vLLM {state.get('vllm', '')}"
+    engine = _engine(state)
     lines = [f"{engine} startup, {state['shape']} on {state['device']}: median seconds"]
     for label, value in state.get("summary", {}).items():
         runs = [r["seconds"] for r in state["runs"] if _label(r) == label]
@@ -304,8 +308,7 @@ def draw(state: dict, png: Path) -> bool:
     axis.set_xscale("log")
     axis.invert_yaxis()
     axis.set_xlabel("seconds to the first (validated) token, median, log scale")
-    axis.set_title(f"vLLM {state.get('vllm', '')} {state['shape']} on {state['device']}: cold start vs coldsnap",
-                   fontsize=9)
+    axis.set_title(f"{_engine(state)} {state['shape']} on {state['device']}: cold start vs coldsnap", fontsize=9)
     axis.tick_params(axis="y", labelsize=7)
     figure.tight_layout()
     figure.savefig(png, dpi=120)
