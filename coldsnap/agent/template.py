@@ -35,6 +35,7 @@ from coldsnap.contracts.placement import PLACEMENT_ABI, PlacementRecord, Placeme
 __all__ = ["main", "entry", "apply_placement"]
 
 PORT_OPTIONS = ("--port",)
+REQUEST_TIMEOUT_S = 30.0
 
 
 def _listen(control: str) -> socket.socket:
@@ -109,9 +110,12 @@ def wait_for_placement(server: socket.socket, preloaded: list[str]) -> Placement
     """Answer status requests until a placement this template can take arrives."""
     while True:
         connection, _ = server.accept()
+        connection.settimeout(REQUEST_TIMEOUT_S)  # a client that sends nothing must not hold the template
         with connection:
             try:
                 request = json.loads(_read_line(connection) or b"{}")
+            except TimeoutError:
+                continue
             except ValueError:
                 _reply(connection, {"ok": False, "error": "not a JSON line"})
                 continue
