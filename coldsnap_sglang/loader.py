@@ -17,7 +17,6 @@ default loader (``enable_multithread_load``, ``num_threads``).
 
 from __future__ import annotations
 
-import copy
 import functools
 import logging
 from pathlib import Path
@@ -28,7 +27,7 @@ from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config, _initialize_model
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-from coldsnap.agent.placement import OPTION_KEYS, fitting_pack, load_options, place_weights
+from coldsnap.agent.placement import fitting_pack, place_weights, split_load_config
 from coldsnap.payload import NativePack
 from coldsnap_sglang.process import ProcessState
 
@@ -43,14 +42,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
     """SGLang's default loading (or a fitting native pack), then the parameters moved into the ``weights`` region."""
 
     def __init__(self, load_config: Any):
-        extra = dict(load_config.model_loader_extra_config or {})
-        self.mode, self.pack = load_options(extra, OPTION)
+        self.mode, self.pack, inner = split_load_config(load_config, OPTION, LoadFormat.SAFETENSORS)
         self.weight_files: list[str] = []
-        # SGLang's default loading picks files by load format: safetensors (the files a capture pins).
-        # A copy, so the shared config still names this loader to the next get_model_loader().
-        inner = copy.copy(load_config)
-        inner.load_format = LoadFormat.SAFETENSORS
-        inner.model_loader_extra_config = {k: v for k, v in extra.items() if k not in OPTION_KEYS}
         super().__init__(inner)
 
     def _prepare_weights(self, *args: Any, **kwargs: Any) -> Any:

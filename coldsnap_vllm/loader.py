@@ -23,7 +23,6 @@ default loader.
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from pathlib import Path
 from typing import Any, Iterator
@@ -36,7 +35,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from coldsnap.agent.placement import MODES, OPTION_KEYS, fitting_pack, load_options, place_weights
+from coldsnap.agent.placement import MODES, fitting_pack, place_weights, split_load_config
 from coldsnap.payload import NativePack
 from coldsnap_vllm import compat
 from coldsnap_vllm.process import ProcessState
@@ -74,14 +73,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
     """vLLM's default loading, then the model's tensors moved into the ``weights`` region."""
 
     def __init__(self, load_config: Any):
-        extra = dict(load_config.model_loader_extra_config or {})
-        self.mode, self.pack = load_options(extra, OPTION)
+        self.mode, self.pack, inner = split_load_config(load_config, OPTION, "safetensors")
         self.weight_files: list[str] = []
-        # vLLM's default loading reads the checkpoint by load format: safetensors (the pinned model's
-        # files). A copy, so the shared config still says `coldsnap` to the next get_model_loader().
-        inner = copy.copy(load_config)
-        inner.load_format = "safetensors"
-        inner.model_loader_extra_config = {k: v for k, v in extra.items() if k not in OPTION_KEYS}
         super().__init__(inner)
 
     def _prepare_weights(self, *args: Any, **kwargs: Any) -> Any:

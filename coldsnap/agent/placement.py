@@ -24,7 +24,7 @@ from coldsnap.payload.errors import PackError
 
 __all__ = ["ALIGN", "MODES", "OPTION_KEYS", "PackDoesNotFit", "PlacedModel", "check_pack_fits", "layout_for", "load_options",
            "open_fitting_pack", "place_model_in_region", "placed_extents", "planned_extents", "fitting_pack",
-           "place_weights"]
+           "place_weights", "split_load_config"]
 
 ALIGN = 4096
 
@@ -130,6 +130,21 @@ def load_options(extra: dict[str, Any], option: str) -> tuple[str, Path | None]:
         raise ValueError(f"coldsnap mode 'native' needs {option} pack=<native pack written by coldsnap capture>; use "
                          "mode 'auto' to load through the engine when there is none")
     return mode, Path(pack) if pack else None
+
+
+def split_load_config(load_config: Any, option: str, load_format: Any) -> tuple[str, Path | None, Any]:
+    """``(mode, pack, inner)`` from an engine's load config for the ``coldsnap`` load format: coldsnap's
+    options, and a copy of the config for the engine's own default loading, with ``load_format`` (the
+    engine's safetensors format: the files a capture pins) and the extra config without coldsnap's keys.
+    A copy, so the shared config still names coldsnap to the engine's next loader lookup."""
+    import copy
+
+    extra = dict(load_config.model_loader_extra_config or {})
+    mode, pack = load_options(extra, option)
+    inner = copy.copy(load_config)
+    inner.load_format = load_format
+    inner.model_loader_extra_config = {k: v for k, v in extra.items() if k not in OPTION_KEYS}
+    return mode, pack, inner
 
 
 class PackDoesNotFit(ValueError):
