@@ -67,6 +67,16 @@ def vllm_venv(install: bool = True) -> Path:
     return venv
 
 
+def _tiny_llama(python: str, work: Path) -> Path:
+    """``work/tiny-llama`` (:mod:`coldsnap.workloads.tiny_llama`), built with ``python`` unless it is there."""
+    model = work / "tiny-llama"
+    if not (model / "model.safetensors").exists():
+        built = subprocess.run([python, "-m", "coldsnap.workloads.tiny_llama", str(model)], capture_output=True, text=True)
+        if built.returncode != 0:
+            raise RuntimeError(f"building the tiny model failed: {built.stderr.strip().splitlines()[-1:]}")
+    return model
+
+
 def engine_commands(engine: str, size: str, device: str, port: int, work: Path,
                     eager: bool = True, tp: int = 1) -> tuple[list[str], list[str], dict[str, str], str]:
     """(cold-start command, capture command, environment, model name) for ``engine`` on ``tp`` ranks."""
@@ -80,12 +90,7 @@ def engine_commands(engine: str, size: str, device: str, port: int, work: Path,
     if tp != 1:
         raise RuntimeError("the vLLM demo runs vLLM's CPU build on one rank")
     venv = vllm_venv()
-    model = work / "tiny-llama"
-    if not (model / "model.safetensors").exists():
-        built = subprocess.run([str(venv / "bin" / "python"), "-m", "coldsnap.workloads.tiny_llama", str(model)],
-                               capture_output=True, text=True)
-        if built.returncode != 0:
-            raise RuntimeError(f"building the tiny model failed: {built.stderr.strip().splitlines()[-1:]}")
+    model = _tiny_llama(str(venv / "bin" / "python"), work)
     command = [str(venv / "bin" / "vllm"), "serve", str(model), "--port", str(port), "--max-model-len", "256",
                *(["--enforce-eager"] if eager else [])]
     return command, [*command, "--load-format", "coldsnap"], dict(VLLM_ENV), str(model)
@@ -105,12 +110,7 @@ def sglang_commands(port: int, work: Path, tp: int = 1) -> tuple[list[str], list
         raise RuntimeError("the SGLang demo needs SGLang in this Python (pip install coldsnap[sglang]) and a GPU")
     if tp != 1:
         raise RuntimeError("the SGLang demo runs one rank (coldsnap's SGLang plugin is built for TP1)")
-    model = work / "tiny-llama"
-    if not (model / "model.safetensors").exists():
-        built = subprocess.run([sys.executable, "-m", "coldsnap.workloads.tiny_llama", str(model)], capture_output=True,
-                               text=True)
-        if built.returncode != 0:
-            raise RuntimeError(f"building the tiny model failed: {built.stderr.strip().splitlines()[-1:]}")
+    model = _tiny_llama(sys.executable, work)
     command = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model), "--port", str(port),
                *SGLANG_ARGS]
     return command, [*command, "--load-format", "coldsnap"], dict(SGLANG_ENV), str(model)

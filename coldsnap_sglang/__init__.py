@@ -51,7 +51,7 @@ def _hook(registry: Any, symbol: str, hook: Callable[..., Any], feature: str, ki
     if not compat.exists(symbol):
         compat.disabled(feature, f"SGLang has no {symbol}")
         return False
-    hook_type = getattr(compat.lookup("sglang.srt.plugins.hook_registry:HookType"), kind)
+    hook_type = getattr(compat.lookup(compat.HOOK_TYPE), kind)
     registry.register(compat.hook_target(symbol), hook, hook_type)
     return True
 
@@ -84,7 +84,7 @@ def _install() -> None:
     load_format = "--load-format coldsnap"
     if _hook(registry, compat.VERIFY_LOAD_FORMAT, _coldsnap_load_format, load_format):
         if compat.exists(compat.LOAD_FORMAT_CHOICES):
-            choices = compat.lookup("sglang.srt.server_args:LOAD_FORMAT_CHOICES")
+            choices = compat.lookup(compat.LOAD_FORMAT_CHOICE_LIST)
             if "coldsnap" not in choices:
                 compat.lookup(compat.LOAD_FORMAT_CHOICES)(["coldsnap"])
         else:

@@ -23,12 +23,14 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
 from __future__ import annotations
 
 import logging
+import re
 
-from coldsnap.plugin import exists, lookup, release
+from coldsnap.plugin import exists, lookup
 
 __all__ = ["SUPPORTED", "PROBED", "sglang_version", "supported", "probe", "lookup", "exists", "disabled",
            "VERIFY_LOAD_FORMAT", "LOAD_FORMAT_CHOICES", "DEFAULT_LOADER", "MEMORY_SAVER_CREATE", "ALLOC_MEMORY_POOL",
-           "INIT_CUDA_GRAPHS", "MODEL_RUNNER_MODULE", "hook_target"]
+           "INIT_CUDA_GRAPHS", "MODEL_RUNNER_MODULE", "LOAD_FORMAT_CHOICE_LIST", "HOOK_REGISTRY", "HOOK_TYPE",
+           "hook_target"]
 
 log = logging.getLogger("sglang.coldsnap")  # under SGLang's logger: the lines show in the engine's log
 
@@ -37,6 +39,7 @@ SUPPORTED = ((0, 5, 17), (0, 5, 24))
 
 VERIFY_LOAD_FORMAT = "sglang.srt.configs.load_config:LoadConfig._verify_load_format"
 LOAD_FORMAT_CHOICES = "sglang.srt.server_args:add_load_format_choices"
+LOAD_FORMAT_CHOICE_LIST = "sglang.srt.server_args:LOAD_FORMAT_CHOICES"
 DEFAULT_LOADER = "sglang.srt.model_loader.loader:DefaultModelLoader"
 MEMORY_SAVER_CREATE = "sglang.srt.utils.torch_memory_saver_adapter:TorchMemorySaverAdapter.create"
 MODEL_RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
@@ -44,9 +47,10 @@ ALLOC_MEMORY_POOL = f"{MODEL_RUNNER_MODULE}:ModelRunner.alloc_memory_pool"
 INIT_CUDA_GRAPHS = f"{MODEL_RUNNER_MODULE}:ModelRunner.init_cuda_graphs"
 
 HOOK_REGISTRY = "sglang.srt.plugins.hook_registry:HookRegistry"
+HOOK_TYPE = "sglang.srt.plugins.hook_registry:HookType"
 
-PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, DEFAULT_LOADER, MEMORY_SAVER_CREATE, ALLOC_MEMORY_POOL,
-          INIT_CUDA_GRAPHS, HOOK_REGISTRY)
+PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, LOAD_FORMAT_CHOICE_LIST, DEFAULT_LOADER, MEMORY_SAVER_CREATE,
+          ALLOC_MEMORY_POOL, INIT_CUDA_GRAPHS, HOOK_REGISTRY, HOOK_TYPE)
 
 
 def hook_target(symbol: str) -> str:
@@ -65,13 +69,9 @@ def sglang_version() -> str:
 
 
 def _patch_release(version: str) -> tuple[int, int, int] | None:
-    import re
-
-    match = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
-    if match is None:
-        minor = release(version)
-        return (*minor, 0) if minor else None
-    return int(match.group(1)), int(match.group(2)), int(match.group(3))
+    """(major, minor, patch) of a version string, patch 0 when it has none; None when it is not one."""
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+    return (int(match.group(1)), int(match.group(2)), int(match.group(3) or 0)) if match else None
 
 
 def supported(version: str) -> bool:

@@ -11,6 +11,7 @@ Used by both engine plugins; no engine import here: the functions take torch mod
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,7 +101,7 @@ def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:
                 placed.bytes += entry["nbytes"]
             typed = raw.view(tensor.dtype) if entry["nbytes"] % tensor.element_size() == 0 else raw
             moved = typed.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
-            tensor.data = moved  # the same Parameter object: vLLM's references stay valid
+            tensor.data = moved  # the same Parameter object: the engine's references stay valid
     return placed
 
 
@@ -137,8 +138,6 @@ def split_load_config(load_config: Any, option: str, load_format: Any) -> tuple[
     options, and a copy of the config for the engine's own default loading, with ``load_format`` (the
     engine's safetensors format: the files a capture pins) and the extra config without coldsnap's keys.
     A copy, so the shared config still names coldsnap to the engine's next loader lookup."""
-    import copy
-
     extra = dict(load_config.model_loader_extra_config or {})
     mode, pack = load_options(extra, option)
     inner = copy.copy(load_config)

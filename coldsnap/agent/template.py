@@ -29,6 +29,7 @@ import socket
 import sys
 from typing import Any, Callable
 
+from coldsnap.agent.protocol import address
 from coldsnap.contracts.base import ContractError, decode_document
 from coldsnap.contracts.placement import PLACEMENT_ABI, PlacementRecord, PlacementRefused, check_placement_abi
 
@@ -42,7 +43,7 @@ def _listen(control: str) -> socket.socket:
     if not control.startswith("@"):
         raise ValueError(f"--control must be an abstract socket name (@NAME), not {control!r}")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind("\0" + control[1:])
+    server.bind(address(control))
     server.listen(1)
     return server
 

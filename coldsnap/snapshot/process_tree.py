@@ -35,8 +35,6 @@ class ImageStateError(RuntimeError):
     """The host is not in a state the image can be restored into (pids taken, a file shrank...)."""
 
 
-
-
 def _process_stats() -> Iterator[tuple[int, list[bytes]]]:
     """Every process (threads excluded) with its :func:`~coldsnap.host.stat_fields`; processes that exit
     meanwhile are skipped."""

@@ -50,6 +50,9 @@ def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_pa
     done = run(f"""
         from sglang.srt.plugins import load_plugins
         load_plugins()  # what launch_server, every scheduler and the detokenizer do first
+        from coldsnap_sglang import compat
+        missing = [symbol for symbol, found in compat.probe().items() if not found]
+        assert not missing and compat.supported(compat.sglang_version()), (missing, compat.sglang_version())
         from sglang.srt.server_args import prepare_server_args
         args = prepare_server_args(["--model-path", "{model}", "--load-format", "coldsnap", "--device", "cpu"])
         assert args.load_format == "coldsnap", args.load_format
