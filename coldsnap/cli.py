@@ -18,7 +18,8 @@ from coldsnap import __version__
 from coldsnap.contracts.base import ContractError, decode_document, parse_strict_json
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.common import EngineName, SnapshotDriverName
-from coldsnap.contracts.profiles import ENGINE_ADAPTERS, SNAPSHOT_DRIVERS, resolve_request
+from coldsnap.contracts.placement import PRELOAD_ENV
+from coldsnap.contracts.profiles import ENGINE_ADAPTERS, resolve_request
 from coldsnap.contracts.request import OperationRequest
 
 # Contracts a command needs only for itself (capabilities, artifact and receipt validation, timing
@@ -265,6 +266,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
         "snapshot_driver": args.driver,
         "model": {"name": model or command[0], "revision": None},
         "units": [{"unit_id": "unit-0", "command": command, "serving_port": int(port),
+                   **({"env": {PRELOAD_ENV: args.preload}} if args.preload is not None else {}),
                    "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
         "artifact": str(Path(args.out).resolve()),
     }
@@ -281,6 +283,11 @@ def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
                     artifact=str(directory))
     if operation == "restore":
         captured["prepare_only"] = args.prepare_only
+        unit = (captured.get("units") or [{}])[0]
+        if args.port is not None:
+            unit["serving_port"] = args.port
+        if args.gpu is not None:
+            unit.setdefault("env", {})["CUDA_VISIBLE_DEVICES"] = args.gpu
     if operation == "warm" and args.ttl is not None:
         captured["standby_ttl_s"] = args.ttl
     if args.weights:
@@ -542,7 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=get_args(EngineName), help="engine adapter (default: from the command; "
                    f"implemented in this build: {', '.join(sorted(ENGINE_ADAPTERS))})")
     p.add_argument("--driver", choices=get_args(SnapshotDriverName), default="n610",
-                   help=f"snapshot driver (default n610; implemented in this build: {', '.join(SNAPSHOT_DRIVERS)})")
+                   help="snapshot driver: n610 (default) captures the initialized serving process, CUDA state "
+                   "included (NVIDIA driver 610+); n580 captures a template launcher stopped before the engine "
+                   "touches CUDA (driver 580+, portable across drivers and GPUs; the engine starts again, with "
+                   "the native pack hydrated at load time, on every restore)")
+    p.add_argument("--preload", metavar="MOD,MOD", help="--driver n580: the modules the template imports before "
+                   "its pre-CUDA boundary (default: the engine's server and model code, e.g. for torch-lm "
+                   f"{','.join(ENGINE_ADAPTERS['torch-lm'].template_preload)}); none may initialize CUDA or NVML")
     p.add_argument("--model", help="model name recorded in the artifact (default: from the command)")
     p.add_argument("--ranks", type=int, metavar="N",
                    help="tensor-parallel ranks, one worker each (default: the command's --tp / "
@@ -563,6 +576,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
+    p.add_argument("--port", type=int, metavar="P", help="n580: serve on port P (default: the captured port); an "
+                   "n610 image serves on its captured port only")
+    p.add_argument("--gpu", metavar="N", help="n580: the GPU(s) the engine sees (CUDA_VISIBLE_DEVICES: ordinals or "
+                   "UUIDs; default: the environment's)")
     _add_weights_flag(p)
     _add_state_dir_flag(p)
     _add_operation_flags(p)

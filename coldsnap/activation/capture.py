@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any, ContextManager, Literal
 
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref, sha256_file
-from coldsnap.activation.engine_process import (Canary, EngineProcess, LaunchError, ask_canary, wait_for_agent,
-                                                wait_for_http)
+from coldsnap.activation.engine_process import (Canary, EngineProcess, LaunchError, ServingTree, ask_canary,
+                                                wait_for_agent, wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
@@ -47,6 +47,7 @@ READY_TIMEOUT_S = 900.0
 
 
 def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
+    """Capture by the request's snapshot driver: n610 (this module's sequence) or n580 (:mod:`coldsnap.activation.n580`)."""
     request_ = context.request
     require_implemented_driver(request_.snapshot_driver)
     if len(request_.units) != 1:
@@ -56,6 +57,10 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
     artifact = ArtifactDir(Path(request_.artifact))
     if artifact.committed():
         raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
+    if request_.snapshot_driver == "n580":
+        from coldsnap.activation.n580 import TemplateCapture
+
+        return TemplateCapture(context, artifact, ready_timeout).run()
     return CaptureSequence(context, artifact, ready_timeout).run()
 
 
@@ -73,7 +78,7 @@ class CaptureSequence:
         self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
         self.ready_timeout = ready_timeout
         self.before: set[str] | None = None  # the output directory's entries before (None: it did not exist)
-        self.engine: EngineProcess | None = None
+        self.engine: ServingTree | None = None
         self.dumped = False
         self.controls: list[str] = []
         self.statuses: list[StatusReply] = []
@@ -201,7 +206,7 @@ class CaptureSequence:
 
     def dump(self) -> None:
         engine = self.engine
-        assert engine is not None
+        assert isinstance(engine, EngineProcess)
         rss_after_release = sum(p.rss_bytes for p in self.prepared)
         device_after_release = sum(p.device_bytes for p in self.prepared)
         with self.step("capture.criu_dump", "capture.criu_dump") as span:
@@ -241,20 +246,26 @@ class CaptureSequence:
         except OSError as exc:
             raise OperationFailed("capture.recovery", f"rank {rank}'s recovery safetensors: {exc}") from None
 
+    def activation_metadata(self) -> ActivationMetadata:
+        """The capsule's activation metadata: the tree, each rank's agent and memory, how it was dumped."""
+        engine, snapshotter = self.engine, self.snapshotter
+        assert engine is not None and snapshotter is not None
+        return ActivationMetadata(
+            control=engine.control, serving_port=self.port, root_pid=engine.pid,
+            workers=[WorkerActivation(rank=w.rank, control=c, pid=s.pid, layout=s.layout, layout_digest=p.layout_digest,
+                                      regions={tag: RegionRecord(**r.model_dump()) for tag, r in p.regions.items()},
+                                      graphs_released=p.graphs_released)
+                     for w, c, s, p in zip(self.workers, self.controls, self.statuses, self.prepared)],
+            criu_options=snapshotter.options.args(), criu_tcp=self.criu_tcp,
+            gpu_pids=self.gpu_pids, gpu_uuids=[d["uuid"] for d in self.gpus],
+        )
+
     def commit(self) -> None:
         """The capsule manifest, the resolved request, then the descriptor, written atomically last."""
         artifact, request_, engine, canary, snapshotter = self.artifact, self.request, self.engine, self.canary, self.snapshotter
         assert engine is not None and canary is not None and snapshotter is not None
         with self.step("capture.commit", "capture.commit"):
-            capsule = artifact.write_capsule(self.unit.unit_id, ActivationMetadata(
-                control=engine.control, serving_port=self.port, root_pid=engine.pid,
-                workers=[WorkerActivation(rank=w.rank, control=c, pid=s.pid, layout=s.layout, layout_digest=p.layout_digest,
-                                          regions={tag: RegionRecord(**r.model_dump()) for tag, r in p.regions.items()},
-                                          graphs_released=p.graphs_released)
-                         for w, c, s, p in zip(self.workers, self.controls, self.statuses, self.prepared)],
-                criu_options=snapshotter.options.args(), criu_tcp=self.criu_tcp,
-                gpu_pids=self.gpu_pids, gpu_uuids=[d["uuid"] for d in self.gpus],
-            ))
+            capsule = artifact.write_capsule(self.unit.unit_id, self.activation_metadata())
             worker_records = []
             for w, p in zip(self.workers, self.prepared):
                 if p.residual is None:

@@ -12,13 +12,13 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import CONTROL_ENV, StatusReply
 from coldsnap.snapshot.process_tree import kill_tree
 
-__all__ = ["EngineProcess", "LaunchError", "Canary", "ask_canary", "wait_for_agent", "new_control_name"]
+__all__ = ["EngineProcess", "ServingTree", "LaunchError", "Canary", "ask_canary", "wait_for_agent", "new_control_name"]
 
 
 class LaunchError(RuntimeError):
@@ -114,6 +114,22 @@ def wait_for_http(port: int, alive: Callable[[], bool], timeout: float) -> None:
         if time.monotonic() > deadline:
             raise LaunchError(f"port {port} did not answer /health within {timeout:.0f} s")
         time.sleep(0.1)
+
+
+class ServingTree(Protocol):
+    """The serving process tree as a sequence drives it: started here (:class:`EngineProcess`) or restored."""
+
+    control: str
+    """Rank 0's agent socket."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def log_tail(self, lines: int = 15) -> str: ...
 
 
 class EngineProcess:

@@ -58,7 +58,9 @@ def port_free(port: int) -> bool:
 
 
 def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> None:
-    """The snapshot driver's NVIDIA floor (always), the captured floor (unless relaxed), GPU model and CC."""
+    """The snapshot driver's NVIDIA floor (always), the captured floor (unless relaxed); for n610, whose
+    image holds CUDA state, also the GPU model, compute capability and the checkpoint API (an n580
+    template holds none: any GPU the engine runs on will do)."""
     captured = descriptor.platform
     driver = nvidia_kernel_driver()
     probe = probe_cuda()  # one probe: devices and the checkpoint API
@@ -70,6 +72,8 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
     if context.request.policy.compatibility.enforce_captured_driver_floor and major < (captured.nvidia_driver_floor or 0):
         raise OperationFailed("admission.driver_floor", f"captured on NVIDIA driver {captured.nvidia_driver}, this host "
                               f"has {driver} (set compatibility.enforce_captured_driver_floor=false to allow)")
+    if descriptor.snapshot_driver == "n580":
+        return
     device = devices[0]
     if (device["name"], device["compute_capability"]) != (captured.gpu_model, captured.compute_capability):
         raise OperationFailed("admission.gpu", f"captured on {captured.gpu_model} (cc {captured.compute_capability}), "
@@ -156,7 +160,7 @@ def admit(context: OperationContext,
     with timer.span(f"{op}.admission.payload") as span:
         sources = weight_sources(context, artifact, unit.workers, span)
     with timer.span(f"{op}.admission.port"):
-        port = capsule.metadata.serving_port
+        port = serving_port(context, capsule)
         if not port_free(port):
             from coldsnap.activation.standby import live_standby
 
@@ -169,6 +173,18 @@ def admit(context: OperationContext,
 
 
 WeightSource = Literal["native", "recovery"]
+
+
+def serving_port(context: OperationContext, capsule: CapsuleManifest) -> int:
+    """Where the restored server will listen: an n580 template is placed on the request's serving port;
+    an n610 image listens where it was captured (a request for another port is refused)."""
+    requested, captured = context.request.units[0].serving_port, capsule.metadata.serving_port
+    if capsule.metadata.template is not None:
+        return requested or captured
+    if requested not in (None, captured):
+        raise OperationFailed("admission.placement", f"an n610 image serves on its captured port {captured}; "
+                              f"restoring it on port {requested} is not built (n580 templates take any port)")
+    return captured
 
 
 def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: list[WorkerRecord],
@@ -234,9 +250,18 @@ class _Unusable(Exception):
 def restore(context: OperationContext) -> OperationOutcome:
     artifact = ArtifactDir(Path(context.request.artifact))
     descriptor, capsule, sources = admit(context, artifact)
+    placement = None
+    if descriptor.snapshot_driver == "n580":  # what the template will be handed, checked before anything starts
+        from coldsnap.activation.engine_process import new_control_name
+        from coldsnap.activation.n580 import TemplateRestore, template_placement
+
+        with context.timer.span("restore.admission.placement"):
+            placement = template_placement(context, artifact, descriptor, capsule, sources, new_control_name())
     if context.request.prepare_only:
         context.progress("admission passed; --prepare-only: nothing started")
         return OperationOutcome(artifact=str(artifact.root))
+    if placement is not None:
+        return TemplateRestore(context, artifact, descriptor, capsule, sources, placement).run()
     return RestoreSequence(context, artifact, descriptor, capsule, sources).run()
 
 
@@ -260,6 +285,7 @@ class RestoreSequence:
         self.unit = descriptor.units[0]
         self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
         self.metadata = capsule.metadata
+        self.serving_port = capsule.metadata.serving_port
         self.records = {record.rank: record for record in self.metadata.workers}
         self.sources = sources  # rank → where admission found its weights
         self.stagers: dict[int, WeightStager] = {}
@@ -303,7 +329,7 @@ class RestoreSequence:
             raise
         warnings = [f"prefetch failed: {e}" for e in self.prefetch_errors]
         self.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {self.restored_pid}, port "
-                              f"{self.metadata.serving_port}{'' if self.op == 'warm' else ', canary matched'}")
+                              f"{self.serving_port}{'' if self.op == 'warm' else ', canary matched'}")
         return OperationOutcome(artifact=str(self.artifact.root), warnings=warnings)
 
     def pack(self, ref: FileRef | None) -> Path | None:
@@ -432,7 +458,7 @@ class RestoreSequence:
         tokens = quick_tokens or len(record.token_ids) or 16
         with self.step(f"{self.op}.canary", "restore.canary") as span:
             # HTTP errors are OSErrors: the restored server did not answer right
-            canary = ask_canary(self.metadata.serving_port, record.prompt, tokens, prompt_argmax=quick)
+            canary = ask_canary(self.serving_port, record.prompt, tokens, prompt_argmax=quick)
             span["tokens"] = len(canary.token_ids)
             span["checked"] = (f"prompt argmax at {len(record.prompt_argmax or [])} positions + {tokens} tokens" if quick
                                else f"{tokens} tokens and the text")

@@ -3,9 +3,11 @@ rank's agent, and the lease that ties a restored tree to its launcher until the 
 
 from __future__ import annotations
 
+import json
 import socket
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
+from coldsnap.contracts.placement import PlacementRecord, PlacementRefused
 from coldsnap.agent.protocol import (
     MAX_FDS_PER_MESSAGE,
     AgentFailure,
@@ -28,7 +30,7 @@ from coldsnap.agent.protocol import (
     rank_control,
 )
 
-__all__ = ["AgentClient", "AgentError", "Lease", "rank_control"]
+__all__ = ["AgentClient", "AgentError", "Lease", "TemplateClient", "rank_control"]
 
 R = TypeVar("R", StatusReply, PrepareReply, ResumeReply, StandbyReply)
 OnProgress = Callable[[str, int, int], None]
@@ -135,3 +137,31 @@ class Lease:
         for connection in self._connections:
             connection.close()
         self._connections = []
+
+
+class TemplateClient:
+    """The launcher's side of an n580 template (:mod:`coldsnap.agent.template`): one JSON line per
+    connection. OSError when none answers at ``control``; ValueError for an answer that is not a template's."""
+
+    def __init__(self, control: str, timeout: float = 30.0):
+        self.control, self.timeout = control, timeout
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+            client.settimeout(self.timeout)
+            client.connect(address(self.control))
+            client.sendall(json.dumps(request).encode() + b"\n")
+            answer = json.loads(client.makefile("rb").readline() or b"null")
+        if not isinstance(answer, dict):
+            raise ValueError(f"the template at {self.control} answered {answer!r}")
+        return answer
+
+    def status(self) -> dict[str, Any]:
+        """``{"state": "boundary", "abi": ..., "pid": ..., "preloaded": [...]}``."""
+        return self._ask({"op": "status"})
+
+    def place(self, placement: PlacementRecord) -> None:
+        """Hand it its placement; :class:`PlacementRefused` when it refuses (it then keeps waiting)."""
+        answer = self._ask({"op": "place", "placement": placement.to_json_value()})
+        if answer.get("ok") is not True:
+            raise PlacementRefused(f"the template refused the placement: {answer.get('error', answer)}")

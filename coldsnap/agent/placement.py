@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coldsnap.contracts.layout import MemoryLayout
+from coldsnap.contracts.placement import NATIVE_PACK_ENV, WEIGHTS_MODE_ENV
 from coldsnap.memory import StableRegion, reserve
 from coldsnap.hydrate import hydrate_pack
 from coldsnap.payload import NativePack, verify_file
@@ -120,11 +122,13 @@ OPTION_KEYS = ("mode", "pack")
 def load_options(extra: dict[str, Any], option: str) -> tuple[str, Path | None]:
     """``mode`` and ``pack`` from the load format's extra config (``option`` names the engine's flag in
     messages): ``auto`` (default) and ``cache-only-auto`` use the pack when it fits the model, else load
-    through the engine; ``native`` requires a fitting pack; ``recovery`` always loads through the engine."""
-    mode = extra.get("mode", "auto")
+    through the engine; ``native`` requires a fitting pack; ``recovery`` always loads through the engine.
+    Where the config names neither, an n580 restore's placement does (``COLDSNAP_WEIGHTS_MODE``,
+    ``COLDSNAP_NATIVE_PACK``): the template's engine hydrates the capture's pack at load time."""
+    mode = extra.get("mode", os.environ.get(WEIGHTS_MODE_ENV) or "auto")
     if mode not in MODES:
         raise ValueError(f"{option} mode must be one of {', '.join(MODES)}, not {mode!r}")
-    pack = extra.get("pack")
+    pack = extra.get("pack", os.environ.get(NATIVE_PACK_ENV) or None)
     if pack is not None and not isinstance(pack, str):
         raise ValueError(f"{option} pack must be a path to a native pack, not {pack!r}")
     if mode == "native" and not pack:

@@ -15,7 +15,8 @@ and the imports paid, no CUDA, NVML or distributed socket. On the socket, one JS
   (another ABI, a malformed record) gets ``{"ok": false, "error": ...}`` and the template keeps waiting.
 
 Restored by CRIU, the process is the same one, blocked in ``accept``: the restore connects to the same
-socket name and places it. Placement ABI: :mod:`coldsnap.contracts.placement`.
+socket name and places it (:class:`coldsnap.agent.client.TemplateClient`). Placement ABI:
+:mod:`coldsnap.contracts.placement`.
 """
 
 from __future__ import annotations

@@ -69,6 +69,8 @@ class SnapshotDriverCapability(Contract):
     """What a capture with this driver holds."""
     default_graph_policy: Literal["retain", "recreate"]
     """Graph policy when a request omits it."""
+    operations: list[OperationName]
+    """The operations it runs (a subset of the build's)."""
 
 
 class Capabilities(Contract):
@@ -113,6 +115,7 @@ def build_capabilities(version: str) -> Capabilities:
                 minimum_nvidia_driver=p.minimum_nvidia_driver,
                 boundary=p.boundary,
                 default_graph_policy=p.default_graph_mode,
+                operations=list(p.operations),
             )
             for p in SNAPSHOT_DRIVERS.values()
         ],

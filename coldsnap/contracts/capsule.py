@@ -4,7 +4,7 @@
 descriptor's digest of it. ``files`` lists every image with its size and SHA-256 (restore admission
 checks them before CRIU runs); ``metadata`` is what the launcher needs to bring the tree back and
 talk to it: each rank's agent socket and memory regions, how CRIU dumped it, which processes hold
-CUDA state on which GPUs.
+CUDA state on which GPUs — or, for an n580 capsule, the template it places.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pydantic import Field
 from coldsnap.contracts.artifact import RelativePath
 from coldsnap.contracts.base import Contract, Identifier, Sha256Hex
 
-__all__ = ["CAPSULE_FORMAT", "ActivationMetadata", "CapsuleFile", "CapsuleManifest", "RegionRecord", "WorkerActivation"]
+__all__ = ["CAPSULE_FORMAT", "ActivationMetadata", "CapsuleFile", "CapsuleManifest", "RegionRecord", "TemplateRecord",
+           "WorkerActivation"]
 
 CAPSULE_FORMAT: Final = 1
 
@@ -70,6 +71,21 @@ class WorkerActivation(Contract):
     """CUDA graphs the agent dropped before the snapshot (recaptured at resume)."""
 
 
+class TemplateRecord(Contract):
+    """An n580 capsule's process: the template launcher stopped before the engine started."""
+
+    control: str = Field(min_length=1)
+    """The template's socket (``@name``), restored with it: where the restore sends the placement."""
+    placement_abi: int = Field(ge=1)
+    """The placement ABI the template speaks (:mod:`coldsnap.contracts.placement`)."""
+    preload: list[str]
+    """The modules it imported before the boundary."""
+    command: list[str] = Field(min_length=1)
+    """The engine's command it runs once placed."""
+    nvidia_driver: str | None
+    """The capture host's NVIDIA driver (an ABI-1 template is held to its generation)."""
+
+
 class ActivationMetadata(Contract):
     """What the launcher needs to activate the unit's images."""
 
@@ -89,6 +105,9 @@ class ActivationMetadata(Contract):
     """Processes of the tree that held CUDA state (CUDA-restored after CRIU); empty on CPU."""
     gpu_uuids: list[str]
     """The capture host's GPU UUIDs by ordinal, remapped onto this host's at restore."""
+    template: TemplateRecord | None = None
+    """n580: the image is this template, not the serving process (``workers`` then describe the
+    capture's run of the engine, from which its packs were written)."""
 
 
 class CapsuleManifest(Contract):

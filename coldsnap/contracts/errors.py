@@ -26,6 +26,11 @@ ERROR_CODES: dict[str, str] = {
     "capture.canary": "the engine did not answer the canary prompt",
     "capture.prepare": "a rank's agent could not drain, release its graphs and memory, tear down NCCL or write its packs",
     "capture.driver_floor": "the NVIDIA driver is below the snapshot driver's floor",
+    "capture.template": "n580: the template launcher exited or did not reach its pre-CUDA boundary (a preloaded "
+                        "module failed to import?)",
+    "capture.template_nvidia": "n580: the template holds NVIDIA userspace-driver state (a preloaded module "
+                               "initialized CUDA or NVML): its image would be tied to this driver",
+    "capture.template_restore": "n580: the template's image could not be restored or placed at capture",
     "capture.cuda_checkpoint": "the CUDA checkpoint of a GPU process failed (the tree was unlocked again)",
     "capture.criu_dump": "CRIU could not dump the process tree",
     "capture.residual": "a rank wrote no residual pack",
@@ -47,10 +52,15 @@ ERROR_CODES: dict[str, str] = {
                          "source may stand in: weights.mode native, or none recorded or verified)",
     "admission.recovery": "weights.mode recovery, and a pinned safetensors file is not recorded, missing or changed",
     "admission.port": "the serving port is taken",
+    "admission.placement": "the placement cannot be given: the template speaks another placement ABI (or an ABI-1 "
+                           "template under another NVIDIA driver), a malformed placement value, or another port "
+                           "for an n610 image",
     # Restore: each failure kills what was restored and leaves the artifact as it was
     "restore.state_dir": "the runtime state directory cannot be created (choose one with --state-dir)",
     "restore.criu": "CRIU could not restore the process tree",
     "restore.lease": "the restored agents did not take the launcher's lease",
+    "restore.place": "n580: the restored template refused the placement or did not answer",
+    "restore.engine_start": "n580: the placed engine exited or its agent / HTTP server did not answer in time",
     "restore.cuda": "the CUDA restore of a GPU process failed",
     "restore.resume": "a rank's agent could not map and fill its memory, rebuild NCCL or recapture its graphs",
     "restore.canary": "the restored server did not answer the canary, or answered other tokens than at capture",

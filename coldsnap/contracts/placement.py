@@ -18,10 +18,20 @@ from pydantic import Field
 
 from coldsnap.contracts.base import Contract
 
-__all__ = ["PLACEMENT_ABI", "PlacementRecord", "PlacementRefused", "check_placement_abi"]
+__all__ = ["NATIVE_PACK_ENV", "PLACEMENT_ABI", "PRELOAD_ENV", "PlacementRecord", "PlacementRefused", "WEIGHTS_MODE_ENV",
+           "check_placement_abi"]
 
 PLACEMENT_ABI = 2
 """The placement ABI this build's templates speak."""
+
+NATIVE_PACK_ENV = "COLDSNAP_NATIVE_PACK"
+"""Placement env: the native pack the engine's load format hydrates its weights from at load time."""
+WEIGHTS_MODE_ENV = "COLDSNAP_WEIGHTS_MODE"
+"""Placement env: the load format's mode (``native``, ``auto``, ``recovery``) when its own config names none."""
+
+PRELOAD_ENV = "COLDSNAP_TEMPLATE_PRELOAD"
+"""A capture unit's env: the modules its n580 template imports (comma-separated), instead of the engine
+adapter's list (:data:`coldsnap.contracts.profiles.ENGINE_ADAPTERS`)."""
 
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 

@@ -3,8 +3,8 @@
 One registry answers both questions a manager asks: what ``coldsnap capabilities`` advertises, and
 what a request may name. A request naming anything else is refused at resolution with the code
 ``request.unsupported``. The contract types (:mod:`coldsnap.contracts.common`) keep the seeds' whole
-vocabulary — the n580 driver, SGLang, sleep/wake/status, ``async`` and ``required`` materialization
-— so such a request decodes and is refused by name rather than failing as a parse error.
+vocabulary — sleep/status, ``async`` and ``required`` materialization, ``cache-only-auto`` —
+so such a request decodes and is refused by name rather than failing as a parse error.
 
 Each driver owns its defaults; a request's omitted policy fields are resolved from them before the
 request is validated as a whole and hashed (the seeds' operator contract).
@@ -70,6 +70,11 @@ class SnapshotDriverProfile:
     """``retain`` when graph executables survive in the image, else ``recreate``."""
     default_weights_mode: WeightsMode
     """Weight source when a request omits it."""
+    operations: tuple[OperationName, ...]
+    """The operations it runs (n580 has no warm boundary: the engine starts only once placed)."""
+    enforce_captured_driver_floor: bool
+    """Whether a restore also needs the capture host's NVIDIA driver when the request omits it: an n610
+    image holds that driver's CUDA state; an n580 template holds none (it is portable across drivers ≥ 580)."""
 
 
 @dataclass(frozen=True)
@@ -81,27 +86,44 @@ class EngineAdapter:
     """The Python package inside the serving image that integrates the engine."""
     native_materialization: tuple[NativeMaterialization, ...]
     """Native materialization modes this build runs, default first."""
+    template_preload: tuple[str, ...]
+    """What an n580 template imports before its pre-CUDA boundary (nothing that touches a GPU or NVML)."""
 
 
-# n580 (the pre-CUDA template) joins when its capture/restore sequence is built; until then it is a
-# contract name only (accepting it used to run n610's sequence under a 580 floor).
 SNAPSHOT_DRIVERS: dict[str, SnapshotDriverProfile] = {
+    "n580": SnapshotDriverProfile(
+        name="n580",
+        minimum_nvidia_driver=580,
+        boundary="pre-CUDA template: the launcher with the engine's modules imported, placed at restore",
+        default_graph_mode="recreate",  # the engine's own startup captures them again
+        default_weights_mode="auto",
+        operations=("capture", "restore"),
+        enforce_captured_driver_floor=False,
+    ),
     "n610": SnapshotDriverProfile(
         name="n610",
         minimum_nvidia_driver=610,
         boundary="initialized CUDA process state (CUDA checkpoint driver API)",
         default_graph_mode="retain",
         default_weights_mode="auto",
+        operations=("capture", "restore", "warm", "wake"),
+        enforce_captured_driver_floor=True,
     ),
 }
 
 # Materialization (a recovery restore also writing a native pack) is `off` everywhere: no restore path
 # writes a pack, whatever the request says.
+# A template preloads what the engine's startup imports first (its server, engine arguments and model
+# executor); a unit's COLDSNAP_TEMPLATE_PRELOAD env replaces the list.
 ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
-    "vllm": EngineAdapter(name="vllm", python_package="coldsnap_vllm", native_materialization=("off",)),
-    "sglang": EngineAdapter(name="sglang", python_package="coldsnap_sglang", native_materialization=("off",)),
+    "vllm": EngineAdapter(name="vllm", python_package="coldsnap_vllm", native_materialization=("off",),
+                          template_preload=("vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
+                                            "vllm.model_executor.models.llama")),
+    "sglang": EngineAdapter(name="sglang", python_package="coldsnap_sglang", native_materialization=("off",),
+                            template_preload=("sglang.launch_server", "sglang.srt.entrypoints.http_server")),
     "torch-lm": EngineAdapter(name="torch-lm", python_package="coldsnap.workloads.torch_lm",
-                              native_materialization=("off",)),
+                              native_materialization=("off",),
+                              template_preload=("torch", "coldsnap.workloads.torch_lm.serve")),
 }
 
 # The operations `coldsnap capture`, `restore`, `warm` and `wake` run, with what repeating a request does:
@@ -148,8 +170,12 @@ def unsupported_problems(request: OperationRequest) -> list[str]:
     adapter = ENGINE_ADAPTERS.get(request.engine)
     if adapter is None:
         problems.append(_not_implemented("engine", request.engine, sorted(ENGINE_ADAPTERS)))
-    if request.snapshot_driver not in SNAPSHOT_DRIVERS:
+    driver = SNAPSHOT_DRIVERS.get(request.snapshot_driver)
+    if driver is None:
         problems.append(_not_implemented("snapshot_driver", request.snapshot_driver, SNAPSHOT_DRIVERS))
+    elif request.operation in OPERATIONS and request.operation not in driver.operations:
+        problems.append(_not_implemented("operation", request.operation, driver.operations,
+                                          f"snapshot driver {driver.name}"))
     weights_mode = request.policy.weights.mode
     if weights_mode is not None and weights_mode not in WEIGHTS_MODES:
         problems.append(_not_implemented("policy.weights.mode", weights_mode, WEIGHTS_MODES))
@@ -182,7 +208,7 @@ def resolve_request(request: OperationRequest) -> OperationRequest:
         kv=KvPolicy(mode=given.kv.mode or "discard"),
         compatibility=CompatibilityPolicy(
             enforce_captured_driver_floor=(
-                True
+                profile.enforce_captured_driver_floor
                 if given.compatibility.enforce_captured_driver_floor is None
                 else given.compatibility.enforce_captured_driver_floor
             ),

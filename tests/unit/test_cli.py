@@ -21,7 +21,8 @@ def test_capabilities_is_json_naming_formats_and_drivers():
     assert caps["protocol"]["artifact_formats"] == [9]
     assert caps["protocol"]["receipt_format"] == 2
     assert caps["protocol"]["timing_event_format"] == 1
-    assert [d["name"] for d in caps["snapshot_drivers"]] == ["n610"]
+    assert {d["name"]: (d["minimum_nvidia_driver"], d["operations"]) for d in caps["snapshot_drivers"]} == {
+        "n580": (580, ["capture", "restore"]), "n610": (610, ["capture", "restore", "warm", "wake"])}
     assert caps["operations"] == {"capture": "conflicts-with-existing-output", "restore": "replacement-oriented",
                                   "warm": "convergent", "wake": "replacement-oriented"}
     assert {e["name"]: e["native_materialization"] for e in caps["engines"]} == {"vllm": ["off"], "sglang": ["off"],
@@ -109,7 +110,7 @@ def test_capture_request_has_one_worker_per_rank(command, ranks):
 
     from coldsnap.cli import _capture_request
 
-    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None,
+    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None,
                               operation_id="op", driver="n610")
     workers = _capture_request(args)["units"][0]["workers"]
     assert [(w["rank"], w["device_slot"], w["worker_id"]) for w in workers] == [(r, r, f"worker-{r}") for r in range(ranks)]
@@ -134,35 +135,34 @@ def test_capture_request_names_the_served_model(command, model):
 
     from coldsnap.cli import _capture_request
 
-    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None,
+    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None,
                               operation_id="op", driver="n610")
     request = _capture_request(args)
     assert request["model"]["name"] == model and request["engine"] == "vllm"
 
 
-N580_REFUSED = "snapshot_driver: n580 is not implemented in this build (implemented: n610)"
+N580_WARM_REFUSED = "operation: warm is not implemented in snapshot driver n580 (implemented: capture, restore)"
 
 
-def test_a_snapshot_driver_this_build_cannot_run_is_refused_before_anything_starts(tmp_path):
-    # n580 is a contract name without a sequence yet; accepting it ran n610's sequence under a 580 floor.
-    out = tmp_path / "artifact"
-    capture = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--driver", "n580", "--out", str(out),
-                              "--receipt-json", "-", "--", sys.executable, "-c", "import time; time.sleep(60)",
-                              "--port", "1"], capture_output=True, text=True, timeout=60)
-    receipt = json.loads(capture.stdout)
-    assert capture.returncode == 1 and receipt["error"] == {"code": "request.unsupported", "message": N580_REFUSED}
-    assert not out.exists()
+def test_an_operation_the_snapshot_driver_does_not_run_is_refused_before_anything_starts(tmp_path):
+    # n580 has no warm boundary (seeds): the engine starts only once the template is placed.
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(make_request(operation="warm", snapshot_driver="n580", artifact=str(tmp_path / "a"))))
+    warm = subprocess.run([sys.executable, "-m", "coldsnap", "warm", "--request-json", str(path), "--receipt-json", "-"],
+                          capture_output=True, text=True, timeout=60)
+    receipt = json.loads(warm.stdout)
+    assert warm.returncode == 1 and receipt["error"] == {"code": "request.unsupported", "message": N580_WARM_REFUSED}
+    assert not (tmp_path / "a").exists()
 
 
-@pytest.mark.parametrize("flags, line", [
-    (["--driver", "n580"], f"coldsnap capture [vllm/n580]: failed: request.unsupported: {N580_REFUSED}"),
-    (["--engine", "sglang", "--driver", "n580"], f"coldsnap capture [sglang/n580]: failed: request.unsupported: "
-                                                 f"{N580_REFUSED}"),
-])
-def test_friendly_flags_naming_what_is_not_built_get_one_line_and_no_traceback(tmp_path, flags, line):
-    result = coldsnap("capture", *flags, "--out", str(tmp_path / "a"), "--", "vllm", "serve", "m", "--port", "1")
+def test_friendly_flags_naming_what_is_not_built_get_one_line_and_no_traceback(tmp_path):
+    artifact = tmp_path / "a"
+    artifact.mkdir()
+    (artifact / "request.json").write_text(json.dumps(make_request(snapshot_driver="n580", artifact=str(artifact))))
+    result = coldsnap("warm", str(artifact))
     assert result.returncode == 1 and result.stdout == b""
-    assert result.stderr.decode().splitlines() == [line]
+    assert result.stderr.decode().splitlines() == [
+        f"coldsnap warm [vllm/n580]: failed: request.unsupported: {N580_WARM_REFUSED}"]
 
 
 def test_validate_request_names_what_this_build_does_not_implement(tmp_path):
@@ -171,5 +171,4 @@ def test_validate_request_names_what_this_build_does_not_implement(tmp_path):
     result = coldsnap("validate", "request", str(path))
     assert result.returncode == 2 and result.stdout == b""
     assert result.stderr.decode().splitlines() == [
-        f"{path}: operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)",
-        f"{path}: {N580_REFUSED}"]
+        f"{path}: operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)"]

@@ -42,7 +42,7 @@ def test_valid_request_decodes_and_resolves(request_document):
 
 # What the contract can name but this build does not implement: refused by name, not as a parse error.
 UNSUPPORTED = [
-    ({"snapshot_driver": "n580"}, "snapshot_driver: n580 is not implemented in this build (implemented: n610)"),
+    ({"operation": "warm", "snapshot_driver": "n580"}, "operation: warm is not implemented in snapshot driver n580 (implemented: capture, restore)"),
     ({"operation": "sleep"}, "operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)"),
     ({"operation": "status"}, "operation: status is not implemented in this build (implemented: capture, restore, warm, wake)"),
     ({"policy": {"weights": {"native_materialization": "async"}}},
@@ -70,8 +70,7 @@ def test_every_unsupported_field_is_named():
                             policy={"weights": {"native_materialization": "async"}})
     with pytest.raises(UnsupportedRequest) as caught:
         resolve_request(_decode_request(document))
-    assert [p.split(":")[0] for p in caught.value.problems] == ["operation", "snapshot_driver",
-                                                                "policy.weights.native_materialization"]
+    assert [p.split(":")[0] for p in caught.value.problems] == ["operation", "policy.weights.native_materialization"]
 
 
 def test_explicit_off_materialization_is_accepted_for_every_engine():
@@ -175,7 +174,7 @@ def test_capabilities_name_formats_and_features():
 def test_capabilities_list_exactly_what_this_build_implements():
     caps = build_capabilities("0.1.0").to_json_value()
     assert [(d["name"], d["minimum_nvidia_driver"], d["default_graph_policy"]) for d in caps["snapshot_drivers"]] == [
-        ("n610", 610, "retain")]
+        ("n580", 580, "recreate"), ("n610", 610, "retain")]
     assert {e["name"]: (e["python_package"], e["native_materialization"], e["default_native_materialization"])
             for e in caps["engines"]} == {"vllm": ("coldsnap_vllm", ["off"], "off"),
                                           "sglang": ("coldsnap_sglang", ["off"], "off"),
@@ -186,9 +185,10 @@ def test_capabilities_list_exactly_what_this_build_implements():
 
 def test_everything_capabilities_lists_is_accepted():
     caps = build_capabilities("0.1.0").to_json_value()
-    for operation in caps["operations"]:
-        for engine in caps["engines"]:
-            for driver in caps["snapshot_drivers"]:
+    for driver in caps["snapshot_drivers"]:
+        assert set(driver["operations"]) <= set(caps["operations"])
+        for operation in driver["operations"]:
+            for engine in caps["engines"]:
                 for mode in engine["native_materialization"]:
                     document = make_request(operation=operation, engine=engine["name"], snapshot_driver=driver["name"],
                                             policy={"weights": {"native_materialization": mode}})

@@ -97,7 +97,7 @@ def test_bad_request_exits_2_without_receipt():
 
 
 @pytest.mark.parametrize("overrides, problem", [
-    ({"snapshot_driver": "n580"}, "snapshot_driver: n580 is not implemented in this build (implemented: n610)"),
+    ({"operation": "warm", "snapshot_driver": "n580"}, "operation: warm is not implemented in snapshot driver n580 (implemented: capture, restore)"),
     ({"operation": "sleep"}, "operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)"),
     ({"policy": {"weights": {"native_materialization": "required"}}},
      "policy.weights.native_materialization: required is not implemented in this build for vllm (implemented: off)"),
@@ -119,7 +119,7 @@ def test_unsupported_request_gets_a_failed_receipt_and_runs_nothing(overrides, p
 
 def test_unsupported_request_receipt_path_is_bound_like_any_other(tmp_path):
     path = tmp_path / "receipt.json"
-    refused = make_request(snapshot_driver="n580")
+    refused = make_request(operation="warm", snapshot_driver="n580")
     assert _run(refused, _succeed, str(path))[0] == EXIT_FAILED
     assert _run(refused, _succeed, str(path))[0] == EXIT_FAILED  # the same request again: the same path is fine
     status, _, err = _run(make_request(operation_id="op-2"), _succeed, str(path))
@@ -229,9 +229,9 @@ def test_driver_floor_refuses_or_warns_only_with_the_host_owners_override(monkey
 def test_driver_checks_refuse_a_snapshot_driver_this_build_does_not_implement():
     from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 
-    for check in (lambda: require_implemented_driver("n580"),
-                  lambda: check_driver_floor(None, "n580", "999.1", "admission.driver_floor")):
+    for check in (lambda: require_implemented_driver("n999"),
+                  lambda: check_driver_floor(None, "n999", "999.1", "admission.driver_floor")):
         with pytest.raises(OperationFailed) as caught:
             check()
         assert (caught.value.code, caught.value.message) == (
-            "request.unsupported", "snapshot_driver: n580 is not implemented in this build (implemented: n610)")
+            "request.unsupported", "snapshot_driver: n999 is not implemented in this build (implemented: n580, n610)")

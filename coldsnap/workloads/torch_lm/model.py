@@ -118,7 +118,7 @@ class TorchLM:
 
     def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None, cuda_graphs: bool = True,
                  rank: int = 0, world: int = 1, communicator: Any = None, followers: list[socket.socket] | None = None,
-                 weights_file: Path | None = None):
+                 weights_file: Path | None = None, native_pack: Path | None = None):
         self.size = size
         self.shape = SIZES[size]
         check_world(self.shape, world)
@@ -158,7 +158,15 @@ class TorchLM:
         self.kv.map(kv_bytes)
         self.params = {t["name"]: self.weights.tensor(self.dtype, t["shape"], t["offset"]) for t in tensors}
         self.cache = self.kv.tensor(self.dtype, self.kv_dims(), 0)
-        if weights_file is None:
+        if native_pack is not None:  # an n580 restore: the capture's pack, hydrated at load time
+            from coldsnap.agent.placement import open_fitting_pack
+            from coldsnap.hydrate import hydrate_pack
+
+            open_fitting_pack(native_pack, {(t["offset"], t["length"]) for t in tensors})
+            stats = hydrate_pack(native_pack, {"weights": self.weights})
+            sys.stderr.write(f"torch_lm: {stats.bytes} bytes of weights hydrated from {native_pack.name} "
+                             f"at {stats.gb_per_s:.2f} GB/s\n")
+        elif weights_file is None:
             self.initialize_weights()
         else:  # by name into the region, as a recovery restore replays them
             from coldsnap.hydrate.replay import replay_safetensors

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
 import time
@@ -13,6 +14,7 @@ from typing import BinaryIO
 
 import torch
 
+from coldsnap.contracts.placement import NATIVE_PACK_ENV, WEIGHTS_MODE_ENV
 from coldsnap.workloads.torch_lm.model import TorchLM, decode, encode
 
 __all__ = ["serve"]
@@ -119,9 +121,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             unique_id = bytes.fromhex(_read_line(readers[0], "the communicator id").decode())
         communicator = collectives.connect("tp", backend, unique_id)
     weights_file = Path(args.weights).resolve() / "model.safetensors" if args.weights else None
+    # An n580 restore's placement names the capture's native pack (single rank: the pack is rank 0's).
+    pack = os.environ.get(NATIVE_PACK_ENV) if os.environ.get(WEIGHTS_MODE_ENV) != "recovery" and world == 1 else None
     model = TorchLM(args.size, device, args.seed, args.max_seq, cuda_graphs=not args.no_cuda_graphs,
                     rank=rank, world=world, communicator=communicator, followers=channels if rank == 0 else None,
-                    weights_file=weights_file)
+                    weights_file=weights_file, native_pack=Path(pack) if pack else None)
     if args.write_safetensors:
         print(model.write_safetensors(Path(args.write_safetensors)))
         return 0

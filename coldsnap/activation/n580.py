@@ -1,0 +1,327 @@
+"""Snapshot driver n580: a pre-CUDA template, captured once, placed and started on every restore.
+
+The image is not the serving process but its launcher stopped before the engine starts
+(:mod:`coldsnap.agent.template`): Python up, the engine's modules imported, no CUDA, NVML or
+distributed socket. It holds nothing of the NVIDIA driver, so it restores under any driver ≥ 580 and
+onto any GPU; it saves the interpreter's start and the imports, not the engine's initialization (CUDA
+context, weight load, graph capture), which runs again on every restore — with the weights hydrated
+from the capture's native pack at load time (the load format reads the placement's
+``COLDSNAP_NATIVE_PACK``) instead of parsed from safetensors.
+
+Capture (:class:`TemplateCapture`): launch the command under the template → the template at its
+boundary → no NVIDIA userspace-driver state in the tree (``capture.template_nvidia``) → CRIU dump →
+the image restored and placed once, here (proves it restores and places, and runs the engine the
+capsule will run) → agent + HTTP ready → canary recorded → the agent writes the native pack →
+killed → commit. Restore (:class:`TemplateRestore`): admission without the CUDA-state checks plus
+the placement ABI (``admission.placement``) → CRIU restore → placement (serving port, the unit's
+environment, the pack) → the engine's agent (lease) and HTTP → canary. Graphs: the engine's own
+startup captures them (graph policy ``recreate``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
+from coldsnap.activation.capture import CaptureSequence
+from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
+from coldsnap.activation.qualification import check_driver_floor
+from coldsnap.activation.restore import RestoreSequence, WeightSource, serving_port
+from coldsnap.agent.client import Lease, TemplateClient
+from coldsnap.agent.protocol import CONTROL_ENV, rank_control
+from coldsnap.contracts.artifact import ArtifactDescriptor
+from coldsnap.contracts.capsule import ActivationMetadata, CapsuleManifest, TemplateRecord
+from coldsnap.contracts.placement import (NATIVE_PACK_ENV, PLACEMENT_ABI, PRELOAD_ENV, WEIGHTS_MODE_ENV,
+                                          PlacementRecord, PlacementRefused, check_placement_abi)
+from coldsnap.contracts.profiles import ENGINE_ADAPTERS
+from coldsnap.host import nvidia_kernel_driver
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.cuda_checkpoint import cuda_devices, gpu_processes
+from coldsnap.snapshot.nvidia_mappings import nvidia_userspace_state
+from coldsnap.host import stat_fields
+from coldsnap.snapshot.process_tree import kill_tree, tree_pids
+
+__all__ = ["TemplateCapture", "TemplateRestore", "template_placement"]
+
+BOUNDARY_TIMEOUT_S = 300.0
+
+
+def interpreter_of(command: list[str]) -> str:
+    """The Python that runs ``command``: its first word when that is a Python, else the interpreter in the
+    console script's ``#!`` line; the template must be started by it to find the engine's modules.
+    This process's own Python when neither tells."""
+    program = shutil.which(command[0]) or command[0]
+    if os.path.basename(program).startswith("python"):
+        return program
+    try:
+        with open(program, "rb") as script:
+            first = script.readline(512).decode(errors="replace")
+    except OSError:
+        return sys.executable
+    words = first[2:].split() if first.startswith("#!") else []
+    if words and os.path.basename(words[0]) == "env" and len(words) > 1:  # #!/usr/bin/env python3
+        words = [shutil.which(words[1]) or words[1]]
+    return words[0] if words and os.path.basename(words[0]).startswith("python") else sys.executable
+
+
+class RestoredTree:
+    """A tree CRIU restored (not this process's child): the engine's process as the sequences use it."""
+
+    def __init__(self, pid: int, control: str, log_path: Path):
+        self.pid, self.control, self.log_path = pid, control, log_path
+
+    def alive(self) -> bool:
+        try:
+            return stat_fields(self.pid)[0] not in (b"Z", b"X")
+        except OSError:
+            return False
+
+    def kill(self) -> None:
+        kill_tree(self.pid)
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def _restore_template(artifact: ArtifactDir, unit_id: str, agent_control: str, state_dir: Path) -> RestoredTree:
+    """CRIU restores the unit's template detached; its log continues in ``state_dir``'s copy."""
+    result = CriuSnapshotter(options=SnapshotOptions(tcp="none")).restore(artifact.images(unit_id), state_dir,
+                                                                          artifact.root)
+    return RestoredTree(result.pid, agent_control, state_dir / artifact.relative(artifact.log_path(unit_id)))
+
+
+class TemplateCapture(CaptureSequence):
+    """n580's capture: :class:`CaptureSequence`'s readiness, canary, prepare and commit, run on the engine
+    the restored template started; the dump is of the template, before any of that."""
+
+    def __init__(self, context: OperationContext, artifact: ArtifactDir, ready_timeout: float):
+        super().__init__(context, artifact, ready_timeout)
+        if len(self.workers) != 1:
+            raise OperationFailed("capture.topology", "n580 captures one rank in this build (its pack is placed "
+                                  "through one environment); capture tensor-parallel engines with n610")
+        self.template_control = new_control_name().replace("agent", "template")
+        given = self.unit.env.get(PRELOAD_ENV)
+        self.preload = ([m for m in given.split(",") if m] if given is not None
+                        else list(ENGINE_ADAPTERS[self.request.engine].template_preload))
+        self.template_pid = 0
+        self.command: list[str] = []
+        self.capture_state: Path | None = None  # the capture's own restore of the template writes here
+
+    def run(self) -> OperationOutcome:
+        try:
+            self.launch()
+            self.wait_for_boundary()
+            self.check_no_nvidia_state()
+            self.dump()
+            self.start_from_image()
+            self.wait_until_ready()
+            self.record_canary()
+            self.prepare_ranks()
+            self.note_gpus()
+            self.commit()
+        except BaseException:
+            self.unwind()
+            self._remove_capture_state()
+            raise
+        if self.engine is not None:
+            self.engine.kill()  # the template's engine served the capture; the capsule is the template
+            self.keep_engine_log()
+        self._remove_capture_state()
+        self.context.progress(f"committed {self.artifact.descriptor_path}")
+        return OperationOutcome(artifact=str(self.artifact.root))
+
+    def launch(self) -> None:
+        """The unit's command under the template launcher."""
+        self.command = list(self.unit.command)
+        launcher = [interpreter_of(self.command), "-m", "coldsnap.agent.template", "--control", self.template_control,
+                    "--preload", ",".join(self.preload), "--", *self.command]
+        self.before = self.artifact.entries() if self.artifact.root.exists() else None
+        with self.step("capture.launch", "capture.launch") as span:
+            self.artifact.root.mkdir(parents=True, exist_ok=True)
+            self.artifact.clear_uncommitted([self.unit.unit_id])
+            self.engine = EngineProcess(launcher, self.artifact.log_path(self.unit.unit_id), dict(self.unit.env))
+            self.template_pid = span["pid"] = self.engine.pid
+        self.context.progress(f"started the template of {self.command[0]} (pid {self.engine.pid}), importing "
+                              f"{', '.join(self.preload) or 'nothing'}")
+
+    def wait_for_boundary(self) -> None:
+        engine = self.engine
+        assert engine is not None
+        with self.step("capture.template", "capture.template") as span:
+            deadline = time.monotonic() + min(self.ready_timeout, BOUNDARY_TIMEOUT_S)
+            while True:
+                try:
+                    status = TemplateClient(self.template_control).status()
+                    break
+                except (OSError, ValueError):
+                    if not engine.alive():
+                        raise OperationFailed("capture.template", "the template exited before its boundary (an "
+                                              f"import failed?){self._last_log_line()}") from None
+                    if time.monotonic() > deadline:
+                        raise OperationFailed("capture.template", "the template did not reach its boundary within "
+                                              f"{BOUNDARY_TIMEOUT_S:.0f} s{self._last_log_line()}") from None
+                    time.sleep(0.05)
+            if status.get("abi") != PLACEMENT_ABI or status.get("state") != "boundary":
+                raise OperationFailed("capture.template", f"the template answered {status}")
+            span["preloaded"] = ",".join(self.preload)
+
+    def check_no_nvidia_state(self) -> None:
+        """Placement ABI 2: the image must not hold the capture host's NVIDIA userspace driver."""
+        assert self.engine is not None
+        with self.step("capture.template_nvidia", "capture.template_nvidia") as span:
+            pids = tree_pids(self.engine.pid)
+            found = nvidia_userspace_state(pids)
+            span["processes"] = len(pids)
+            if found:
+                raise OperationFailed("capture.template_nvidia", f"the template holds NVIDIA driver state ({len(found)}: "
+                                      f"{'; '.join(found[:3])}): a module in --preload / {PRELOAD_ENV} initialized "
+                                      "CUDA or NVML at import; preload less")
+
+    def dump(self) -> None:
+        engine = self.engine
+        assert isinstance(engine, EngineProcess)
+        with self.step("capture.criu_dump", "capture.criu_dump") as span:
+            self.snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp="none"))  # no TCP socket before the engine
+            result = self.snapshotter.dump(engine.pid, self.artifact.images(self.unit.unit_id), owned_root=self.artifact.root)
+            self.dumped = True
+            engine.process.wait(timeout=30)  # reaped: its restore reuses the pid
+            span["image_bytes"] = result.image_bytes
+        self.context.progress(f"dumped the template ({len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB)")
+
+    def start_from_image(self) -> None:
+        """The template restored from the capsule's own image and placed as the capture host's engine."""
+        assert self.engine is not None
+        control = self.engine.control
+        with self.step("capture.template_restore", "capture.template_restore") as span:
+            state_root().mkdir(parents=True, exist_ok=True, mode=0o700)
+            self.capture_state = Path(tempfile.mkdtemp(prefix="capture-", dir=state_root()))
+            self.engine = _restore_template(self.artifact, self.unit.unit_id, control, self.capture_state)
+            span["pid"] = self.engine.pid
+            TemplateClient(self.template_control).place(PlacementRecord(abi=PLACEMENT_ABI))
+        self.context.progress(f"template restored and placed; {self.command[0]} starting")
+
+    def _remove_capture_state(self) -> None:
+        if self.capture_state is not None:
+            shutil.rmtree(self.capture_state, ignore_errors=True)
+
+    def keep_engine_log(self) -> None:
+        """The engine's startup, logged into the state directory's copy of the log, appended to the
+        artifact's (a restore copies only the bytes the template had written, whatever follows)."""
+        if not isinstance(self.engine, RestoredTree):
+            return
+        captured = self.artifact.log_path(self.unit.unit_id)
+        try:
+            with open(self.engine.log_path, "rb") as source, open(captured, "ab") as target:
+                source.seek(target.tell())
+                while block := source.read(1 << 20):
+                    target.write(block)
+        except OSError as exc:
+            self.context.warn(f"the engine's capture log stays in {self.engine.log_path}: {exc}")
+
+    def note_gpus(self) -> None:
+        """The GPUs the capture's engine used (for the descriptor's platform record; the image holds none)."""
+        assert self.engine is not None
+        if gpu_processes(tree_pids(self.engine.pid)):
+            self.gpus = cuda_devices()
+            check_driver_floor(self.context, "n580", nvidia_kernel_driver() or "0", "capture.driver_floor")
+
+    def activation_metadata(self) -> ActivationMetadata:
+        metadata = super().activation_metadata()
+        return metadata.model_copy(update={
+            "root_pid": self.template_pid, "gpu_pids": [], "criu_tcp": "none",
+            "template": TemplateRecord(control=self.template_control, placement_abi=PLACEMENT_ABI, preload=self.preload,
+                                       command=self.command, nvidia_driver=nvidia_kernel_driver()),
+        })
+
+
+def template_placement(context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
+                       capsule: CapsuleManifest, sources: dict[int, WeightSource], agent_control: str) -> PlacementRecord:
+    """What this restore hands the template, checked against its placement ABI (``admission.placement``):
+    the request's serving port and environment (``CUDA_VISIBLE_DEVICES`` there selects the GPU), a fresh
+    agent socket, and the native pack the engine hydrates at load time (none for a recovery restore: the
+    engine loads its safetensors itself)."""
+    template = capsule.metadata.template
+    if template is None:
+        raise OperationFailed("admission.capsule", "an n580 artifact whose capsule records no template")
+    unit, worker = context.request.units[0], descriptor.units[0].workers[0]
+    env = {**unit.env, CONTROL_ENV: agent_control}
+    if sources[worker.rank] == "native" and worker.payload is not None:
+        env.update({NATIVE_PACK_ENV: str(artifact.root / worker.payload.path), WEIGHTS_MODE_ENV: "native"})
+    else:
+        env[WEIGHTS_MODE_ENV] = "recovery"
+    env.pop(PRELOAD_ENV, None)
+    try:
+        record = PlacementRecord(abi=PLACEMENT_ABI, serving_port=serving_port(context, capsule),
+                                 visible_devices=env.pop("CUDA_VISIBLE_DEVICES", None), env=env)
+        check_placement_abi(template.placement_abi, record, template.nvidia_driver, nvidia_kernel_driver())
+    except (ValueError, PlacementRefused) as exc:  # (a pydantic ValidationError is a ValueError)
+        raise OperationFailed("admission.placement", str(exc)) from None
+    return record
+
+
+class TemplateRestore(RestoreSequence):
+    """n580's restore: the template restored by CRIU, placed, and the engine's own startup proven by the canary."""
+
+    def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
+                 capsule: CapsuleManifest, sources: dict[int, WeightSource], placement: PlacementRecord):
+        super().__init__(context, artifact, descriptor, capsule, sources)
+        self.placement = placement
+        self.agent_control = placement.env[CONTROL_ENV]
+        assert placement.serving_port is not None
+        self.serving_port = placement.serving_port
+        assert capsule.metadata.template is not None
+        self.template = capsule.metadata.template
+        self.tree: RestoredTree | None = None
+
+    def run(self) -> OperationOutcome:
+        return self._run(self.restore_tree, self.place, self.wait_for_engine, self.check_canary)
+
+    def restore_tree(self) -> None:
+        with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
+            try:
+                state_dir = self.artifact.state_dir()
+            except OSError as exc:
+                raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: "
+                                      f"{exc} (choose one with --state-dir or {STATE_DIR_ENV})") from None
+            span["state_dir"] = str(state_dir)
+            self.tree = _restore_template(self.artifact, self.unit.unit_id, self.agent_control, state_dir)
+            self.restored_pid = span["pid"] = self.tree.pid
+        self.context.progress(f"template restored (pid {self.tree.pid})")
+
+    def place(self) -> None:
+        with self.step(f"{self.op}.place", "restore.place") as span:
+            try:
+                TemplateClient(self.template.control).place(self.placement)
+            except ValueError as exc:  # refused, or not a template's answer
+                raise OperationFailed("restore.place", str(exc)) from None
+            span["serving_port"] = self.serving_port
+            if self.placement.visible_devices is not None:
+                span["visible_devices"] = self.placement.visible_devices
+        self.context.progress(f"placed on port {self.serving_port}"
+                              + (f", GPU {self.placement.visible_devices}" if self.placement.visible_devices else "")
+                              + f"; {self.template.command[0]} starting")
+
+    def wait_for_engine(self) -> None:
+        """The engine's startup: its agent answers (the lease binds the tree to this launcher from then
+        on), then its HTTP server."""
+        tree = self.tree
+        assert tree is not None
+        timeout = float(os.environ.get("COLDSNAP_READY_TIMEOUT_S", "900"))
+        with self.step(f"{self.op}.engine_start", "restore.engine_start") as span:
+            try:
+                status = wait_for_agent(self.agent_control, tree.alive, timeout)
+                self.lease = Lease([rank_control(self.agent_control, rank) for rank in range(status.world_size)])
+                wait_for_http(self.serving_port, tree.alive, timeout)
+            except LaunchError as exc:
+                tail = tree.log_tail(1)
+                raise OperationFailed("restore.engine_start", f"{exc}{f' | engine log: {tail}' if tail else ''}") from None
+            span["ranks"] = status.world_size
