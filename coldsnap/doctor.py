@@ -53,7 +53,7 @@ def collect_report() -> dict[str, Any]:
             problems.append("no NVIDIA driver")
         elif driver_major < profile.minimum_nvidia_driver:
             problems.append(f"NVIDIA driver {driver} < {profile.minimum_nvidia_driver}")
-        if not cuda.get("checkpoint_api"):
+        if profile.cuda_checkpoint and not cuda.get("checkpoint_api"):
             problems.append("no CUDA checkpoint API")
         if not (criu["version_ok"] and criu["check_ok"]):
             problems.append("CRIU not usable")

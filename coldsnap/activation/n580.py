@@ -206,7 +206,7 @@ class TemplateCapture(CaptureSequence):
             self.capture_state = Path(tempfile.mkdtemp(prefix="capture-", dir=state_root()))
             self.engine = _restore_template(self.artifact, self.unit.unit_id, control, self.capture_state)
             span["pid"] = self.engine.pid
-            TemplateClient(self.template_control).place(PlacementRecord(abi=PLACEMENT_ABI))
+            TemplateClient(self.template_control).place(PlacementRecord(abi=PLACEMENT_ABI).to_json_value())
         self.context.progress(f"template restored and placed; {self.command[0]} starting")
 
     def _remove_capture_state(self) -> None:
@@ -300,7 +300,7 @@ class TemplateRestore(RestoreSequence):
     def place(self) -> None:
         with self.step(f"{self.op}.place", "restore.place") as span:
             try:
-                TemplateClient(self.template.control).place(self.placement)
+                TemplateClient(self.template.control).place(self.placement.to_json_value())
             except ValueError as exc:  # refused, or not a template's answer
                 raise OperationFailed("restore.place", str(exc)) from None
             span["serving_port"] = self.serving_port

@@ -7,7 +7,6 @@ import json
 import socket
 from typing import Any, Callable, Sequence, TypeVar
 
-from coldsnap.contracts.placement import PlacementRecord, PlacementRefused
 from coldsnap.agent.protocol import (
     MAX_FDS_PER_MESSAGE,
     AgentFailure,
@@ -30,7 +29,7 @@ from coldsnap.agent.protocol import (
     rank_control,
 )
 
-__all__ = ["AgentClient", "AgentError", "Lease", "TemplateClient", "rank_control"]
+__all__ = ["AgentClient", "AgentError", "Lease", "TemplateClient", "TemplateRefused", "rank_control"]
 
 R = TypeVar("R", StatusReply, PrepareReply, ResumeReply, StandbyReply)
 OnProgress = Callable[[str, int, int], None]
@@ -160,8 +159,13 @@ class TemplateClient:
         """``{"state": "boundary", "abi": ..., "pid": ..., "preloaded": [...]}``."""
         return self._ask({"op": "status"})
 
-    def place(self, placement: PlacementRecord) -> None:
-        """Hand it its placement; :class:`PlacementRefused` when it refuses (it then keeps waiting)."""
-        answer = self._ask({"op": "place", "placement": placement.to_json_value()})
+    def place(self, placement: dict[str, Any]) -> None:
+        """Hand it its placement (a :class:`coldsnap.contracts.placement.PlacementRecord`'s JSON value);
+        :class:`TemplateRefused` when it refuses (it then keeps waiting)."""
+        answer = self._ask({"op": "place", "placement": placement})
         if answer.get("ok") is not True:
-            raise PlacementRefused(f"the template refused the placement: {answer.get('error', answer)}")
+            raise TemplateRefused(f"the template refused the placement: {answer.get('error', answer)}")
+
+
+class TemplateRefused(ValueError):
+    """A template refused its placement (another placement ABI, a malformed record)."""

@@ -70,6 +70,8 @@ class SnapshotDriverProfile:
     """``retain`` when graph executables survive in the image, else ``recreate``."""
     default_weights_mode: WeightsMode
     """Weight source when a request omits it."""
+    cuda_checkpoint: bool
+    """Whether it moves CUDA state with the CUDA checkpoint driver API (a host must have it)."""
     operations: tuple[OperationName, ...]
     """The operations it runs (n580 has no warm boundary: the engine starts only once placed)."""
     enforce_captured_driver_floor: bool
@@ -97,6 +99,7 @@ SNAPSHOT_DRIVERS: dict[str, SnapshotDriverProfile] = {
         boundary="pre-CUDA template: the launcher with the engine's modules imported, placed at restore",
         default_graph_mode="recreate",  # the engine's own startup captures them again
         default_weights_mode="auto",
+        cuda_checkpoint=False,
         operations=("capture", "restore"),
         enforce_captured_driver_floor=False,
     ),
@@ -106,6 +109,7 @@ SNAPSHOT_DRIVERS: dict[str, SnapshotDriverProfile] = {
         boundary="initialized CUDA process state (CUDA checkpoint driver API)",
         default_graph_mode="retain",
         default_weights_mode="auto",
+        cuda_checkpoint=True,
         operations=("capture", "restore", "warm", "wake"),
         enforce_captured_driver_floor=True,
     ),

@@ -43,6 +43,7 @@ def test_doctor_reports_driver_gpus_and_the_implemented_snapshot_drivers():
     assert report["nvidia_driver"] and int(report["nvidia_driver"].split(".")[0]) >= 580
     assert report["cuda"]["available"] and report["cuda"]["checkpoint_api"]
     assert report["criu"]["check_ok"], report["criu"]
-    # Only the drivers this build implements (n580 is not built); on a driver below 610, the floor is n610's only problem.
-    assert set(report["snapshot_drivers"]) == {"n610"}
+    # On a driver below 610, the floor is n610's only problem; n580 (driver 580+, no CUDA state moved) is usable.
+    assert set(report["snapshot_drivers"]) == {"n580", "n610"}
+    assert report["snapshot_drivers"]["n580"] == {"usable": True, "problems": []}
     assert all(p.startswith("NVIDIA driver ") for p in report["snapshot_drivers"]["n610"]["problems"]), report

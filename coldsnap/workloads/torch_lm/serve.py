@@ -150,7 +150,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     attach(ModelMemory(model.layout, regions), serving_lock=model.lock, port=args.port if rank == 0 else None,
            hooks=hooks, rank=rank, world=world, collectives=collectives)  # starts the agent under coldsnap only
     where = f"{args.host}:{args.port}" if rank == 0 else "rank 0's channel"
-    sys.stderr.write(f"torch_lm: {args.size} rank {rank}/{world} on {device} ready on {where} "
+    gpu = f" (GPU-{torch.cuda.get_device_properties(model.device).uuid})" if model.device.type == "cuda" else ""
+    sys.stderr.write(f"torch_lm: {args.size} rank {rank}/{world} on {device}{gpu} ready on {where} "
                      f"in {time.perf_counter() - started:.2f} s\n")
     sys.stderr.flush()
     if server is None:

@@ -1,0 +1,86 @@
+"""Snapshot driver n580 on a real GPU: the reference workload's pre-CUDA template captured, restored on
+another port (and, with two GPUs, onto the other GPU), serving the cold start's greedy tokens with no
+unqualified-driver warning on a 580 driver; a template whose preload initializes CUDA is refused."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coldsnap.activation.engine_process import ask_canary
+from coldsnap.demo import CHECK_PROMPT, cold_start
+from coldsnap.snapshot.process_tree import kill_tree
+
+pytestmark = pytest.mark.gpu
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _workload(port: int) -> list[str]:
+    return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
+
+
+def _coldsnap(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
+    done = subprocess.run([sys.executable, "-m", "coldsnap", *args, "--receipt-json", "-"], capture_output=True,
+                          text=True, timeout=600, env=env)
+    return done, json.loads(done.stdout) if done.stdout.strip() else {}
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    work = tmp_path_factory.mktemp("n580")
+    port = _free_port()
+    _, tokens = cold_start(_workload(port), port)
+    done, receipt = _coldsnap("capture", "--driver", "n580", "--out", str(work / "artifact"), "--", *_workload(port))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert receipt["snapshot_driver"] == "n580" and receipt["warnings"] == [], receipt  # qualified on 580+
+    return work / "artifact", tokens
+
+
+@pytest.mark.parametrize("gpu", ["0", "1"])
+def test_an_n580_capture_restores_on_another_port_and_gpu_with_the_cold_starts_tokens(captured, gpu):
+    artifact, tokens = captured
+    if int(gpu) >= _gpu_count():
+        pytest.skip(f"GPU {gpu}: this host has {_gpu_count()} GPU(s) (the x2 host runs it)")
+    port = _free_port()
+    done, receipt = _coldsnap("restore", str(artifact), "--port", str(port), "--gpu", gpu)
+    root = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
+    try:
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert receipt["state"] == "succeeded" and receipt["warnings"] == [], receipt
+        place = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.place")
+        assert place["attributes"] == {"serving_port": port, "visible_devices": gpu}
+        assert ask_canary(port, CHECK_PROMPT, 8).token_ids == tokens
+        # The restored engine runs on the GPU it was placed on (it logs the device's UUID).
+        uuid = subprocess.run([sys.executable, "-c", f"import torch; print(torch.cuda.get_device_properties({gpu}).uuid)"],
+                              capture_output=True, text=True, timeout=120).stdout.strip()
+        restored = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.criu_restore")
+        log = (Path(restored["attributes"]["state_dir"]) / "logs" / "unit-0.log").read_text()
+        assert f"(GPU-{uuid})" in log.splitlines()[-1] or f"(GPU-{uuid})" in log, log[-2000:]
+    finally:
+        kill_tree(root)
+
+
+def test_a_template_that_initializes_cuda_at_import_is_refused(tmp_path):
+    (tmp_path / "cuda_at_import.py").write_text("import torch\ntorch.cuda.init()\n")
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    done, receipt = _coldsnap("capture", "--driver", "n580", "--preload", "torch,cuda_at_import",
+                              "--out", str(tmp_path / "artifact"), "--", *_workload(port), env=env)
+    assert done.returncode == 1 and receipt["error"]["code"] == "capture.template_nvidia", done.stderr[-2000:]
+    assert "libcuda" in receipt["error"]["message"] or "/dev/nvidia" in receipt["error"]["message"]
+    assert not (tmp_path / "artifact" / "artifact.json").exists() and not Path(tmp_path / "artifact" / "units").exists()
