@@ -9,9 +9,10 @@ vLLM's CPU build (cold start with vLLM's own loader; the capture with ``--load-f
 Cold start: process start → first token. Restore: the `coldsnap restore` process's exec → the canary's match
 (the first validated token), with its phases on the wall clock and what follows (receipt, process exit).
 With ``--standby``: `coldsnap warm` parks a standby, then the `coldsnap wake` process's exec → the canary's
-match, with its phases, as a row of its own. With ``--n580``: the same command also captured with the
-n580 snapshot driver (the pre-CUDA template), and its `coldsnap restore` timed the same way beside n610's
-(``--n580-gpu N``: onto GPU N, ``--gpu N`` of the restore).
+match, with its phases, as a row of its own. With ``--n580 ABI[:PRELOAD]`` (repeatable): the same command
+also captured with the n580 snapshot driver (the pre-CUDA template of that placement ABI, importing
+PRELOAD — default: the engine adapter's list), and its `coldsnap restore` timed the same way beside
+n610's (``--n580-gpu N``: onto GPU N, ``--gpu N`` of the restore).
 Both are measured with the page cache warm (repeated) and, when caches can be dropped (root), cold.
 Writes JSON (every run with its phases), prints a table, and draws a phase chart when matplotlib is
 installed. Needs root (CRIU) and torch.
@@ -83,26 +84,34 @@ def standby_once(request: dict, work: Path, index: int) -> tuple[float, float, d
     return warm_s, timeline.pop("exec → canary matched"), timeline
 
 
-def capture_n580(request: dict, work: Path) -> dict[str, Any]:
-    """The n610 capture's request again, with the n580 driver, into ``work/artifact-n580``: its request,
-    capture seconds and phases, template image bytes and any receipt warnings."""
-    n580 = {**request, "snapshot_driver": "n580", "operation_id": "bench-capture-n580",
-            "artifact": str(work / "artifact-n580")}
-    path = work / "capture-n580.json"
+def capture_n580(request: dict, work: Path, variant: str) -> dict[str, Any]:
+    """The n610 capture's request again, with the n580 driver and ``variant`` (``ABI[:PRELOAD]``), into
+    ``work/artifact-n580-<i>``: its label, request, capture seconds and phases, template image bytes and
+    its receipt's warnings."""
+    abi, _, preload = variant.partition(":")
+    env = {**request["units"][0].get("env", {}), "COLDSNAP_PLACEMENT_ABI": abi}
+    if ":" in variant:
+        env["COLDSNAP_TEMPLATE_PRELOAD"] = preload
+    name = f"n580-abi{abi}" + (f"-{len(preload.split(',')) if preload else 0}mod" if ":" in variant else "")
+    label = f"restore n580 ABI {abi} (preload {preload or 'nothing'})" if ":" in variant else f"restore n580 ABI {abi}"
+    n580 = {**request, "snapshot_driver": "n580", "operation_id": f"bench-capture-{name}",
+            "artifact": str(work / f"artifact-{name}"), "units": [{**request["units"][0], "env": env}]}
+    path = work / f"capture-{name}.json"
     path.write_text(json.dumps(n580))
-    receipt_path = work / "capture-n580-receipt.json"
+    receipt_path = work / f"capture-{name}-receipt.json"
     receipt_path.unlink(missing_ok=True)
     started = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--request-json", str(path),
                            "--receipt-json", str(receipt_path)], capture_output=True)
     if done.returncode != 0:
-        raise RuntimeError(f"n580 capture failed: {done.stderr.decode().strip().splitlines()[-1:]}")
+        raise RuntimeError(f"n580 capture {variant} failed: {done.stderr.decode().strip().splitlines()[-1:]}")
     receipt = json.loads(receipt_path.read_text())
     images = Path(n580["artifact"]) / "units"
-    return {"request": {**n580, "operation": "restore"}, "capture_s": round(time.perf_counter() - started, 3),
-            "phases": {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in receipt["timing"]["spans"]},
-            "image_bytes": sum(p.stat().st_size for p in images.rglob("*") if p.is_file()),
-            "warnings": receipt.get("warnings", [])}
+    return {"label": label, "variant": variant, "request": {**n580, "operation": "restore"},
+            "capture_s": round(time.perf_counter() - started, 3),
+            "capture_phases_s": {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in receipt["timing"]["spans"]},
+            "template_image_bytes": sum(p.stat().st_size for p in images.rglob("*") if p.is_file()),
+            "capture_warnings": receipt.get("warnings", [])}
 
 
 def receipt_timeline(receipt: dict, exec_ns: int, exit_ns: int) -> dict[str, float]:
@@ -210,8 +219,10 @@ def main(engine: str = "torch-lm") -> int:
     parser.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     parser.add_argument("--repeat", type=int, default=3, help="warm runs of each (default 3)")
     parser.add_argument("--standby", action="store_true", help="also warm a standby and time its wake, --repeat times")
-    parser.add_argument("--n580", action="store_true", help="also capture with the n580 snapshot driver (pre-CUDA "
-                        "template) and time its restores beside n610's")
+    parser.add_argument("--n580", action="append", default=[], metavar="ABI[:PRELOAD]",
+                        help="also capture with the n580 snapshot driver, a template of placement ABI 1 or 2 importing "
+                        "PRELOAD (comma-separated; default the engine's list), and time its restores beside n610's "
+                        "(repeatable)")
     parser.add_argument("--n580-gpu", metavar="N", help="restore the n580 capture onto GPU N (its --gpu)")
     parser.add_argument("--out", default="restore_latency.json")
     parser.add_argument("--png", help="draw the phase chart here (needs matplotlib)")
@@ -232,16 +243,16 @@ def main(engine: str = "torch-lm") -> int:
     command, _, env, _ = engine_commands(args.engine, args.size, args.device, port, work, eager, args.tp)
     # The demo's own restore ran inside this process; every restore below is a `coldsnap restore` process.
     runs = [{"kind": "cold start", "cache": "warm", "seconds": demo["cold_start_to_first_token_s"]}]
-    n580 = capture_n580(request, work) if args.n580 else None
+    n580 = [capture_n580(request, work, variant) for variant in args.n580]
     n580_extra = ("--gpu", args.n580_gpu) if args.n580_gpu is not None else ()
     for index in range(args.repeat):
         if index:
             runs.append({"kind": "cold start", "cache": "warm", "seconds": round(cold_start(command, port, env=env)[0], 3)})
         seconds, phases = restore_once(request, work, index)
         runs.append({"kind": "restore", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
-        if n580 is not None:
-            seconds, phases = restore_once(n580["request"], work, 100 + index, n580_extra)
-            runs.append({"kind": "restore n580", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
+        for number, variant in enumerate(n580):
+            seconds, phases = restore_once(variant["request"], work, 100 * (number + 1) + index, n580_extra)
+            runs.append({"kind": variant["label"], "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
     for index in range(args.repeat if args.standby else 0):
         warm_s, seconds, phases = standby_once(request, work, index)
         runs.append({"kind": "warm (to standby)", "cache": "warm", "seconds": round(warm_s, 3)})
@@ -253,11 +264,12 @@ def main(engine: str = "torch-lm") -> int:
         runs.append({"kind": "restore", "cache": "cold", "seconds": round(seconds, 3), "phases": phases})
 
     last = next((r for r in reversed(runs) if r.get("phases") and r["kind"] == "restore" and r["cache"] == "warm"), None)
-    phase_medians, wake_medians, n580_medians = (
-        medians([r["phases"] for r in runs if r["kind"] == kind and r["cache"] == "warm"])
-        for kind in ("restore", "wake", "restore n580"))
+    phase_medians, wake_medians = (medians([r["phases"] for r in runs if r["kind"] == kind and r["cache"] == "warm"])
+                                   for kind in ("restore", "wake"))
+    for variant in n580:
+        variant["phase_medians_warm"] = medians([r["phases"] for r in runs if r["kind"] == variant["label"]])
     summary = {}
-    for kind in ("cold start", "restore", "restore n580", "warm (to standby)", "wake"):
+    for kind in ("cold start", "restore", *(v["label"] for v in n580), "warm (to standby)", "wake"):
         for cache in ("warm", "cold"):
             values = [r["seconds"] for r in runs if r["kind"] == kind and r["cache"] == cache]
             if values:
@@ -271,27 +283,28 @@ def main(engine: str = "torch-lm") -> int:
                 "wake_measured": "the coldsnap wake process from its exec to the canary's match, the standby parked "
                                  "by coldsnap warm before (warm: its process's exec → exit)" if args.standby else None,
                 "wake_phase_medians_warm": wake_medians,
-                "n580": None if n580 is None else {
-                    "measured": "the coldsnap restore process of the n580 capture (template restored by CRIU, placed, "
-                                "the engine's startup with the native pack hydrated at load time) from its exec to "
-                                "the canary's match", "gpu": args.n580_gpu, "phase_medians_warm": n580_medians,
-                    "capture_s": n580["capture_s"], "capture_phases_s": n580["phases"],
-                    "template_image_bytes": n580["image_bytes"], "qualification_warnings": n580["warnings"]},
+                "n580_measured": "each n580 capture's coldsnap restore process (its template restored by CRIU, placed, "
+                                 "the engine's startup with the native pack hydrated at load time) from its exec to the "
+                                 "canary's match" if n580 else None,
+                "n580_gpu": args.n580_gpu,
+                "n580": [{k: v for k, v in variant.items() if k != "request"} for variant in n580],
                 "runs": runs, "summary": summary,
                 "capture_phases_s": demo["capture_phases_s"], "image_bytes": demo["image_bytes"],
                 "non_model_bytes": demo["non_model_bytes"], "image_to_non_model_rss": demo["image_to_non_model_rss"],
                 "payload_bytes": demo["payload_bytes"], "same_tokens_as_cold_start": demo["same_tokens_as_cold_start"]}
     Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
-    print(f"{'what':<24} {'median s':>9}")
+    width = max(24, *(len(name) for name in summary))
+    print(f"{'what':<{width}} {'median s':>9}")
     for name, value in summary.items():
-        print(f"{name:<24} {value:>9.3f}")
+        print(f"{name:<{width}} {value:>9.3f}")
     for cache in ("warm", "cold"):
-        for kind in ("restore", "restore n580", "wake"):
+        for kind in ("restore", *(v["label"] for v in n580), "wake"):
             if f"cold start ({cache})" in summary and f"{kind} ({cache})" in summary:
                 print(f"speedup of {kind} ({cache}): {summary[f'cold start ({cache})'] / summary[f'{kind} ({cache})']:.2f}x")
     print(f"process image {document['image_bytes'] / 2**20:.1f} MiB = {document['image_to_non_model_rss']}x the "
           f"non-model memory ({document['non_model_bytes'] / 2**20:.1f} MiB); payload {document['payload_bytes'] / 2**30:.2f} GiB")
-    for kind, values in (("restore", phase_medians), ("restore n580", n580_medians), ("wake", wake_medians)):
+    for kind, values in (("restore", phase_medians), *((v["label"], v["phase_medians_warm"]) for v in n580),
+                         ("wake", wake_medians)):
         if values:
             print(f"{kind} phases (medians, page cache warm; exec → canary matched is the {kind}):")
             for name, value in values.items():

@@ -18,7 +18,7 @@ from coldsnap import __version__
 from coldsnap.contracts.base import ContractError, decode_document, parse_strict_json
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.common import EngineName, SnapshotDriverName
-from coldsnap.contracts.placement import PRELOAD_ENV
+from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PLACEMENT_ABIS, PRELOAD_ENV
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS, resolve_request
 from coldsnap.contracts.request import OperationRequest
 
@@ -266,7 +266,8 @@ def _capture_request(args: argparse.Namespace) -> dict:
         "snapshot_driver": args.driver,
         "model": {"name": model or command[0], "revision": None},
         "units": [{"unit_id": "unit-0", "command": command, "serving_port": int(port),
-                   **({"env": {PRELOAD_ENV: args.preload}} if args.preload is not None else {}),
+                   "env": {**({PRELOAD_ENV: args.preload} if args.preload is not None else {}),
+                           **({PLACEMENT_ABI_ENV: str(args.placement_abi)} if args.placement_abi is not None else {})},
                    "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
         "artifact": str(Path(args.out).resolve()),
     }
@@ -556,6 +557,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", metavar="MOD,MOD", help="--driver n580: the modules the template imports before "
                    "its pre-CUDA boundary (default: the engine's server and model code, e.g. for torch-lm "
                    f"{','.join(ENGINE_ADAPTERS['torch-lm'].template_preload)}); none may initialize CUDA or NVML")
+    p.add_argument("--placement-abi", type=int, choices=PLACEMENT_ABIS, help="--driver n580: 2 (default) — the "
+                   "template holds no NVIDIA userspace driver and restores under any driver 580+; 1 — it may map the "
+                   "driver's libraries (a preloaded CUDA torch does) and restores under this driver version only")
     p.add_argument("--model", help="model name recorded in the artifact (default: from the command)")
     p.add_argument("--ranks", type=int, metavar="N",
                    help="tensor-parallel ranks, one worker each (default: the command's --tp / "

@@ -36,8 +36,9 @@ from coldsnap.agent.client import Lease, TemplateClient
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.capsule import ActivationMetadata, CapsuleManifest, TemplateRecord
-from coldsnap.contracts.placement import (NATIVE_PACK_ENV, PLACEMENT_ABI, PRELOAD_ENV, WEIGHTS_MODE_ENV,
-                                          PlacementRecord, PlacementRefused, check_placement_abi)
+from coldsnap.contracts.placement import (NATIVE_PACK_ENV, PLACEMENT_ABI, PLACEMENT_ABI_ENV, PLACEMENT_ABIS,
+                                          PRELOAD_ENV, WEIGHTS_MODE_ENV, PlacementRecord, PlacementRefused,
+                                          check_placement_abi)
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
@@ -112,6 +113,11 @@ class TemplateCapture(CaptureSequence):
         given = self.unit.env.get(PRELOAD_ENV)
         self.preload = ([m for m in given.split(",") if m] if given is not None
                         else list(ENGINE_ADAPTERS[self.request.engine].template_preload))
+        abi = self.unit.env.get(PLACEMENT_ABI_ENV, str(PLACEMENT_ABI))
+        if abi not in [str(n) for n in PLACEMENT_ABIS]:
+            raise OperationFailed("capture.template", f"{PLACEMENT_ABI_ENV}={abi}: this build's templates speak "
+                                  f"placement ABI {' or '.join(map(str, PLACEMENT_ABIS))}")
+        self.placement_abi = int(abi)
         self.template_pid = 0
         self.command: list[str] = []
         self.capture_state: Path | None = None  # the capture's own restore of the template writes here
@@ -143,7 +149,7 @@ class TemplateCapture(CaptureSequence):
         """The unit's command under the template launcher."""
         self.command = list(self.unit.command)
         launcher = [interpreter_of(self.command), "-m", "coldsnap.agent.template", "--control", self.template_control,
-                    "--preload", ",".join(self.preload), "--", *self.command]
+                    "--preload", ",".join(self.preload), "--placement-abi", str(self.placement_abi), "--", *self.command]
         self.before = self.artifact.entries() if self.artifact.root.exists() else None
         with self.step("capture.launch", "capture.launch") as span:
             self.artifact.root.mkdir(parents=True, exist_ok=True)
@@ -170,21 +176,28 @@ class TemplateCapture(CaptureSequence):
                         raise OperationFailed("capture.template", "the template did not reach its boundary within "
                                               f"{BOUNDARY_TIMEOUT_S:.0f} s{self._last_log_line()}") from None
                     time.sleep(0.05)
-            if status.get("abi") != PLACEMENT_ABI or status.get("state") != "boundary":
+            if status.get("abi") != self.placement_abi or status.get("state") != "boundary":
                 raise OperationFailed("capture.template", f"the template answered {status}")
             span["preloaded"] = ",".join(self.preload)
 
     def check_no_nvidia_state(self) -> None:
-        """Placement ABI 2: the image must not hold the capture host's NVIDIA userspace driver."""
+        """Placement ABI 2: the image must not hold the capture host's NVIDIA userspace driver at all;
+        ABI 1: it may map the driver's libraries, but no NVIDIA device may be open (CUDA or NVML started)."""
         assert self.engine is not None
         with self.step("capture.template_nvidia", "capture.template_nvidia") as span:
             pids = tree_pids(self.engine.pid)
             found = nvidia_userspace_state(pids)
             span["processes"] = len(pids)
+            span["nvidia_libraries"] = sum(": /dev/nvidia" not in f for f in found)
+            if self.placement_abi < 2:
+                found = [f for f in found if ": /dev/nvidia" in f]
             if found:
-                raise OperationFailed("capture.template_nvidia", f"the template holds NVIDIA driver state ({len(found)}: "
-                                      f"{'; '.join(found[:3])}): a module in --preload / {PRELOAD_ENV} initialized "
-                                      "CUDA or NVML at import; preload less")
+                advice = ("preload less, or capture a placement-ABI-1 template (--placement-abi 1: restorable under "
+                          "this NVIDIA driver only)" if self.placement_abi >= 2 else "preload less")
+                raise OperationFailed("capture.template_nvidia", f"the placement-ABI-{self.placement_abi} template holds "
+                                      f"NVIDIA driver state ({len(found)}: {'; '.join(found[:3])}): a module in "
+                                      f"--preload / {PRELOAD_ENV} loaded {'the driver' if self.placement_abi >= 2 else 'a device'} "
+                                      f"at import; {advice}")
 
     def dump(self) -> None:
         engine = self.engine
@@ -206,7 +219,7 @@ class TemplateCapture(CaptureSequence):
             self.capture_state = Path(tempfile.mkdtemp(prefix="capture-", dir=state_root()))
             self.engine = _restore_template(self.artifact, self.unit.unit_id, control, self.capture_state)
             span["pid"] = self.engine.pid
-            TemplateClient(self.template_control).place(PlacementRecord(abi=PLACEMENT_ABI).to_json_value())
+            TemplateClient(self.template_control).place(PlacementRecord(abi=self.placement_abi).to_json_value())
         self.context.progress(f"template restored and placed; {self.command[0]} starting")
 
     def _remove_capture_state(self) -> None:
@@ -238,7 +251,7 @@ class TemplateCapture(CaptureSequence):
         metadata = super().activation_metadata()
         return metadata.model_copy(update={
             "root_pid": self.template_pid, "gpu_pids": [], "criu_tcp": "none",
-            "template": TemplateRecord(control=self.template_control, placement_abi=PLACEMENT_ABI, preload=self.preload,
+            "template": TemplateRecord(control=self.template_control, placement_abi=self.placement_abi, preload=self.preload,
                                        command=self.command, nvidia_driver=nvidia_kernel_driver()),
         })
 
@@ -259,8 +272,12 @@ def template_placement(context: OperationContext, artifact: ArtifactDir, descrip
     else:
         env[WEIGHTS_MODE_ENV] = "recovery"
     env.pop(PRELOAD_ENV, None)
+    env.pop(PLACEMENT_ABI_ENV, None)
+    if template.placement_abi not in PLACEMENT_ABIS:
+        raise OperationFailed("admission.placement", f"the template speaks placement ABI {template.placement_abi}; this "
+                              f"build speaks {', '.join(map(str, PLACEMENT_ABIS))}")
     try:
-        record = PlacementRecord(abi=PLACEMENT_ABI, serving_port=serving_port(context, capsule),
+        record = PlacementRecord(abi=template.placement_abi, serving_port=serving_port(context, capsule),
                                  visible_devices=env.pop("CUDA_VISIBLE_DEVICES", None), env=env)
         check_placement_abi(template.placement_abi, record, template.nvidia_driver, nvidia_kernel_driver())
     except (ValueError, PlacementRefused) as exc:  # (a pydantic ValidationError is a ValueError)

@@ -7,7 +7,8 @@ code; for vLLM, ``vllm`` and its model executor) and nothing that touches a GPU,
 abstract unix socket ``--control`` and waits. That is the process an n580 capture dumps: Python started
 and the imports paid, no CUDA, NVML or distributed socket. On the socket, one JSON line per connection:
 
-- ``{"op": "status"}`` → ``{"state": "boundary", "abi": 2, "pid": ..., "preloaded": [...]}``;
+- ``{"op": "status"}`` → ``{"state": "boundary", "abi": 2, "pid": ..., "preloaded": [...]}`` (``abi``:
+  ``--placement-abi``, 2 by default);
 - ``{"op": "place", "placement": {PlacementRecord}}`` → ``{"ok": true}``, then the template applies the
   placement (environment additions, ``CUDA_VISIBLE_DEVICES``, the command's ``--port``) and runs ``CMD``
   in this process, so the engine starts with its modules already imported: ``python -m MODULE ...`` through
@@ -32,7 +33,7 @@ from typing import Any, Callable
 
 from coldsnap.agent.protocol import address
 from coldsnap.contracts.base import ContractError, decode_document
-from coldsnap.contracts.placement import PLACEMENT_ABI, PlacementRecord, PlacementRefused, check_placement_abi
+from coldsnap.contracts.placement import PLACEMENT_ABI, PLACEMENT_ABIS, PlacementRecord, PlacementRefused, check_placement_abi
 
 __all__ = ["main", "entry", "apply_placement"]
 
@@ -108,7 +109,7 @@ def _read_line(connection: socket.socket) -> bytes:
     return data
 
 
-def wait_for_placement(server: socket.socket, preloaded: list[str]) -> PlacementRecord:
+def wait_for_placement(server: socket.socket, preloaded: list[str], abi: int = PLACEMENT_ABI) -> PlacementRecord:
     """Answer status requests until a placement this template can take arrives."""
     while True:
         connection, _ = server.accept()
@@ -122,7 +123,7 @@ def wait_for_placement(server: socket.socket, preloaded: list[str]) -> Placement
                 _reply(connection, {"ok": False, "error": "not a JSON line"})
                 continue
             if request.get("op") == "status":
-                _reply(connection, {"state": "boundary", "abi": PLACEMENT_ABI, "pid": os.getpid(),
+                _reply(connection, {"state": "boundary", "abi": abi, "pid": os.getpid(),
                                     "preloaded": preloaded})
                 continue
             if request.get("op") != "place":
@@ -130,7 +131,7 @@ def wait_for_placement(server: socket.socket, preloaded: list[str]) -> Placement
                 continue
             try:
                 placement = decode_document(PlacementRecord, request.get("placement"), "placement")
-                check_placement_abi(PLACEMENT_ABI, placement)
+                check_placement_abi(abi, placement)
             except (ContractError, PlacementRefused) as exc:
                 _reply(connection, {"ok": False, "error": str(exc)})
                 continue
@@ -143,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--control", required=True, help="abstract unix socket name, @NAME")
     parser.add_argument("--preload", default="", help="comma-separated modules to import before the boundary")
+    parser.add_argument("--placement-abi", type=int, choices=PLACEMENT_ABIS, default=PLACEMENT_ABI,
+                        help="the placement ABI it speaks (default %(default)s; 1: it may map the NVIDIA userspace "
+                        "driver's libraries, see coldsnap.contracts.placement)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARG...: the engine's command")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in preloaded:
         importlib.import_module(name)
     server = _listen(args.control)
-    placement = wait_for_placement(server, preloaded)
+    placement = wait_for_placement(server, preloaded, args.placement_abi)
     server.close()
     run = entry(apply_placement(command, placement))
     result = run()

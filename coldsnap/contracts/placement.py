@@ -5,9 +5,10 @@ An n580 capsule is a launcher stopped at the pre-CUDA boundary: Python started a
 imported, no CUDA, NVML or distributed socket yet. Restored on any host, it is handed the destination's
 placement, validates and applies it, then runs the engine's normal startup. Placement ABI 2 templates hold
 no NVIDIA userspace-driver mapping (checked at capture), so they may be restored under another NVIDIA
-driver; ABI 1 templates could, and are refused for cross-driver restore (seeds, architecture: "Older
-placement-ABI-1 n580 capsules remain usable on their captured driver generation but are rejected for
-cross-driver restore").
+driver; ABI 1 templates may map its libraries, and are refused for cross-driver restore (seeds,
+architecture: "Older placement-ABI-1 n580 capsules remain usable on their captured driver generation but
+are rejected for cross-driver restore" — here: the captured driver version exactly, since CRIU maps
+those library files again).
 """
 
 from __future__ import annotations
@@ -18,11 +19,18 @@ from pydantic import Field
 
 from coldsnap.contracts.base import Contract
 
-__all__ = ["NATIVE_PACK_ENV", "PLACEMENT_ABI", "PRELOAD_ENV", "PlacementRecord", "PlacementRefused", "WEIGHTS_MODE_ENV",
+__all__ = ["NATIVE_PACK_ENV", "PLACEMENT_ABI", "PLACEMENT_ABIS", "PLACEMENT_ABI_ENV", "PRELOAD_ENV", "PlacementRecord", "PlacementRefused", "WEIGHTS_MODE_ENV",
            "check_placement_abi"]
 
 PLACEMENT_ABI = 2
-"""The placement ABI this build's templates speak."""
+"""The placement ABI of a template by default: it holds no NVIDIA userspace-driver mapping."""
+PLACEMENT_ABIS = (1, 2)
+"""The placement ABIs this build's templates speak. ABI 1 (opt-in): the template may map the NVIDIA
+userspace driver's libraries (a preloaded ``torch`` with CUDA does: cuBLASLt loads ``libcuda`` when it
+is loaded) but holds no NVIDIA device (CUDA and NVML never initialized); it restores only under the
+driver it was captured with."""
+PLACEMENT_ABI_ENV = "COLDSNAP_PLACEMENT_ABI"
+"""A capture unit's env: the placement ABI of its n580 template (default :data:`PLACEMENT_ABI`)."""
 
 NATIVE_PACK_ENV = "COLDSNAP_NATIVE_PACK"
 """Placement env: the native pack the engine's load format hydrates its weights from at load time."""
@@ -56,13 +64,15 @@ class PlacementRefused(ValueError):
 def check_placement_abi(template_abi: int, record: PlacementRecord, captured_driver: str | None = None,
                         host_driver: str | None = None) -> None:
     """Raise :class:`PlacementRefused` unless a template of ``template_abi`` may take ``record``: the ABIs
-    must match, and an ABI-1 template (which could hold NVIDIA userspace mappings) is restored only under
-    the NVIDIA driver generation (major version) it was captured with."""
+    must match, and an ABI-1 template (it maps the capture host's NVIDIA userspace-driver libraries, which
+    CRIU restores from those very files) is restored only under the NVIDIA driver it was captured with."""
     if record.abi != template_abi:
         raise PlacementRefused(f"placement ABI {record.abi} sent to a template of placement ABI {template_abi}")
     for name in record.env:
         if not re.match(ENV_NAME, name):
             raise PlacementRefused(f"placement env name {name!r} is not an environment variable name")
-    if template_abi < 2 and captured_driver and host_driver and captured_driver.split(".")[0] != host_driver.split(".")[0]:
-        raise PlacementRefused(f"a placement-ABI-{template_abi} template (it may hold NVIDIA userspace mappings) "
-                               f"captured under driver {captured_driver} cannot be restored under {host_driver}")
+    if template_abi < 2 and captured_driver and captured_driver != host_driver:
+        raise PlacementRefused(f"a placement-ABI-{template_abi} template (it maps the NVIDIA userspace driver's "
+                               f"libraries) captured under driver {captured_driver} cannot be restored under "
+                               f"{host_driver or 'no NVIDIA driver'}; capture a placement-ABI-2 template to move "
+                               "across drivers")

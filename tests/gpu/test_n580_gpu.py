@@ -1,6 +1,8 @@
-"""Snapshot driver n580 on a real GPU: the reference workload's pre-CUDA template captured, restored on
-another port (and, with two GPUs, onto the other GPU), serving the cold start's greedy tokens with no
-unqualified-driver warning on a 580 driver; a template whose preload initializes CUDA is refused."""
+"""Snapshot driver n580 on a real GPU: the reference workload's pre-CUDA template captured — placement
+ABI 2 importing nothing of torch (a CUDA torch maps libcuda when it is imported: cuBLASLt loads it), and
+ABI 1 importing torch and the model code — restored on another port (and, with two GPUs, onto the other
+GPU), serving the cold start's greedy tokens with no unqualified-driver warning on a 580 driver; an
+ABI-2 template that imports torch, and an ABI-1 one whose preload initializes CUDA, are refused."""
 
 import json
 import os
@@ -40,12 +42,15 @@ def _gpu_count() -> int:
     return torch.cuda.device_count()
 
 
-@pytest.fixture(scope="module")
-def captured(tmp_path_factory):
-    work = tmp_path_factory.mktemp("n580")
+@pytest.fixture(scope="module", params=[("2", ""), ("1", None)], ids=["abi2-no-preload", "abi1-torch-preloaded"])
+def captured(request, tmp_path_factory):
+    abi, preload = request.param
+    work = tmp_path_factory.mktemp(f"n580-abi{abi}")
     port = _free_port()
     _, tokens = cold_start(_workload(port), port)
-    done, receipt = _coldsnap("capture", "--driver", "n580", "--out", str(work / "artifact"), "--", *_workload(port))
+    done, receipt = _coldsnap("capture", "--driver", "n580", "--placement-abi", abi,
+                              *(["--preload", preload] if preload is not None else []),
+                              "--out", str(work / "artifact"), "--", *_workload(port))
     assert done.returncode == 0, done.stderr[-3000:]
     assert receipt["snapshot_driver"] == "n580" and receipt["warnings"] == [], receipt  # qualified on 580+
     return work / "artifact", tokens
@@ -75,12 +80,19 @@ def test_an_n580_capture_restores_on_another_port_and_gpu_with_the_cold_starts_t
         kill_tree(root)
 
 
-def test_a_template_that_initializes_cuda_at_import_is_refused(tmp_path):
-    (tmp_path / "cuda_at_import.py").write_text("import torch\ntorch.cuda.init()\n")
-    port = _free_port()
-    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
-    done, receipt = _coldsnap("capture", "--driver", "n580", "--preload", "torch,cuda_at_import",
-                              "--out", str(tmp_path / "artifact"), "--", *_workload(port), env=env)
+def test_an_abi2_template_that_imports_a_cuda_torch_is_refused(tmp_path):
+    done, receipt = _coldsnap("capture", "--driver", "n580", "--out", str(tmp_path / "artifact"), "--",
+                              *_workload(_free_port()))  # the default preload: torch and the model code
     assert done.returncode == 1 and receipt["error"]["code"] == "capture.template_nvidia", done.stderr[-2000:]
-    assert "libcuda" in receipt["error"]["message"] or "/dev/nvidia" in receipt["error"]["message"]
-    assert not (tmp_path / "artifact" / "artifact.json").exists() and not Path(tmp_path / "artifact" / "units").exists()
+    assert "libcuda" in receipt["error"]["message"] and "--placement-abi 1" in receipt["error"]["message"]
+    assert not (tmp_path / "artifact" / "artifact.json").exists() and not (tmp_path / "artifact" / "units").exists()
+
+
+def test_an_abi1_template_that_initializes_cuda_at_import_is_refused(tmp_path):
+    (tmp_path / "cuda_at_import.py").write_text("import torch\ntorch.cuda.init()\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    done, receipt = _coldsnap("capture", "--driver", "n580", "--placement-abi", "1", "--preload", "torch,cuda_at_import",
+                              "--out", str(tmp_path / "artifact"), "--", *_workload(_free_port()), env=env)
+    assert done.returncode == 1 and receipt["error"]["code"] == "capture.template_nvidia", done.stderr[-2000:]
+    assert "/dev/nvidia" in receipt["error"]["message"]
+    assert not (tmp_path / "artifact" / "artifact.json").exists() and not (tmp_path / "artifact" / "units").exists()

@@ -110,7 +110,7 @@ def test_capture_request_has_one_worker_per_rank(command, ranks):
 
     from coldsnap.cli import _capture_request
 
-    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None,
+    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None, placement_abi=None,
                               operation_id="op", driver="n610")
     workers = _capture_request(args)["units"][0]["workers"]
     assert [(w["rank"], w["device_slot"], w["worker_id"]) for w in workers] == [(r, r, f"worker-{r}") for r in range(ranks)]
@@ -135,7 +135,7 @@ def test_capture_request_names_the_served_model(command, model):
 
     from coldsnap.cli import _capture_request
 
-    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None,
+    args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None, placement_abi=None,
                               operation_id="op", driver="n610")
     request = _capture_request(args)
     assert request["model"]["name"] == model and request["engine"] == "vllm"

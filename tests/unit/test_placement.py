@@ -28,10 +28,12 @@ def test_placements_a_template_cannot_take_are_refused():
         check_placement_abi(2, PlacementRecord(abi=3))
     with pytest.raises(PlacementRefused, match="is not an environment variable name"):
         check_placement_abi(2, PlacementRecord(abi=2, env={"A=B": "1"}))
-    # An ABI-1 template may hold NVIDIA userspace mappings: only its captured driver generation takes it.
-    check_placement_abi(1, PlacementRecord(abi=1), captured_driver="580.159.04", host_driver="580.82.07")
-    with pytest.raises(PlacementRefused, match="captured under driver 580.159.04 cannot be restored under 610.1"):
-        check_placement_abi(1, PlacementRecord(abi=1), captured_driver="580.159.04", host_driver="610.1")
+    # An ABI-1 template may map the NVIDIA userspace driver's libraries: only its captured driver takes it.
+    check_placement_abi(1, PlacementRecord(abi=1), captured_driver="580.159.04", host_driver="580.159.04")
+    for host in ("580.82.07", "610.1", None):
+        with pytest.raises(PlacementRefused, match="captured under driver 580.159.04 cannot be restored under"):
+            check_placement_abi(1, PlacementRecord(abi=1), captured_driver="580.159.04", host_driver=host)
+    check_placement_abi(2, PlacementRecord(abi=2), captured_driver="580.159.04", host_driver="610.1")  # portable
 
 
 @pytest.mark.parametrize("document, problem", [
