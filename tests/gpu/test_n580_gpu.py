@@ -31,7 +31,8 @@ def _workload(port: int) -> list[str]:
 
 
 def _coldsnap(*args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    done = subprocess.run([sys.executable, "-m", "coldsnap", *args, "--receipt-json", "-"], capture_output=True,
+    command, rest = args[0], args[1:]  # the receipt flag before a capture's `-- CMD`
+    done = subprocess.run([sys.executable, "-m", "coldsnap", command, "--receipt-json", "-", *rest], capture_output=True,
                           text=True, timeout=600, env=env)
     return done, json.loads(done.stdout) if done.stdout.strip() else {}
 
