@@ -284,6 +284,29 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
         stop_restored(artifact, port)
 
 
+def test_an_n580_template_of_vllm_serve_restores_on_another_port_like_vllms_default_loader(model, reference, tmp_path):
+    """`coldsnap capture --driver n580`: `vllm serve` under the pre-CUDA template (vLLM's server and model
+    code imported), dumped; `coldsnap restore --port P` places it on P and vLLM starts there, its
+    weights hydrated from the capture's native pack at load time, answering as vLLM's default loader."""
+    captured_port, port = _free_port(), _free_port()
+    artifact = tmp_path / "artifact"
+    result = coldsnap("capture", "--driver", "n580", "--out", str(artifact), "--receipt-json", str(tmp_path / "capture.json"),
+                      "--", *serve(model, captured_port, "--load-format", "coldsnap"))
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert not port_taken(captured_port)
+    result = coldsnap("restore", str(artifact), "--port", str(port), "--receipt-json", str(tmp_path / "restore.json"))
+    try:
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        receipt = json.loads((tmp_path / "restore.json").read_text())
+        assert receipt["snapshot_driver"] == "n580" and receipt["warnings"] == []
+        assert complete(port, PROMPT_2) == reference["tokens"]
+        spans = {s["name"]: s["attributes"] for s in receipt["timing"]["spans"]}
+        log = (Path(spans["restore.criu_restore"]["state_dir"]) / "logs" / "unit-0.log").read_text()
+        assert "bytes of weights hydrated from" in log and "(native)" in log, log[-3000:]
+    finally:
+        stop_restored(artifact, port)
+
+
 def test_a_warm_standby_wakes_to_vllms_default_loader_answers(captured, reference, tmp_path):
     """`coldsnap warm` parks the restored vLLM tree (no weights, no KV cache, not answering); `coldsnap
     wake` makes it serve vLLM's default loader's tokens. A second standby, killed, leaves nothing."""
