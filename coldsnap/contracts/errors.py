@@ -28,8 +28,9 @@ ERROR_CODES: dict[str, str] = {
     "capture.driver_floor": "the NVIDIA driver is below the snapshot driver's floor",
     "capture.template": "n580: the template launcher exited or did not reach its pre-CUDA boundary (a preloaded "
                         "module failed to import?)",
-    "capture.template_nvidia": "n580: the template holds NVIDIA userspace-driver state (a preloaded module "
-                               "initialized CUDA or NVML): its image would be tied to this driver",
+    "capture.template_nvidia": "n580: the template holds NVIDIA userspace-driver state — placement ABI 2: any driver "
+                               "library or device (a preloaded CUDA torch maps libcuda); ABI 1: an open device "
+                               "(a preloaded module initialized CUDA or NVML)",
     "capture.template_restore": "n580: the template's image could not be restored or placed at capture",
     "capture.cuda_checkpoint": "the CUDA checkpoint of a GPU process failed (the tree was unlocked again)",
     "capture.criu_dump": "CRIU could not dump the process tree",
