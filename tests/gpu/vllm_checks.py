@@ -99,7 +99,8 @@ def _capture(artifact: Path, served: list[str], policy: dict | None = None) -> P
         arguments = ["--out", str(artifact), "--", *command]
     else:
         request = _capture_request(argparse.Namespace(out=str(artifact), command=command, port=None, engine=None,
-                                                      model=None, ranks=None, operation_id="gpu-check", driver="n610"))
+                                                      model=None, ranks=None, operation_id="gpu-check", driver="n610",
+                                                      preload=None, placement_abi=None))
         request["policy"] = policy
         request_file = artifact.parent / "capture-request.json"
         request_file.write_text(json.dumps(request))
@@ -257,7 +258,54 @@ def vllm_tp2_capture_restore_on_gpu() -> None:
     assert first == again == expected, f"restored {first} then {again}, TP2 default loader {expected}"
 
 
-CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu,
+def vllm_n580_on_gpu() -> None:
+    """`coldsnap capture --driver n580` of `vllm serve M --load-format coldsnap` (default flags): placement
+    ABI 1 with vLLM's CLI, server and model code preloaded (a CUDA torch maps libcuda on import), and ABI 2
+    with nothing preloaded; `coldsnap restore --port P` of each: the template placed on P, vLLM's own
+    startup with its weights from the capture's pack, no unqualified-driver warning on driver 580, and
+    PROMPT_2's greedy tokens = vLLM's default loader's."""
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    env = {k: v for k, v in _env().items() if k != "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER"}  # n580: 580 qualifies
+    restored: dict[str, list[int]] = {}
+    with _scene() as (served, port, artifact):
+        for abi, preload in (("1", None), ("2", "")):
+            capsule = artifact.parent / f"n580-abi{abi}"
+            started = time.perf_counter()
+            status, receipt, err = _coldsnap("capture", "--driver", "n580", "--placement-abi", abi,
+                                             *(["--preload", preload] if preload is not None else []),
+                                             "--out", str(capsule), "--", *served, "--load-format", "coldsnap", env=env)
+            (LOGS / f"n580-abi{abi}-capture-engine.log").write_bytes((capsule / "logs" / "unit-0.log").read_bytes()
+                                                                     if (capsule / "logs" / "unit-0.log").exists() else b"")
+            print(err[-2000:])
+            assert status == 0 and receipt["warnings"] == [], json.dumps(receipt.get("error") or receipt["warnings"])
+            print(f"n580 ABI {abi} capture {time.perf_counter() - started:.1f} s:",
+                  {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in receipt["timing"]["spans"]})
+            restored_port = _free_port()
+            root = json.loads((capsule / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
+            started = time.perf_counter()
+            status, receipt, err = _coldsnap("restore", str(capsule), "--port", str(restored_port), env=env)
+            seconds = time.perf_counter() - started
+            try:
+                print(err[-1500:])
+                assert status == 0 and receipt["warnings"] == [], json.dumps(receipt.get("error") or receipt["warnings"])
+                spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+                print(f"n580 ABI {abi} restore {seconds:.2f} s (process); phases:",
+                      {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()})
+                restored[abi] = _complete(restored_port)
+                state_log = Path(spans["restore.criu_restore"]["attributes"]["state_dir"]) / "logs" / "unit-0.log"
+                text = state_log.read_text(errors="replace")
+                (LOGS / f"n580-abi{abi}-restored-engine.log").write_text(text)
+                assert "hydrated from" in text and "(native)" in text, "the weights did not come from the pack"
+            finally:
+                kill_tree(root)
+                time.sleep(0.5)
+    seconds, expected = _serve_and_ask(served, port, LOGS / "default-loader-n580.log", _env())
+    print(f"default loader: first answer after {seconds:.1f} s, tokens {expected}; n580 restored {restored}")
+    assert restored == {"1": expected, "2": expected}
+
+
+CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu, vllm_n580_on_gpu,
                                   vllm_sleep_and_native_start_on_gpu, vllm_tp2_default_start_on_gpu,
                                   vllm_tp2_capture_restore_on_gpu)}
 
