@@ -117,14 +117,15 @@ SNAPSHOT_DRIVERS: dict[str, SnapshotDriverProfile] = {
 
 # Materialization (a recovery restore also writing a native pack) is `off` everywhere: no restore path
 # writes a pack, whatever the request says.
-# A template preloads what the engine's startup imports first (its server, engine arguments and model
-# executor); a unit's COLDSNAP_TEMPLATE_PRELOAD env replaces the list.
+# A template preloads what the engine's startup imports first and that loads no NVIDIA device; a unit's
+# COLDSNAP_TEMPLATE_PRELOAD env replaces the list. Not vLLM itself: `import vllm` probes the platform
+# through NVML (opens /dev/nvidia*, seen with vLLM 0.26 on the H200), so its template preloads vLLM's
+# heavy dependencies. A CUDA torch maps libcuda on import: on a GPU host these need placement ABI 1.
 ENGINE_ADAPTERS: dict[str, EngineAdapter] = {
     "vllm": EngineAdapter(name="vllm", python_package="coldsnap_vllm", native_materialization=("off",),
-                          template_preload=("vllm.entrypoints.cli.main", "vllm.entrypoints.openai.api_server",
-                                            "vllm.model_executor.models.llama")),
+                          template_preload=("torch", "transformers", "fastapi", "uvicorn", "openai")),
     "sglang": EngineAdapter(name="sglang", python_package="coldsnap_sglang", native_materialization=("off",),
-                            template_preload=("sglang.launch_server", "sglang.srt.entrypoints.http_server")),
+                            template_preload=("torch", "transformers", "fastapi", "uvicorn")),
     "torch-lm": EngineAdapter(name="torch-lm", python_package="coldsnap.workloads.torch_lm",
                               native_materialization=("off",),
                               template_preload=("torch", "coldsnap.workloads.torch_lm.serve")),
