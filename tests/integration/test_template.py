@@ -2,7 +2,7 @@
 launcher stopped at the pre-CUDA boundary (torch and the model code imported), dumped, restored twice from
 one image, each time placed on another serving port, and serving the cold start's greedy tokens; a
 placement of another ABI is refused and the template keeps waiting; the template holds no NVIDIA
-userspace-driver state. (The n580 capture and restore sequences that drive it are not built yet.)"""
+userspace-driver state. (`coldsnap capture/restore --driver n580` drive it: tests/integration/test_n580.py.)"""
 
 from __future__ import annotations
 

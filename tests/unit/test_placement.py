@@ -46,3 +46,81 @@ def test_placement_records_decode_strictly(document, problem):
     with pytest.raises(ContractError) as caught:
         decode_document(PlacementRecord, document, "placement")
     assert problem in str(caught.value)
+
+
+# ---- what an n580 restore hands its template (coldsnap.activation.n580.template_placement) ----------------
+
+def _restore_scene(tmp_path, abi=2, driver="580.159.04", port=9100, env=None):
+    from types import SimpleNamespace as NS
+
+    template = NS(placement_abi=abi, nvidia_driver=driver, control="@t")
+    capsule = NS(metadata=NS(template=template, serving_port=8000))
+    worker = NS(rank=0, payload=NS(path="payload/abc.pack"))
+    descriptor = NS(units=[NS(workers=[worker])])
+    unit = NS(serving_port=port, env=env or {})
+    context = NS(request=NS(units=[unit]))
+    return context, NS(root=tmp_path), descriptor, capsule
+
+
+def test_an_n580_placement_carries_the_port_the_gpu_the_units_env_and_the_pack(tmp_path, monkeypatch):
+    from coldsnap.activation import n580
+
+    monkeypatch.setattr(n580, "nvidia_kernel_driver", lambda: "590.1")  # ABI 2: any driver
+    scene = _restore_scene(tmp_path, env={"CUDA_VISIBLE_DEVICES": "1", "HF_HUB_OFFLINE": "1",
+                                          "COLDSNAP_TEMPLATE_PRELOAD": "torch", "COLDSNAP_PLACEMENT_ABI": "2"})
+    record = n580.template_placement(*scene, {0: "native"}, "@agent")
+    assert record.abi == 2 and record.serving_port == 9100 and record.visible_devices == "1"
+    assert record.env == {"HF_HUB_OFFLINE": "1", "COLDSNAP_CONTROL": "@agent", "COLDSNAP_WEIGHTS_MODE": "native",
+                          "COLDSNAP_NATIVE_PACK": str(tmp_path / "payload" / "abc.pack")}
+    recovery = n580.template_placement(*_restore_scene(tmp_path, port=None), {0: "recovery"}, "@agent")
+    assert recovery.serving_port == 8000 and recovery.visible_devices is None  # the captured port
+    assert recovery.env == {"COLDSNAP_CONTROL": "@agent", "COLDSNAP_WEIGHTS_MODE": "recovery"}  # the engine loads
+
+
+@pytest.mark.parametrize("abi, host, problem", [
+    (3, "580.159.04", "the template speaks placement ABI 3; this build speaks 1, 2"),
+    (1, "580.82.07", "captured under driver 580.159.04 cannot be restored under 580.82.07"),
+])
+def test_an_n580_placement_the_template_cannot_take_is_refused_at_admission(tmp_path, monkeypatch, abi, host, problem):
+    from coldsnap.activation import n580
+    from coldsnap.operation import OperationFailed
+
+    monkeypatch.setattr(n580, "nvidia_kernel_driver", lambda: host)
+    with pytest.raises(OperationFailed) as caught:
+        n580.template_placement(*_restore_scene(tmp_path, abi=abi), {0: "native"}, "@agent")
+    assert caught.value.code == "admission.placement" and problem in caught.value.message
+
+
+def test_an_n610_image_serves_only_on_its_captured_port():
+    from types import SimpleNamespace as NS
+
+    from coldsnap.activation.restore import serving_port
+    from coldsnap.operation import OperationFailed
+
+    def port(requested, template=None):
+        context = NS(request=NS(units=[NS(serving_port=requested)]))
+        return serving_port(context, NS(metadata=NS(serving_port=8000, template=template)))
+
+    assert port(None) == port(8000) == 8000 and port(9000, template=NS()) == 9000
+    with pytest.raises(OperationFailed, match="n610 image serves on its captured port 8000") as caught:
+        port(9000)
+    assert caught.value.code == "admission.placement"
+
+
+def test_the_template_runs_with_the_commands_own_python(tmp_path):
+    from coldsnap.activation.n580 import interpreter_of
+
+    python = tmp_path / "venv" / "bin" / "python3.12"
+    python.parent.mkdir(parents=True)
+    script = python.parent / "vllm"
+    script.write_text(f"#!{python}\nimport sys\n")
+    assert interpreter_of([str(script), "serve", "m"]) == str(python)
+    assert interpreter_of([str(python), "-m", "m"]) == str(python)
+    env_script = tmp_path / "tool"
+    env_script.write_text("#!/usr/bin/env python3\n")
+    assert os.path.basename(interpreter_of([str(env_script)])).startswith("python")
+    shell = tmp_path / "run.sh"
+    shell.write_text("#!/bin/sh\n")
+    import sys
+
+    assert interpreter_of([str(shell)]) == sys.executable  # nothing says: this Python
