@@ -21,7 +21,8 @@ BEFORE_THE_CANARY = ("exec → admission start", "restore.admission", "restore.c
 def test_restore_latency_cpu_mode(tmp_path):
     out = tmp_path / "restore.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_latency.py"), "--size", "tiny", "--device",
-                           "cpu", "--repeat", "2", "--standby", "--out", str(out), "--dir", str(tmp_path / "work")],
+                           "cpu", "--repeat", "2", "--standby", "--n580", "2", "--out", str(out), "--dir",
+                           str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     document = json.loads(out.read_text())
@@ -44,3 +45,6 @@ def test_restore_latency_cpu_mode(tmp_path):
         assert 0.5 * run["seconds"] <= before <= run["seconds"] + 0.005, (before, run)
         assert "wake.criu_restore" not in run["phases"]
     assert document["summary"]["wake (warm)"] > 0 and "speedup of wake (warm)" in done.stdout
+    n580 = [r for r in document["runs"] if r["kind"] == "restore n580 ABI 2"]  # the template, placed
+    assert len(n580) == 2 and all({"restore.place", "restore.engine_start"} <= set(r["phases"]) for r in n580)
+    assert document["n580"][0]["capture_warnings"] == [] and document["summary"]["restore n580 ABI 2 (warm)"] > 0
