@@ -32,7 +32,7 @@ from coldsnap.activation.capture import CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.activation.restore import RestoreSequence, WeightSource, serving_port
-from coldsnap.agent.client import Lease, TemplateClient
+from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.capsule import ActivationMetadata, CapsuleManifest, TemplateRecord
@@ -121,6 +121,7 @@ class TemplateCapture(CaptureSequence):
         self.template_pid = 0
         self.command: list[str] = []
         self.capture_state: Path | None = None  # the capture's own restore of the template writes here
+        self.template_link: TemplateLink | None = None
 
     def run(self) -> OperationOutcome:
         try:
@@ -136,11 +137,13 @@ class TemplateCapture(CaptureSequence):
             self.commit()
         except BaseException:
             self.unwind()
+            self._close_link()
             self._remove_capture_state()
             raise
         if self.engine is not None:
             self.engine.kill()  # the template's engine served the capture; the capsule is the template
             self.keep_engine_log()
+        self._close_link()
         self._remove_capture_state()
         self.context.progress(f"committed {self.artifact.descriptor_path}")
         return OperationOutcome(artifact=str(self.artifact.root))
@@ -219,8 +222,14 @@ class TemplateCapture(CaptureSequence):
             self.capture_state = Path(tempfile.mkdtemp(prefix="capture-", dir=state_root()))
             self.engine = _restore_template(self.artifact, self.unit.unit_id, control, self.capture_state)
             span["pid"] = self.engine.pid
-            TemplateClient(self.template_control).place(PlacementRecord(abi=self.placement_abi).to_json_value())
+            # Held to the end of the capture: the engine dies with this launcher.
+            self.template_link = TemplateClient(self.template_control).place(
+                PlacementRecord(abi=self.placement_abi).to_json_value())
         self.context.progress(f"template restored and placed; {self.command[0]} starting")
+
+    def _close_link(self) -> None:
+        if self.template_link is not None:
+            self.template_link.close()
 
     def _remove_capture_state(self) -> None:
         if self.capture_state is not None:
@@ -298,9 +307,14 @@ class TemplateRestore(RestoreSequence):
         assert capsule.metadata.template is not None
         self.template = capsule.metadata.template
         self.tree: RestoredTree | None = None
+        self.link: TemplateLink | None = None  # until the agent's lease holds the engine
 
     def run(self) -> OperationOutcome:
-        return self._run(self.restore_tree, self.place, self.wait_for_engine, self.check_canary)
+        try:
+            return self._run(self.restore_tree, self.place, self.wait_for_engine, self.check_canary)
+        finally:
+            if self.link is not None:
+                self.link.close()
 
     def restore_tree(self) -> None:
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
@@ -317,7 +331,7 @@ class TemplateRestore(RestoreSequence):
     def place(self) -> None:
         with self.step(f"{self.op}.place", "restore.place") as span:
             try:
-                TemplateClient(self.template.control).place(self.placement.to_json_value())
+                self.link = TemplateClient(self.template.control).place(self.placement.to_json_value())
             except ValueError as exc:  # refused, or not a template's answer
                 raise OperationFailed("restore.place", str(exc)) from None
             span["serving_port"] = self.serving_port
@@ -337,6 +351,8 @@ class TemplateRestore(RestoreSequence):
             try:
                 status = wait_for_agent(self.agent_control, tree.alive, timeout)
                 self.lease = Lease([rank_control(self.agent_control, rank) for rank in range(status.world_size)])
+                assert self.link is not None
+                self.link.handover()  # the lease holds the engine from here
                 wait_for_http(self.serving_port, tree.alive, timeout)
             except LaunchError as exc:
                 tail = tree.log_tail(1)

@@ -29,7 +29,7 @@ from coldsnap.agent.protocol import (
     rank_control,
 )
 
-__all__ = ["AgentClient", "AgentError", "Lease", "TemplateClient", "TemplateRefused", "rank_control"]
+__all__ = ["AgentClient", "AgentError", "Lease", "TemplateClient", "TemplateLink", "TemplateRefused", "rank_control"]
 
 R = TypeVar("R", StatusReply, PrepareReply, ResumeReply, StandbyReply)
 OnProgress = Callable[[str, int, int], None]
@@ -145,26 +145,57 @@ class TemplateClient:
     def __init__(self, control: str, timeout: float = 30.0):
         self.control, self.timeout = control, timeout
 
-    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+    def _ask(self, request: dict[str, Any]) -> tuple[dict[str, Any], socket.socket]:
+        client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
             client.settimeout(self.timeout)
             client.connect(address(self.control))
             client.sendall(json.dumps(request).encode() + b"\n")
-            answer = json.loads(client.makefile("rb").readline() or b"null")
-        if not isinstance(answer, dict):
-            raise ValueError(f"the template at {self.control} answered {answer!r}")
-        return answer
+            line = b""
+            while not line.endswith(b"\n") and (chunk := client.recv(65536)):
+                line += chunk
+            answer = json.loads(line or b"null")
+            if not isinstance(answer, dict):
+                raise ValueError(f"the template at {self.control} answered {answer!r}")
+        except BaseException:
+            client.close()
+            raise
+        return answer, client
 
     def status(self) -> dict[str, Any]:
         """``{"state": "boundary", "abi": ..., "pid": ..., "preloaded": [...]}``."""
-        return self._ask({"op": "status"})
+        answer, connection = self._ask({"op": "status"})
+        connection.close()
+        return answer
 
-    def place(self, placement: dict[str, Any]) -> None:
+    def place(self, placement: dict[str, Any]) -> "TemplateLink":
         """Hand it its placement (a :class:`coldsnap.contracts.placement.PlacementRecord`'s JSON value);
-        :class:`TemplateRefused` when it refuses (it then keeps waiting)."""
-        answer = self._ask({"op": "place", "placement": placement})
+        :class:`TemplateRefused` when it refuses (it then keeps waiting). The placed engine lives only as
+        long as the returned link, until :meth:`TemplateLink.handover`."""
+        answer, connection = self._ask({"op": "place", "placement": placement})
         if answer.get("ok") is not True:
+            connection.close()
             raise TemplateRefused(f"the template refused the placement: {answer.get('error', answer)}")
+        return TemplateLink(connection)
+
+
+class TemplateLink:
+    """The placing connection to a template: closed before :meth:`handover`, the template stops its
+    process group (so a launcher that dies leaves no engine behind)."""
+
+    def __init__(self, connection: socket.socket):
+        self._connection: socket.socket | None = connection
+
+    def handover(self) -> None:
+        """The engine is held otherwise now (its agent's lease): the template stops watching this launcher."""
+        if self._connection is not None:
+            self._connection.sendall(b"handover\n")
+            self.close()
+
+    def close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
 
 
 class TemplateRefused(ValueError):

@@ -14,6 +14,8 @@ and the imports paid, no CUDA, NVML or distributed socket. On the socket, one JS
   in this process, so the engine starts with its modules already imported: ``python -m MODULE ...`` through
   ``runpy``, a console script (``vllm serve ...``) through its entry point. A placement it cannot take
   (another ABI, a malformed record) gets ``{"ok": false, "error": ...}`` and the template keeps waiting.
+  The placing connection stays open: until the launcher sends ``handover`` on it (it holds the engine's
+  agent lease by then), its closing stops the template's process group (:func:`watch_launcher`).
 
 Restored by CRIU, the process is the same one, blocked in ``accept``: the restore connects to the same
 socket name and places it (:class:`coldsnap.agent.client.TemplateClient`). Placement ABI:
@@ -27,15 +29,17 @@ import importlib
 import json
 import os
 import runpy
+import signal
 import socket
 import sys
+import threading
 from typing import Any, Callable
 
 from coldsnap.agent.protocol import address
 from coldsnap.contracts.base import ContractError, decode_document
 from coldsnap.contracts.placement import PLACEMENT_ABI, PLACEMENT_ABIS, PlacementRecord, PlacementRefused, check_placement_abi
 
-__all__ = ["main", "entry", "apply_placement"]
+__all__ = ["HANDOVER", "main", "entry", "apply_placement", "watch_launcher"]
 
 PORT_OPTIONS = ("--port",)
 REQUEST_TIMEOUT_S = 30.0
@@ -109,34 +113,64 @@ def _read_line(connection: socket.socket) -> bytes:
     return data
 
 
-def wait_for_placement(server: socket.socket, preloaded: list[str], abi: int = PLACEMENT_ABI) -> PlacementRecord:
-    """Answer status requests until a placement this template can take arrives."""
+def wait_for_placement(server: socket.socket, preloaded: list[str],
+                       abi: int = PLACEMENT_ABI) -> tuple[PlacementRecord, socket.socket]:
+    """Answer status requests until a placement this template can take arrives: the placement, and the
+    placing launcher's connection, left open (:func:`watch_launcher`)."""
     while True:
         connection, _ = server.accept()
         connection.settimeout(REQUEST_TIMEOUT_S)  # a client that sends nothing must not hold the template
-        with connection:
-            try:
-                request = json.loads(_read_line(connection) or b"{}")
-            except TimeoutError:
-                continue
-            except ValueError:
-                _reply(connection, {"ok": False, "error": "not a JSON line"})
-                continue
-            if request.get("op") == "status":
-                _reply(connection, {"state": "boundary", "abi": abi, "pid": os.getpid(),
-                                    "preloaded": preloaded})
-                continue
-            if request.get("op") != "place":
-                _reply(connection, {"ok": False, "error": f"unknown op {request.get('op')!r}"})
-                continue
+        try:
+            request = json.loads(_read_line(connection) or b"{}")
+        except TimeoutError:
+            connection.close()
+            continue
+        except ValueError:
+            request = {"op": None, "error": "not a JSON line"}
+        answer: dict[str, Any]
+        if request.get("op") == "status":
+            answer = {"state": "boundary", "abi": abi, "pid": os.getpid(), "preloaded": preloaded}
+        elif request.get("op") != "place":
+            answer = {"ok": False, "error": request.get("error") or f"unknown op {request.get('op')!r}"}
+        else:
             try:
                 placement = decode_document(PlacementRecord, request.get("placement"), "placement")
                 check_placement_abi(abi, placement)
             except (ContractError, PlacementRefused) as exc:
-                _reply(connection, {"ok": False, "error": str(exc)})
-                continue
-            _reply(connection, {"ok": True})
-            return placement
+                answer = {"ok": False, "error": str(exc)}
+            else:
+                _reply(connection, {"ok": True})
+                return placement, connection
+        with connection:
+            _reply(connection, answer)
+
+
+HANDOVER = b"handover\n"
+"""What the placing launcher sends once it holds the engine (its agent's lease): the template's watch ends."""
+
+
+def watch_launcher(connection: socket.socket) -> threading.Thread:
+    """Until the launcher that placed this template takes the engine over (sends :data:`HANDOVER`), the
+    engine's process group lives only as long as that launcher: its connection closing first (the
+    launcher failed, was interrupted or killed) stops the group, so no unowned engine keeps the port and
+    the GPU. (The agent's lease takes over from there, as after an n610 restore.)"""
+    connection.settimeout(None)
+
+    def watch() -> None:
+        try:
+            line = _read_line(connection)
+        except OSError:
+            line = b""
+        connection.close()
+        if line == HANDOVER:
+            return
+        sys.stderr.write("coldsnap template: the launcher went away before it took the engine over; stopping\n")
+        sys.stderr.flush()
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    watcher = threading.Thread(target=watch, name="coldsnap-template-watch", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,8 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in preloaded:
         importlib.import_module(name)
     server = _listen(args.control)
-    placement = wait_for_placement(server, preloaded, args.placement_abi)
+    placement, launcher = wait_for_placement(server, preloaded, args.placement_abi)
     server.close()
+    watch_launcher(launcher)
     run = entry(apply_placement(command, placement))
     result = run()
     return result if isinstance(result, int) else 0

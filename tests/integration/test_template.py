@@ -44,7 +44,10 @@ def _ask(control: str, request: dict, timeout: float = 30.0) -> dict:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
                 client.connect("\0" + control[1:])
                 client.sendall(json.dumps(request).encode() + b"\n")
-                return json.loads(client.makefile().readline())
+                answer = json.loads(client.makefile().readline())
+                if request["op"] == "place" and answer.get("ok"):
+                    client.sendall(b"handover\n")  # the test holds the engine from here
+                return answer
         except (ConnectionRefusedError, FileNotFoundError):
             if time.monotonic() > deadline:
                 raise
@@ -124,3 +127,22 @@ def test_nvidia_driver_libraries_and_devices_are_found_in_a_process(tmp_path):
         holder.kill()
         holder.wait()
 
+
+
+def test_a_placed_template_dies_with_the_launcher_that_placed_it_before_the_handover(tmp_path):
+    from coldsnap.agent.client import TemplateClient
+
+    control = f"@coldsnap-template-test-{uuid.uuid4().hex[:12]}"
+    port = _free_port()
+    template = subprocess.Popen(
+        [sys.executable, "-m", "coldsnap.agent.template", "--control", control, "--preload", "torch", "--",
+         *_workload(port)], cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _ask(control, {"op": "status"}, timeout=120)
+        link = TemplateClient(control).place({"abi": 2, "serving_port": port})
+        link.close()  # the launcher is gone before it took the engine over
+        assert template.wait(timeout=30) == -9
+        assert b"the launcher went away before it took the engine over" in template.stderr.read()
+    finally:
+        kill_tree(template.pid)
