@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
+from coldsnap.activation.artifact_dir import ArtifactDir, state_root
 from coldsnap.activation.capture import CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
@@ -318,11 +318,7 @@ class TemplateRestore(RestoreSequence):
 
     def restore_tree(self) -> None:
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
-            try:
-                state_dir = self.artifact.state_dir()
-            except OSError as exc:
-                raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: "
-                                      f"{exc} (choose one with --state-dir or {STATE_DIR_ENV})") from None
+            state_dir = self.state_dir()
             span["state_dir"] = str(state_dir)
             self.tree = _restore_template(self.artifact, self.unit.unit_id, self.agent_control, state_dir)
             self.restored_pid = span["pid"] = self.tree.pid

@@ -345,11 +345,7 @@ class RestoreSequence:
                 self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
                                                     w.layout_digest, self.timer.now_ns)
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
-            try:
-                state_dir = self.artifact.state_dir()
-            except OSError as exc:
-                raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: "
-                                      f"{exc} (choose one with --state-dir or {STATE_DIR_ENV})") from None
+            state_dir = self.state_dir()
             for stager in self.stagers.values():
                 stager.start()
             self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
@@ -360,6 +356,14 @@ class RestoreSequence:
                                                               self.artifact.root)
             self.restored_pid = span["pid"] = result.pid
         self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
+
+    def state_dir(self) -> Path:
+        """The artifact's state directory, made if needed (``restore.state_dir`` when it cannot be)."""
+        try:
+            return self.artifact.state_dir()
+        except OSError as exc:
+            raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: "
+                                  f"{exc} (choose one with --state-dir or {STATE_DIR_ENV})") from None
 
     def _prefetch(self) -> None:
         from coldsnap.hydrate import prefetch_file
