@@ -85,7 +85,7 @@ def kill_tree(root: int, timeout: float = 10.0) -> None:
                 os.waitpid(pid, os.WNOHANG)  # reap our own children; others are init's
             except ChildProcessError:
                 pass
-            if os.path.exists(f"/proc/{pid}") and not _is_zombie(pid):
+            if not _gone(pid):
                 alive.append(pid)
         if not alive:
             return
@@ -98,6 +98,20 @@ def group_members(pgid: int, exiting: bool = True) -> list[int]:
     return sorted(pid for pid, fields in _process_stats()
                   if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X")
                   and (exiting or not int(fields[6]) & PF_EXITING))
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has released everything: no process, or a zombie whose other threads have exited
+    too. (A multithreaded process's leader shows ``Z`` while its other threads are still exiting and its
+    files — a listening socket — still open; only its parent's wait would say when they are done.)"""
+    if not os.path.exists(f"/proc/{pid}"):
+        return True
+    if not _is_zombie(pid):
+        return False
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
 
 
 def _is_zombie(pid: int) -> bool:
