@@ -273,6 +273,12 @@ def _capture_request(args: argparse.Namespace) -> dict:
     }
 
 
+def capture_request(arguments: list[str]) -> dict:
+    """The request document ``coldsnap capture ARGUMENTS`` would run (flags, ``--`` and the command), for a
+    caller that adds to it what no flag says (a policy) before sending it with ``--request-json``."""
+    return _capture_request(build_parser().parse_args(["capture", *arguments]))
+
+
 def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
     """The request of ``operation`` (restore, warm, wake) on an artifact: its capture's, re-aimed."""
     directory = Path(args.artifact).resolve()

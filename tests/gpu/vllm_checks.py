@@ -90,17 +90,13 @@ def _require_vllm() -> str:
 def _capture(artifact: Path, served: list[str], policy: dict | None = None) -> Path:
     """`coldsnap capture` of ``served --load-format coldsnap`` (with ``policy`` through a request file);
     asserts it succeeded and the KV cache was in its region; returns the engine's log."""
-    import argparse
-
-    from coldsnap.cli import _capture_request
+    from coldsnap.cli import capture_request
 
     command = [*served, "--load-format", "coldsnap"]
     if policy is None:
         arguments = ["--out", str(artifact), "--", *command]
     else:
-        request = _capture_request(argparse.Namespace(out=str(artifact), command=command, port=None, engine=None,
-                                                      model=None, ranks=None, operation_id="gpu-check", driver="n610",
-                                                      preload=None, placement_abi=None))
+        request = capture_request(["--out", str(artifact), "--operation-id", "gpu-check", "--", *command])
         request["policy"] = policy
         request_file = artifact.parent / "capture-request.json"
         request_file.write_text(json.dumps(request))

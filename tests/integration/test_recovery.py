@@ -159,13 +159,10 @@ def test_changed_safetensors_are_refused_before_anything_starts(recoverable, tmp
 def test_a_recovery_capture_of_an_engine_without_safetensors_fails(tmp_path):
     port = _free_port()
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
-    import argparse
-
-    from coldsnap.cli import _capture_request
+    from coldsnap.cli import capture_request
 
     # the request the CLI builds from flags, then the policy asks for recovery
-    request = _capture_request(argparse.Namespace(out=str(tmp_path / "artifact"), command=command, port=None, engine=None,
-                                                  model=None, ranks=None, operation_id="recovery-test", driver="n610"))
+    request = capture_request(["--out", str(tmp_path / "artifact"), "--operation-id", "recovery-test", "--", *command])
     request["policy"] = {"weights": {"mode": "recovery"}}
     (tmp_path / "request.json").write_text(json.dumps(request))
     status, receipt = coldsnap("capture", "--request-json", str(tmp_path / "request.json"))
@@ -177,16 +174,13 @@ def test_a_recovery_capture_of_an_engine_without_safetensors_fails(tmp_path):
 def test_a_recovery_capture_writes_no_pack_and_restores_from_the_safetensors(recoverable, tmp_path):
     """weights.mode recovery with native generation off (the default): the residual only, the safetensors
     pinned; `native` is refused at admission, auto and recovery replay them."""
-    import argparse
-
-    from coldsnap.cli import _capture_request
+    from coldsnap.cli import capture_request
 
     _, port, _, safetensors, _ = recoverable
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port",
                str(port), "--weights", str(safetensors.parent)]
     artifact = tmp_path / "artifact"
-    request = _capture_request(argparse.Namespace(out=str(artifact), command=command, port=None, engine=None, model=None,
-                                                  ranks=None, operation_id="recovery-only", driver="n610"))
+    request = capture_request(["--out", str(artifact), "--operation-id", "recovery-only", "--", *command])
     request["policy"] = {"weights": {"mode": "recovery"}}
     (tmp_path / "request.json").write_text(json.dumps(request))
     status, receipt = coldsnap("capture", "--request-json", str(tmp_path / "request.json"))
