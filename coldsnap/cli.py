@@ -547,7 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
         "agent write the native packs and release model memory, CRIU-dump the process tree, and commit "
         "DIR/artifact.json atomically. A tensor-parallel command (--ranks N, or its own --tp / "
         "--tensor-parallel-size) is captured with one agent per rank; their NCCL communicators are torn "
-        "down through a coordinator before the dump and rebuilt at restore. Nothing of CMD is left running; a failure commits nothing. "
+        "down through a coordinator before the dump and rebuilt at restore. With --driver n580 the image is instead "
+        "CMD's launcher stopped before the engine starts (a pre-CUDA template); the capture then restores and places it "
+        "once to record the canary and write the native pack. Nothing of CMD is left running; a failure commits nothing. "
         "Exit 0 on success, 1 on a failed capture, 2 for bad input.",
     )
     p.add_argument("--out", help="artifact directory (must not hold a committed artifact)")
@@ -561,8 +563,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "touches CUDA (driver 580+, portable across drivers and GPUs; the engine starts again, with "
                    "the native pack hydrated at load time, on every restore)")
     p.add_argument("--preload", metavar="MOD,MOD", help="--driver n580: the modules the template imports before "
-                   "its pre-CUDA boundary (default: the engine's server and model code, e.g. for torch-lm "
-                   f"{','.join(ENGINE_ADAPTERS['torch-lm'].template_preload)}); none may initialize CUDA or NVML")
+                   "its pre-CUDA boundary (default per engine, e.g. torch-lm: "
+                   f"{','.join(ENGINE_ADAPTERS['torch-lm'].template_preload)}; vLLM: "
+                   f"{','.join(ENGINE_ADAPTERS['vllm'].template_preload)}); none may open an NVIDIA device, and at "
+                   "placement ABI 2 none may load the NVIDIA driver (a CUDA torch does: '' or --placement-abi 1)")
     p.add_argument("--placement-abi", type=int, choices=PLACEMENT_ABIS, help="--driver n580: 2 (default) — the "
                    "template holds no NVIDIA userspace driver and restores under any driver 580+; 1 — it may map the "
                    "driver's libraries (a preloaded CUDA torch does) and restores under this driver version only")
@@ -582,7 +586,9 @@ def build_parser() -> argparse.ArgumentParser:
         "hydrate the weights and zero the KV cache, and require the canary to give the captured tokens exactly. "
         "On failure everything restored is killed. A restore writes nothing inside DIR (it may be read-only, "
         "moved or a copy): the restored server's log, CRIU's files and validation records go to the state "
-        "directory. Exit 0 when serving, 1 on a failed restore, 2 for bad input.",
+        "directory. An n580 artifact (a pre-CUDA template) is restored, handed its placement (--port, --gpu, the "
+        "native pack to load) and the engine's own startup runs in it before the canary. Exit 0 when serving, 1 on a "
+        "failed restore, 2 for bad input.",
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
