@@ -161,7 +161,7 @@ def pyplot() -> Any:
 # One color per phase, whichever operation's row it is in (restore.resume and wake.resume alike).
 _PHASE_COLORS = {"exec → admission start": "#1f77b4", "admission": "#ff7f0e", "criu_restore": "#2ca02c",
                  "lease": "#17becf", "cuda_restore": "#9467bd", "stage_wait": "#8c564b", "resume": "#e377c2",
-                 "canary": "#7f7f7f"}
+                 "canary": "#7f7f7f", "place": "#bcbd22", "engine_start": "#d6616b"}
 
 
 def draw_phase_chart(document: dict, png: Path) -> bool:
@@ -180,12 +180,13 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     order = ["exec → admission start", "restore.admission", "restore.criu_restore", "restore.lease", "restore.cuda_restore",
              "restore.stage_wait", "restore.resume", "restore.canary"]
     sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items() if n not in order]
-    figure, axis = plt.subplots(figsize=(10, 3.6))
+    figure, axis = plt.subplots(figsize=(10, 3.6 + 0.7 * len(document.get("n580") or [])))
     axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999", label="cold start")
     left = 0.0
     for name, value in sequential:
         phase = name.removeprefix("restore.")
-        axis.barh(["restore"], [value], left=left, label=phase, color=_PHASE_COLORS.get(phase))
+        axis.barh(["restore (n610)" if document.get("n580") else "restore"], [value], left=left, label=phase,
+                  color=_PHASE_COLORS.get(phase))
         left += value
     wake = {n: v for n, v in document.get("wake_phase_medians_warm", {}).items()
             if n not in ("canary → receipt", "receipt → process exit")}
@@ -197,13 +198,26 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
         left += value
     if staged is not None:
         before = phases.get("exec → admission start", 0.0) + phases.get("restore.admission", 0.0)
-        axis.barh(["weights staged\n(in parallel)"], [staged], left=before, color="#d62728",
+        axis.barh(["n610 weights staged\n(in parallel)" if document.get("n580") else "weights staged\n(in parallel)"],
+                  [staged], left=before, color="#d62728",
                   label="stage_weights (launcher)")
+    shown = {n.removeprefix("restore.") for n in phases} | {n.removeprefix("wake.") for n in wake}
+    for variant in document.get("n580") or []:  # each n580 capture's restore, its own row (medians)
+        left = 0.0
+        for name, value in variant.get("phase_medians_warm", {}).items():
+            if name in ("canary → receipt", "receipt → process exit"):
+                continue
+            phase = name.removeprefix("restore.")
+            axis.barh([variant["label"].removeprefix("restore ").replace(" (", "\n(")], [value], left=left,
+                      color=_PHASE_COLORS.get(phase), label=None if phase in shown else phase)
+            shown.add(phase)
+            left += value
     axis.invert_yaxis()
     axis.set_xlabel("seconds (page cache warm)")
     tp = f" TP{document['tp']}" if document.get("tp", 1) > 1 else ""
     axis.set_title(f"{document.get('engine', 'torch-lm')} {document['size']}{tp} on {document['device']}: "
-                   "cold start vs coldsnap restore" + (" and wake" if wake else ""), fontsize=9)
+                   "cold start vs coldsnap restore" + (" and wake" if wake else "")
+                   + (" (n610 and n580)" if document.get("n580") else ""), fontsize=9)
     axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
     figure.savefig(png, dpi=120)
