@@ -14,8 +14,10 @@ the image restored and placed once, here (proves it restores and places, and run
 capsule will run) → agent + HTTP ready → canary recorded → the agent writes the native pack →
 killed → commit. Restore (:class:`TemplateRestore`): admission without the CUDA-state checks plus
 the placement ABI (``admission.placement``) → CRIU restore → placement (serving port, the unit's
-environment, the pack) → the engine's agent (lease) and HTTP → canary. Graphs: the engine's own
-startup captures them (graph policy ``recreate``).
+environment, the pack) → the engine's agent (lease) and HTTP → canary. Graphs (policy ``recreate``, n580's
+default): eager first, captured once the engine has answered where the engine supports it
+(``COLDSNAP_GRAPHS=after-ready``: the reference workload); vLLM and SGLang capture theirs in their own
+startup, before readiness.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.capsule import ActivationMetadata, CapsuleManifest, TemplateRecord
-from coldsnap.contracts.placement import (NATIVE_PACK_ENV, PLACEMENT_ABI, PLACEMENT_ABI_ENV, PLACEMENT_ABIS,
+from coldsnap.contracts.placement import (GRAPHS_AFTER_READY, GRAPHS_ENV, NATIVE_PACK_ENV, PLACEMENT_ABI, PLACEMENT_ABI_ENV, PLACEMENT_ABIS,
                                           PRELOAD_ENV, WEIGHTS_MODE_ENV, PlacementRecord, PlacementRefused,
                                           check_placement_abi)
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
@@ -282,6 +284,8 @@ def template_placement(context: OperationContext, artifact: ArtifactDir, descrip
         env[WEIGHTS_MODE_ENV] = "recovery"
     env.pop(PRELOAD_ENV, None)
     env.pop(PLACEMENT_ABI_ENV, None)
+    if context.request.policy.graphs.mode == "recreate":  # n580's default: eager first, graphs after readiness
+        env.setdefault(GRAPHS_ENV, GRAPHS_AFTER_READY)
     if template.placement_abi not in PLACEMENT_ABIS:
         raise OperationFailed("admission.placement", f"the template speaks placement ABI {template.placement_abi}; this "
                               f"build speaks {', '.join(map(str, PLACEMENT_ABIS))}")

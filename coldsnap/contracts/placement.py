@@ -19,7 +19,7 @@ from pydantic import Field
 
 from coldsnap.contracts.base import Contract
 
-__all__ = ["NATIVE_PACK_ENV", "PLACEMENT_ABI", "PLACEMENT_ABIS", "PLACEMENT_ABI_ENV", "PRELOAD_ENV", "PlacementRecord", "PlacementRefused", "WEIGHTS_MODE_ENV",
+__all__ = ["GRAPHS_AFTER_READY", "GRAPHS_ENV", "NATIVE_PACK_ENV", "PLACEMENT_ABI", "PLACEMENT_ABIS", "PLACEMENT_ABI_ENV", "PRELOAD_ENV", "PlacementRecord", "PlacementRefused", "WEIGHTS_MODE_ENV",
            "check_placement_abi"]
 
 PLACEMENT_ABI = 2
@@ -36,6 +36,12 @@ NATIVE_PACK_ENV = "COLDSNAP_NATIVE_PACK"
 """Placement env: the native pack the engine's load format hydrates its weights from at load time."""
 WEIGHTS_MODE_ENV = "COLDSNAP_WEIGHTS_MODE"
 """Placement env: the load format's mode (``native``, ``auto``, ``recovery``) when its own config names none."""
+
+GRAPHS_ENV = "COLDSNAP_GRAPHS"
+"""Placement env: ``after-ready`` (graph policy ``recreate``) asks the engine to serve eagerly first and
+capture its CUDA graphs once it has answered (the reference workload does; vLLM and SGLang capture theirs
+in their own startup, before readiness)."""
+GRAPHS_AFTER_READY = "after-ready"
 
 PRELOAD_ENV = "COLDSNAP_TEMPLATE_PRELOAD"
 """A capture unit's env: the modules its n580 template imports (comma-separated), instead of the engine

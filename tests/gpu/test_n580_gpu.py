@@ -1,7 +1,8 @@
 """Snapshot driver n580 on a real GPU: the reference workload's pre-CUDA template captured — placement
 ABI 2 importing nothing of torch (a CUDA torch maps libcuda when it is imported: cuBLASLt loads it), and
 ABI 1 importing torch and the model code — restored on another port (and, with two GPUs, onto the other
-GPU), serving the cold start's greedy tokens with no unqualified-driver warning on a 580 driver; an
+GPU), serving the cold start's greedy tokens eagerly first and through the decode graph it captures
+after its first answer, with no unqualified-driver warning on a 580 driver; an
 ABI-2 template that imports torch, and an ABI-1 one whose preload initializes CUDA, are refused."""
 
 import json
@@ -9,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -76,7 +78,14 @@ def test_an_n580_capture_restores_on_another_port_and_gpu_with_the_cold_starts_t
                               capture_output=True, text=True, timeout=120).stdout.strip()
         restored = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.criu_restore")
         log = (Path(restored["attributes"]["state_dir"]) / "logs" / "unit-0.log").read_text()
-        assert f"(GPU-{uuid})" in log.splitlines()[-1] or f"(GPU-{uuid})" in log, log[-2000:]
+        assert f"(GPU-{uuid})" in log, log[-2000:]
+        # Graph policy recreate (n580's default): served eagerly (the canary), the decode graph captured after
+        deadline = time.monotonic() + 30
+        while "decode graph captured after the first answer" not in log and time.monotonic() < deadline:
+            time.sleep(0.2)
+            log = (Path(restored["attributes"]["state_dir"]) / "logs" / "unit-0.log").read_text()
+        assert "decode graph captured after the first answer" in log, log[-2000:]
+        assert ask_canary(port, CHECK_PROMPT, 8).token_ids == tokens  # through the graph now
     finally:
         kill_tree(root)
 

@@ -50,7 +50,7 @@ def test_placement_records_decode_strictly(document, problem):
 
 # ---- what an n580 restore hands its template (coldsnap.activation.n580.template_placement) ----------------
 
-def _restore_scene(tmp_path, abi=2, driver="580.159.04", port=9100, env=None):
+def _restore_scene(tmp_path, abi=2, driver="580.159.04", port=9100, env=None, graphs="recreate"):
     from types import SimpleNamespace as NS
 
     template = NS(placement_abi=abi, nvidia_driver=driver, control="@t")
@@ -58,7 +58,7 @@ def _restore_scene(tmp_path, abi=2, driver="580.159.04", port=9100, env=None):
     worker = NS(rank=0, payload=NS(path="payload/abc.pack"))
     descriptor = NS(units=[NS(workers=[worker])])
     unit = NS(serving_port=port, env=env or {})
-    context = NS(request=NS(units=[unit]))
+    context = NS(request=NS(units=[unit], policy=NS(graphs=NS(mode=graphs))))
     return context, NS(root=tmp_path), descriptor, capsule
 
 
@@ -71,8 +71,9 @@ def test_an_n580_placement_carries_the_port_the_gpu_the_units_env_and_the_pack(t
     record = n580.template_placement(*scene, {0: "native"}, "@agent")
     assert record.abi == 2 and record.serving_port == 9100 and record.visible_devices == "1"
     assert record.env == {"HF_HUB_OFFLINE": "1", "COLDSNAP_CONTROL": "@agent", "COLDSNAP_WEIGHTS_MODE": "native",
-                          "COLDSNAP_NATIVE_PACK": str(tmp_path / "payload" / "abc.pack")}
-    recovery = n580.template_placement(*_restore_scene(tmp_path, port=None), {0: "recovery"}, "@agent")
+                          "COLDSNAP_NATIVE_PACK": str(tmp_path / "payload" / "abc.pack"),
+                          "COLDSNAP_GRAPHS": "after-ready"}  # graph policy recreate: eager first
+    recovery = n580.template_placement(*_restore_scene(tmp_path, port=None, graphs="retain"), {0: "recovery"}, "@agent")
     assert recovery.serving_port == 8000 and recovery.visible_devices is None  # the captured port
     assert recovery.env == {"COLDSNAP_CONTROL": "@agent", "COLDSNAP_WEIGHTS_MODE": "recovery"}  # the engine loads
 

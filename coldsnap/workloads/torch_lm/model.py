@@ -20,6 +20,7 @@ import math
 import socket
 import sys
 import threading
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +119,7 @@ class TorchLM:
 
     def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None, cuda_graphs: bool = True,
                  rank: int = 0, world: int = 1, communicator: Any = None, followers: list[socket.socket] | None = None,
-                 weights_file: Path | None = None, native_pack: Path | None = None):
+                 weights_file: Path | None = None, native_pack: Path | None = None, defer_graphs: bool = False):
         self.size = size
         self.shape = SIZES[size]
         check_world(self.shape, world)
@@ -174,7 +175,13 @@ class TorchLM:
             replay_safetensors([weights_file], self.layout, {"weights": self.weights})
         self.kv.zero()
         self._graph: torch.cuda.CUDAGraph | None = None
-        if cuda_graphs and self.device.type == "cuda":
+        # Eager first (an n580 restore): decode runs the graph's own step uncaptured — the same kernels, so
+        # the same tokens — until the first request has been answered, then the graph is captured.
+        self._graph_pending = cuda_graphs and self.device.type == "cuda" and defer_graphs and world == 1
+        self._graph_arming = False
+        if self._graph_pending:
+            self._static_decode_inputs()
+        elif cuda_graphs and self.device.type == "cuda":
             self.capture_decode_graph()
 
     def kv_dims(self) -> tuple[int, ...]:
@@ -266,8 +273,7 @@ class TorchLM:
     def capture_decode_graph(self) -> None:
         """Record the decode step as a CUDA graph (weights and KV are read at their stable addresses,
         so the graph stays valid across unmap/remap and a process snapshot)."""
-        self._token = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._position = torch.zeros((), dtype=torch.long, device=self.device)
+        self._static_decode_inputs()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -286,6 +292,26 @@ class TorchLM:
             with torch.cuda.graph(self._graph):
                 self._graph_logits = self._decode_step()
         self.kv.zero()  # the warm-up wrote position 0
+        self._graph_pending = False
+
+    def _static_decode_inputs(self) -> None:
+        self._token = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._position = torch.zeros((), dtype=torch.long, device=self.device)
+
+    def _arm_graphs_after_ready(self) -> None:
+        """Once, after a request was answered: capture the decode graph in the background, between requests."""
+        if not self._graph_pending or self._graph_arming:
+            return
+        self._graph_arming = True
+
+        def capture() -> None:
+            started = time.perf_counter()
+            with self.lock, torch.cuda.device(self.device):
+                self.capture_decode_graph()
+            sys.stderr.write(f"torch_lm: decode graph captured after the first answer in "
+                             f"{time.perf_counter() - started:.2f} s (eager until then)\n")
+
+        threading.Thread(target=capture, name="torch-lm-graph-capture", daemon=True).start()
 
     def release_graphs(self, policy: str) -> list[str]:
         """The agent's graph hook: drop the decode graph unless the policy keeps it and it holds no
@@ -303,6 +329,10 @@ class TorchLM:
         return ["decode"]
 
     def _decode(self, token: int, position: int) -> torch.Tensor:
+        if self._graph is None and self._graph_pending:  # eager first: the graph's step, uncaptured
+            self._token.fill_(token)
+            self._position.fill_(position)
+            return self._decode_step()
         if self._graph is None:
             return self.forward(torch.tensor([token], device=self.device), position)
         self._token.fill_(token)
@@ -332,7 +362,8 @@ class TorchLM:
                 out.append(token)
                 logits = self._decode(token, position)
                 position += 1
-            return out
+        self._arm_graphs_after_ready()
+        return out
 
     def write_safetensors(self, directory: Path) -> Path:
         """The weights as ``model.safetensors`` + ``config.json`` (the recovery source for restores)."""

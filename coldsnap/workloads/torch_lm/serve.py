@@ -14,7 +14,7 @@ from typing import BinaryIO
 
 import torch
 
-from coldsnap.contracts.placement import NATIVE_PACK_ENV, WEIGHTS_MODE_ENV
+from coldsnap.contracts.placement import GRAPHS_AFTER_READY, GRAPHS_ENV, NATIVE_PACK_ENV, WEIGHTS_MODE_ENV
 from coldsnap.workloads.torch_lm.model import TorchLM, decode, encode
 
 __all__ = ["serve"]
@@ -125,7 +125,8 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     pack = os.environ.get(NATIVE_PACK_ENV) if os.environ.get(WEIGHTS_MODE_ENV) != "recovery" and world == 1 else None
     model = TorchLM(args.size, device, args.seed, args.max_seq, cuda_graphs=not args.no_cuda_graphs,
                     rank=rank, world=world, communicator=communicator, followers=channels if rank == 0 else None,
-                    weights_file=weights_file, native_pack=Path(pack) if pack else None)
+                    weights_file=weights_file, native_pack=Path(pack) if pack else None,
+                    defer_graphs=os.environ.get(GRAPHS_ENV) == GRAPHS_AFTER_READY)
     if args.write_safetensors:
         print(model.write_safetensors(Path(args.write_safetensors)))
         return 0
