@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
-from coldsnap.activation.capture import CaptureSequence
+from coldsnap.activation.capture import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.activation.restore import RestoreSequence, WeightSource, serving_port
@@ -346,7 +346,7 @@ class TemplateRestore(RestoreSequence):
         on), then its HTTP server."""
         tree = self.tree
         assert tree is not None
-        timeout = float(os.environ.get("COLDSNAP_READY_TIMEOUT_S", "900"))
+        timeout = READY_TIMEOUT_S  # as long as a capture waits for the engine
         with self.step(f"{self.op}.engine_start", "restore.engine_start") as span:
             try:
                 status = wait_for_agent(self.agent_control, tree.alive, timeout)
