@@ -3,8 +3,8 @@
     python -m coldsnap.agent.template --control @NAME [--preload MOD,MOD] -- CMD ARG...
 
 It imports what the engine will need (``--preload``: for the reference workload torch and its model
-code; for vLLM, ``vllm`` and its model executor) and nothing that touches a GPU, then listens on the
-abstract unix socket ``--control`` and waits. That is the process an n580 capture dumps: Python started
+code; for vLLM, its heavy dependencies — not vLLM itself, whose import probes NVML) and nothing that
+touches a GPU, then listens on the abstract unix socket ``--control`` and waits. That is the process an n580 capture dumps: Python started
 and the imports paid, no CUDA, NVML or distributed socket. On the socket, one JSON line per connection:
 
 - ``{"op": "status"}`` → ``{"state": "boundary", "abi": 2, "pid": ..., "preloaded": [...]}`` (``abi``:
@@ -121,12 +121,17 @@ def wait_for_placement(server: socket.socket, preloaded: list[str],
         connection, _ = server.accept()
         connection.settimeout(REQUEST_TIMEOUT_S)  # a client that sends nothing must not hold the template
         try:
-            request = json.loads(_read_line(connection) or b"{}")
-        except TimeoutError:
+            line = _read_line(connection)
+            if not line:
+                raise ConnectionResetError("closed without a request")
+            request = json.loads(line)
+        except OSError:  # timed out, or the client went away: the template keeps waiting
             connection.close()
             continue
         except ValueError:
             request = {"op": None, "error": "not a JSON line"}
+        if not isinstance(request, dict):
+            request = {"op": None, "error": "not a JSON object"}
         answer: dict[str, Any]
         if request.get("op") == "status":
             answer = {"state": "boundary", "abi": abi, "pid": os.getpid(), "preloaded": preloaded}
@@ -139,10 +144,17 @@ def wait_for_placement(server: socket.socket, preloaded: list[str],
             except (ContractError, PlacementRefused) as exc:
                 answer = {"ok": False, "error": str(exc)}
             else:
-                _reply(connection, {"ok": True})
+                try:
+                    _reply(connection, {"ok": True})
+                except OSError:  # the launcher went away: not placed, keep waiting
+                    connection.close()
+                    continue
                 return placement, connection
         with connection:
-            _reply(connection, answer)
+            try:
+                _reply(connection, answer)
+            except OSError:  # the client went away before its answer
+                pass
 
 
 HANDOVER = b"handover\n"

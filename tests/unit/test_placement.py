@@ -125,3 +125,39 @@ def test_the_template_runs_with_the_commands_own_python(tmp_path):
     import sys
 
     assert interpreter_of([str(shell)]) == sys.executable  # nothing says: this Python
+
+
+def test_a_template_answers_malformed_requests_and_keeps_waiting_for_its_placement():
+    import json
+    import socket
+    import threading
+    import uuid
+
+    from coldsnap.agent.client import TemplateClient
+    from coldsnap.agent.protocol import address
+    from coldsnap.agent.template import _listen, wait_for_placement
+
+    control = f"@coldsnap-template-unit-{uuid.uuid4().hex[:12]}"
+    server = _listen(control)
+    placed: list = []
+    waiter = threading.Thread(target=lambda: placed.append(wait_for_placement(server, ["m"])), daemon=True)
+    waiter.start()
+    try:
+        for line, error in ((b"[1, 2]\n", "not a JSON object"), (b"{nope\n", "not a JSON line"),
+                            (b'{"op": "sleep"}\n', "unknown op 'sleep'")):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
+                client.connect(address(control))
+                client.sendall(line)
+                assert json.loads(client.makefile().readline()) == {"ok": False, "error": error}
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:  # a client that goes away unanswered
+            client.connect(address(control))
+        assert TemplateClient(control).status()["state"] == "boundary"
+        link = TemplateClient(control).place({"abi": 2, "serving_port": 9000})
+        waiter.join(timeout=10)
+        record, connection = placed[0]
+        assert record.serving_port == 9000
+        link.handover()
+        assert connection.recv(100) == b"handover\n"
+        connection.close()
+    finally:
+        server.close()
