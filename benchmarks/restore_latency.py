@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
 from coldsnap.demo import cold_start, engine_commands, run_demo
 from coldsnap.snapshot.process_tree import kill_tree
 
@@ -86,12 +87,12 @@ def standby_once(request: dict, work: Path, index: int) -> tuple[float, float, d
 
 def capture_n580(request: dict, work: Path, variant: str) -> dict[str, Any]:
     """The n610 capture's request again, with the n580 driver and ``variant`` (``ABI[:PRELOAD]``), into
-    ``work/artifact-n580-<i>``: its label, request, capture seconds and phases, template image bytes and
+    ``work/artifact-n580-abi<ABI>[-<N>mod]``: its label, request, capture seconds and phases, template image bytes and
     its receipt's warnings."""
     abi, _, preload = variant.partition(":")
-    env = {**request["units"][0].get("env", {}), "COLDSNAP_PLACEMENT_ABI": abi}
+    env = {**request["units"][0].get("env", {}), PLACEMENT_ABI_ENV: abi}
     if ":" in variant:
-        env["COLDSNAP_TEMPLATE_PRELOAD"] = preload
+        env[PRELOAD_ENV] = preload
     name = f"n580-abi{abi}" + (f"-{len(preload.split(',')) if preload else 0}mod" if ":" in variant else "")
     label = f"restore n580 ABI {abi} (preload {preload or 'nothing'})" if ":" in variant else f"restore n580 ABI {abi}"
     n580 = {**request, "snapshot_driver": "n580", "operation_id": f"bench-capture-{name}",
@@ -164,6 +165,21 @@ _PHASE_COLORS = {"exec → admission start": "#1f77b4", "admission": "#ff7f0e", 
                  "canary": "#7f7f7f", "place": "#bcbd22", "engine_start": "#d6616b"}
 
 
+AFTER_THE_GOAL = ("canary → receipt", "receipt → process exit")  # a bar ends at the canary's match
+
+
+def _phase_row(axis: Any, row: str, phases: list[tuple[str, float]], operation: str, shown: set[str]) -> None:
+    """One bar of consecutive phases (``operation.`` dropped from their names), each phase in the legend once."""
+    left = 0.0
+    for name, value in phases:
+        if name in AFTER_THE_GOAL:
+            continue
+        phase = name.removeprefix(f"{operation}.")
+        axis.barh([row], [value], left=left, color=_PHASE_COLORS.get(phase), label=None if phase in shown else phase)
+        shown.add(phase)
+        left += value
+
+
 def draw_phase_chart(document: dict, png: Path) -> bool:
     """Cold start beside restore's phases (page cache warm); False when matplotlib is missing."""
     plt = pyplot()
@@ -175,49 +191,30 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     # (one row per rank under tensor parallel: the longest is drawn)
     staged_ranks = [phases.pop(n) for n in [n for n in phases if n.startswith("restore.stage_weights")]]
     staged = max(staged_ranks) if staged_ranks else None
-    for after_goal in ("canary → receipt", "receipt → process exit"):  # the bar ends at the canary's match
-        phases.pop(after_goal, None)
     order = ["exec → admission start", "restore.admission", "restore.criu_restore", "restore.lease", "restore.cuda_restore",
              "restore.stage_wait", "restore.resume", "restore.canary"]
     sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items() if n not in order]
-    figure, axis = plt.subplots(figsize=(10, 3.6 + 0.7 * len(document.get("n580") or [])))
+    n580 = document.get("n580") or []
+    figure, axis = plt.subplots(figsize=(10, 3.6 + 0.7 * len(n580)))
     axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999", label="cold start")
-    left = 0.0
-    for name, value in sequential:
-        phase = name.removeprefix("restore.")
-        axis.barh(["restore (n610)" if document.get("n580") else "restore"], [value], left=left, label=phase,
-                  color=_PHASE_COLORS.get(phase))
-        left += value
-    wake = {n: v for n, v in document.get("wake_phase_medians_warm", {}).items()
-            if n not in ("canary → receipt", "receipt → process exit")}
-    left = 0.0
-    for name, value in wake.items():  # the standby's wake, its own row (medians)
-        phase = name.removeprefix("wake.")
-        axis.barh(["wake\n(warm standby)"], [value], left=left, color=_PHASE_COLORS.get(phase),
-                  label=None if phase in {n.removeprefix("restore.") for n in phases} else phase)  # shown above
-        left += value
+    shown: set[str] = set()
+    _phase_row(axis, "restore (n610)" if n580 else "restore", sequential, "restore", shown)
+    wake = [(n, v) for n, v in document.get("wake_phase_medians_warm", {}).items() if n not in AFTER_THE_GOAL]
+    _phase_row(axis, "wake\n(warm standby)", wake, "wake", shown)  # the standby's wake, its own row (medians)
     if staged is not None:
         before = phases.get("exec → admission start", 0.0) + phases.get("restore.admission", 0.0)
-        axis.barh(["n610 weights staged\n(in parallel)" if document.get("n580") else "weights staged\n(in parallel)"],
+        axis.barh(["n610 weights staged\n(in parallel)" if n580 else "weights staged\n(in parallel)"],
                   [staged], left=before, color="#d62728",
                   label="stage_weights (launcher)")
-    shown = {n.removeprefix("restore.") for n in phases} | {n.removeprefix("wake.") for n in wake}
-    for variant in document.get("n580") or []:  # each n580 capture's restore, its own row (medians)
-        left = 0.0
-        for name, value in variant.get("phase_medians_warm", {}).items():
-            if name in ("canary → receipt", "receipt → process exit"):
-                continue
-            phase = name.removeprefix("restore.")
-            axis.barh([variant["label"].removeprefix("restore ").replace(" (", "\n(")], [value], left=left,
-                      color=_PHASE_COLORS.get(phase), label=None if phase in shown else phase)
-            shown.add(phase)
-            left += value
+    for variant in n580:  # each n580 capture's restore, its own row (medians)
+        _phase_row(axis, variant["label"].removeprefix("restore ").replace(" (", "\n("),
+                   list(variant.get("phase_medians_warm", {}).items()), "restore", shown)
     axis.invert_yaxis()
     axis.set_xlabel("seconds (page cache warm)")
     tp = f" TP{document['tp']}" if document.get("tp", 1) > 1 else ""
     axis.set_title(f"{document.get('engine', 'torch-lm')} {document['size']}{tp} on {document['device']}: "
                    "cold start vs coldsnap restore" + (" and wake" if wake else "")
-                   + (" (n610 and n580)" if document.get("n580") else ""), fontsize=9)
+                   + (" (n610 and n580)" if n580 else ""), fontsize=9)
     axis.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
     figure.tight_layout()
     figure.savefig(png, dpi=120)

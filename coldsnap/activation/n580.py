@@ -42,12 +42,11 @@ from coldsnap.contracts.placement import (GRAPHS_AFTER_READY, GRAPHS_ENV, NATIVE
                                           PRELOAD_ENV, WEIGHTS_MODE_ENV, PlacementRecord, PlacementRefused,
                                           check_placement_abi)
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
-from coldsnap.host import nvidia_kernel_driver
+from coldsnap.host import live_start_ticks, nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import cuda_devices, gpu_processes
 from coldsnap.snapshot.nvidia_mappings import nvidia_userspace_state
-from coldsnap.host import stat_fields
 from coldsnap.snapshot.process_tree import kill_tree, tree_pids
 
 __all__ = ["TemplateCapture", "TemplateRestore", "template_placement"]
@@ -80,10 +79,7 @@ class RestoredTree:
         self.pid, self.control, self.log_path = pid, control, log_path
 
     def alive(self) -> bool:
-        try:
-            return stat_fields(self.pid)[0] not in (b"Z", b"X")
-        except OSError:
-            return False
+        return live_start_ticks(self.pid) is not None
 
     def kill(self) -> None:
         kill_tree(self.pid)

@@ -27,6 +27,7 @@ from coldsnap.agent.protocol import (
     decode_reply,
     encode,
     rank_control,
+    receive_line,
 )
 
 __all__ = ["AgentClient", "AgentError", "Lease", "TemplateClient", "TemplateLink", "TemplateRefused", "rank_control"]
@@ -151,9 +152,7 @@ class TemplateClient:
             client.settimeout(self.timeout)
             client.connect(address(self.control))
             client.sendall(json.dumps(request).encode() + b"\n")
-            line = b""
-            while not line.endswith(b"\n") and (chunk := client.recv(65536)):
-                line += chunk
+            line, _ = receive_line(client)  # a template sends no descriptors
             answer = json.loads(line or b"null")
             if not isinstance(answer, dict):
                 raise ValueError(f"the template at {self.control} answered {answer!r}")

@@ -83,7 +83,7 @@ class TemplateRecord(Contract):
     command: list[str] = Field(min_length=1)
     """The engine's command it runs once placed."""
     nvidia_driver: str | None
-    """The capture host's NVIDIA driver (an ABI-1 template is held to its generation)."""
+    """The capture host's NVIDIA driver (an ABI-1 template restores only under this version)."""
 
 
 class ActivationMetadata(Contract):

@@ -19,8 +19,8 @@ from pydantic import Field
 
 from coldsnap.contracts.base import Contract
 
-__all__ = ["GRAPHS_AFTER_READY", "GRAPHS_ENV", "NATIVE_PACK_ENV", "PLACEMENT_ABI", "PLACEMENT_ABIS", "PLACEMENT_ABI_ENV", "PRELOAD_ENV", "PlacementRecord", "PlacementRefused", "WEIGHTS_MODE_ENV",
-           "check_placement_abi"]
+__all__ = ["GRAPHS_AFTER_READY", "GRAPHS_ENV", "NATIVE_PACK_ENV", "PLACEMENT_ABI", "PLACEMENT_ABIS", "PLACEMENT_ABI_ENV",
+           "PRELOAD_ENV", "PlacementRecord", "PlacementRefused", "WEIGHTS_MODE_ENV", "check_placement_abi"]
 
 PLACEMENT_ABI = 2
 """The placement ABI of a template by default: it holds no NVIDIA userspace-driver mapping."""

@@ -7,7 +7,6 @@ ABI-2 template that imports torch, and an ABI-1 one whose preload initializes CU
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,9 @@ import pytest
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from coldsnap.snapshot.process_tree import kill_tree
+from tests.gpu.gpu_checks import _free_port
 
 pytestmark = pytest.mark.gpu
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _workload(port: int) -> list[str]:
