@@ -33,7 +33,7 @@ from coldsnap.activation.artifact_dir import ArtifactDir, state_root
 from coldsnap.activation.capture import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
-from coldsnap.activation.restore import RestoreSequence, WeightSource, serving_port
+from coldsnap.activation.restore import Replica, RestoreSequence, WeightSource, serving_port
 from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor
@@ -91,10 +91,11 @@ class RestoredTree:
             return ""
 
 
-def _restore_template(artifact: ArtifactDir, unit_id: str, agent_control: str, state_dir: Path) -> RestoredTree:
-    """CRIU restores the unit's template detached; its log continues in ``state_dir``'s copy."""
-    result = CriuSnapshotter(options=SnapshotOptions(tcp="none")).restore(artifact.images(unit_id), state_dir,
-                                                                          artifact.root)
+def _restore_template(artifact: ArtifactDir, unit_id: str, images: Path, agent_control: str,
+                      state_dir: Path) -> RestoredTree:
+    """CRIU restores the unit's template (from ``images``: the artifact's, or a replica's copy) detached;
+    its log continues in ``state_dir``'s copy."""
+    result = CriuSnapshotter(options=SnapshotOptions(tcp="none")).restore(images, state_dir, artifact.root)
     return RestoredTree(result.pid, agent_control, state_dir / artifact.relative(artifact.log_path(unit_id)))
 
 
@@ -218,7 +219,8 @@ class TemplateCapture(CaptureSequence):
         with self.step("capture.template_restore", "capture.template_restore") as span:
             state_root().mkdir(parents=True, exist_ok=True, mode=0o700)
             self.capture_state = Path(tempfile.mkdtemp(prefix="capture-", dir=state_root()))
-            self.engine = _restore_template(self.artifact, self.unit.unit_id, control, self.capture_state)
+            self.engine = _restore_template(self.artifact, self.unit.unit_id, self.artifact.images(self.unit.unit_id),
+                                            control, self.capture_state)
             span["pid"] = self.engine.pid
             # Held to the end of the capture: the engine dies with this launcher.
             self.template_link = TemplateClient(self.template_control).place(
@@ -298,14 +300,17 @@ class TemplateRestore(RestoreSequence):
     """n580's restore: the template restored by CRIU, placed, and the engine's own startup proven by the canary."""
 
     def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
-                 capsule: CapsuleManifest, sources: dict[int, WeightSource], placement: PlacementRecord):
-        super().__init__(context, artifact, descriptor, capsule, sources)
+                 capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica,
+                 placement: PlacementRecord):
+        super().__init__(context, artifact, descriptor, capsule, sources, replica)
         self.placement = placement
         self.agent_control = placement.env[CONTROL_ENV]
         assert placement.serving_port is not None
         self.serving_port = placement.serving_port
         assert capsule.metadata.template is not None
         self.template = capsule.metadata.template
+        assert replica.template_control is not None
+        self.template_control = replica.template_control
         self.tree: RestoredTree | None = None
         self.link: TemplateLink | None = None  # until the agent's lease holds the engine
 
@@ -320,14 +325,15 @@ class TemplateRestore(RestoreSequence):
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
             state_dir = self.state_dir()
             span["state_dir"] = str(state_dir)
-            self.tree = _restore_template(self.artifact, self.unit.unit_id, self.agent_control, state_dir)
+            self.tree = _restore_template(self.artifact, self.unit.unit_id, self.replica_images(state_dir),
+                                          self.agent_control, state_dir)
             self.restored_pid = span["pid"] = self.tree.pid
         self.context.progress(f"template restored (pid {self.tree.pid})")
 
     def place(self) -> None:
         with self.step(f"{self.op}.place", "restore.place") as span:
             try:
-                self.link = TemplateClient(self.template.control).place(self.placement.to_json_value())
+                self.link = TemplateClient(self.template_control).place(self.placement.to_json_value())
             except ValueError as exc:  # refused, or not a template's answer
                 raise OperationFailed("restore.place", str(exc)) from None
             span["serving_port"] = self.serving_port

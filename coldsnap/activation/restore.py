@@ -16,10 +16,14 @@ included — goes through its one unwind, which kills what was restored and leav
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
+import re
 import socket
 import threading
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal
 
@@ -29,6 +33,7 @@ from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, ra
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
+from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
@@ -41,9 +46,10 @@ from coldsnap.activation.qualification import check_driver_floor, require_implem
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.replica import PortGeneration, bound_sockets, port_generation, probe_binds, replica_images
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
 
-__all__ = ["restore", "admit", "port_free"]
+__all__ = ["restore", "admit", "port_free", "Replica", "plan_replica"]
 
 
 def port_free(port: int) -> bool:
@@ -82,8 +88,8 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
         raise OperationFailed("admission.cuda", "this driver has no CUDA checkpoint API")
 
 
-def admit(context: OperationContext,
-          artifact: ArtifactDir) -> tuple[ArtifactDescriptor, CapsuleManifest, dict[int, "WeightSource"]]:
+def admit(context: OperationContext, artifact: ArtifactDir
+          ) -> tuple[ArtifactDescriptor, CapsuleManifest, dict[int, "WeightSource"], "Replica"]:
     """Every check restore can make without starting anything; raises OperationFailed with the first problem."""
     timer = context.timer
     op = context.request.operation  # restore or warm: the same admission, each under its own span names
@@ -159,32 +165,156 @@ def admit(context: OperationContext,
                                   f"artifact {sorted(w.rank for w in unit.workers)}")
     with timer.span(f"{op}.admission.payload") as span:
         sources = weight_sources(context, artifact, unit.workers, span)
-    with timer.span(f"{op}.admission.port"):
-        port = serving_port(context, capsule)
-        if not port_free(port):
+    with timer.span(f"{op}.admission.port") as span:
+        replica = plan_replica(context, artifact, capsule)
+        span["serving_port"] = replica.serving_port
+        if replica.generation.shift:
+            span["port_shift"] = replica.generation.shift
+    return descriptor, capsule, sources, replica
+
+
+@dataclass(frozen=True)
+class Replica:
+    """What makes one restore of an image its own: where it serves, how its ports move there (the port
+    generation), its agents' (and template's) control sockets, and its state directory's name."""
+
+    serving_port: int
+    generation: PortGeneration
+    controls: dict[int, str]
+    """Rank → the agent's control socket in this replica."""
+    template_control: str | None
+    unix_names: dict[bytes, bytes]
+    """Captured abstract socket address → this replica's (the image's copy is rewritten with them)."""
+
+    @property
+    def name(self) -> str:
+        """The replica's directory under the artifact's state directory: one per serving port."""
+        return f"port-{self.serving_port}"
+
+
+_CONTROL_ID = re.compile(r"^(@coldsnap-(?:agent|template)-)[0-9a-f]{16}")
+
+
+def _replica_control(control: str, token: str) -> str:
+    """``control`` (``@coldsnap-agent-<id>[.rankN]``, as :func:`~coldsnap.activation.engine_process.new_control_name`
+    makes them) with this replica's id in place of the captured one; any other name is kept."""
+    return _CONTROL_ID.sub(lambda match: match.group(1) + token, control)
+
+
+def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> Replica:
+    """This restore's :class:`Replica`; ``admission.port`` when a port it needs is taken. Every port the
+    tree will bind is probed: the serving port itself, and the generation's move of each other."""
+    metadata = capsule.metadata
+    port = serving_port(context, capsule)
+    sockets = bound_sockets(artifact.images(capsule.unit_id))
+    try:
+        generation = port_generation(sockets, metadata.serving_port, port)
+    except ValueError as exc:
+        raise OperationFailed("admission.port", str(exc)) from None
+    taken = probe_binds(sockets, generation)
+    if metadata.template is not None and not port_free(port):  # the engine binds it once placed
+        taken.append(f"tcp 127.0.0.1:{port}")
+    elif not any(s.src_port == metadata.serving_port for s in sockets) and not port_free(port):
+        taken.append(f"tcp 127.0.0.1:{port}")
+    if taken:
+        if port == metadata.serving_port:
             from coldsnap.activation.standby import live_standby
 
             standby = live_standby(artifact)
             if standby is not None:
-                raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this artifact "
-                                      f"(pid {standby.pid}): `coldsnap wake {artifact.root}` makes it serve")
-            raise OperationFailed("admission.port", f"serving port {port} is taken")
-    return descriptor, capsule, sources
+                raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this "
+                                      f"artifact (pid {standby.pid}): `coldsnap wake {artifact.root}` makes it serve")
+        moved = "" if generation.shift == 0 else f" (the capture's ports moved by {generation.shift:+d})"
+        raise OperationFailed("admission.port", f"serving port {port}: the tree's port(s) {', '.join(taken)} are "
+                              f"taken{moved}")
+    token = uuid.uuid4().hex[:16]
+    controls = {w.rank: _replica_control(w.control, token) for w in metadata.workers}
+    template_control = _replica_control(metadata.template.control, token) if metadata.template is not None else None
+    renamed = {w.control: controls[w.rank] for w in metadata.workers}
+    if metadata.template is not None and template_control is not None:
+        renamed[metadata.template.control] = template_control
+    unix_names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
+    return Replica(port, generation, controls, template_control, unix_names)
+
+
+def _abstract(control: str) -> bytes:
+    address = socket_address(control)
+    return address if isinstance(address, bytes) else address.encode()
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Where an n610 image's GPU state goes on this host: each captured GPU by UUID onto one of this
+    host's (a bijection over the captured ones; empty when nothing moves), and, for staging, the
+    launcher's device ordinal behind each of the engine's."""
+
+    pairs: list[tuple[str, str]]
+    launcher_ordinals: dict[int, int]
+
+
+def _visible(value: str | None, uuids: list[str], where: str) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` (ordinals or UUIDs, comma-separated) as UUIDs of ``uuids``; all of them
+    when unset. ``ValueError`` names a device that is not there."""
+    if value is None:
+        return list(uuids)
+    chosen = []
+    for token in (t.strip() for t in value.split(",") if t.strip()):
+        if token.isdigit() and int(token) < len(uuids):
+            chosen.append(uuids[int(token)])
+        elif token in uuids:
+            chosen.append(token)
+        else:
+            raise ValueError(f"GPU {token} is not among the {len(uuids)} GPU(s) {where}")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={value} names a GPU twice")
+    return chosen
+
+
+def gpu_remap(captured: list[str], captured_visible: str | None, current: list[str],
+              requested_visible: str | None) -> GpuPlacement:
+    """The engine saw ``captured_visible`` of the capture host's ``captured`` GPUs; it is to see
+    ``requested_visible`` of this host's ``current`` ones, in that order. ``ValueError`` when that cannot be."""
+    used = _visible(captured_visible, captured, "the capture host had")
+    target = _visible(requested_visible, current, "this host has")
+    if len(target) < len(used):
+        raise ValueError(f"the image's engine used {len(used)} GPU(s); {len(target)} placed")
+    mapping = dict(zip(used, target))
+    spare = [uuid for uuid in current if uuid not in mapping.values()]
+    for uuid in captured:  # the driver wants every captured GPU mapped, each onto a GPU of its own
+        if uuid not in mapping:
+            if not spare:
+                raise ValueError(f"this host has too few GPUs to map the capture's {len(captured)}")
+            mapping[uuid] = uuid if uuid in spare else spare[0]
+            spare.remove(mapping[uuid])
+    pairs = [(old, new) for old, new in mapping.items()] if any(o != n for o, n in mapping.items()) else []
+    return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(uuid) for i, uuid in enumerate(target)})
+
+
+def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> GpuPlacement:
+    """This restore's :class:`GpuPlacement` (``admission.gpu`` when the request's GPUs are not there):
+    the request's ``CUDA_VISIBLE_DEVICES`` (``--gpu``) against the capture's."""
+    metadata = capsule.metadata
+    if not metadata.gpu_pids:
+        return GpuPlacement(pairs=[], launcher_ordinals={})
+    try:
+        captured_request = json.loads(artifact.request_path.read_text())
+        captured_visible = (captured_request.get("units") or [{}])[0].get("env", {}).get("CUDA_VISIBLE_DEVICES")
+    except (OSError, ValueError, AttributeError):
+        captured_visible = None
+    try:
+        return gpu_remap(metadata.gpu_uuids, captured_visible, [d["uuid"] for d in cuda_devices()],
+                         context.request.units[0].env.get("CUDA_VISIBLE_DEVICES"))
+    except ValueError as exc:
+        raise OperationFailed("admission.gpu", str(exc)) from None
 
 
 WeightSource = Literal["native", "recovery"]
 
 
 def serving_port(context: OperationContext, capsule: CapsuleManifest) -> int:
-    """Where the restored server will listen: an n580 template is placed on the request's serving port;
-    an n610 image listens where it was captured (a request for another port is refused)."""
-    requested, captured = context.request.units[0].serving_port, capsule.metadata.serving_port
-    if capsule.metadata.template is not None:
-        return requested or captured
-    if requested not in (None, captured):
-        raise OperationFailed("admission.placement", f"an n610 image serves on its captured port {captured}; "
-                              f"restoring it on port {requested} is not built (n580 templates take any port)")
-    return captured
+    """Where the restored server will listen: the request's serving port, else the captured one (an n610
+    image gets there by its port generation, an n580 template by its placement)."""
+    return context.request.units[0].serving_port or capsule.metadata.serving_port
 
 
 def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: list[WorkerRecord],
@@ -249,20 +379,22 @@ class _Unusable(Exception):
 
 def restore(context: OperationContext) -> OperationOutcome:
     artifact = ArtifactDir(Path(context.request.artifact))
-    descriptor, capsule, sources = admit(context, artifact)
+    descriptor, capsule, sources, replica = admit(context, artifact)
     placement = None
     if descriptor.snapshot_driver == "n580":  # what the template will be handed, checked before anything starts
-        from coldsnap.activation.engine_process import new_control_name
         from coldsnap.activation.n580 import TemplateRestore, template_placement
 
         with context.timer.span("restore.admission.placement"):
-            placement = template_placement(context, artifact, descriptor, capsule, sources, new_control_name())
+            placement = template_placement(context, artifact, descriptor, capsule, sources, replica.controls[0])
+    else:
+        with context.timer.span("restore.admission.gpus"):
+            gpus = gpu_placement(context, artifact, capsule)
     if context.request.prepare_only:
         context.progress("admission passed; --prepare-only: nothing started")
         return OperationOutcome(artifact=str(artifact.root))
     if placement is not None:
-        return TemplateRestore(context, artifact, descriptor, capsule, sources, placement).run()
-    return RestoreSequence(context, artifact, descriptor, capsule, sources).run()
+        return TemplateRestore(context, artifact, descriptor, capsule, sources, replica, placement).run()
+    return RestoreSequence(context, artifact, descriptor, capsule, sources, replica, gpus=gpus).run()
 
 
 class RestoreSequence:
@@ -276,7 +408,11 @@ class RestoreSequence:
     error codes after the step (``restore.criu``)."""
 
     def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
-                 capsule: CapsuleManifest, sources: dict[int, WeightSource], restored_pid: int | None = None):
+                 capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica | None,
+                 restored_pid: int | None = None, controls: list[str] | None = None,
+                 gpus: "GpuPlacement | None" = None):
+        """``replica``: this restore's place (admission's); a standby's wake has none — it is handed the
+        parked tree's ``restored_pid`` and agent ``controls`` instead."""
         self.context = context
         self.op = context.request.operation
         self.timer = context.timer
@@ -285,8 +421,13 @@ class RestoreSequence:
         self.unit = descriptor.units[0]
         self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
         self.metadata = capsule.metadata
-        self.serving_port = capsule.metadata.serving_port
+        self.replica = replica
+        self.serving_port = replica.serving_port if replica is not None else capsule.metadata.serving_port
         self.records = {record.rank: record for record in self.metadata.workers}
+        self.controls = (dict(enumerate(controls)) if controls is not None else replica.controls if replica is not None
+                         else {rank: record.control for rank, record in self.records.items()})
+        self.gpus = gpus
+        self.host_pids: dict[int, int] = {}  # captured pid → its pid on this host (a replica's namespace)
         self.sources = sources  # rank → where admission found its weights
         self.stagers: dict[int, WeightStager] = {}
         self.prefetch_errors: list[BaseException] = []
@@ -343,7 +484,8 @@ class RestoreSequence:
             regions = self.records[w.rank].regions
             if self.sources[w.rank] == "native" and w.payload is not None and WeightStager.stageable(regions):
                 self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
-                                                    w.layout_digest, self.timer.now_ns)
+                                                    w.layout_digest, self.timer.now_ns,
+                                                    self.gpus.launcher_ordinals if self.gpus is not None else {})
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
             state_dir = self.state_dir()
             for stager in self.stagers.values():
@@ -351,16 +493,28 @@ class RestoreSequence:
             self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
             self.warmer.start()
             span["state_dir"] = str(state_dir)
+            images = self.replica_images(state_dir)
             options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
-            result = CriuSnapshotter(options=options).restore(self.artifact.images(self.unit.unit_id), state_dir,
-                                                              self.artifact.root)
+            result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root)
             self.restored_pid = span["pid"] = result.pid
+            self.host_pids = result.host_pids
         self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
 
+    def replica_images(self, state_dir: Path) -> Path:
+        """The images CRIU restores this replica from: the capture's, with ``files.img`` rewritten for its
+        ports and sockets in ``state_dir`` (the artifact is only read)."""
+        assert self.replica is not None
+        return replica_images(self.artifact.images(self.unit.unit_id), state_dir / "images",
+                              self.replica.generation, self.replica.unix_names)
+
     def state_dir(self) -> Path:
-        """The artifact's state directory, made if needed (``restore.state_dir`` when it cannot be)."""
+        """This replica's state directory under the artifact's, made if needed (``restore.state_dir`` when
+        it cannot be): restores on other ports share nothing in it."""
+        assert self.replica is not None
         try:
-            return self.artifact.state_dir()
+            path = self.artifact.state_dir() / self.replica.name
+            path.mkdir(exist_ok=True, mode=0o700)
+            return path
         except OSError as exc:
             raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: "
                                   f"{exc} (choose one with --state-dir or {STATE_DIR_ENV})") from None
@@ -381,18 +535,22 @@ class RestoreSequence:
     def take_lease(self) -> None:
         """Until the canary matches, the restored tree dies with this launcher."""
         with self.step(f"{self.op}.lease", "restore.lease"):
-            self.lease = Lease([self.records[w.rank].control for w in self.workers])
+            self.lease = Lease([self.controls[w.rank] for w in self.workers])
 
     def restore_cuda(self) -> None:
         gpu_pids = list(self.metadata.gpu_pids)
         if not gpu_pids:
             return
         with self.step(f"{self.op}.cuda_restore", "restore.cuda") as span:
-            # Same ordinal, maybe another GPU: remap the captured UUIDs onto this host's.
-            current = [d["uuid"] for d in cuda_devices()]
-            pairs = [(old, new) for old, new in zip(self.metadata.gpu_uuids, current) if old != new]
-            TreeCheckpoint().restore(gpu_pids, pairs)
+            # The placed GPUs, by UUID; a replica's processes by their pids on this host.
+            pairs = self.gpus.pairs if self.gpus is not None else []
+            TreeCheckpoint().restore([self.host_pid(pid) for pid in gpu_pids], pairs)
             span["processes"] = len(gpu_pids)
+            if pairs:
+                span["gpus_remapped"] = ",".join(f"{old}->{new}" for old, new in pairs)
+
+    def host_pid(self, captured: int) -> int:
+        return self.host_pids.get(captured, captured)
 
     def collect_staged_weights(self) -> None:
         """The chunks each stager hydrated, exported for its rank's resume. A failed staging is a warning:
@@ -432,7 +590,7 @@ class RestoreSequence:
             bars = PhaseProgress(f"coldsnap {self.op} [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")
 
             def resume(w: Any) -> ResumeReply:
-                return AgentClient(self.records[w.rank].control).resume(
+                return AgentClient(self.controls[w.rank]).resume(
                     self._resume_command(w, coordinator), on_progress=bars if w.rank == 0 else None,
                     fds=self.fds_by_rank.get(w.rank, []))
 

@@ -36,6 +36,8 @@ class WeightStager:
     residual: Path | None
     layout_digest: str
     now_ns: Any
+    devices: dict[int, int] = field(default_factory=dict)
+    """The engine's device ordinal → this launcher's, where a restore places the engine on other GPUs."""
     staged: dict[str, StableRegion] = field(default_factory=dict)
     error: BaseException | None = None
     stats: dict[str, Any] = field(default_factory=dict)
@@ -59,7 +61,8 @@ class WeightStager:
         self.started_ns = self.now_ns()
         try:
             for tag, record in self.stageable(self.regions).items():
-                region = reserve_staging(tag, record.high_water, device=record.device, chunk_bytes=record.chunk_bytes)
+                region = reserve_staging(tag, record.high_water, device=self.devices.get(record.device, record.device),
+                                         chunk_bytes=record.chunk_bytes)
                 self.staged[tag] = region
                 region.map(record.high_water)
             keep_going = self._keep_going

@@ -34,7 +34,7 @@ from typing import Callable, ClassVar, Literal
 from pydantic import Field
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
-from coldsnap.activation.restore import RestoreSequence, admit, weight_sources
+from coldsnap.activation.restore import RestoreSequence, admit, gpu_placement, weight_sources
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.state import STANDBY_RECORD, standby_record_file
 from coldsnap.agent.client import AgentClient, AgentError
@@ -129,9 +129,10 @@ def warm(context: OperationContext) -> OperationOutcome:
                          f"{existing.operation_id})")
         return OperationOutcome(artifact=str(artifact.root), warnings=[
             f"a warm standby of this artifact already runs (pid {existing.pid}); no second one was started"])
-    descriptor, capsule, sources = admit(context, artifact)
+    descriptor, capsule, sources, replica = admit(context, artifact)
     ttl_s = context.request.standby_ttl_s or DEFAULT_TTL_S
-    return RestoreSequence(context, artifact, descriptor, capsule, sources).run_warm(
+    gpus = gpu_placement(context, artifact, capsule)
+    return RestoreSequence(context, artifact, descriptor, capsule, sources, replica, gpus=gpus).run_warm(
         lambda sequence: _park(sequence, ttl_s))
 
 
@@ -139,7 +140,7 @@ def _park(sequence: RestoreSequence, ttl_s: int) -> None:
     """Every rank parks (collectives rebuilt together), then the standby is recorded."""
     assert sequence.restored_pid is not None
     path = record_path(sequence.artifact)
-    controls = [sequence.records[w.rank].control for w in sequence.workers]
+    controls = [sequence.controls[w.rank] for w in sequence.workers]
     with sequence.step("warm.standby", "warm.standby") as span, \
             ActivationCoordinator(len(sequence.workers)) as coordinator:
         calls: list[tuple[int, Callable[[], StandbyReply]]] = [(w.rank, functools.partial(AgentClient(control).standby, Standby(
@@ -161,7 +162,7 @@ def _park(sequence: RestoreSequence, ttl_s: int) -> None:
         record = StandbyRecord(format=1, standby_id=path.parent.name, artifact=str(sequence.artifact.root),
                                operation_id=sequence.context.request.operation_id, pid=sequence.restored_pid,
                                start_ticks=start_ticks, controls=controls,
-                               serving_port=sequence.metadata.serving_port, warmed_unix_ns=time.time_ns(), ttl_s=ttl_s)
+                               serving_port=sequence.serving_port, warmed_unix_ns=time.time_ns(), ttl_s=ttl_s)
         write_atomic(path, record.canonical_json() + b"\n")
         span["standby_id"] = record.standby_id
         span["ttl_s"] = ttl_s
@@ -196,7 +197,9 @@ def wake(context: OperationContext) -> OperationOutcome:
             raise OperationFailed("admission.artifact", f"{artifact.root}: {exc}") from None
     with context.timer.span("wake.admission.payload") as span:
         sources = weight_sources(context, artifact, descriptor.units[0].workers, span)
-    sequence = RestoreSequence(context, artifact, descriptor, capsule, sources, restored_pid=record.pid)
+    sequence = RestoreSequence(context, artifact, descriptor, capsule, sources, None, restored_pid=record.pid,
+                               controls=record.controls)
+    sequence.serving_port = record.serving_port or capsule.metadata.serving_port
     try:
         outcome = sequence.run_wake()
     finally:  # served or stopped: either way no longer a standby

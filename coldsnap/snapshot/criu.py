@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
+import signal
 import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -153,8 +156,14 @@ class DumpResult:
 @dataclass(frozen=True)
 class RestoreResult:
     pid: int
-    """The restored root process (same pid as at capture)."""
+    """The restored root process, as this host sees it."""
     seconds: float
+    host_pids: dict[int, int] = field(default_factory=dict)
+    """A replica's pids on this host by their captured (namespace) pid; empty when restored with the
+    captured pids themselves."""
+
+    def host_pid(self, captured: int) -> int:
+        return self.host_pids.get(captured, captured)
 
 
 def _log_tail(path: Path) -> str:
@@ -208,18 +217,23 @@ class CriuSnapshotter:
         return DumpResult(seconds=seconds, image_bytes=_tree_bytes(images), pids=pids)
 
     def restore(self, images: Path, state_dir: Path, owned_root: Path | None = None, timeout: float = 600,
-                wait_for_pids_s: float = 10.0) -> RestoreResult:
+                wait_for_pids_s: float = 10.0, replica: bool = True) -> RestoreResult:
         """Restore the tree detached (it keeps running after this returns); returns its root pid.
 
         Nothing is written into ``images``: CRIU's log, stats and pidfile go to ``state_dir/criu``, and
         the files the dump took as external (under ``owned_root``, the artifact) are handed to the tree
         as fresh copies in ``state_dir`` (``--inherit-fd``). On failure CRIU kills whatever it had
         restored, so nothing of the tree is left running.
+
+        ``replica`` (the default): the tree gets its own pid and mount namespaces and ``/dev/shm``
+        (:mod:`coldsnap.snapshot.replica_init`), so restores of one image can run side by side; the
+        result names its pids as this host sees them. Without it, the tree takes back its captured pids
+        in the host's namespace (waiting up to ``wait_for_pids_s`` for a previous incarnation to go).
         """
         from coldsnap.snapshot import process_tree
 
         try:
-            state = process_tree.prepare_restore(images, wait_for_pids_s)
+            state = process_tree.prepare_restore(images, wait_for_pids_s, host_namespace=not replica)
         except process_tree.ImageStateError as exc:
             raise CriuError("restore", None, str(exc)) from None
         work = state_dir / "criu"
@@ -233,24 +247,80 @@ class CriuSnapshotter:
                 raise CriuError("restore", None,
                                 "the image has files of its artifact open (its log); restore needs the artifact's root")
             inherited = process_tree.inherited_files(state, owned_root, state_dir)
+        args = ["restore", "-D", str(images), "-W", str(work), "-o", log, "--pidfile", str(pidfile),
+                *self.options.args(),
+                *(argument for key, fd in inherited.items() for argument in ("--inherit-fd", f"fd[{fd}]:{key}")),
+                *_log_level()]
         started = time.monotonic()
         try:
-            args = ["restore", "-D", str(images), "-W", str(work), "-d", "-o", log, "--pidfile", str(pidfile),
-                    *self.options.args(),
-                    *(argument for key, fd in inherited.items() for argument in ("--inherit-fd", f"fd[{fd}]:{key}")),
-                    *_log_level()]
-            result = self.criu._run("restore", args, timeout=timeout, pass_fds=tuple(inherited.values()))
+            if replica:
+                pid, pids = self._restore_replica(images, state.pids[0], args, work / log, timeout, inherited)
+            else:
+                pid, pids = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited), {}
         finally:
             for fd in inherited.values():
                 os.close(fd)
-        seconds = time.monotonic() - started
+        return RestoreResult(pid=pid, seconds=time.monotonic() - started, host_pids=pids)
+
+    def _restore_here(self, args: list[str], log: Path, pidfile: Path, timeout: float,
+                      inherited: dict[str, int]) -> int:
+        result = self.criu._run("restore", args, timeout=timeout, pass_fds=tuple(inherited.values()))
         if result.returncode != 0:
-            raise CriuError("restore", result.returncode, _log_tail(work / log) or _tail(result.stderr))
+            raise CriuError("restore", result.returncode, _log_tail(log) or _tail(result.stderr))
         try:
-            pid = int(pidfile.read_text().strip())
+            return int(pidfile.read_text().strip())
         except (OSError, ValueError):
             raise CriuError("restore", None, f"CRIU reported success but wrote no pid to {pidfile}") from None
-        return RestoreResult(pid=pid, seconds=seconds)
+
+    def _restore_replica(self, images: Path, root_pid: int, args: list[str], log: Path, timeout: float,
+                         inherited: dict[str, int]) -> tuple[int, dict[int, int]]:
+        """CRIU as the first process of new pid and mount namespaces (``unshare``); returns the root's pid
+        on this host and every restored pid's host pid by its captured one."""
+        from coldsnap.snapshot import process_tree
+        from coldsnap.snapshot.replica_init import READY
+
+        unshare = shutil.which("unshare")
+        if unshare is None:
+            raise CriuError("restore", None, "no unshare (util-linux) on PATH: a replica restore needs it")
+        command = [unshare, "--pid", "--fork", "--mount-proc", "--", sys.executable, "-m",
+                   "coldsnap.snapshot.replica_init", str(images), str(root_pid), self.criu.path, *args]
+        try:
+            # Its own session: the replica must not get the launcher's terminal signals (^C).
+            launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, pass_fds=tuple(inherited.values()),
+                                        start_new_session=True)
+        except OSError as exc:
+            raise CriuError("restore", exc.errno, str(exc)) from None
+        assert launcher.stdout is not None and launcher.stderr is not None
+        ready = select.select([launcher.stdout], [], [], timeout)[0] and launcher.stdout.readline() == READY
+        if not ready:  # CRIU failed (pid 1 gone: unshare exits with its status) or ran out of time
+            try:
+                status = launcher.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                status = launcher.wait()
+            stderr = launcher.stderr.read().decode(errors="replace")
+            launcher.stdout.close()
+            launcher.stderr.close()
+            raise CriuError("restore", status, _log_tail(log) or _tail(stderr) or f"timed out after {timeout:.0f} s")
+        launcher.stdout.close()
+        launcher.stderr.close()
+        # unshare → pid 1 (the reaper) → the restored root: the pids as this host sees them.
+        init = _children(launcher.pid)
+        roots = _children(init[0]) if init else []
+        if not roots:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            raise CriuError("restore", None, "CRIU reported the tree restored, but its root is gone")
+        pids = {process_tree.namespace_pid(pid): pid for pid in process_tree.tree_pids(roots[0])}
+        return roots[0], pids
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as handle:
+            return [int(child) for child in handle.read().split()]
+    except OSError:
+        return []
 
 
 def _log_level() -> list[str]:

@@ -24,7 +24,8 @@ from typing import Any, Iterator
 from coldsnap.atomic import write_atomic
 from coldsnap.host import PF_EXITING, stat_fields
 
-__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "inherited_files", "STATE_FILE"]
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "restore_shm", "namespace_pid", "inherited_files",
+           "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
 SHM_DIR = Path("/dev/shm")
@@ -245,29 +246,14 @@ def copy_sparse(source: Path, target: Path) -> int:
     return written
 
 
-def prepare_restore(images: Path, wait_for_pids_s: float = 10.0) -> TreeFiles:
-    """Put the host back in the state the image expects; raises :class:`ImageStateError` if it cannot."""
+def prepare_restore(images: Path, wait_for_pids_s: float = 10.0, host_namespace: bool = True) -> TreeFiles:
+    """Put the host back in the state the image expects; raises :class:`ImageStateError` if it cannot.
+    ``host_namespace``: the tree takes its captured pids and ``/dev/shm`` names on the host itself (not a
+    replica in namespaces of its own, whose ``/dev/shm`` :mod:`coldsnap.snapshot.replica_init` fills)."""
     state = TreeFiles.load(images)
-    deadline = time.monotonic() + wait_for_pids_s
-    while True:
-        busy = [pid for pid in state.pids if os.path.exists(f"/proc/{pid}")]
-        if not busy:
-            break
-        if time.monotonic() >= deadline:
-            raise ImageStateError(
-                f"pids {busy[:8]} of the image are still in use after {wait_for_pids_s:.0f} s "
-                "(the previous incarnation is still running or not reaped)"
-            )
-        time.sleep(0.02)
-    # Always the captured bytes: a previous incarnation killed mid-flight leaves its /dev/shm files
-    # behind with *its* state (vLLM's shared-memory message queues advanced past the captured
-    # position), and a restored tree mapping them desynchronizes. Replaced by rename, so a process
-    # still holding an old file keeps its own inode.
-    for name in state.shm:
-        target = SHM_DIR / name
-        tmp = SHM_DIR / f".{name}.coldsnap-tmp"
-        copy_sparse(images / "devshm" / name, tmp)
-        os.replace(tmp, target)
+    if host_namespace:
+        _wait_for_pids(state.pids, wait_for_pids_s)
+        restore_shm(images, state, SHM_DIR)
     for path, size in state.appended.items():
         try:
             current = os.stat(path).st_size
@@ -283,6 +269,44 @@ def prepare_restore(images: Path, wait_for_pids_s: float = 10.0) -> TreeFiles:
                 shutil.copyfileobj(source, copy)
             os.truncate(path, size)
     return state
+
+
+def _wait_for_pids(pids: list[int], wait_for_pids_s: float) -> None:
+    deadline = time.monotonic() + wait_for_pids_s
+    while True:
+        busy = [pid for pid in pids if os.path.exists(f"/proc/{pid}")]
+        if not busy:
+            return
+        if time.monotonic() >= deadline:
+            raise ImageStateError(
+                f"pids {busy[:8]} of the image are still in use after {wait_for_pids_s:.0f} s "
+                "(the previous incarnation is still running or not reaped)"
+            )
+        time.sleep(0.02)
+
+
+def restore_shm(images: Path, state: TreeFiles, shm_dir: Path) -> None:
+    """The image's saved /dev/shm files, put back in ``shm_dir``. Always the captured bytes: a previous
+    incarnation killed mid-flight leaves its /dev/shm files behind with *its* state (vLLM's shared-memory
+    message queues advanced past the captured position), and a restored tree mapping them desynchronizes.
+    Replaced by rename, so a process still holding an old file keeps its own inode."""
+    for name in state.shm:
+        tmp = shm_dir / f".{name}.coldsnap-tmp"
+        copy_sparse(images / "devshm" / name, tmp)
+        os.replace(tmp, shm_dir / name)
+
+
+def namespace_pid(pid: int) -> int:
+    """``pid``'s number in its own (innermost) pid namespace (``NSpid``'s last field); ``pid`` itself
+    when /proc does not say."""
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return pid
 
 
 def inherited_files(state: TreeFiles, artifact_root: Path, state_dir: Path) -> dict[str, int]:

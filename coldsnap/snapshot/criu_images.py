@@ -1,0 +1,229 @@
+"""Read and rewrite the sockets of a CRIU image, without CRIU's own tools.
+
+A replica restored on another serving port needs its listening sockets bound elsewhere, and one
+restored next to another replica of the same image needs its own abstract unix socket names. Both live
+in ``files.img``: a CRIU image file is two little-endian u32 magics, then entries, each a u32 length and
+a protobuf ``file_entry`` (``images/fdinfo.proto`` of CRIU); an inet socket is its field ``isk``
+(``inet_sk_entry``, ``images/sk-inet.proto``), a unix socket its field ``usk`` (``unix_sk_entry``,
+``images/sk-unix.proto``). This module decodes just enough protobuf wire format to change those few
+fields and re-encodes everything else byte for byte (fields it does not know included), so a copy
+rewritten with no change is the original. The hosts have no ``crit``/``pycriu``; this needs neither.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+__all__ = ["ImageFormatError", "InetSocket", "UnixSocket", "FILES_IMAGE", "read_sockets", "rewrite_sockets"]
+
+FILES_IMAGE = "files.img"
+
+# file_entry fields, fd_types values (images/fdinfo.proto)
+_FILE_TYPE, _FILE_ISK, _FILE_USK = 1, 4, 16
+_INETSK, _UNIXSK = 4, 5
+# inet_sk_entry fields (images/sk-inet.proto)
+_ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_STATE, _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR = 2, 3, 4, 6, 7, 8, 11
+# unix_sk_entry fields (images/sk-unix.proto)
+_USK_INO, _USK_STATE, _USK_NAME = 2, 4, 11
+
+_VARINT, _FIXED64, _LENGTH, _FIXED32 = 0, 1, 2, 5
+
+
+class ImageFormatError(ValueError):
+    """A CRIU image file this module cannot read (truncated, or not protobuf where protobuf belongs)."""
+
+
+Field = tuple[int, int, int | bytes]  # (number, wire type, value: an int for varints, raw bytes otherwise)
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if at >= len(data) or shift > 63:
+            raise ImageFormatError("truncated varint")
+        byte = data[at]
+        at += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, at
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _decode(message: bytes) -> list[Field]:
+    fields: list[Field] = []
+    at = 0
+    while at < len(message):
+        key, at = _varint(message, at)
+        number, wire = key >> 3, key & 7
+        if wire == _VARINT:
+            value, at = _varint(message, at)
+            fields.append((number, wire, value))
+            continue
+        if wire == _LENGTH:
+            size, at = _varint(message, at)
+        elif wire in (_FIXED64, _FIXED32):
+            size = 8 if wire == _FIXED64 else 4
+        else:
+            raise ImageFormatError(f"unsupported protobuf wire type {wire}")
+        if at + size > len(message):
+            raise ImageFormatError("truncated field")
+        fields.append((number, wire, message[at:at + size]))
+        at += size
+    return fields
+
+
+def _encode(fields: list[Field]) -> bytes:
+    out = bytearray()
+    for number, wire, value in fields:
+        out += _encode_varint(number << 3 | wire)
+        if wire == _VARINT:
+            assert isinstance(value, int)
+            out += _encode_varint(value)
+        else:
+            assert isinstance(value, bytes)
+            if wire == _LENGTH:
+                out += _encode_varint(len(value))
+            out += value
+    return bytes(out)
+
+
+def _first(fields: list[Field], number: int, default: int | bytes = 0) -> int | bytes:
+    return next((value for n, _, value in fields if n == number), default)
+
+
+def _read_entries(path: Path) -> tuple[bytes, list[bytes]]:
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise ImageFormatError(f"{path.name}: too short for a CRIU image")
+    header, entries, at = data[:8], [], 8
+    while at < len(data):
+        if at + 4 > len(data):
+            raise ImageFormatError(f"{path.name}: truncated entry length")
+        (size,) = struct.unpack_from("<I", data, at)
+        at += 4
+        if at + size > len(data):
+            raise ImageFormatError(f"{path.name}: truncated entry")
+        entries.append(data[at:at + size])
+        at += size
+    return header, entries
+
+
+@dataclass(frozen=True)
+class InetSocket:
+    """An inet socket of the image: ``family`` 2 (IPv4) or 10 (IPv6), ``kind`` 1 (stream) or 2 (datagram),
+    ``state`` the kernel's TCP state (10 listening, 7 closed/unconnected, 1 established...)."""
+
+    ino: int
+    family: int
+    kind: int
+    state: int
+    src_port: int
+    dst_port: int
+    src_addr: bytes  # the address, packed (4 or 16 bytes)
+
+    LISTEN = 10
+    CLOSE = 7
+
+    @property
+    def bound(self) -> bool:
+        """Holds a local port that is its own (listening, or a bound unconnected socket) — not a connection's."""
+        return self.src_port != 0 and (self.state == self.LISTEN or (self.state == self.CLOSE and self.dst_port == 0))
+
+
+@dataclass(frozen=True)
+class UnixSocket:
+    ino: int
+    state: int
+    name: bytes  # b"\\0..." for an abstract name, a path otherwise, b"" unbound
+
+    @property
+    def abstract(self) -> bool:
+        return self.name[:1] == b"\0"
+
+
+def _inet(fields: list[Field]) -> InetSocket:
+    words = [value for n, wire, value in fields if n == _ISK_SRC_ADDR]
+    if len(words) == 1 and isinstance(words[0], bytes):  # packed repeated field
+        packed, words, at = words[0], [], 0
+        while at < len(packed):
+            word, at = _varint(packed, at)
+            words.append(word)
+    # CRIU stores the address as the kernel's 32-bit words, in memory (network) order.
+    address = b"".join(struct.pack("<I", int(w)) for w in words)
+    ino, family, kind, state, src_port, dst_port = (int(_first(fields, n)) for n in (
+        _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_STATE, _ISK_SRC_PORT, _ISK_DST_PORT))
+    return InetSocket(ino, family, kind, state, src_port, dst_port, address)
+
+
+def _unix(fields: list[Field]) -> UnixSocket:
+    name = _first(fields, _USK_NAME, b"")
+    return UnixSocket(int(_first(fields, _USK_INO)), int(_first(fields, _USK_STATE)),
+                      name if isinstance(name, bytes) else b"")
+
+
+def read_sockets(images: Path) -> tuple[list[InetSocket], list[UnixSocket]]:
+    """The inet and unix sockets recorded in ``images/files.img``."""
+    path = images / FILES_IMAGE
+    inet: list[InetSocket] = []
+    unix: list[UnixSocket] = []
+    for entry in _read_entries(path)[1]:
+        fields = _decode(entry)
+        kind = _first(fields, _FILE_TYPE)
+        if kind == _INETSK:
+            inet.append(_inet(_decode(_nested(fields, _FILE_ISK, path))))
+        elif kind == _UNIXSK:
+            unix.append(_unix(_decode(_nested(fields, _FILE_USK, path))))
+    return inet, unix
+
+
+def _nested(fields: list[Field], number: int, path: Path) -> bytes:
+    value = _first(fields, number, b"")
+    if not isinstance(value, bytes):
+        raise ImageFormatError(f"{path.name}: field {number} is not a message")
+    return value
+
+
+def rewrite_sockets(source: Path, target: Path, port: Callable[[InetSocket], int | None],
+                    unix_names: dict[bytes, bytes]) -> int:
+    """Copy ``source/files.img`` to ``target/files.img`` with each inet socket's source port replaced by
+    ``port(socket)`` (``None``: kept) and each unix socket named in ``unix_names`` renamed. Returns how
+    many sockets changed. Every other byte of every entry is kept as it was."""
+    header, entries = _read_entries(source / FILES_IMAGE)
+    changed = 0
+    out = bytearray(header)
+    for entry in entries:
+        fields = _decode(entry)
+        kind = _first(fields, _FILE_TYPE)
+        new_entry = entry
+        if kind in (_INETSK, _UNIXSK):
+            number = _FILE_ISK if kind == _INETSK else _FILE_USK
+            inner = _decode(_nested(fields, number, source / FILES_IMAGE))
+            if kind == _INETSK:
+                wanted = port(_inet(inner))
+                replacement: list[Field] = [(n, w, wanted if n == _ISK_SRC_PORT and wanted is not None else v)
+                                            for n, w, v in inner]
+            else:
+                name = _unix(inner).name
+                replacement = [(n, w, unix_names[name] if n == _USK_NAME and name in unix_names else v)
+                               for n, w, v in inner]
+            if replacement != inner:
+                changed += 1
+                new_entry = _encode([(n, w, _encode(replacement) if n == number else v) for n, w, v in fields])
+        out += struct.pack("<I", len(new_entry)) + new_entry
+    (target / FILES_IMAGE).write_bytes(bytes(out))
+    return changed

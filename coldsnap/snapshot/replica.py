@@ -1,0 +1,104 @@
+"""One restore's own copy of a CRIU image's sockets: the port generation and per-replica names.
+
+Several restores of one image may run on a host at once, each on its own serving port. The image
+records the ports its sockets were bound to at capture, so a restore on another port restores from a
+per-restore image directory: every file of the captured images linked, except ``files.img``, rewritten
+(:mod:`coldsnap.snapshot.criu_images`). The committed images are only read.
+
+The **port generation** is the seeds' "one fixed shift that maps the captured serving port to the
+requested port": every socket the tree had bound for itself (listening TCP, bound UDP, on any
+address) moves by the same shift, so the engine's other listeners (a TCP store, a metrics port) move
+with the serving port and two replicas never share one. Every resulting bind is probed before CRIU
+runs. Abstract unix sockets named by coldsnap (the agent's and the template's control sockets) get the
+replica's own names; they are the only names a launcher connects to by name after the restore.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coldsnap.snapshot.criu_images import FILES_IMAGE, InetSocket, read_sockets, rewrite_sockets
+
+__all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "bound_sockets"]
+
+_PORT_MAX = 65535
+
+
+@dataclass(frozen=True)
+class PortGeneration:
+    """Captured serving port → requested one, and what that does to each of the tree's bound sockets."""
+
+    shift: int
+    moved: dict[int, int] = field(default_factory=dict)
+    """Captured port → its port in this generation, for every bound socket of the tree."""
+
+    def port(self, captured: int) -> int:
+        return self.moved.get(captured, captured)
+
+
+def bound_sockets(images: Path) -> list[InetSocket]:
+    """The inet sockets the tree holds a port of its own with (not a connection's local port)."""
+    if not (images / FILES_IMAGE).is_file():
+        return []
+    return [s for s in read_sockets(images)[0] if s.bound]
+
+
+def port_generation(sockets: list[InetSocket], captured_serving: int, serving: int) -> PortGeneration:
+    """The generation that moves ``captured_serving`` to ``serving``; ``ValueError`` when it would push
+    one of the tree's other ports out of range."""
+    shift = serving - captured_serving
+    moved = {s.src_port: s.src_port + shift for s in sockets}
+    out_of_range = sorted(p for p, q in moved.items() if not 1 <= q <= _PORT_MAX)
+    if out_of_range:
+        raise ValueError(f"serving on port {serving} would move the tree's port(s) {out_of_range} out of range "
+                         f"(shift {shift:+d})")
+    return PortGeneration(shift=shift, moved=moved)
+
+
+def _address(sock: InetSocket) -> str:
+    if sock.family == socket.AF_INET6:
+        return str(ipaddress.IPv6Address(sock.src_addr or bytes(16)))
+    return str(ipaddress.IPv4Address(sock.src_addr or bytes(4)))
+
+
+def probe_binds(sockets: list[InetSocket], generation: PortGeneration) -> list[str]:
+    """Bind every socket of the generation as the tree will (family, type, address, port) and say which
+    cannot be bound now; an empty list means all of them can. Listeners set ``SO_REUSEADDR`` as servers
+    do, so a port whose last connection lingers in TIME_WAIT counts as free, as it will for the tree."""
+    taken = []
+    for sock in sockets:
+        port = generation.port(sock.src_port)
+        address = _address(sock)
+        try:
+            with socket.socket(sock.family, sock.kind) as probe:
+                if sock.kind == socket.SOCK_STREAM:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if sock.family == socket.AF_INET6:
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                probe.bind((address, port))
+                if sock.kind == socket.SOCK_STREAM:
+                    probe.listen(1)  # a listener on the wildcard address is seen only by another listen
+        except OSError as exc:
+            kind = "tcp" if sock.kind == socket.SOCK_STREAM else "udp"
+            taken.append(f"{kind} {address}:{port} ({exc.strerror or exc})")
+    return taken
+
+
+def replica_images(images: Path, target: Path, generation: PortGeneration, unix_names: dict[bytes, bytes]) -> Path:
+    """``target``, emptied and filled with links to every file of ``images`` and a ``files.img`` rewritten
+    for this replica (ports moved by ``generation``, unix sockets renamed by ``unix_names``)."""
+    if target.exists():
+        for entry in target.iterdir():
+            entry.unlink()
+    target.mkdir(parents=True, exist_ok=True)
+    for entry in images.iterdir():
+        if entry.name != FILES_IMAGE:
+            os.symlink(entry.resolve(), target / entry.name)
+    if (images / FILES_IMAGE).is_file():
+        rewrite_sockets(images, target, lambda sock: generation.port(sock.src_port) if sock.bound else None,
+                        unix_names)
+    return target

@@ -1,0 +1,81 @@
+"""The first process of a restored replica's own pid and mount namespaces.
+
+CRIU restores a tree with the pids it had at capture, so two restores of one image cannot share a pid
+namespace. :meth:`coldsnap.snapshot.criu.CriuSnapshotter.restore` therefore runs CRIU as
+``unshare --pid --fork --mount-proc -- python -m coldsnap.snapshot.replica_init ...``; this module,
+pid 1 there:
+
+1. mounts a private tmpfs on ``/dev/shm`` and copies the image's saved ``/dev/shm`` files into it, so
+   replicas whose engines use fixed shared-memory names (vLLM's semaphores and queues) never meet;
+2. replaces itself with ``criu restore`` (no ``-d``), which on success replaces itself with
+   :data:`REAPER`: pid 1 for the replica's life, it reports ``ready`` on its standard output (the
+   launcher's pipe), reaps orphans, and exits when the restored root does — the kernel then kills
+   whatever the tree left, so a replica never outlives its root.
+
+Failures print one line to standard error and exit non-zero: CRIU's own status when it ran.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["READY", "REAPER"]
+
+READY = b"coldsnap-replica-ready\n"
+
+# Run as ``python -S -c REAPER ROOT_PID`` by CRIU's --exec-cmd once the tree is restored: nothing to
+# import, so it is up within milliseconds of CRIU finishing.
+REAPER = """\
+import os, sys
+root = int(sys.argv[1])
+os.write(1, b"coldsnap-replica-ready\\n")
+null = os.open("/dev/null", os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+while True:
+    try:
+        pid, _ = os.wait()
+    except ChildProcessError:
+        break
+    if pid == root:
+        break
+"""
+
+_MS_NOSUID, _MS_NODEV = 2, 4
+
+
+def _mount_private_shm(images: Path) -> None:
+    from coldsnap.snapshot.process_tree import SHM_DIR, TreeFiles, restore_shm
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(b"tmpfs", str(SHM_DIR).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=1777") != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"mount tmpfs on {SHM_DIR}: {os.strerror(errno)}")
+    restore_shm(images, TreeFiles.load(images), SHM_DIR)
+
+
+def main(argv: list[str]) -> int:
+    # replica_init IMAGES ROOT_PID CRIU [CRIU ARGS...]
+    if len(argv) < 3 or os.getpid() != 1:
+        sys.stderr.write("usage: unshare --pid --fork --mount-proc python -m coldsnap.snapshot.replica_init "
+                         "IMAGES ROOT_PID CRIU [ARGS...]\n")
+        return 2
+    images, root_pid, criu = Path(argv[0]), argv[1], argv[2:]
+    try:
+        _mount_private_shm(images)
+    except Exception as exc:  # (pid 1 of a namespace: a traceback here would be lost with it)
+        sys.stderr.write(f"coldsnap replica: {exc}\n")
+        return 1
+    command = [*criu, "--exec-cmd", "--", sys.executable, "-S", "-c", REAPER, root_pid]
+    try:
+        os.execv(command[0], command)
+    except OSError as exc:
+        sys.stderr.write(f"coldsnap replica: cannot run {command[0]}: {exc}\n")
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
