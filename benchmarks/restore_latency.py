@@ -33,6 +33,7 @@ from typing import Any
 
 from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
 from coldsnap.demo import cold_start, engine_commands, run_demo
+from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
 
 
@@ -60,16 +61,19 @@ def run_operation(operation: str, request: dict, work: Path, index: int,
     return json.loads(receipt_path.read_text()), exec_ns, exit_ns
 
 
-def kill_restored(request: dict) -> None:
-    capsule = json.loads((Path(request["artifact"]) / "units" / "unit-0" / "capsule.json").read_text())
-    kill_tree(int(capsule["metadata"]["root_pid"]))
+def kill_restored(receipt: dict) -> None:
+    """Kill the tree a restore (or warm) receipt says it restored: its CRIU step's ``pid``, as this host
+    sees it (each restore runs in pid namespaces of its own)."""
+    pid = restored_pid(receipt)
+    if pid is not None:
+        kill_tree(pid)
 
 
 def restore_once(request: dict, work: Path, index: int, extra: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
     """One `coldsnap restore`: seconds from its exec to the canary's match (what the user waits for), and
     its timeline (:func:`receipt_timeline`); the tree is killed afterwards."""
     receipt, exec_ns, exit_ns = run_operation("restore", request, work, index, extra)
-    kill_restored(request)
+    kill_restored(receipt)
     timeline = receipt_timeline(receipt, exec_ns, exit_ns)
     return timeline.pop("exec → canary matched"), timeline
 
@@ -77,10 +81,10 @@ def restore_once(request: dict, work: Path, index: int, extra: tuple[str, ...] =
 def standby_once(request: dict, work: Path, index: int) -> tuple[float, float, dict[str, float]]:
     """`coldsnap warm` (exec → exit: the standby parked), then `coldsnap wake` of it: seconds from the
     wake's exec to the canary's match, and the wake's timeline; the tree is killed afterwards."""
-    receipt, exec_ns, exit_ns = run_operation("warm", request, work, index)
+    warmed, exec_ns, exit_ns = run_operation("warm", request, work, index)
     warm_s = (exit_ns - exec_ns) / 1e9
     receipt, exec_ns, exit_ns = run_operation("wake", request, work, index)
-    kill_restored(request)
+    kill_restored(warmed)
     timeline = receipt_timeline(receipt, exec_ns, exit_ns)
     return warm_s, timeline.pop("exec → canary matched"), timeline
 

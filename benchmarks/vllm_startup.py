@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from coldsnap.demo import cold_start, sleep_wake_cycle  # noqa: E402
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
+from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
@@ -201,13 +202,14 @@ class Bench:
                                str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
         exit_ns = time.time_ns()
         receipt = json.loads(receipt_path.read_text())
-        capsule = json.loads((self.artifact / "units" / "unit-0" / "capsule.json").read_text())
         try:
             if done.returncode != 0:
                 raise SystemExit(f"restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
             answer = tokens(self.port)
         finally:
-            kill_tree(int(capsule["metadata"]["root_pid"]))
+            pid = restored_pid(receipt)
+            if pid is not None:
+                kill_tree(pid)
             time.sleep(0.5)
         phases = receipt_timeline(receipt, exec_ns, exit_ns)
         seconds = phases.pop("exec → canary matched")  # the restore as the user sees it

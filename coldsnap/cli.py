@@ -586,16 +586,19 @@ def build_parser() -> argparse.ArgumentParser:
         "hydrate the weights and zero the KV cache, and require the canary to give the captured tokens exactly. "
         "On failure everything restored is killed. A restore writes nothing inside DIR (it may be read-only, "
         "moved or a copy): the restored server's log, CRIU's files and validation records go to the state "
-        "directory. An n580 artifact (a pre-CUDA template) is restored, handed its placement (--port, --gpu, the "
-        "native pack to load) and the engine's own startup runs in it before the canary. Exit 0 when serving, 1 on a "
-        "failed restore, 2 for bad input.",
+        "directory. Every restore is a replica of its own: it serves on --port (its tree's bound sockets moved by "
+        "one shift in a per-restore copy of the socket image, every bind probed first), in pid namespaces of its "
+        "own, so one capsule restores several times at once, each on its own port and GPU. An n580 artifact (a "
+        "pre-CUDA template) is restored, handed its placement (--port, --gpu, the native pack to load) and the "
+        "engine's own startup runs in it before the canary. Exit 0 when serving, 1 on a failed restore, 2 for bad "
+        "input.",
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
-    p.add_argument("--port", type=int, metavar="P", help="n580: serve on port P (default: the captured port); an "
-                   "n610 image serves on its captured port only")
-    p.add_argument("--gpu", metavar="N", help="n580: the GPU(s) the engine sees (CUDA_VISIBLE_DEVICES: ordinals or "
-                   "UUIDs; default: the environment's)")
+    p.add_argument("--port", type=int, metavar="P", help="serve on port P (default: the captured port); the "
+                   "tree's other bound ports move by the same shift")
+    p.add_argument("--gpu", metavar="N[,M...]", help="the GPU(s) to place the ranks on, in rank order "
+                   "(CUDA_VISIBLE_DEVICES of this host: ordinals or UUIDs; default: the capture's)")
     _add_weights_flag(p)
     _add_state_dir_flag(p)
     _add_operation_flags(p)

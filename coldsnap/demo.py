@@ -26,8 +26,8 @@ import urllib.error
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.engine_process import ask_canary, post_empty
+from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
@@ -232,8 +232,9 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
     try:
         check = ask_canary(port, CHECK_PROMPT, 8)
     finally:
-        root = ArtifactDir(artifact).read_capsule("unit-0").metadata.root_pid
-        kill_tree(root)
+        pid = restored_pid(restore_receipt)
+        if pid is not None:
+            kill_tree(pid)
     dump = next(s for s in capture_receipt["timing"]["spans"] if s["name"] == "capture.criu_dump")["attributes"]
     # Non-model memory: the tree's resident memory once weights and KV are released (after the CUDA
     # checkpoint that includes the device memory it moved into the processes).

@@ -7,8 +7,10 @@ Every tree a test cares about leads its own process group, so its pid is its pgi
 - ``coldsnap capture`` starts the engine with ``start_new_session=True``; its pid is the capture
   receipt's ``capture.launch`` span attribute ``pid`` (failed receipts carry the span too, once the
   launch step ran) and the capsule's ``metadata.root_pid``;
-- CRIU restores the tree with the same pids, sessions and process groups: a restored tree's pgid is
-  the capsule's ``root_pid``;
+- ``coldsnap restore`` (and ``warm``) restores the tree in pid namespaces of its own (one per replica),
+  where it has its captured pids, sessions and process groups; on this host its processes are the
+  members of :func:`replica_members` (their innermost process group is the capsule's ``root_pid``), its
+  root's host pid is the receipt's (:func:`restored_pid`);
 - cold starts in tests are ``subprocess.Popen(..., start_new_session=True)``: their pid.
 """
 
@@ -23,10 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from coldsnap.host import PF_EXITING, stat_fields
 from coldsnap.snapshot import process_tree
 
 __all__ = ["group_members", "kill_group", "wait_group_gone", "launched_pid", "capsule_root_pid",
-           "restore_killed_at"]
+           "restore_killed_at", "replica_members", "kill_replicas", "wait_replicas_gone"]
 
 def group_members(pgid: int) -> list[int]:
     """The live processes whose process group is ``pgid``, sorted; threads excluded.
@@ -67,6 +70,51 @@ def launched_pid(receipt: dict[str, Any]) -> int | None:
 def capsule_root_pid(artifact: str | os.PathLike[str], unit: str = "unit-0") -> int:
     """The captured tree's root pid (and so the pgid of every restore of it), from the unit's capsule."""
     return int(json.loads((Path(artifact) / "units" / unit / "capsule.json").read_text())["metadata"]["root_pid"])
+
+
+def replica_members(artifact: str | os.PathLike[str], unit: str = "unit-0") -> list[int]:
+    """Host pids of the live processes restored from ``artifact`` (any of its replicas), sorted: those in a
+    pid namespace other than this one whose process group there is the capsule's ``root_pid``. Zombies
+    and exiting processes left out, as in :func:`group_members`."""
+    captured = capsule_root_pid(artifact, unit)
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{entry}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        pgids = fields.get("NSpgid", "").split()
+        if len(pgids) < 2 or int(pgids[-1]) != captured:
+            continue
+        try:
+            stat = stat_fields(entry)
+        except OSError:
+            continue
+        if stat[0] not in (b"Z", b"X") and not int(stat[6]) & PF_EXITING:
+            members.append(int(entry))
+    return sorted(members)
+
+
+def kill_replicas(artifact: str | os.PathLike[str], timeout: float = 10) -> list[int]:
+    """SIGKILL every process restored from ``artifact`` and wait up to ``timeout`` s until none is left;
+    the ones still alive then (``[]``). Never raises: it runs in cleanups."""
+    for pid in replica_members(artifact):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return wait_replicas_gone(artifact, timeout)
+
+
+def wait_replicas_gone(artifact: str | os.PathLike[str], timeout: float) -> list[int]:
+    """Wait up to ``timeout`` s for ``artifact`` to have no live restored process; those left (``[]``: gone)."""
+    deadline = time.monotonic() + timeout
+    while (members := replica_members(artifact)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return members
 
 
 def restore_killed_at(artifact: str | os.PathLike[str], step: str, receipt: str | os.PathLike[str],

@@ -13,10 +13,13 @@ capture refuses a DIR that already has one.
 A restore writes nothing into DIR, so an artifact can ship read-only (an image layer, NFS) and move or
 be copied: what a restore writes lives in its state directory (:func:`state_dir`),
 
-    STATE/<artifact id>/logs/<unit>.log     the restored process's output: the captured log, then its own
-    STATE/<artifact id>/criu/               CRIU's restore logs, stats and pidfile
-    STATE/<artifact id>/records/...         validation records of the artifact's files, where the artifact's
-                                            own no longer match (a moved or copied artifact)
+    STATE/<artifact id>/port-<P>/logs/<unit>.log   the replica serving on P: its output (the captured
+                                                   log, then its own)
+    STATE/<artifact id>/port-<P>/criu/             its CRIU restore logs, stats and pidfile
+    STATE/<artifact id>/port-<P>/images/           its copy of the images (links; files.img rewritten)
+    STATE/<artifact id>/standby.json               the artifact's warm standby, if any
+    STATE/<artifact id>/records/...                validation records of the artifact's files, where the
+                                                   artifact's own no longer match (a moved or copied artifact)
 
 where STATE is ``--state-dir`` / ``COLDSNAP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/coldsnap``, else
 ``/run/coldsnap`` (root), else ``/tmp/coldsnap-<uid>``, and the artifact id is the start of the SHA-256

@@ -279,15 +279,15 @@ def gpu_remap(captured: list[str], captured_visible: str | None, current: list[s
     if len(target) < len(used):
         raise ValueError(f"the image's engine used {len(used)} GPU(s); {len(target)} placed")
     mapping = dict(zip(used, target))
-    spare = [uuid for uuid in current if uuid not in mapping.values()]
-    for uuid in captured:  # the driver wants every captured GPU mapped, each onto a GPU of its own
-        if uuid not in mapping:
+    spare = [gpu for gpu in current if gpu not in mapping.values()]
+    for gpu in captured:  # the driver wants every captured GPU mapped, each onto a GPU of its own
+        if gpu not in mapping:
             if not spare:
                 raise ValueError(f"this host has too few GPUs to map the capture's {len(captured)}")
-            mapping[uuid] = uuid if uuid in spare else spare[0]
-            spare.remove(mapping[uuid])
-    pairs = [(old, new) for old, new in mapping.items()] if any(o != n for o, n in mapping.items()) else []
-    return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(uuid) for i, uuid in enumerate(target)})
+            mapping[gpu] = gpu if gpu in spare else spare[0]
+            spare.remove(mapping[gpu])
+    pairs = list(mapping.items()) if any(old != new for old, new in mapping.items()) else []
+    return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(gpu) for i, gpu in enumerate(target)})
 
 
 def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> GpuPlacement:

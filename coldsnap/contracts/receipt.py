@@ -9,7 +9,7 @@ spans are real intervals.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal, Mapping, Union
 
 from pydantic import Field, model_validator
 
@@ -30,6 +30,7 @@ __all__ = [
     "TimingEnvelope",
     "ErrorRecord",
     "OperationReceipt",
+    "restored_pid",
 ]
 
 RECEIPT_FORMAT = 2
@@ -158,3 +159,13 @@ class OperationReceipt(Contract):
         if self.finished_unix_ns < self.started_unix_ns:
             raise ValueError("finished_unix_ns is before started_unix_ns")
         return self
+
+
+def restored_pid(receipt: Mapping[str, Any]) -> int | None:
+    """The root of the tree a restore (or warm) receipt's operation restored, as the host sees it: its
+    CRIU step's ``pid`` attribute (a restored tree runs in pid namespaces of its own, where it keeps its
+    captured pids). ``None`` when nothing was restored. Works on a receipt's JSON value."""
+    for span in receipt["timing"]["spans"]:
+        if span["name"].endswith(".criu_restore") and "pid" in span.get("attributes", {}):
+            return int(span["attributes"]["pid"])
+    return None

@@ -15,7 +15,7 @@ import torch
 
 from coldsnap.hydrate import CopyItem, HydrationError, hydrate_items
 from coldsnap.memory import AllocationError, RegionError, reserve, reserve_staging
-from tests.processes import capsule_root_pid, group_members, launched_pid, restore_killed_at
+from tests.processes import group_members, kill_replicas, launched_pid, replica_members, restore_killed_at
 
 MiB = 1 << 20
 
@@ -339,7 +339,6 @@ def capture_restore_on_gpu() -> None:
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
     from coldsnap.host import nvidia_kernel_driver
-    from coldsnap.snapshot.process_tree import kill_tree
 
     unqualified = int(nvidia_kernel_driver().split(".")[0]) < 610  # n610's floor (seeds)
     allowed = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1"}
@@ -368,7 +367,6 @@ def capture_restore_on_gpu() -> None:
         assert "capture.cuda_checkpoint" in spans and spans["capture.cuda_checkpoint"]["attributes"]["processes"] == 1
         assert any("unqualified" in w for w in receipt["warnings"]) == unqualified
         descriptor_bytes = open(os.path.join(artifact, "artifact.json"), "rb").read()
-        root_pid = capsule_root_pid(artifact)  # every restored tree's process group
 
         if unqualified:  # refused at admission without the host owner's override, nothing started
             status, receipt, _ = coldsnap("restore", artifact, "--prepare-only", env=strict)
@@ -384,7 +382,7 @@ def capture_restore_on_gpu() -> None:
             print("resume:", resume)
             assert resume["staged"] is True and resume["source"] == "native"  # the launcher hydrated, the agent adopted
             assert complete(port) == expected  # same greedy tokens as a cold start, through the CUDA graph
-            kill_tree(root_pid)
+            kill_replicas(artifact)
 
         # CUDA restore failing: another process holds all GPU memory, so the restored context cannot come back
         filler = subprocess.Popen([sys.executable, "-c", GPU_FILLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -398,7 +396,7 @@ def capture_restore_on_gpu() -> None:
             filler.kill()
             filler.wait()
         time.sleep(0.5)
-        assert group_members(root_pid) == [], "a restored process was left running after the failed restore"
+        assert replica_members(artifact) == [], "a restored process was left running after the failed restore"
         assert open(os.path.join(artifact, "artifact.json"), "rb").read() == descriptor_bytes  # artifact untouched
 
 
@@ -430,7 +428,6 @@ def failure_hygiene_on_gpu() -> None:
     import time
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
-    from coldsnap.snapshot.process_tree import kill_tree
 
     port = _free_port()
     workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
@@ -441,7 +438,6 @@ def failure_hygiene_on_gpu() -> None:
         captured = os.path.join(scratch, "captured")
         status, receipt, err = _coldsnap("capture", "--out", captured, "--", *workload, env=env)
         assert status == 0, (receipt, err[-3000:])
-        root_pid = capsule_root_pid(captured)  # every restored tree's process group
         os.makedirs(root)
         moved = os.path.join(root, "moved")
         shutil.copytree(captured, moved)  # a copy at a new path, new inodes; the original goes away
@@ -459,7 +455,7 @@ def failure_hygiene_on_gpu() -> None:
                 assert _complete(port) == expected, label
                 print(f"{label}: restored in {time.perf_counter() - started:.2f} s, tokens = cold start's")
             finally:
-                kill_tree(root_pid)
+                kill_replicas(artifact)
                 time.sleep(0.5)
 
         before = snapshot_bytes(moved)
@@ -482,16 +478,16 @@ def failure_hygiene_on_gpu() -> None:
                 launcher = restore_killed_at(moved, killed_at, receipt_path, env)
                 assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
                 killed = time.monotonic()
-                while (_alive(root_pid) or root_pid in _gpu_pids()) and time.monotonic() < killed + 20:
+                while (replica_members(moved) or _gpu_pids()) and time.monotonic() < killed + 20:
                     time.sleep(0.1)
-                left = _alive(root_pid)
+                left = replica_members(moved)
                 print(f"launcher SIGKILLed as {killed_at} started: restored tree "
                       f"{'STILL RUNNING' if left else f'gone after {time.monotonic() - killed:.2f} s'}, "
                       f"CUDA contexts left {sorted(_gpu_pids())}")
-                assert not left and group_members(root_pid) == [] and root_pid not in _gpu_pids()
+                assert not left and not _gpu_pids()
                 assert not os.path.exists(receipt_path)
             finally:
-                kill_tree(root_pid)
+                kill_replicas(moved)
                 time.sleep(0.5)
 
         corrupt = os.path.join(root, "corrupt")
@@ -508,7 +504,7 @@ def failure_hygiene_on_gpu() -> None:
         status, receipt, err = _coldsnap("restore", corrupt, env=env)
         print("corrupted pages image:", receipt.get("error"))
         assert status == 1 and receipt["error"]["code"] == "admission.capsule", receipt
-        assert not _alive(root_pid) and root_pid not in _gpu_pids()
+        assert not replica_members(corrupt) and not _gpu_pids()
         assert snapshot_bytes(moved) == before
 
 class NeedsMoreGpus(Exception):
@@ -594,7 +590,6 @@ def tp2_capture_restore_on_gpu() -> None:
     import time
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
-    from coldsnap.snapshot.process_tree import kill_tree
 
     _two_gpus()
     env = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1", "NCCL_NVLS_ENABLE": "0"}
@@ -619,7 +614,6 @@ def tp2_capture_restore_on_gpu() -> None:
         print("prepare:", spans["capture.prepare"]["attributes"])
         assert spans["capture.cuda_checkpoint"]["attributes"]["processes"] == 2
         assert spans["capture.prepare"]["attributes"]["rank1.graphs_released"] == "decode"
-        root_pid = capsule_root_pid(artifact)  # every restored tree's process group
         for attempt in range(2):
             status, receipt, err = coldsnap("restore", artifact)
             print(err[-2000:])
@@ -631,9 +625,9 @@ def tp2_capture_restore_on_gpu() -> None:
             assert resume["staged"] is True and resume["rank1.staged"] is True
             assert resume["graphs_recaptured"] == "decode" == resume["rank1.graphs_recaptured"]
             assert complete(port) == expected  # same tokens as the cold start, through the recaptured graphs
-            kill_tree(root_pid)
+            kill_replicas(artifact)
         time.sleep(0.5)
-        assert group_members(root_pid) == []
+        assert replica_members(artifact) == []
 
 
 def standby_on_gpu() -> None:
@@ -646,7 +640,6 @@ def standby_on_gpu() -> None:
     import time
 
     from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
-    from coldsnap.snapshot.process_tree import kill_tree
 
     port = _free_port()
     workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cuda", "--port", str(port)]
@@ -656,7 +649,6 @@ def standby_on_gpu() -> None:
         artifact = os.path.join(scratch, "artifact")
         status, receipt, err = _coldsnap("capture", "--out", artifact, "--", *workload, env=env)
         assert status == 0, (receipt, err[-3000:])
-        root_pid = capsule_root_pid(artifact)
 
         def standbys() -> list[dict]:
             listed = subprocess.run([sys.executable, "-m", "coldsnap", "status", "--json"], capture_output=True, text=True,
@@ -669,7 +661,7 @@ def standby_on_gpu() -> None:
                 assert status == 0, (warm.get("error"), err[-2000:])
                 parked = next(s for s in warm["timing"]["spans"] if s["name"] == "warm.standby")["attributes"]
                 assert (parked["pinned_bytes"] > 0) == (pin == "1"), parked
-                assert [s["state"] for s in standbys()] == ["standby"] and root_pid in _gpu_pids()
+                assert [s["state"] for s in standbys()] == ["standby"] and set(replica_members(artifact)) & _gpu_pids()
                 started = time.perf_counter()
                 status, wake, err = _coldsnap("wake", artifact, env=env)
                 assert status == 0, (wake.get("error"), err[-2000:])
@@ -677,29 +669,111 @@ def standby_on_gpu() -> None:
                 assert resume["source"] == "native" and resume["pinned"] == (pin == "1"), resume
                 assert _complete(port) == expected
                 print(f"pin {pin}: woken in {time.perf_counter() - started:.2f} s, tokens = cold start's; {resume}")
-                kill_tree(root_pid)
+                kill_replicas(artifact)
             status, _, err = _coldsnap("warm", artifact, env=env)
             assert status == 0, err[-2000:]
-            kill_tree(root_pid)  # killed standby: nothing left, and status forgets it
-            assert standbys() == [] and root_pid not in _gpu_pids()
+            kill_replicas(artifact)  # killed standby: nothing left, and status forgets it
+            assert standbys() == [] and not _gpu_pids()
             status, _, err = _coldsnap("warm", artifact, "--ttl", "3", env=env)
             assert status == 0, err[-2000:]
             deadline = time.monotonic() + 20
-            while group_members(root_pid) and time.monotonic() < deadline:
+            while replica_members(artifact) and time.monotonic() < deadline:
                 time.sleep(0.2)
-            assert group_members(root_pid) == [], "an expired standby was still running"
+            assert replica_members(artifact) == [], "an expired standby was still running"
             time.sleep(1)
-            assert root_pid not in _gpu_pids() and standbys() == []
+            assert not _gpu_pids() and standbys() == []
             print("killed and expired standbys: no process, no CUDA context, no record left")
         finally:
-            kill_tree(root_pid)
+            kill_replicas(artifact)
+
+
+def replicas_on_gpu() -> None:
+    """Replicas of one n610 capsule of the CUDA-graph workload (``COLDSNAP_CHECK_SIZE``, default 8b): one
+    restore alone, then two at once on ports P and P+1 — on GPUs 0 and 1 where there are two, else both on
+    GPU 0 — each timed from its `coldsnap restore` exec to its exit (the canary matched inside), both
+    answering the cold start's greedy tokens. Writes the figures to ``COLDSNAP_CHECK_OUT`` (JSON) if set."""
+    import json
+    import threading
+    import time
+
+    from coldsnap.activation.qualification import ALLOW_UNQUALIFIED_DRIVER_ENV
+
+    size = os.environ.get("COLDSNAP_CHECK_SIZE", "8b")
+    port = _free_port()
+    workload = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", size, "--device", "cuda", "--port", str(port)]
+    expected = _cold_start_tokens(workload, port)
+    gpus = ["0", "1"] if len(_cuda_uuids()) > 1 else ["0", "0"]
+    figures: dict = {"size": size, "gpus": gpus}
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {**os.environ, ALLOW_UNQUALIFIED_DRIVER_ENV: "1", "COLDSNAP_STATE_DIR": os.path.join(scratch, "state")}
+        artifact = os.path.join(scratch, "artifact")
+        started = time.perf_counter()
+        status, receipt, err = _coldsnap("capture", "--out", artifact, "--", *workload, env=env)
+        assert status == 0, (receipt.get("error"), err[-3000:])
+        figures["capture_s"] = round(time.perf_counter() - started, 2)
+
+        def restore(port: int, gpu: str, results: dict) -> None:
+            began = time.perf_counter()
+            results[port] = (*_coldsnap("restore", artifact, "--port", str(port), "--gpu", gpu, env=env),
+                             time.perf_counter() - began, began)
+
+        def phases(receipt: dict) -> dict[str, float]:
+            return {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in receipt["timing"]["spans"]}
+
+        try:
+            alone: dict = {}
+            ports = [_free_port(), _free_port()]
+            restore(ports[0], gpus[0], alone)
+            status, receipt, err, seconds, _ = alone[ports[0]]
+            assert status == 0, (receipt.get("error"), err[-2000:])
+            assert _complete(ports[0]) == expected
+            figures["one_restore_s"] = round(seconds, 3)
+            figures["one_restore_phases_s"] = phases(receipt)
+            print(f"one replica: {seconds:.2f} s; phases {phases(receipt)}")
+            kill_replicas(artifact)
+            time.sleep(1)
+
+            both: dict = {}
+            threads = [threading.Thread(target=restore, args=(p, g, both)) for p, g in zip(ports, gpus)]
+            began = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            wall = time.perf_counter() - began
+            for p, gpu in zip(ports, gpus):
+                status, receipt, err, seconds, _ = both[p]
+                assert status == 0, (p, receipt.get("error"), err[-2000:])
+                spans = {s["name"]: s.get("attributes", {}) for s in receipt["timing"]["spans"]}
+                figures[f"replica_port{ports.index(p)}"] = {"gpu": gpu, "restore_s": round(seconds, 3),
+                                                             "pid": spans["restore.criu_restore"]["pid"],
+                                                             "phases_s": phases(receipt)}
+                print(f"replica on port {p}, GPU {gpu}: {seconds:.2f} s; phases {phases(receipt)}")
+            for p in ports:
+                assert _complete(p) == expected, p
+            figures["two_at_once_wall_s"] = round(wall, 3)
+            figures["ratio_to_one"] = round(wall / figures["one_restore_s"], 3)
+            figures["tokens_match_cold_start"] = True
+            print(f"two replicas at once: {wall:.2f} s wall = {figures['ratio_to_one']}x one restore; "
+                  f"both answer the cold start's tokens")
+        finally:
+            kill_replicas(artifact)
+    if os.environ.get("COLDSNAP_CHECK_OUT"):
+        with open(os.environ["COLDSNAP_CHECK_OUT"], "w") as out:
+            json.dump(figures, out, indent=1)
+
+
+def _cuda_uuids() -> list[str]:
+    from coldsnap.snapshot.cuda_checkpoint import cuda_devices
+
+    return [d["uuid"] for d in cuda_devices()]
 
 
 CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_region, allocator_error_is_raised_in_python,
                                   hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip,
                                   torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
                                   capture_restore_on_gpu, failure_hygiene_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu,
-                                  concurrent_hydrations_bit_exact, standby_on_gpu)}
+                                  concurrent_hydrations_bit_exact, standby_on_gpu, replicas_on_gpu)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "_nccl_rank":

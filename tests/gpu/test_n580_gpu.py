@@ -16,8 +16,8 @@ import pytest
 
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.demo import CHECK_PROMPT, cold_start
-from coldsnap.snapshot.process_tree import kill_tree
 from tests.gpu.gpu_checks import _free_port
+from tests.processes import kill_replicas
 
 pytestmark = pytest.mark.gpu
 
@@ -60,7 +60,6 @@ def test_an_n580_capture_restores_on_another_port_and_gpu_with_the_cold_starts_t
         pytest.skip(f"GPU {gpu}: this host has {_gpu_count()} GPU(s) (the x2 host runs it)")
     port = _free_port()
     done, receipt = _coldsnap("restore", str(artifact), "--port", str(port), "--gpu", gpu)
-    root = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
     try:
         assert done.returncode == 0, done.stderr[-3000:]
         assert receipt["state"] == "succeeded" and receipt["warnings"] == [], receipt
@@ -81,7 +80,7 @@ def test_an_n580_capture_restores_on_another_port_and_gpu_with_the_cold_starts_t
         assert "decode graph captured after the first answer" in log, log[-2000:]
         assert ask_canary(port, CHECK_PROMPT, 8).token_ids == tokens  # through the graph now
     finally:
-        kill_tree(root)
+        kill_replicas(artifact)
 
 
 def test_an_abi2_template_that_imports_a_cuda_torch_is_refused(tmp_path):

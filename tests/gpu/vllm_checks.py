@@ -119,12 +119,20 @@ def _capture(artifact: Path, served: list[str], policy: dict | None = None) -> P
     return engine_log
 
 
+def _kill_restored(receipt: dict) -> None:
+    """Kill the tree a restore receipt says it restored (its root's pid on this host), if it did."""
+    from coldsnap.contracts.receipt import restored_pid
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    pid = restored_pid(receipt) if receipt.get("timing") else None
+    if pid is not None:
+        kill_tree(pid)
+
+
 def _restore_and_ask(artifact: Path, port: int, attempt: int, *flags: str) -> tuple[list[int], dict]:
     """`coldsnap restore [flags]`, then PROMPT_2's tokens from the restored server, which is stopped after:
     (tokens, the resume span's attributes)."""
-    from coldsnap.snapshot.process_tree import kill_tree
 
-    root_pid = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
     started = time.perf_counter()
     status, receipt, err = _coldsnap("restore", str(artifact), *flags, env=_env())
     seconds = time.perf_counter() - started
@@ -141,7 +149,7 @@ def _restore_and_ask(artifact: Path, port: int, attempt: int, *flags: str) -> tu
         print("restored tokens:", restored)
         return restored, resume
     finally:
-        kill_tree(root_pid)
+        _kill_restored(receipt)
         time.sleep(0.5)
 
 
@@ -260,7 +268,6 @@ def vllm_n580_on_gpu() -> None:
     with nothing preloaded; `coldsnap restore --port P` of each: the template placed on P, vLLM's own
     startup with its weights from the capture's pack, no unqualified-driver warning on driver 580, and
     PROMPT_2's greedy tokens = vLLM's default loader's."""
-    from coldsnap.snapshot.process_tree import kill_tree
 
     env = {k: v for k, v in _env().items() if k != "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER"}  # n580: 580 qualifies
     restored: dict[str, list[int]] = {}
@@ -278,7 +285,6 @@ def vllm_n580_on_gpu() -> None:
             print(f"n580 ABI {abi} capture {time.perf_counter() - started:.1f} s:",
                   {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in receipt["timing"]["spans"]})
             restored_port = _free_port()
-            root = json.loads((capsule / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
             started = time.perf_counter()
             status, receipt, err = _coldsnap("restore", str(capsule), "--port", str(restored_port), env=env)
             seconds = time.perf_counter() - started
@@ -294,7 +300,7 @@ def vllm_n580_on_gpu() -> None:
                 (LOGS / f"n580-abi{abi}-restored-engine.log").write_text(text)
                 assert "hydrated from" in text and "(native)" in text, "the weights did not come from the pack"
             finally:
-                kill_tree(root)
+                _kill_restored(receipt)
                 time.sleep(0.5)
     seconds, expected = _serve_and_ask(served, port, LOGS / "default-loader-n580.log", _env())
     print(f"default loader: first answer after {seconds:.1f} s, tokens {expected}; n580 restored {restored}")

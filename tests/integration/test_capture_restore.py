@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import (capsule_root_pid, group_members, kill_group, launched_pid, restore_killed_at,
-                             wait_group_gone)
+from coldsnap.snapshot.process_tree import namespace_pid
+from tests.processes import (capsule_root_pid, group_members, kill_group, kill_replicas, launched_pid, replica_members,
+                             restore_killed_at, wait_replicas_gone)
 
 pytest.importorskip("torch")
 pytestmark = [
@@ -110,7 +111,7 @@ def test_restore_twice_gives_the_same_greedy_tokens(captured):
         assert resume["attributes"]["source"] == "native" and resume["attributes"]["bytes"] > 0
         canary = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.canary")["attributes"]
         assert canary["checked"] == "prompt argmax at 45 positions + 2 tokens" and canary["tokens"] == 2
-        kill_group(capsule_root_pid(artifact))
+        kill_replicas(artifact)
     record = json.loads((artifact / "artifact.json").read_text())["canary"]
     # the reference workload's tokens are a begin token and the prompt's 45 bytes: 45 predictions after the first
     assert len(record["prompt"].encode()) == 45 and len(record["prompt_argmax"]) == 45
@@ -130,7 +131,7 @@ def test_a_restore_whose_prefill_predicts_otherwise_fails_the_canary(captured, t
     assert result.returncode == 1
     receipt = json.loads(result.stdout)
     assert receipt["error"]["code"] == "restore.canary" and "over the prompt" in receipt["error"]["message"]
-    assert group_members(capsule_root_pid(artifact)) == []
+    assert replica_members(artifact) == []
 
 
 def test_request_json_on_stdin_and_one_receipt_on_stdout(captured):
@@ -142,7 +143,7 @@ def test_request_json_on_stdin_and_one_receipt_on_stdout(captured):
     assert result.stdout.count(b"\n") == 1
     receipt = json.loads(result.stdout)
     assert receipt["operation_id"] == "stdin-restore" and receipt["prepare_only"] is True
-    assert b"--prepare-only: nothing started" in result.stderr and group_members(capsule_root_pid(artifact)) == []
+    assert b"--prepare-only: nothing started" in result.stderr and replica_members(artifact) == []
 
 
 def test_prepare_only_detects_a_taken_port_and_starts_nothing(captured):
@@ -155,7 +156,7 @@ def test_prepare_only_detects_a_taken_port_and_starts_nothing(captured):
     assert result.returncode == 1
     receipt = json.loads((root / "taken.json").read_text())
     assert receipt["state"] == "failed" and receipt["error"]["code"] == "admission.port"
-    assert group_members(capsule_root_pid(artifact)) == []
+    assert replica_members(artifact) == []
 
 
 def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
@@ -170,7 +171,7 @@ def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
     result = coldsnap("restore", str(copy), "--prepare-only", "--receipt-json", "-")
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "admission.payload"
-    assert group_members(capsule_root_pid(artifact)) == []
+    assert replica_members(artifact) == []
 
 
 def test_an_image_corrupted_in_place_is_refused_before_anything_starts(captured, tmp_path):
@@ -189,7 +190,7 @@ def test_an_image_corrupted_in_place_is_refused_before_anything_starts(captured,
     receipt = json.loads(result.stdout)
     assert receipt["state"] == "failed" and receipt["error"]["code"] == "admission.capsule"
     assert pages.name in receipt["error"]["message"]
-    assert group_members(capsule_root_pid(artifact)) == []
+    assert replica_members(artifact) == []
     assert (copy / "artifact.json").read_bytes() == before
 
 
@@ -218,7 +219,7 @@ def test_a_capsule_criu_cannot_restore_fails_restore_kills_everything_and_keeps_
     result = coldsnap("restore", str(copy), "--receipt-json", "-")
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "restore.criu"
-    assert group_members(capsule_root_pid(artifact)) == []
+    assert replica_members(artifact) == []
     assert (copy / "artifact.json").read_bytes() == before
 
 
@@ -317,14 +318,14 @@ def test_prepare_only_detects_a_missing_capsule_file(captured, tmp_path):
     assert result.returncode == 1
     error = json.loads(result.stdout)["error"]
     assert error["code"] == "admission.capsule" and "pages-" in error["message"]
-    assert group_members(capsule_root_pid(artifact)) == []
+    assert replica_members(artifact) == []
 
 
 def test_restore_timing_events_match_the_receipt(captured, tmp_path):
     artifact, port, _, _ = captured
     events = tmp_path / "events.ndjson"
     result = coldsnap("restore", str(artifact), "--receipt-json", "-", "--timing-events", str(events))
-    kill_group(capsule_root_pid(artifact))
+    kill_replicas(artifact)
     assert result.returncode == 0, result.stderr.decode()
     assert coldsnap("validate", "timing-events", str(events)).returncode == 0
     from coldsnap.contracts import canonical_sha256
@@ -371,7 +372,7 @@ def test_prepare_only_refuses_a_capsule_this_coldsnap_cannot_read(captured, tmp_
     assert result.returncode == 1
     error = json.loads(result.stdout)["error"]
     assert error["code"] == code and message in error["message"], error
-    assert group_members(capsule_root_pid(artifact)) == []  # the original's: the copy's capsule may not read
+    assert replica_members(artifact) == []  # the original's: the copy's capsule may not read
 
 
 def test_prepare_only_refuses_a_capsule_the_descriptor_does_not_vouch_for(captured, tmp_path):
@@ -400,7 +401,7 @@ def _restore_and_check(artifact: Path, port: int, expected: list[int], env: dict
         assert result.returncode == 0, result.stderr.decode()
         assert complete(port, PROMPT_2) == expected
     finally:
-        kill_group(capsule_root_pid(artifact))
+        kill_replicas(artifact)
     return json.loads(result.stdout)
 
 
@@ -421,7 +422,7 @@ def test_an_artifact_restores_from_a_moved_copy_and_a_read_only_mount_and_is_nev
         verified = spans["restore.admission.capsule"]["attributes"]["images_verified_by"]
         assert verified.startswith("full-hash") if attempt == 0 else verified.startswith("record"), verified
     assert _artifact_bytes(moved) == before  # not a byte written, not a file added
-    logs = list(state.glob("*/logs/unit-0.log"))
+    logs = list(state.glob("*/port-*/logs/unit-0.log"))  # one replica: on the captured port
     assert len(logs) == 1 and logs[0].read_bytes().startswith((moved / "logs" / "unit-0.log").read_bytes())
 
     read_only = tmp_path / "read-only"
@@ -449,12 +450,12 @@ def test_a_tree_restored_by_criu_that_no_launcher_leases_stops_itself(captured, 
         result = CriuSnapshotter(options=SnapshotOptions(tcp=capsule["criu_tcp"])).restore(
             artifact / "units" / "unit-0" / "images", tmp_path / "state", artifact)
         restored = time.monotonic()
-        assert group_members(capsule["root_pid"]), "CRIU restored nothing"
-        assert wait_group_gone(capsule["root_pid"], 30) == [], "the unleased restored tree was still running 30 s after CRIU"
+        assert replica_members(artifact) == group_members(result.pid) != [], "CRIU restored nothing"
+        assert namespace_pid(result.pid) == capsule["root_pid"]  # its captured pid, in its own namespace
+        assert wait_replicas_gone(artifact, 30) == [], "the unleased restored tree was still running 30 s after CRIU"
         assert time.monotonic() - restored >= 14  # stopped by the lease wait, not by anything sooner
-        assert result.pid == capsule["root_pid"]
     finally:
-        kill_group(capsule["root_pid"])
+        kill_replicas(artifact)
 
 
 @pytest.mark.parametrize("killed_at", ["restore.criu_restore", "restore.resume", "restore.canary"])
@@ -467,8 +468,8 @@ def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path
         launcher = restore_killed_at(artifact, killed_at, tmp_path / "receipt.json")
         assert launcher.returncode == -signal.SIGKILL, f"the restore ended before {killed_at} started"
         # killed while CRIU ran, before the lease: the agents' lease wait (15 s) stops the tree
-        assert wait_group_gone(capsule_root_pid(artifact), 25) == []
+        assert wait_replicas_gone(artifact, 25) == []
         assert not (tmp_path / "receipt.json").exists()
         assert (artifact / "artifact.json").read_bytes() == before
     finally:
-        kill_group(capsule_root_pid(artifact))
+        kill_replicas(artifact)

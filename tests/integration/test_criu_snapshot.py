@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
-from coldsnap.snapshot.process_tree import kill_tree
+from coldsnap.snapshot.process_tree import kill_tree, namespace_pid
 
 pytestmark = [
     pytest.mark.criu,
@@ -88,7 +88,7 @@ def test_dump_restore_twice_keeps_sockets_state_and_logs(server, tmp_path):
     for _ in range(2):  # one image, restored twice
         restored = snapshotter.restore(images, tmp_path / "restore-state")
         roots.append(restored.pid)
-        assert restored.pid == process.pid
+        assert namespace_pid(restored.pid) == process.pid  # its captured pid, in a namespace of its own
         assert _ask(port) == "count 3 tcp-ok unix-ok"  # state from the image, channels alive
         assert _ask(port) == "count 4 tcp-ok unix-ok"
         kill_tree(restored.pid)
@@ -138,16 +138,17 @@ def test_corrupt_image_fails_typed_and_leaves_nothing_running(server, tmp_path):
     assert not os.path.exists(f"/proc/{process.pid}")  # CRIU killed what it had restored
 
 
-def test_restore_refused_while_pids_are_taken(server, tmp_path):
+def test_a_restore_in_the_hosts_namespace_is_refused_while_its_pids_are_taken(server, tmp_path):
     port, state, process, roots = server
     _ask(port)
     snapshotter = CriuSnapshotter()
     images = tmp_path / "images"
     _dump(snapshotter, process, images)
-    restored = snapshotter.restore(images, tmp_path / "restore-state")
+    restored = snapshotter.restore(images, tmp_path / "restore-state", replica=False)
     roots.append(restored.pid)
+    assert restored.pid == process.pid and restored.host_pids == {}  # the captured pids, on the host itself
     with pytest.raises(CriuError, match="still in use"):
-        snapshotter.restore(images, tmp_path / "restore-state", wait_for_pids_s=0.2)
+        snapshotter.restore(images, tmp_path / "restore-state", wait_for_pids_s=0.2, replica=False)
     assert _ask(port) == "count 2 tcp-ok unix-ok"  # the running incarnation is untouched
 
 

@@ -20,7 +20,7 @@ import pytest
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.restore import port_free
 from coldsnap.demo import CHECK_PROMPT, cold_start
-from coldsnap.snapshot.process_tree import kill_tree
+from tests.processes import kill_replicas
 
 pytestmark = [
     pytest.mark.criu,
@@ -48,10 +48,6 @@ def _coldsnap(command: str, *args: str, env: dict | None = None) -> tuple[subpro
 def _digests(root: Path) -> dict[str, str]:
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
             if p.is_file()}
-
-
-def _root_pid(artifact: Path) -> int:
-    return json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +80,7 @@ def test_one_template_is_placed_on_two_ports_and_serves_the_cold_starts_tokens(c
             log = (Path(spans["restore.criu_restore"]["attributes"]["state_dir"]) / "logs" / "unit-0.log").read_text()
             assert "bytes of weights hydrated from" in log  # the pack, at load time
         finally:
-            kill_tree(_root_pid(artifact))
+            kill_replicas(artifact)
     assert _digests(artifact) == before
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import group_members, kill_group, launched_pid
+from tests.processes import group_members, kill_group, kill_replicas, launched_pid, replica_members
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.criu, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
@@ -76,7 +76,7 @@ def recoverable(tmp_path_factory):
     assert [p["path"] for p in pinned] == [str((root / "model" / "model.safetensors").resolve())]
     root_pid = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"]
     yield artifact, port, expected, root / "model" / "model.safetensors", root_pid
-    kill_group(root_pid)
+    kill_replicas(artifact)
 
 
 def _restored(recoverable, artifact: Path, *flags: str) -> dict:
@@ -86,7 +86,7 @@ def _restored(recoverable, artifact: Path, *flags: str) -> dict:
         assert status == 0, receipt
         assert complete(port) == expected  # the tokens of the cold start from the safetensors
     finally:
-        kill_group(root_pid)
+        kill_replicas(artifact)
     return receipt
 
 
@@ -151,7 +151,7 @@ def test_changed_safetensors_are_refused_before_anything_starts(recoverable, tmp
         status, receipt = coldsnap("restore", str(copy), "--state-dir", str(tmp_path / "s"))  # auto: neither source
         assert status == 1 and receipt["error"]["code"] == "admission.payload", receipt
         assert "recovery safetensors" in receipt["error"]["message"]
-        assert group_members(root_pid) == []
+        assert replica_members(artifact) == []
     finally:
         safetensors.write_bytes(original)
 

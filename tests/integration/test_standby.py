@@ -9,7 +9,8 @@ import time
 import pytest
 
 from tests.integration.test_capture_restore import PROMPT_2, captured, coldsnap, complete  # noqa: F401 (fixture)
-from tests.processes import capsule_root_pid, group_members, kill_group, restore_killed_at, wait_group_gone
+from coldsnap.snapshot.process_tree import namespace_pid
+from tests.processes import capsule_root_pid, kill_replicas, replica_members, restore_killed_at, wait_replicas_gone
 
 pytest.importorskip("torch")
 pytestmark = [
@@ -47,10 +48,10 @@ def test_warm_parks_a_standby_that_wake_makes_serve_the_cold_start_tokens(captur
         assert {"warm.admission.capsule", "warm.criu_restore", "warm.lease", "warm.standby"} <= set(warm)
         assert "warm.resume" not in warm and "warm.canary" not in warm  # no weights, no serving yet
         listed = standbys()
-        assert [(s["state"], s["pid"], s["serving_port"], s["artifact"]) for s in listed] == [
-            ("standby", root, port, str(artifact))]
+        assert [(s["state"], namespace_pid(s["pid"]), s["serving_port"], s["artifact"]) for s in listed] == [
+            ("standby", root, port, str(artifact))]  # its root: the captured pid in its own namespace
         assert (state_dir / listed[0]["standby_id"] / "standby.json").exists()
-        assert group_members(root)  # nobody holds it, and it lives on
+        assert replica_members(artifact)  # nobody holds it, and it lives on
 
         # The port is bound already: a request sent now waits for the wake, then gets its answer.
         early: dict = {}
@@ -80,12 +81,11 @@ def test_warm_parks_a_standby_that_wake_makes_serve_the_cold_start_tokens(captur
         assert json.loads((tmp_path / "wake-again.json").read_text())["error"]["code"] == "wake.standby"
         assert complete(port, PROMPT_2) == expected  # a refused wake leaves the server alone
     finally:
-        kill_group(root)
+        kill_replicas(artifact)
 
 
 def test_warm_is_convergent_and_a_killed_standby_leaves_nothing(captured, state_dir, tmp_path):  # noqa: F811
     artifact, _, _, _ = captured
-    root = capsule_root_pid(artifact)
     try:
         assert coldsnap("warm", str(artifact)).returncode == 0
         second = coldsnap("warm", str(artifact), "--receipt-json", str(tmp_path / "second.json"))
@@ -95,43 +95,41 @@ def test_warm_is_convergent_and_a_killed_standby_leaves_nothing(captured, state_
         assert any("already runs" in w for w in receipt["warnings"])
         assert len(standbys()) == 1
 
-        assert kill_group(root) == []
+        assert kill_replicas(artifact) == []
         assert standbys() == []  # the stale record is found and removed
         assert list(state_dir.glob("*/standby.json")) == []
-        assert group_members(root) == []
+        assert replica_members(artifact) == []
         assert coldsnap("wake", str(artifact)).returncode == 1
         assert coldsnap("restore", str(artifact), "--prepare-only").returncode == 0  # the port is free again
     finally:
-        kill_group(root)
+        kill_replicas(artifact)
 
 
 def test_a_standby_nobody_wakes_stops_itself_and_removes_its_record(captured, state_dir):  # noqa: F811
     artifact, _, _, _ = captured
-    root = capsule_root_pid(artifact)
     try:
         result = coldsnap("warm", str(artifact), "--ttl", "2")
         assert result.returncode == 0, result.stderr.decode()
-        assert group_members(root)
-        assert wait_group_gone(root, 15) == []
+        assert replica_members(artifact)
+        assert wait_replicas_gone(artifact, 15) == []
         assert list(state_dir.glob("*/standby.json")) == []  # removed by the standby itself
         assert standbys() == []
     finally:
-        kill_group(root)
+        kill_replicas(artifact)
 
 
 def test_a_wake_killed_mid_resume_stops_the_standby(captured, state_dir, tmp_path):  # noqa: F811
     """The wake's launcher holds the standby's lease from its first step: killed mid-wake, the
     half-woken standby stops (no state worth keeping) and nothing is left."""
     artifact, _, _, _ = captured
-    root = capsule_root_pid(artifact)
     try:
         assert coldsnap("warm", str(artifact)).returncode == 0
         launcher = restore_killed_at(artifact, "wake.resume", tmp_path / "wake.json", operation="wake")
         assert launcher.returncode == -signal.SIGKILL, "the wake ended before its resume started"
-        assert wait_group_gone(root, 15) == []
+        assert wait_replicas_gone(artifact, 15) == []
         assert standbys() == []
     finally:
-        kill_group(root)
+        kill_replicas(artifact)
 
 
 def test_warm_and_wake_refuse_bad_input_without_a_traceback(tmp_path, state_dir):

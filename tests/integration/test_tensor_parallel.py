@@ -19,7 +19,8 @@ pytestmark = [
 
 from tests.integration.test_capture_restore import (  # noqa: E402
     PROMPT_2, _free_port, cold_start_tokens, coldsnap, complete)
-from tests.processes import capsule_root_pid, group_members, kill_group, launched_pid  # noqa: E402
+from tests.processes import (capsule_root_pid, group_members, kill_group, kill_replicas, launched_pid,  # noqa: E402
+                             replica_members)
 
 
 def workload(port: int) -> list[str]:
@@ -66,14 +67,14 @@ def test_tp2_restore_twice_gives_the_cold_start_tokens(tp_captured):
         assert result.returncode == 0, result.stderr.decode()
         assert b"canary matched" in result.stderr
         assert complete(port, PROMPT_2) == expected  # rank 1 follows again over a rebuilt communicator
-        assert len(group_members(capsule_root_pid(artifact))) == 3  # the supervisor and both ranks
+        assert len(replica_members(artifact)) == 3  # the supervisor and both ranks
         assert coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
         resume = next(s for s in json.loads(receipt_path.read_text())["timing"]["spans"]
                       if s["name"] == "restore.resume")["attributes"]
         for rank_prefix in ("", "rank1."):
             assert resume[f"{rank_prefix}source"] == "native"
             assert {f"{rank_prefix}rebuild_ns", f"{rank_prefix}resumed_barrier_ns"} <= set(resume)
-        kill_group(capsule_root_pid(artifact))
+        kill_replicas(artifact)
 
 
 def test_tp2_warm_rebuilds_nccl_and_wake_serves_the_cold_start_tokens(tp_captured, tmp_path, monkeypatch):
@@ -87,7 +88,7 @@ def test_tp2_warm_rebuilds_nccl_and_wake_serves_the_cold_start_tokens(tp_capture
                        if s["name"] == "warm.standby")["attributes"]
         for rank_prefix in ("", "rank1."):
             assert {f"{rank_prefix}rebuild_ns", f"{rank_prefix}standby_barrier_ns"} <= set(standby)
-        assert len(group_members(capsule_root_pid(artifact))) == 3
+        assert len(replica_members(artifact)) == 3
         result = coldsnap("wake", str(artifact), "--receipt-json", str(tmp_path / "wake.json"))
         assert result.returncode == 0, result.stderr.decode()
         assert complete(port, PROMPT_2) == expected
@@ -97,7 +98,7 @@ def test_tp2_warm_rebuilds_nccl_and_wake_serves_the_cold_start_tokens(tp_capture
             assert resume[f"{rank_prefix}source"] == "native"
             assert f"{rank_prefix}rebuild_ns" not in resume  # rebuilt at warm already
     finally:
-        kill_group(capsule_root_pid(artifact))
+        kill_replicas(artifact)
 
 
 def _in_process(argv: list[str]) -> int:
@@ -127,7 +128,7 @@ def test_one_rank_failing_its_resume_fails_both_at_once(tp_captured, tmp_path, m
     assert time.monotonic() - started < 30  # not the 300 s rebuild barrier timeout
     error = json.loads(receipt.read_text())["error"]
     assert error["code"] == "restore.resume" and "rank 1" in error["message"] and "layout digest" in error["message"]
-    assert group_members(capsule_root_pid(artifact)) == []
+    assert replica_members(artifact) == []
     assert (artifact / "artifact.json").read_bytes() == before
 
 

@@ -57,10 +57,10 @@ def port_taken(port: int) -> bool:
 
 
 def stop_restored(artifact: Path, port: int) -> None:
-    """Kill the restored tree (its root pid is the captured one) and wait for the port to be free."""
-    from coldsnap.snapshot.process_tree import kill_tree
+    """Kill every restored tree of ``artifact`` and wait for the port to be free."""
+    from tests.processes import kill_replicas
 
-    kill_tree(json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]["root_pid"])
+    kill_replicas(artifact)
     deadline = time.monotonic() + 20
     while port_taken(port) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -282,6 +282,31 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
         assert spans["restore.resume"]["source"] == "native" and "zero_kv_cache_ns" in spans["restore.resume"]
         print(f"restore {attempt}: {restore_s:.2f} s (vLLM cold start {reference['cold_start_s']:.1f} s)")
         stop_restored(artifact, port)
+
+
+def test_two_replicas_of_vllm_serve_restored_at_once_answer_like_vllms_default_loader(captured, reference, tmp_path):
+    """One capsule, two `coldsnap restore --port P` at once: each replica's sockets moved to its port, its
+    pids, /dev/shm (vLLM's queues and semaphores) and agent socket its own; both serve vLLM's answers."""
+    artifact, captured_port, _ = captured
+    ports = [_free_port(), _free_port()]
+    launchers = [subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", str(artifact), "--port", str(port),
+                                   "--receipt-json", str(tmp_path / f"restore-{port}.json")],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for port in ports]
+    try:
+        for launcher in launchers:
+            _, stderr = launcher.communicate(timeout=600)
+            assert launcher.returncode == 0, stderr.decode()[-3000:]
+        for port in ports:
+            assert complete(port, PROMPT_2) == reference["tokens"]
+            spans = {s["name"]: s["attributes"] for s in
+                     json.loads((tmp_path / f"restore-{port}.json").read_text())["timing"]["spans"]}
+            assert spans["restore.admission.port"]["serving_port"] == port
+        assert not port_taken(captured_port)
+    finally:
+        for launcher in launchers:
+            launcher.kill()
+            launcher.wait()
+        stop_restored(artifact, ports[0])
 
 
 def test_an_n580_template_of_vllm_serve_restores_on_another_port_like_vllms_default_loader(model, reference, tmp_path):

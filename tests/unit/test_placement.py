@@ -92,20 +92,17 @@ def test_an_n580_placement_the_template_cannot_take_is_refused_at_admission(tmp_
     assert caught.value.code == "admission.placement" and problem in caught.value.message
 
 
-def test_an_n610_image_serves_only_on_its_captured_port():
+def test_a_restore_serves_on_the_requested_port_else_the_captured_one():
     from types import SimpleNamespace as NS
 
     from coldsnap.activation.restore import serving_port
-    from coldsnap.operation import OperationFailed
 
     def port(requested, template=None):
         context = NS(request=NS(units=[NS(serving_port=requested)]))
         return serving_port(context, NS(metadata=NS(serving_port=8000, template=template)))
 
-    assert port(None) == port(8000) == 8000 and port(9000, template=NS()) == 9000
-    with pytest.raises(OperationFailed, match="n610 image serves on its captured port 8000") as caught:
-        port(9000)
-    assert caught.value.code == "admission.placement"
+    assert port(None) == port(8000) == 8000
+    assert port(9000, template=NS()) == port(9000) == 9000  # n580 by placement, n610 by its port generation
 
 
 def test_the_template_runs_with_the_commands_own_python(tmp_path):

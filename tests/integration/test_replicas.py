@@ -1,0 +1,117 @@
+"""Replicas of one capsule with real CRIU on the reference workload: `coldsnap restore DIR --port P` run
+twice at once gives two servers, each on its requested port (the capture's listening socket moved by
+the port generation in a per-restore copy of files.img), each in pid namespaces of its own (both keep
+the captured pids), each with its own state directory and agent socket; both give the cold start's
+greedy tokens; the artifact's bytes never change; a taken port is refused at admission with nothing
+started."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from coldsnap.activation.restore import port_free
+from coldsnap.contracts.receipt import restored_pid
+from coldsnap.demo import CHECK_PROMPT, cold_start
+from coldsnap.activation.engine_process import ask_canary
+from coldsnap.snapshot.process_tree import namespace_pid
+from tests.processes import capsule_root_pid, kill_replicas, replica_members
+
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.skipif(os.geteuid() != 0, reason="CRIU dump/restore needs root"),
+]
+pytest.importorskip("torch")
+
+
+def _free_ports(count: int) -> list[int]:
+    """``count`` ports free now, and free with the next one each (a replica's port and a neighbour)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        if port < 65535 and port_free(port + 1) and port not in ports:
+            ports.append(port)
+    return ports
+
+
+def _coldsnap(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    done = subprocess.run([sys.executable, "-m", "coldsnap", *args, "--receipt-json", "-"], capture_output=True,
+                          text=True, timeout=300)
+    return done, json.loads(done.stdout) if done.stdout.strip() else {}
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory):
+    work = tmp_path_factory.mktemp("replicas")
+    [port] = _free_ports(1)
+    command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
+    _, tokens = cold_start(command, port)
+    done, receipt = _coldsnap("capture", "--out", str(work / "artifact"), "--", *command)
+    assert done.returncode == 0, done.stderr[-3000:]
+    yield work / "artifact", port, tokens
+    kill_replicas(work / "artifact")
+
+
+def _spans(receipt: dict) -> dict[str, dict]:
+    return {s["name"]: s.get("attributes", {}) for s in receipt["timing"]["spans"]}
+
+
+def test_two_replicas_restored_at_once_serve_on_their_own_ports(captured):
+    artifact, captured_port, tokens = captured
+    before = _digests(artifact)
+    try:
+        for round_ in range(2):  # twice: a replica's second restore on its port replaces nothing of the other's
+            ports = _free_ports(2)
+            results: dict[int, tuple[subprocess.CompletedProcess, dict]] = {}
+            threads = [threading.Thread(target=lambda p=p: results.update({p: _coldsnap("restore", str(artifact),
+                                                                                         "--port", str(p))}))
+                       for p in ports]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            pids = []
+            for port in ports:
+                done, receipt = results[port]
+                assert done.returncode == 0, done.stderr[-3000:]
+                spans = _spans(receipt)
+                assert spans["restore.admission.port"] == {"serving_port": port, "port_shift": port - captured_port}
+                assert Path(spans["restore.criu_restore"]["state_dir"]).name == f"port-{port}"
+                pids.append(restored_pid(receipt))
+            # both alive at once, each its captured root pid in a pid namespace of its own
+            assert len(set(pids)) == 2 and {namespace_pid(pid) for pid in pids} == {capsule_root_pid(artifact)}
+            assert sorted(replica_members(artifact)) == sorted(pids)
+            for port in ports:
+                assert ask_canary(port, CHECK_PROMPT, 8).token_ids == tokens
+            assert port_free(captured_port)  # nothing listens where the capture did
+            assert kill_replicas(artifact) == []
+    finally:
+        kill_replicas(artifact)
+    assert _digests(artifact) == before  # many replicas later, not a byte of the artifact changed
+
+
+def test_a_requested_port_that_is_taken_is_refused_at_admission(captured):
+    artifact, _, _ = captured
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done, receipt = _coldsnap("restore", str(artifact), "--port", str(port))
+    assert done.returncode == 1 and receipt["error"]["code"] == "admission.port", done.stderr[-2000:]
+    assert f"tcp 127.0.0.1:{port}" in receipt["error"]["message"] and "Traceback" not in done.stderr
+    assert "restore.criu_restore" not in _spans(receipt) and replica_members(artifact) == []  # nothing started

@@ -1,0 +1,112 @@
+"""A replica's own sockets and GPUs, without CRIU: files.img decoded and rewritten byte for byte, the
+port generation and its bind probe, per-replica control names, and the GPU placement's UUID bijection."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+from coldsnap.activation.restore import _replica_control, gpu_remap
+from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
+from coldsnap.snapshot.replica import port_generation, probe_binds, replica_images
+
+_VARINT, _LENGTH = 0, 2
+_MAGICS = struct.pack("<II", 0x54564319, 0x56213732)
+
+
+def _inet_entry(ino: int, port: int, state: int = 10, dst_port: int = 0) -> bytes:
+    fown = _encode([(1, _VARINT, 0), (2, _VARINT, 0)])
+    isk = _encode([(1, _VARINT, ino), (2, _VARINT, ino), (3, _VARINT, socket.AF_INET), (4, _VARINT, socket.SOCK_STREAM),
+                   (5, _VARINT, 6), (6, _VARINT, state), (7, _VARINT, port), (8, _VARINT, dst_port),
+                   (9, _VARINT, 2), (10, _VARINT, 5), (11, _VARINT, 0x0100007F), (13, _LENGTH, fown),
+                   (14, _LENGTH, b""), (99, _LENGTH, b"a field this module does not know")])
+    return _encode([(1, _VARINT, 4), (2, _VARINT, ino), (4, _LENGTH, isk)])
+
+
+def _unix_entry(ino: int, name: bytes) -> bytes:
+    usk = _encode([(1, _VARINT, ino), (2, _VARINT, ino), (3, _VARINT, 1), (4, _VARINT, 10), (11, _LENGTH, name)])
+    return _encode([(1, _VARINT, 5), (2, _VARINT, ino), (16, _LENGTH, usk)])
+
+
+def _image(directory, *entries: bytes) -> None:
+    directory.mkdir(exist_ok=True)
+    (directory / "files.img").write_bytes(_MAGICS + b"".join(struct.pack("<I", len(e)) + e for e in entries))
+
+
+def test_files_img_sockets_are_read_and_rewritten_keeping_every_other_byte(tmp_path):
+    captured, replica = tmp_path / "captured", tmp_path / "replica"
+    replica.mkdir()
+    # a listener on 8000 (its port's varint grows a byte at 70000), a connection's local port, the agent
+    _image(captured, _inet_entry(1, 8000), _inet_entry(2, 41234, state=1, dst_port=8000),
+           _unix_entry(3, b"\0coldsnap-agent-0123456789abcdef"), _unix_entry(4, b"/tmp/other.sock"))
+    inet, unix = read_sockets(captured)
+    assert [(s.src_port, s.bound, s.src_addr) for s in inet] == [(8000, True, b"\x7f\0\0\1"), (41234, False, b"\x7f\0\0\1")]
+    assert [u.name for u in unix] == [b"\0coldsnap-agent-0123456789abcdef", b"/tmp/other.sock"] and unix[0].abstract
+
+    assert rewrite_sockets(captured, replica, lambda s: None, {}) == 0
+    assert (replica / "files.img").read_bytes() == (captured / "files.img").read_bytes()
+
+    renamed = {b"\0coldsnap-agent-0123456789abcdef": b"\0coldsnap-agent-fedcba9876543210"}
+    changed = rewrite_sockets(captured, replica, lambda s: 70000 if s.bound else None, renamed)
+    inet, unix = read_sockets(replica)
+    assert changed == 2 and [s.src_port for s in inet] == [70000, 41234]
+    assert [u.name for u in unix] == [b"\0coldsnap-agent-fedcba9876543210", b"/tmp/other.sock"]
+    assert b"a field this module does not know" in (replica / "files.img").read_bytes()
+
+
+def test_a_truncated_image_is_refused_by_name(tmp_path):
+    _image(tmp_path, _inet_entry(1, 8000))
+    (tmp_path / "files.img").write_bytes((tmp_path / "files.img").read_bytes()[:-3])
+    with pytest.raises(ImageFormatError, match="files.img: truncated entry"):
+        read_sockets(tmp_path)
+
+
+def test_the_port_generation_moves_every_bound_port_by_one_shift_and_probes_them(tmp_path):
+    _image(tmp_path / "images", _inet_entry(1, 8000), _inet_entry(2, 29500), _inet_entry(3, 41234, 1, 8000))
+    sockets = [s for s in read_sockets(tmp_path / "images")[0] if s.bound]
+    generation = port_generation(sockets, 8000, 8100)
+    assert generation.shift == 100 and generation.moved == {8000: 8100, 29500: 29600}
+    with pytest.raises(ValueError, match=r"port\(s\) \[29500\] out of range \(shift \+40000\)"):
+        port_generation(sockets, 8000, 48000)
+
+    with socket.socket() as busy:  # a port taken by another listener: the probe names it
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        listener = sockets[:1]
+        taken = probe_binds(listener, port_generation(listener, 8000, port))
+        assert len(taken) == 1 and taken[0].startswith(f"tcp 127.0.0.1:{port} (")
+    assert probe_binds(listener, port_generation(listener, 8000, port)) == []
+
+    replica = replica_images(tmp_path / "images", tmp_path / "replica", generation, {})
+    assert sorted(p.name for p in replica.iterdir()) == ["files.img"] and not (replica / "files.img").is_symlink()
+    (tmp_path / "images" / "pages-1.img").write_bytes(b"pages")
+    replica = replica_images(tmp_path / "images", tmp_path / "replica", generation, {})  # again: emptied first
+    assert (replica / "pages-1.img").is_symlink() and (replica / "pages-1.img").read_bytes() == b"pages"
+    assert [s.src_port for s in read_sockets(replica)[0]] == [8100, 29600, 41234]
+
+
+def test_a_replica_names_its_control_sockets_with_its_own_id():
+    token = "fedcba9876543210"
+    assert _replica_control("@coldsnap-agent-0123456789abcdef", token) == "@coldsnap-agent-fedcba9876543210"
+    assert _replica_control("@coldsnap-agent-0123456789abcdef.rank1", token) == "@coldsnap-agent-fedcba9876543210.rank1"
+    assert _replica_control("@coldsnap-template-0123456789abcdef", token) == "@coldsnap-template-fedcba9876543210"
+    assert _replica_control("/run/my.sock", token) == "/run/my.sock"
+
+
+def test_the_gpu_placement_maps_every_captured_gpu_onto_one_of_its_own():
+    g0, g1, g2 = "GPU-aaaaaaaa-0000-0000-0000-000000000000", "GPU-bbbbbbbb-0000-0000-0000-000000000000", "GPU-cccc"
+    same = gpu_remap([g0, g1], None, [g0, g1], None)
+    assert same.pairs == [] and same.launcher_ordinals == {0: 0, 1: 1}
+    onto_1 = gpu_remap([g0, g1], "0", [g0, g1], "1")
+    assert onto_1.pairs == [(g0, g1), (g1, g0)] and onto_1.launcher_ordinals == {0: 1}
+    by_uuid = gpu_remap([g0], None, [g2, g1], g1)  # another host: its GPU named by UUID
+    assert by_uuid.pairs == [(g0, g1)] and by_uuid.launcher_ordinals == {0: 1}
+    with pytest.raises(ValueError, match="GPU 2 is not among the 2 GPU"):
+        gpu_remap([g0], None, [g0, g1], "2")
+    with pytest.raises(ValueError, match="used 2 GPU"):
+        gpu_remap([g0, g1], None, [g0, g1], "1")
+    with pytest.raises(ValueError, match="names a GPU twice"):
+        gpu_remap([g0], None, [g0, g1], "1,1")
