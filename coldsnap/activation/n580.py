@@ -93,9 +93,10 @@ class RestoredTree:
 
 def _restore_template(artifact: ArtifactDir, unit_id: str, images: Path, agent_control: str,
                       state_dir: Path) -> RestoredTree:
-    """CRIU restores the unit's template (from ``images``: the artifact's, or a replica's copy) detached;
-    its log continues in ``state_dir``'s copy."""
-    result = CriuSnapshotter(options=SnapshotOptions(tcp="none")).restore(images, state_dir, artifact.root)
+    """CRIU restores the unit's template (from ``images``: the artifact's, or a replica's copy in
+    ``state_dir``) detached; its log continues in ``state_dir``'s copy."""
+    result = CriuSnapshotter(options=SnapshotOptions(tcp="none")).restore(
+        images, state_dir, artifact.root, own_images=images.is_relative_to(state_dir))
     return RestoredTree(result.pid, agent_control, state_dir / artifact.relative(artifact.log_path(unit_id)))
 
 

@@ -46,7 +46,8 @@ from coldsnap.activation.qualification import check_driver_floor, require_implem
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
-from coldsnap.snapshot.replica import PortGeneration, bound_sockets, port_generation, probe_binds, replica_images
+from coldsnap.snapshot.replica import (PortGeneration, abstract_names, bound_sockets, namespace_socket_names,
+                                       port_generation, probe_abstract_names, probe_binds, replica_images)
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
 
 __all__ = ["restore", "admit", "port_free", "Replica", "plan_replica"]
@@ -234,6 +235,14 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
     if metadata.template is not None and template_control is not None:
         renamed[metadata.template.control] = template_control
     unix_names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
+    # Any other abstract name the tree binds is restored as it is: taken by another process (another
+    # replica of an engine that binds a fixed one), CRIU could not bind it.
+    fixed = [name for name in abstract_names(artifact.images(capsule.unit_id))
+             if name not in unix_names and not namespace_socket_names([name], 0)]
+    taken = probe_abstract_names(fixed)
+    if taken:
+        raise OperationFailed("admission.port", f"the tree's abstract unix socket(s) {', '.join(taken)} are taken "
+                              "(by another replica of this capsule?)")
     return Replica(port, generation, controls, template_control, unix_names)
 
 
@@ -495,7 +504,7 @@ class RestoreSequence:
             span["state_dir"] = str(state_dir)
             images = self.replica_images(state_dir)
             options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
-            result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root)
+            result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True)
             self.restored_pid = span["pid"] = result.pid
             self.host_pids = result.host_pids
         self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")

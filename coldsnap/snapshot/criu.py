@@ -217,7 +217,7 @@ class CriuSnapshotter:
         return DumpResult(seconds=seconds, image_bytes=_tree_bytes(images), pids=pids)
 
     def restore(self, images: Path, state_dir: Path, owned_root: Path | None = None, timeout: float = 600,
-                wait_for_pids_s: float = 10.0, replica: bool = True) -> RestoreResult:
+                wait_for_pids_s: float = 10.0, replica: bool = True, own_images: bool = False) -> RestoreResult:
         """Restore the tree detached (it keeps running after this returns); returns its root pid.
 
         Nothing is written into ``images``: CRIU's log, stats and pidfile go to ``state_dir/criu``, and
@@ -227,7 +227,9 @@ class CriuSnapshotter:
 
         ``replica`` (the default): the tree gets its own pid and mount namespaces and ``/dev/shm``
         (:mod:`coldsnap.snapshot.replica_init`), so restores of one image can run side by side; the
-        result names its pids as this host sees them. Without it, the tree takes back its captured pids
+        result names its pids as this host sees them; ``own_images`` says ``images`` is this restore's copy
+        (:func:`coldsnap.snapshot.replica.replica_images`), where the sockets named after their pid
+        namespace (the CUDA driver's) are renamed for the new one. Without it, the tree takes back its captured pids
         in the host's namespace (waiting up to ``wait_for_pids_s`` for a previous incarnation to go).
         """
         from coldsnap.snapshot import process_tree
@@ -254,7 +256,8 @@ class CriuSnapshotter:
         started = time.monotonic()
         try:
             if replica:
-                pid, pids = self._restore_replica(images, state.pids[0], args, work / log, timeout, inherited)
+                pid, pids = self._restore_replica(images, state.pids[0], args, work / log, timeout, inherited,
+                                                  own_images)
             else:
                 pid, pids = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited), {}
         finally:
@@ -273,7 +276,7 @@ class CriuSnapshotter:
             raise CriuError("restore", None, f"CRIU reported success but wrote no pid to {pidfile}") from None
 
     def _restore_replica(self, images: Path, root_pid: int, args: list[str], log: Path, timeout: float,
-                         inherited: dict[str, int]) -> tuple[int, dict[int, int]]:
+                         inherited: dict[str, int], own_images: bool) -> tuple[int, dict[int, int]]:
         """CRIU as the first process of new pid and mount namespaces (``unshare``); returns the root's pid
         on this host and every restored pid's host pid by its captured one."""
         from coldsnap.snapshot import process_tree
@@ -283,7 +286,8 @@ class CriuSnapshotter:
         if unshare is None:
             raise CriuError("restore", None, "no unshare (util-linux) on PATH: a replica restore needs it")
         command = [unshare, "--pid", "--fork", "--mount-proc", "--", sys.executable, "-m",
-                   "coldsnap.snapshot.replica_init", str(images), str(root_pid), self.criu.path, *args]
+                   "coldsnap.snapshot.replica_init", *(["--own-images"] if own_images else []), str(images),
+                   str(root_pid), self.criu.path, *args]
         try:
             # Its own session: the replica must not get the launcher's terminal signals (^C).
             launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldsnap.snapshot.criu_images import FILES_IMAGE, InetSocket, read_sockets, rewrite_sockets
 
-__all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "bound_sockets"]
+__all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "bound_sockets",
+           "namespace_socket_names", "probe_abstract_names", "abstract_names"]
 
 _PORT_MAX = 65535
 
@@ -45,6 +47,13 @@ def bound_sockets(images: Path) -> list[InetSocket]:
     if not (images / FILES_IMAGE).is_file():
         return []
     return [s for s in read_sockets(images)[0] if s.bound]
+
+
+def abstract_names(images: Path) -> list[bytes]:
+    """The abstract unix socket names the tree binds."""
+    if not (images / FILES_IMAGE).is_file():
+        return []
+    return [s.name for s in read_sockets(images)[1] if s.abstract]
 
 
 def port_generation(sockets: list[InetSocket], captured_serving: int, serving: int) -> PortGeneration:
@@ -85,6 +94,37 @@ def probe_binds(sockets: list[InetSocket], generation: PortGeneration) -> list[s
         except OSError as exc:
             kind = "tcp" if sock.kind == socket.SOCK_STREAM else "udp"
             taken.append(f"{kind} {address}:{port} ({exc.strerror or exc})")
+    return taken
+
+
+# The CUDA driver's own listening socket in every CUDA process (it passes the UVM file descriptor to
+# peers, for CUDA IPC): named after the process's pid namespace (its inode) and its pid there, which a
+# peer computes to connect. Measured on the H200 (driver 580): ``\0cuda-uvmfd-4026531836-1798\0``.
+_CUDA_UVMFD = re.compile(rb"\0cuda-uvmfd-(\d+)-(\d+)(\0?)")
+
+
+def namespace_socket_names(names: list[bytes], pid_namespace_inode: int) -> dict[bytes, bytes]:
+    """The abstract socket names of ``names`` that encode their pid namespace (the CUDA driver's
+    ``cuda-uvmfd``), renamed for ``pid_namespace_inode``: the name the driver would have given them had
+    the process started there — what its peers compute — and one no other replica holds."""
+    renamed = {}
+    for name in names:
+        match = _CUDA_UVMFD.fullmatch(name)
+        if match:
+            renamed[name] = b"\0cuda-uvmfd-%d-%s%s" % (pid_namespace_inode, match.group(2), match.group(3))
+    return renamed
+
+
+def probe_abstract_names(names: list[bytes]) -> list[str]:
+    """Which of the abstract unix socket ``names`` another process holds now (an empty list: none)."""
+    taken = []
+    for name in names:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(name)
+            except OSError as exc:
+                shown = name[1:].rstrip(b"\0").decode(errors="replace")
+                taken.append(f"unix @{shown} ({exc.strerror or exc})")
     return taken
 
 

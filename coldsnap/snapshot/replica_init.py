@@ -7,6 +7,8 @@ pid 1 there:
 
 1. mounts a private tmpfs on ``/dev/shm`` and copies the image's saved ``/dev/shm`` files into it, so
    replicas whose engines use fixed shared-memory names (vLLM's semaphores and queues) never meet;
+   with ``--own-images`` (the images directory is this restore's copy), renames the sockets whose names
+   encode the pid namespace (the CUDA driver's ``cuda-uvmfd``) for this one;
 2. replaces itself with ``criu restore`` (no ``-d``), which on success replaces itself with
    :data:`REAPER`: pid 1 for the replica's life, it reports ``ready`` on its standard output (the
    launcher's pipe), reaps orphans, and exits when the restored root does — the kernel then kills
@@ -57,15 +59,30 @@ def _mount_private_shm(images: Path) -> None:
     restore_shm(images, TreeFiles.load(images), SHM_DIR)
 
 
+def _name_sockets_for_this_namespace(images: Path) -> None:
+    """The image's sockets named after their pid namespace (the CUDA driver's), renamed for this one, in
+    ``images/files.img`` — this restore's own copy."""
+    from coldsnap.snapshot.criu_images import read_sockets, rewrite_sockets
+    from coldsnap.snapshot.replica import namespace_socket_names
+
+    renamed = namespace_socket_names([s.name for s in read_sockets(images)[1]], os.stat("/proc/self/ns/pid").st_ino)
+    if renamed:
+        rewrite_sockets(images, images, lambda sock: None, renamed)
+
+
 def main(argv: list[str]) -> int:
-    # replica_init IMAGES ROOT_PID CRIU [CRIU ARGS...]
+    # replica_init [--own-images] IMAGES ROOT_PID CRIU [CRIU ARGS...]
+    own_images = bool(argv) and argv[0] == "--own-images"
+    argv = argv[1:] if own_images else argv
     if len(argv) < 3 or os.getpid() != 1:
         sys.stderr.write("usage: unshare --pid --fork --mount-proc python -m coldsnap.snapshot.replica_init "
-                         "IMAGES ROOT_PID CRIU [ARGS...]\n")
+                         "[--own-images] IMAGES ROOT_PID CRIU [ARGS...]\n")
         return 2
     images, root_pid, criu = Path(argv[0]), argv[1], argv[2:]
     try:
         _mount_private_shm(images)
+        if own_images:
+            _name_sockets_for_this_namespace(images)
     except Exception as exc:  # (pid 1 of a namespace: a traceback here would be lost with it)
         sys.stderr.write(f"coldsnap replica: {exc}\n")
         return 1

@@ -44,9 +44,9 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _coldsnap(*args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    done = subprocess.run([sys.executable, "-m", "coldsnap", *args, "--receipt-json", "-"], capture_output=True,
-                          text=True, timeout=300)
+def _coldsnap(command: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    done = subprocess.run([sys.executable, "-m", "coldsnap", command, "--receipt-json", "-", *args],
+                          capture_output=True, text=True, timeout=300)
     return done, json.loads(done.stdout) if done.stdout.strip() else {}
 
 

@@ -3,6 +3,7 @@ port generation and its bind probe, per-replica control names, and the GPU place
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 
@@ -10,7 +11,8 @@ import pytest
 
 from coldsnap.activation.restore import _replica_control, gpu_remap
 from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
-from coldsnap.snapshot.replica import port_generation, probe_binds, replica_images
+from coldsnap.snapshot.replica import (namespace_socket_names, port_generation, probe_abstract_names, probe_binds,
+                                       replica_images)
 
 _VARINT, _LENGTH = 0, 2
 _MAGICS = struct.pack("<II", 0x54564319, 0x56213732)
@@ -110,3 +112,18 @@ def test_the_gpu_placement_maps_every_captured_gpu_onto_one_of_its_own():
         gpu_remap([g0, g1], None, [g0, g1], "1")
     with pytest.raises(ValueError, match="names a GPU twice"):
         gpu_remap([g0], None, [g0, g1], "1,1")
+
+
+def test_the_cuda_drivers_socket_is_named_for_the_replicas_pid_namespace():
+    captured = b"\0cuda-uvmfd-4026531836-1798\0"  # as the driver names it (H200, driver 580)
+    assert namespace_socket_names([captured, b"\0coldsnap-agent-0123456789abcdef", b"/tmp/x.sock"], 4026532999) == {
+        captured: b"\0cuda-uvmfd-4026532999-1798\0"}
+
+
+def test_a_taken_abstract_name_is_reported_and_a_free_one_is_not():
+    name = f"\0coldsnap-test-{os.getpid()}".encode()
+    with socket.socket(socket.AF_UNIX) as holder:
+        holder.bind(name)
+        [taken] = probe_abstract_names([name])
+        assert taken.startswith(f"unix @coldsnap-test-{os.getpid()} (")
+    assert probe_abstract_names([name]) == []
