@@ -23,10 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,42 @@ def standby_once(request: dict, work: Path, index: int) -> tuple[float, float, d
     kill_restored(warmed)
     timeline = receipt_timeline(receipt, exec_ns, exit_ns)
     return warm_s, timeline.pop("exec → canary matched"), timeline
+
+
+def replicas_at_once(request: dict, work: Path, count: int, index: int, gpus: list[str]) -> dict[str, Any]:
+    """``count`` `coldsnap restore --port P` processes of one capsule started at once, each on a port of its
+    own (and GPU ``gpus[i]`` where given): the wall time from the first exec to the last exit (every canary
+    matched), each one's own exec → exit, and their roots' host pids; the replicas are killed afterwards."""
+    ports = []
+    while len(ports) < count:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            if probe.getsockname()[1] not in ports:
+                ports.append(probe.getsockname()[1])
+    results: dict[int, tuple[dict, int, int]] = {}
+    errors: list[BaseException] = []
+
+    def one(number: int) -> None:
+        extra = ("--port", str(ports[number]), *(("--gpu", gpus[number]) if gpus else ()))
+        try:
+            results[number] = run_operation("restore", request, work, index * 100 + number, extra)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(number,)) for number in range(count)]
+    started_ns = time.time_ns()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    finished_ns = time.time_ns()
+    for receipt, _, _ in results.values():
+        kill_restored(receipt)
+    if errors:
+        raise RuntimeError(f"a replica failed: {errors[0]}")
+    return {"replicas": count, "wall_s": round((finished_ns - started_ns) / 1e9, 3), "ports": ports, "gpus": gpus,
+            "each_s": [round((exit_ns - exec_ns) / 1e9, 3) for _, exec_ns, exit_ns in
+                       (results[number] for number in range(count))]}
 
 
 def capture_n580(request: dict, work: Path, variant: str) -> dict[str, Any]:
@@ -239,6 +277,9 @@ def main(engine: str = "torch-lm") -> int:
                         "PRELOAD (comma-separated; default the engine's list), and time its restores beside n610's "
                         "(repeatable)")
     parser.add_argument("--n580-gpu", metavar="N", help="restore the n580 capture onto GPU N (its --gpu)")
+    parser.add_argument("--replicas", type=int, default=0, metavar="N",
+                        help="also restore N replicas of the capsule at once (each on its own port), --repeat times")
+    parser.add_argument("--replica-gpus", metavar="G0,G1,...", help="the GPU of each replica (its --gpu)")
     parser.add_argument("--out", default="restore_latency.json")
     parser.add_argument("--png", help="draw the phase chart here (needs matplotlib)")
     parser.add_argument("--dir", help="work directory (default: a temporary one)")
@@ -272,6 +313,9 @@ def main(engine: str = "torch-lm") -> int:
         warm_s, seconds, phases = standby_once(request, work, index)
         runs.append({"kind": "warm (to standby)", "cache": "warm", "seconds": round(warm_s, 3)})
         runs.append({"kind": "wake", "cache": "warm", "seconds": round(seconds, 3), "phases": phases})
+    replica_gpus = args.replica_gpus.split(",") if args.replica_gpus else []
+    replicas = [replicas_at_once(request, work, args.replicas, 900 + index, replica_gpus)
+                for index in range(args.repeat if args.replicas > 1 else 0)]
     if drop_caches():
         runs.append({"kind": "cold start", "cache": "cold", "seconds": round(cold_start(command, port, env=env)[0], 3)})
         drop_caches()
@@ -303,6 +347,10 @@ def main(engine: str = "torch-lm") -> int:
                                  "canary's match" if n580 else None,
                 "n580_gpu": args.n580_gpu,
                 "n580": [{k: v for k, v in variant.items() if k != "request"} for variant in n580],
+                "replicas_measured": f"{args.replicas} coldsnap restore processes of the capsule started at once on "
+                                     "ports of their own: first exec → last exit (every canary matched)"
+                                     if replicas else None,
+                "replicas": replicas,
                 "runs": runs, "summary": summary,
                 "capture_phases_s": demo["capture_phases_s"], "image_bytes": demo["image_bytes"],
                 "non_model_bytes": demo["non_model_bytes"], "image_to_non_model_rss": demo["image_to_non_model_rss"],
@@ -318,6 +366,12 @@ def main(engine: str = "torch-lm") -> int:
                 print(f"speedup of {kind} ({cache}): {summary[f'cold start ({cache})'] / summary[f'{kind} ({cache})']:.2f}x")
     print(f"process image {document['image_bytes'] / 2**20:.1f} MiB = {document['image_to_non_model_rss']}x the "
           f"non-model memory ({document['non_model_bytes'] / 2**20:.1f} MiB); payload {document['payload_bytes'] / 2**30:.2f} GiB")
+    if replicas:
+        wall = statistics.median(r["wall_s"] for r in replicas)
+        document["summary"][f"{args.replicas} replicas at once (warm)"] = wall
+        print(f"{args.replicas} replicas at once: median wall {wall:.3f} s = "
+              f"{wall / summary['restore (warm)']:.2f}x one restore (runs: {[r['wall_s'] for r in replicas]})")
+        Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
     for kind, values in (("restore", phase_medians), *((v["label"], v["phase_medians_warm"]) for v in n580),
                          ("wake", wake_medians)):
         if values:

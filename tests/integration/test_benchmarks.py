@@ -21,7 +21,7 @@ BEFORE_THE_CANARY = ("exec → admission start", "restore.admission", "restore.c
 def test_restore_latency_cpu_mode(tmp_path):
     out = tmp_path / "restore.json"
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_latency.py"), "--size", "tiny", "--device",
-                           "cpu", "--repeat", "2", "--standby", "--n580", "2", "--out", str(out), "--dir",
+                           "cpu", "--repeat", "2", "--standby", "--n580", "2", "--replicas", "2", "--out", str(out), "--dir",
                            str(tmp_path / "work")],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -48,3 +48,6 @@ def test_restore_latency_cpu_mode(tmp_path):
     n580 = [r for r in document["runs"] if r["kind"] == "restore n580 ABI 2"]  # the template, placed
     assert len(n580) == 2 and all({"restore.place", "restore.engine_start"} <= set(r["phases"]) for r in n580)
     assert document["n580"][0]["capture_warnings"] == [] and document["summary"]["restore n580 ABI 2 (warm)"] > 0
+    replicas = document["replicas"]  # two restores at once, each on its own port, both served
+    assert len(replicas) == 2 and all(len(set(r["ports"])) == 2 and max(r["each_s"]) <= r["wall_s"] for r in replicas)
+    assert document["summary"]["2 replicas at once (warm)"] > 0 and "2 replicas at once: median wall" in done.stdout
