@@ -33,7 +33,8 @@ from coldsnap.activation.artifact_dir import ArtifactDir, state_root
 from coldsnap.activation.capture import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
-from coldsnap.activation.restore import Replica, RestoreSequence, WeightSource, serving_port
+from coldsnap.activation.replica import Replica, serving_port
+from coldsnap.activation.restore import RestoreSequence, WeightSource
 from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor

@@ -16,24 +16,19 @@ included — goes through its one unwind, which kills what was restored and leav
 from __future__ import annotations
 
 import functools
-import json
 import os
 import platform
-import re
-import socket
 import threading
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal
 
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
+from coldsnap.activation.replica import GpuPlacement, Replica, gpu_placement, plan_replica, port_free, serving_port
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
-from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
@@ -46,22 +41,10 @@ from coldsnap.activation.qualification import check_driver_floor, require_implem
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
-from coldsnap.snapshot.replica import (PortGeneration, abstract_names, bound_sockets, namespace_socket_names,
-                                       port_generation, probe_abstract_names, probe_binds, replica_images)
-from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices
+from coldsnap.snapshot.replica import replica_images
+from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint
 
-__all__ = ["restore", "admit", "port_free", "Replica", "plan_replica"]
-
-
-def port_free(port: int) -> bool:
-    """Whether a listener could bind ``port`` on the loopback address now."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+__all__ = ["restore", "admit", "port_free", "serving_port", "gpu_placement"]
 
 
 def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> None:
@@ -174,156 +157,7 @@ def admit(context: OperationContext, artifact: ArtifactDir
     return descriptor, capsule, sources, replica
 
 
-@dataclass(frozen=True)
-class Replica:
-    """What makes one restore of an image its own: where it serves, how its ports move there (the port
-    generation), its agents' (and template's) control sockets, and its state directory's name."""
-
-    serving_port: int
-    generation: PortGeneration
-    controls: dict[int, str]
-    """Rank → the agent's control socket in this replica."""
-    template_control: str | None
-    unix_names: dict[bytes, bytes]
-    """Captured abstract socket address → this replica's (the image's copy is rewritten with them)."""
-
-    @property
-    def name(self) -> str:
-        """The replica's directory under the artifact's state directory: one per serving port."""
-        return f"port-{self.serving_port}"
-
-
-_CONTROL_ID = re.compile(r"^(@coldsnap-(?:agent|template)-)[0-9a-f]{16}")
-
-
-def _replica_control(control: str, token: str) -> str:
-    """``control`` (``@coldsnap-agent-<id>[.rankN]``, as :func:`~coldsnap.activation.engine_process.new_control_name`
-    makes them) with this replica's id in place of the captured one; any other name is kept."""
-    return _CONTROL_ID.sub(lambda match: match.group(1) + token, control)
-
-
-def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> Replica:
-    """This restore's :class:`Replica`; ``admission.port`` when a port it needs is taken. Every port the
-    tree will bind is probed: the serving port itself, and the generation's move of each other."""
-    metadata = capsule.metadata
-    port = serving_port(context, capsule)
-    sockets = bound_sockets(artifact.images(capsule.unit_id))
-    try:
-        generation = port_generation(sockets, metadata.serving_port, port)
-    except ValueError as exc:
-        raise OperationFailed("admission.port", str(exc)) from None
-    taken = probe_binds(sockets, generation)
-    if metadata.template is not None and not port_free(port):  # the engine binds it once placed
-        taken.append(f"tcp 127.0.0.1:{port}")
-    elif not any(s.src_port == metadata.serving_port for s in sockets) and not port_free(port):
-        taken.append(f"tcp 127.0.0.1:{port}")
-    if taken:
-        if port == metadata.serving_port:
-            from coldsnap.activation.standby import live_standby
-
-            standby = live_standby(artifact)
-            if standby is not None:
-                raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this "
-                                      f"artifact (pid {standby.pid}): `coldsnap wake {artifact.root}` makes it serve")
-        moved = "" if generation.shift == 0 else f" (the capture's ports moved by {generation.shift:+d})"
-        raise OperationFailed("admission.port", f"serving port {port}: the tree's port(s) {', '.join(taken)} are "
-                              f"taken{moved}")
-    token = uuid.uuid4().hex[:16]
-    controls = {w.rank: _replica_control(w.control, token) for w in metadata.workers}
-    template_control = _replica_control(metadata.template.control, token) if metadata.template is not None else None
-    renamed = {w.control: controls[w.rank] for w in metadata.workers}
-    if metadata.template is not None and template_control is not None:
-        renamed[metadata.template.control] = template_control
-    unix_names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
-    # Any other abstract name the tree binds is restored as it is: taken by another process (another
-    # replica of an engine that binds a fixed one), CRIU could not bind it.
-    fixed = [name for name in abstract_names(artifact.images(capsule.unit_id))
-             if name not in unix_names and not namespace_socket_names([name], 0)]
-    taken = probe_abstract_names(fixed)
-    if taken:
-        raise OperationFailed("admission.port", f"the tree's abstract unix socket(s) {', '.join(taken)} are taken "
-                              "(by another replica of this capsule?)")
-    return Replica(port, generation, controls, template_control, unix_names)
-
-
-def _abstract(control: str) -> bytes:
-    address = socket_address(control)
-    return address if isinstance(address, bytes) else address.encode()
-
-
-@dataclass(frozen=True)
-class GpuPlacement:
-    """Where an n610 image's GPU state goes on this host: each captured GPU by UUID onto one of this
-    host's (a bijection over the captured ones; empty when nothing moves), and, for staging, the
-    launcher's device ordinal behind each of the engine's."""
-
-    pairs: list[tuple[str, str]]
-    launcher_ordinals: dict[int, int]
-
-
-def _visible(value: str | None, uuids: list[str], where: str) -> list[str]:
-    """``CUDA_VISIBLE_DEVICES`` (ordinals or UUIDs, comma-separated) as UUIDs of ``uuids``; all of them
-    when unset. ``ValueError`` names a device that is not there."""
-    if value is None:
-        return list(uuids)
-    chosen = []
-    for token in (t.strip() for t in value.split(",") if t.strip()):
-        if token.isdigit() and int(token) < len(uuids):
-            chosen.append(uuids[int(token)])
-        elif token in uuids:
-            chosen.append(token)
-        else:
-            raise ValueError(f"GPU {token} is not among the {len(uuids)} GPU(s) {where}")
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={value} names a GPU twice")
-    return chosen
-
-
-def gpu_remap(captured: list[str], captured_visible: str | None, current: list[str],
-              requested_visible: str | None) -> GpuPlacement:
-    """The engine saw ``captured_visible`` of the capture host's ``captured`` GPUs; it is to see
-    ``requested_visible`` of this host's ``current`` ones, in that order. ``ValueError`` when that cannot be."""
-    used = _visible(captured_visible, captured, "the capture host had")
-    target = _visible(requested_visible, current, "this host has")
-    if len(target) < len(used):
-        raise ValueError(f"the image's engine used {len(used)} GPU(s); {len(target)} placed")
-    mapping = dict(zip(used, target))
-    spare = [gpu for gpu in current if gpu not in mapping.values()]
-    for gpu in captured:  # the driver wants every captured GPU mapped, each onto a GPU of its own
-        if gpu not in mapping:
-            if not spare:
-                raise ValueError(f"this host has too few GPUs to map the capture's {len(captured)}")
-            mapping[gpu] = gpu if gpu in spare else spare[0]
-            spare.remove(mapping[gpu])
-    pairs = list(mapping.items()) if any(old != new for old, new in mapping.items()) else []
-    return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(gpu) for i, gpu in enumerate(target)})
-
-
-def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> GpuPlacement:
-    """This restore's :class:`GpuPlacement` (``admission.gpu`` when the request's GPUs are not there):
-    the request's ``CUDA_VISIBLE_DEVICES`` (``--gpu``) against the capture's."""
-    metadata = capsule.metadata
-    if not metadata.gpu_pids:
-        return GpuPlacement(pairs=[], launcher_ordinals={})
-    try:
-        captured_request = json.loads(artifact.request_path.read_text())
-        captured_visible = (captured_request.get("units") or [{}])[0].get("env", {}).get("CUDA_VISIBLE_DEVICES")
-    except (OSError, ValueError, AttributeError):
-        captured_visible = None
-    try:
-        return gpu_remap(metadata.gpu_uuids, captured_visible, [d["uuid"] for d in cuda_devices()],
-                         context.request.units[0].env.get("CUDA_VISIBLE_DEVICES"))
-    except ValueError as exc:
-        raise OperationFailed("admission.gpu", str(exc)) from None
-
-
 WeightSource = Literal["native", "recovery"]
-
-
-def serving_port(context: OperationContext, capsule: CapsuleManifest) -> int:
-    """Where the restored server will listen: the request's serving port, else the captured one (an n610
-    image gets there by its port generation, an n580 template by its placement)."""
-    return context.request.units[0].serving_port or capsule.metadata.serving_port
 
 
 def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: list[WorkerRecord],
@@ -419,7 +253,7 @@ class RestoreSequence:
     def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
                  capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica | None,
                  restored_pid: int | None = None, controls: list[str] | None = None,
-                 gpus: "GpuPlacement | None" = None):
+                 gpus: GpuPlacement | None = None):
         """``replica``: this restore's place (admission's); a standby's wake has none — it is handed the
         parked tree's ``restored_pid`` and agent ``controls`` instead."""
         self.context = context

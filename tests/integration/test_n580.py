@@ -10,8 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import pytest
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.restore import port_free
 from coldsnap.demo import CHECK_PROMPT, cold_start
+from tests.helpers import coldsnap_receipt, file_digests, free_port
 from tests.processes import kill_replicas
 
 pytestmark = [
@@ -29,33 +28,16 @@ pytestmark = [
 pytest.importorskip("torch")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _workload(port: int) -> list[str]:
     return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
-
-
-def _coldsnap(command: str, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
-    done = subprocess.run([sys.executable, "-m", "coldsnap", command, "--receipt-json", "-", *args],
-                          capture_output=True, text=True, timeout=300, env=env)
-    return done, json.loads(done.stdout) if done.stdout.strip() else {}
-
-
-def _digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
-            if p.is_file()}
 
 
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     work = tmp_path_factory.mktemp("n580")
-    port = _free_port()
+    port = free_port()
     _, tokens = cold_start(_workload(port), port)
-    done, receipt = _coldsnap("capture", "--driver", "n580", "--out", str(work / "artifact"), "--", *_workload(port))
+    done, receipt = coldsnap_receipt("capture", "--driver", "n580", "--out", str(work / "artifact"), "--", *_workload(port))
     assert done.returncode == 0, done.stderr[-3000:]
     assert receipt["snapshot_driver"] == "n580" and port_free(port)  # nothing of the engine left running
     return work / "artifact", tokens
@@ -66,10 +48,10 @@ def test_one_template_is_placed_on_two_ports_and_serves_the_cold_starts_tokens(c
     capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]
     assert capsule["template"]["placement_abi"] == 2 and capsule["gpu_pids"] == []
     assert capsule["template"]["preload"] == ["torch", "coldsnap.workloads.torch_lm.serve"]
-    before = _digests(artifact)
+    before = file_digests(artifact)
     for _ in range(2):
-        port = _free_port()
-        done, receipt = _coldsnap("restore", str(artifact), "--port", str(port))
+        port = free_port()
+        done, receipt = coldsnap_receipt("restore", str(artifact), "--port", str(port))
         try:
             assert done.returncode == 0, done.stderr[-3000:]
             assert receipt["state"] == "succeeded" and receipt["snapshot_driver"] == "n580" and receipt["warnings"] == []
@@ -81,7 +63,7 @@ def test_one_template_is_placed_on_two_ports_and_serves_the_cold_starts_tokens(c
             assert "bytes of weights hydrated from" in log  # the pack, at load time
         finally:
             kill_replicas(artifact)
-    assert _digests(artifact) == before
+    assert file_digests(artifact) == before
 
 
 def _with_template(artifact: Path, copy: Path, **template) -> Path:
@@ -109,8 +91,8 @@ def _with_template(artifact: Path, copy: Path, **template) -> Path:
 ], ids=["unknown-abi", "abi1-other-driver"])
 def test_a_placement_the_template_cannot_take_is_refused_at_admission(captured, tmp_path, template, problem):
     artifact = _with_template(captured[0], tmp_path / "artifact", **template)
-    port = _free_port()
-    done, receipt = _coldsnap("restore", str(artifact), "--port", str(port))
+    port = free_port()
+    done, receipt = coldsnap_receipt("restore", str(artifact), "--port", str(port))
     assert done.returncode == 1 and receipt["error"]["code"] == "admission.placement", done.stderr[-2000:]
     assert problem in receipt["error"]["message"]
     assert not any(s["name"] == "restore.criu_restore" for s in receipt["timing"]["spans"])  # nothing started
@@ -130,8 +112,8 @@ _map = mmap.mmap(_file.fileno(), 4096, prot=mmap.PROT_READ)
 def test_a_template_holding_an_nvidia_driver_mapping_is_refused_at_capture(tmp_path):
     (tmp_path / "maps_a_driver_library.py").write_text(FAKE_DRIVER_MAPPING)
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}", "FAKE_DRIVER_DIR": str(tmp_path)}
-    port = _free_port()
-    done, receipt = _coldsnap("capture", "--driver", "n580", "--preload", "maps_a_driver_library",
+    port = free_port()
+    done, receipt = coldsnap_receipt("capture", "--driver", "n580", "--preload", "maps_a_driver_library",
                               "--out", str(tmp_path / "artifact"), "--", *_workload(port), env=env)
     assert done.returncode == 1 and receipt["error"]["code"] == "capture.template_nvidia", done.stderr[-2000:]
     assert "libnvidia-fake.so.580" in receipt["error"]["message"] and "--placement-abi 1" in receipt["error"]["message"]

@@ -7,8 +7,6 @@ started."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import socket
 import subprocess
@@ -18,11 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.activation.restore import port_free
+from coldsnap.activation.replica import port_free
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.snapshot.process_tree import namespace_pid
+from tests.helpers import coldsnap_receipt, file_digests
 from tests.processes import capsule_root_pid, kill_replicas, replica_members
 
 pytestmark = [
@@ -44,24 +43,13 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
-def _coldsnap(command: str, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
-    done = subprocess.run([sys.executable, "-m", "coldsnap", command, "--receipt-json", "-", *args],
-                          capture_output=True, text=True, timeout=300)
-    return done, json.loads(done.stdout) if done.stdout.strip() else {}
-
-
-def _digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
-            if p.is_file()}
-
-
 @pytest.fixture(scope="module")
 def captured(tmp_path_factory):
     work = tmp_path_factory.mktemp("replicas")
     [port] = _free_ports(1)
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
     _, tokens = cold_start(command, port)
-    done, receipt = _coldsnap("capture", "--out", str(work / "artifact"), "--", *command)
+    done, receipt = coldsnap_receipt("capture", "--out", str(work / "artifact"), "--", *command)
     assert done.returncode == 0, done.stderr[-3000:]
     yield work / "artifact", port, tokens
     kill_replicas(work / "artifact")
@@ -73,12 +61,12 @@ def _spans(receipt: dict) -> dict[str, dict]:
 
 def test_two_replicas_restored_at_once_serve_on_their_own_ports(captured):
     artifact, captured_port, tokens = captured
-    before = _digests(artifact)
+    before = file_digests(artifact)
     try:
         for round_ in range(2):  # twice: a replica's second restore on its port replaces nothing of the other's
             ports = _free_ports(2)
             results: dict[int, tuple[subprocess.CompletedProcess, dict]] = {}
-            threads = [threading.Thread(target=lambda p=p: results.update({p: _coldsnap("restore", str(artifact),
+            threads = [threading.Thread(target=lambda p=p: results.update({p: coldsnap_receipt("restore", str(artifact),
                                                                                          "--port", str(p))}))
                        for p in ports]
             for thread in threads:
@@ -102,7 +90,7 @@ def test_two_replicas_restored_at_once_serve_on_their_own_ports(captured):
             assert kill_replicas(artifact) == []
     finally:
         kill_replicas(artifact)
-    assert _digests(artifact) == before  # many replicas later, not a byte of the artifact changed
+    assert file_digests(artifact) == before  # many replicas later, not a byte of the artifact changed
 
 
 def test_a_requested_port_that_is_taken_is_refused_at_admission(captured):
@@ -111,7 +99,7 @@ def test_a_requested_port_that_is_taken_is_refused_at_admission(captured):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done, receipt = _coldsnap("restore", str(artifact), "--port", str(port))
+        done, receipt = coldsnap_receipt("restore", str(artifact), "--port", str(port))
     assert done.returncode == 1 and receipt["error"]["code"] == "admission.port", done.stderr[-2000:]
     assert f"tcp 127.0.0.1:{port}" in receipt["error"]["message"] and "Traceback" not in done.stderr
     assert "restore.criu_restore" not in _spans(receipt) and replica_members(artifact) == []  # nothing started

@@ -95,7 +95,7 @@ def test_an_n580_placement_the_template_cannot_take_is_refused_at_admission(tmp_
 def test_a_restore_serves_on_the_requested_port_else_the_captured_one():
     from types import SimpleNamespace as NS
 
-    from coldsnap.activation.restore import serving_port
+    from coldsnap.activation.replica import serving_port
 
     def port(requested, template=None):
         context = NS(request=NS(units=[NS(serving_port=requested)]))

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 
-from coldsnap.activation.restore import _replica_control, gpu_remap
+from coldsnap.activation.replica import _replica_control, gpu_remap
 from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
 from coldsnap.snapshot.replica import (namespace_socket_names, port_generation, probe_abstract_names, probe_binds,
                                        replica_images)
@@ -110,6 +110,8 @@ def test_the_gpu_placement_maps_every_captured_gpu_onto_one_of_its_own():
         gpu_remap([g0], None, [g0, g1], "2")
     with pytest.raises(ValueError, match="used 2 GPU"):
         gpu_remap([g0, g1], None, [g0, g1], "1")
+    fewer = gpu_remap([g0, g1], None, [g1], None)  # nothing asked: this host's GPUs by ordinal, as many as there are
+    assert fewer.pairs == [(g0, g1)] and fewer.launcher_ordinals == {0: 0}
     with pytest.raises(ValueError, match="names a GPU twice"):
         gpu_remap([g0], None, [g0, g1], "1,1")
 
