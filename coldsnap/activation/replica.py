@@ -15,8 +15,9 @@ from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
 from coldsnap.snapshot.cuda_checkpoint import cuda_devices
-from coldsnap.snapshot.replica import (PortGeneration, abstract_names, bound_sockets, namespace_socket_names,
-                                       port_generation, probe_abstract_names, probe_binds)
+from coldsnap.snapshot.replica import (PortGeneration, bound_sockets, namespace_socket_names, path_socket_names,
+                                       port_generation, probe_abstract_names, probe_binds, probe_path_sockets,
+                                       unix_names)
 
 __all__ = ["Replica", "plan_replica", "GpuPlacement", "gpu_placement", "gpu_remap", "port_free", "serving_port"]
 
@@ -53,7 +54,8 @@ class Replica:
 
     @property
     def name(self) -> str:
-        """The replica's directory under the artifact's state directory: one per serving port."""
+        """The replica's name: its directory under the artifact's state directory, the suffix of its
+        path-bound sockets; one per serving port."""
         return f"port-{self.serving_port}"
 
 
@@ -98,16 +100,20 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
     renamed = {w.control: controls[w.rank] for w in metadata.workers}
     if metadata.template is not None and template_control is not None:
         renamed[metadata.template.control] = template_control
-    unix_names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
+    names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
+    tree_names = unix_names(artifact.images(capsule.unit_id))
+    replica_name = f"port-{port}"
+    paths = path_socket_names(tree_names, replica_name)
+    names.update(paths)  # (the CUDA driver's: by the replica's pid 1)
     # Any other abstract name the tree binds is restored as it is: taken by another process (another
     # replica of an engine that binds a fixed one), CRIU could not bind it.
-    fixed = [name for name in abstract_names(artifact.images(capsule.unit_id))
-             if name not in unix_names and not namespace_socket_names([name], 0)]
-    taken = probe_abstract_names(fixed)
+    fixed = [name for name in tree_names if name[:1] == b"\0" and name not in names
+             and not namespace_socket_names([name], 0)]
+    taken = probe_abstract_names(fixed) + probe_path_sockets(list(paths.values()))[0]
     if taken:
         raise OperationFailed("admission.port", f"the tree's abstract unix socket(s) {', '.join(taken)} are taken "
                               "(by another replica of this capsule?)")
-    return Replica(port, generation, controls, template_control, unix_names)
+    return Replica(port, generation, controls, template_control, names)
 
 
 def _abstract(control: str) -> bytes:

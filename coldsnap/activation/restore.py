@@ -41,7 +41,7 @@ from coldsnap.activation.qualification import check_driver_floor, require_implem
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
-from coldsnap.snapshot.replica import replica_images
+from coldsnap.snapshot.replica import probe_path_sockets, replica_images
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint
 
 __all__ = ["restore", "admit", "port_free", "serving_port", "gpu_placement"]
@@ -347,6 +347,9 @@ class RestoreSequence:
         """The images CRIU restores this replica from: the capture's, with ``files.img`` rewritten for its
         ports and sockets in ``state_dir`` (the artifact is only read)."""
         assert self.replica is not None
+        # A previous incarnation's socket files at this replica's paths (nothing listens: admission checked)
+        for stale in probe_path_sockets([n for n in self.replica.unix_names.values() if n.startswith(b"/")])[1]:
+            stale.unlink(missing_ok=True)
         return replica_images(self.artifact.images(self.unit.unit_id), state_dir / "images",
                               self.replica.generation, self.replica.unix_names)
 

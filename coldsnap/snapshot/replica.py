@@ -19,13 +19,15 @@ import ipaddress
 import os
 import re
 import socket
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldsnap.snapshot.criu_images import FILES_IMAGE, InetSocket, read_sockets, rewrite_sockets
 
 __all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "bound_sockets",
-           "namespace_socket_names", "probe_abstract_names", "abstract_names"]
+           "namespace_socket_names", "probe_abstract_names", "path_socket_names",
+           "unix_names", "probe_path_sockets"]
 
 _PORT_MAX = 65535
 
@@ -49,11 +51,11 @@ def bound_sockets(images: Path) -> list[InetSocket]:
     return [s for s in read_sockets(images)[0] if s.bound]
 
 
-def abstract_names(images: Path) -> list[bytes]:
-    """The abstract unix socket names the tree binds."""
+def unix_names(images: Path) -> list[bytes]:
+    """The names of the tree's unix sockets (abstract ones begin with NUL), each once, unnamed ones left out."""
     if not (images / FILES_IMAGE).is_file():
         return []
-    return [s.name for s in read_sockets(images)[1] if s.abstract]
+    return sorted({s.name for s in read_sockets(images)[1] if s.name})
 
 
 def port_generation(sockets: list[InetSocket], captured_serving: int, serving: int) -> PortGeneration:
@@ -113,6 +115,47 @@ def namespace_socket_names(names: list[bytes], pid_namespace_inode: int) -> dict
         if match:
             renamed[name] = b"\0cuda-uvmfd-%d-%s%s" % (pid_namespace_inode, match.group(2), match.group(3))
     return renamed
+
+
+_SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL
+
+
+def path_socket_names(names: list[bytes], replica: str) -> dict[bytes, bytes]:
+    """The unix sockets of ``names`` bound to a file (absolute paths: vLLM's ZeroMQ ``ipc://`` endpoints in
+    /tmp), renamed ``<path>.<replica>``: two replicas cannot both listen at one path, and the name stays
+    the same for every restore of one replica (CRIU replaces its stale file). A name that would not fit
+    ``sun_path`` is kept."""
+    renamed = {}
+    for name in names:
+        if name.startswith(b"/"):
+            path = name.rstrip(b"\0")
+            new = path + b"." + replica.encode()
+            if len(new) <= _SUN_PATH_MAX:
+                renamed[name] = new
+    return renamed
+
+
+def probe_path_sockets(paths: list[bytes]) -> tuple[list[str], list[Path]]:
+    """For socket files a replica will bind: the ones a live listener holds (a connect succeeds) and the
+    stale ones a previous incarnation left (nothing listens: CRIU would fail to bind over them)."""
+    taken, stale = [], []
+    for raw in paths:
+        path = Path(raw.rstrip(b"\0").decode(errors="surrogateescape"))
+        try:
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                continue
+        except OSError:
+            continue
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1)
+            try:
+                probe.connect(str(path))
+                taken.append(f"unix {path} (a process listens there)")
+            except (ConnectionRefusedError, FileNotFoundError):
+                stale.append(path)
+            except OSError as exc:
+                taken.append(f"unix {path} ({exc.strerror or exc})")
+    return taken, stale
 
 
 def probe_abstract_names(names: list[bytes]) -> list[str]:

@@ -307,9 +307,53 @@ def vllm_n580_on_gpu() -> None:
     assert restored == {"1": expected, "2": expected}
 
 
+def vllm_replicas_on_gpu() -> None:
+    """Replicas of one `vllm serve --load-format coldsnap` capsule (default flags) on this GPU: one
+    restore, then two at once on ports of their own (vLLM's API server, engine core and worker each in the
+    replica's pid namespaces, its /dev/shm queues private): both canaries matched, both answering
+    PROMPT_2 as vLLM's default loader does; each `coldsnap restore` timed from its exec to its exit."""
+    import threading
+
+    with _scene() as (served, port, artifact):
+        _capture(artifact, served)
+        alone_started = time.perf_counter()
+        first, _ = _restore_and_ask(artifact, port, 0)
+        alone = time.perf_counter() - alone_started
+        ports = [_free_port(), _free_port()]
+        results: dict[int, tuple[int, dict, str, float]] = {}
+
+        def restore(replica_port: int) -> None:
+            began = time.perf_counter()
+            status, receipt, err = _coldsnap("restore", str(artifact), "--port", str(replica_port), env=_env())
+            results[replica_port] = (status, receipt, err, time.perf_counter() - began)
+
+        threads = [threading.Thread(target=restore, args=(p,)) for p in ports]
+        began = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - began
+        try:
+            for replica_port in ports:
+                status, receipt, err, seconds = results[replica_port]
+                print(err[-1500:])
+                assert status == 0, json.dumps(receipt.get("error"), indent=1)
+                print(f"replica on port {replica_port}: {seconds:.2f} s (process)")
+            answers = [_complete(p) for p in ports]
+            print(f"one restore {alone:.2f} s (with its answer); two at once {wall:.2f} s wall; tokens {answers}")
+            assert answers == [first, first]
+        finally:
+            for status, receipt, _, _ in results.values():
+                _kill_restored(receipt)
+    seconds, expected = _serve_and_ask(served, port, LOGS / "default-loader-replicas.log", _env())
+    print(f"default loader: first answer after {seconds:.1f} s, tokens {expected}")
+    assert first == expected, f"restored {first}, vLLM's default loader {expected}"
+
+
 CHECKS = {f.__name__: f for f in (vllm_capture_restore_on_gpu, vllm_recreate_on_gpu, vllm_n580_on_gpu,
                                   vllm_sleep_and_native_start_on_gpu, vllm_tp2_default_start_on_gpu,
-                                  vllm_tp2_capture_restore_on_gpu)}
+                                  vllm_tp2_capture_restore_on_gpu, vllm_replicas_on_gpu)}
 
 if __name__ == "__main__":
     LOGS.mkdir(parents=True, exist_ok=True)

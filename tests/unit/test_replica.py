@@ -11,8 +11,8 @@ import pytest
 
 from coldsnap.activation.replica import _replica_control, gpu_remap
 from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
-from coldsnap.snapshot.replica import (namespace_socket_names, port_generation, probe_abstract_names, probe_binds,
-                                       replica_images)
+from coldsnap.snapshot.replica import (namespace_socket_names, path_socket_names, port_generation,
+                                       probe_abstract_names, probe_binds, replica_images)
 
 _VARINT, _LENGTH = 0, 2
 _MAGICS = struct.pack("<II", 0x54564319, 0x56213732)
@@ -129,3 +129,10 @@ def test_a_taken_abstract_name_is_reported_and_a_free_one_is_not():
         [taken] = probe_abstract_names([name])
         assert taken.startswith(f"unix @coldsnap-test-{os.getpid()} (")
     assert probe_abstract_names([name]) == []
+
+
+def test_a_replica_binds_its_path_sockets_at_paths_of_its_own():
+    ipc = b"/tmp/2c8997a9-2093-4b6e-b859-13ec373f7996"  # vLLM's ZeroMQ ipc:// endpoint (vLLM 0.26 on the H200)
+    too_long = b"/" + b"x" * 100
+    assert path_socket_names([ipc, b"\0coldsnap-agent-0123456789abcdef", too_long], "port-8001") == {
+        ipc: ipc + b".port-8001"}
