@@ -586,7 +586,7 @@ def build_parser() -> argparse.ArgumentParser:
         "hydrate the weights and zero the KV cache, and require the canary to give the captured tokens exactly. "
         "On failure everything restored is killed. A restore writes nothing inside DIR (it may be read-only, "
         "moved or a copy): the restored server's log, CRIU's files and validation records go to the state "
-        "directory. Every restore is a replica of its own: it serves on --port (its tree's bound sockets moved by "
+        "directory. Every restore is a replica of its own: it serves on --port (its tree's socket ports moved by "
         "one shift in a per-restore copy of the socket image, every bind probed first), in pid namespaces of its "
         "own, so one capsule restores several times at once, each on its own port and GPU. An n580 artifact (a "
         "pre-CUDA template) is restored, handed its placement (--port, --gpu, the native pack to load) and the "

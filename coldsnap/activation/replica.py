@@ -15,7 +15,7 @@ from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
 from coldsnap.snapshot.cuda_checkpoint import cuda_devices
-from coldsnap.snapshot.replica import (PortGeneration, bound_sockets, namespace_socket_names, path_socket_names,
+from coldsnap.snapshot.replica import (PortGeneration, tree_sockets, namespace_socket_names, path_socket_names,
                                        port_generation, probe_abstract_names, probe_binds, probe_path_sockets,
                                        unix_names)
 
@@ -73,7 +73,7 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
     tree will bind is probed: the serving port itself, and the generation's move of each other."""
     metadata = capsule.metadata
     port = serving_port(context, capsule)
-    sockets = bound_sockets(artifact.images(capsule.unit_id))
+    sockets = tree_sockets(artifact.images(capsule.unit_id))
     try:
         generation = port_generation(sockets, metadata.serving_port, port)
     except ValueError as exc:

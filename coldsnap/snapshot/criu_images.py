@@ -198,11 +198,11 @@ def _nested(fields: list[Field], number: int, path: Path) -> bytes:
     return value
 
 
-def rewrite_sockets(source: Path, target: Path, port: Callable[[InetSocket], int | None],
+def rewrite_sockets(source: Path, target: Path, ports: Callable[[InetSocket], tuple[int | None, int | None]],
                     unix_names: dict[bytes, bytes]) -> int:
-    """Copy ``source/files.img`` to ``target/files.img`` with each inet socket's source port replaced by
-    ``port(socket)`` (``None``: kept) and each unix socket named in ``unix_names`` renamed. Returns how
-    many sockets changed. Every other byte of every entry is kept as it was."""
+    """Copy ``source/files.img`` to ``target/files.img`` with each inet socket's source and destination
+    ports replaced by ``ports(socket)`` (``None``: kept) and each unix socket named in ``unix_names``
+    renamed. Returns how many sockets changed. Every other byte of every entry is kept as it was."""
     header, entries = _read_entries(source / FILES_IMAGE)
     changed = 0
     out = bytearray(header)
@@ -214,9 +214,9 @@ def rewrite_sockets(source: Path, target: Path, port: Callable[[InetSocket], int
             number = _FILE_ISK if kind == _INETSK else _FILE_USK
             inner = _decode(_nested(fields, number, source / FILES_IMAGE))
             if kind == _INETSK:
-                wanted = port(_inet(inner))
-                replacement: list[Field] = [(n, w, wanted if n == _ISK_SRC_PORT and wanted is not None else v)
-                                            for n, w, v in inner]
+                src, dst = ports(_inet(inner))
+                wanted = {n: p for n, p in ((_ISK_SRC_PORT, src), (_ISK_DST_PORT, dst)) if p is not None}
+                replacement: list[Field] = [(n, w, wanted.get(n, v)) for n, w, v in inner]
             else:
                 name = _unix(inner).name
                 replacement = [(n, w, unix_names[name] if n == _USK_NAME and name in unix_names else v)

@@ -6,11 +6,15 @@ per-restore image directory: every file of the captured images linked, except ``
 (:mod:`coldsnap.snapshot.criu_images`). The committed images are only read.
 
 The **port generation** is the seeds' "one fixed shift that maps the captured serving port to the
-requested port": every socket the tree had bound for itself (listening TCP, bound UDP, on any
-address) moves by the same shift, so the engine's other listeners (a TCP store, a metrics port) move
-with the serving port and two replicas never share one. Every resulting bind is probed before CRIU
-runs. Abstract unix sockets named by coldsnap (the agent's and the template's control sockets) get the
-replica's own names; they are the only names a launcher connects to by name after the restore.
+requested port": every local port of the tree (listening TCP, bound UDP, on any address, and the local
+ports of its connections) moves by the same shift, so the engine's other listeners (a TCP store, a
+metrics port) move with the serving port and two replicas never share one; a connection whose both
+ends are in the tree (vLLM's TCP store client, restored by CRIU's TCP repair) moves both ends, so it
+still connects the same two sockets. Every resulting bind is probed before CRIU runs. Abstract unix
+sockets named by coldsnap (the agent's and the template's control sockets) get the replica's own names;
+they are the only names a launcher connects to by name after the restore. Unix sockets bound to a file
+get a path of the replica's own; the CUDA driver's socket, named after its pid namespace, is renamed for
+the replica's by :mod:`coldsnap.snapshot.replica_init`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from pathlib import Path
 
 from coldsnap.snapshot.criu_images import FILES_IMAGE, InetSocket, read_sockets, rewrite_sockets
 
-__all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "bound_sockets",
+__all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "tree_sockets",
            "namespace_socket_names", "probe_abstract_names", "path_socket_names",
            "unix_names", "probe_path_sockets"]
 
@@ -34,21 +38,31 @@ _PORT_MAX = 65535
 
 @dataclass(frozen=True)
 class PortGeneration:
-    """Captured serving port → requested one, and what that does to each of the tree's bound sockets."""
+    """Captured serving port → requested one, and what that does to each of the tree's inet sockets."""
 
     shift: int
     moved: dict[int, int] = field(default_factory=dict)
-    """Captured port → its port in this generation, for every bound socket of the tree."""
+    """Captured port → its port in this generation, for every local port of the tree."""
+    peers: frozenset[tuple[int, int]] = frozenset()
+    """(local port, remote port) of every connection of the tree: where both ends are the tree's (the
+    reverse pair is there too), the remote port moves with the peer's local one."""
 
     def port(self, captured: int) -> int:
         return self.moved.get(captured, captured)
 
+    def ports(self, sock: InetSocket) -> tuple[int | None, int | None]:
+        """``sock``'s (local, remote) ports in this generation; ``None`` where one stays as captured."""
+        local = self.moved.get(sock.src_port) if sock.src_port else None
+        inside = sock.dst_port and (sock.dst_port, sock.src_port) in self.peers
+        return local, self.moved.get(sock.dst_port) if inside else None
 
-def bound_sockets(images: Path) -> list[InetSocket]:
-    """The inet sockets the tree holds a port of its own with (not a connection's local port)."""
+
+def tree_sockets(images: Path) -> list[InetSocket]:
+    """The inet sockets of the tree that hold a local port: listeners, bound sockets, and connections
+    (their local port moves too: two replicas of one connection inside the tree cannot share it)."""
     if not (images / FILES_IMAGE).is_file():
         return []
-    return [s for s in read_sockets(images)[0] if s.bound]
+    return [s for s in read_sockets(images)[0] if s.src_port]
 
 
 def unix_names(images: Path) -> list[bytes]:
@@ -67,7 +81,8 @@ def port_generation(sockets: list[InetSocket], captured_serving: int, serving: i
     if out_of_range:
         raise ValueError(f"serving on port {serving} would move the tree's port(s) {out_of_range} out of range "
                          f"(shift {shift:+d})")
-    return PortGeneration(shift=shift, moved=moved)
+    return PortGeneration(shift=shift, moved=moved,
+                          peers=frozenset((s.src_port, s.dst_port) for s in sockets if s.dst_port))
 
 
 def _address(sock: InetSocket) -> str:
@@ -81,9 +96,13 @@ def probe_binds(sockets: list[InetSocket], generation: PortGeneration) -> list[s
     cannot be bound now; an empty list means all of them can. Listeners set ``SO_REUSEADDR`` as servers
     do, so a port whose last connection lingers in TIME_WAIT counts as free, as it will for the tree."""
     taken = []
-    for sock in sockets:
+    probed: set[tuple[int, int, str, int]] = set()
+    for sock in sorted(sockets, key=lambda s: not s.bound):  # a listener first: its connections share its port
         port = generation.port(sock.src_port)
         address = _address(sock)
+        if (sock.family, sock.kind, address, port) in probed:
+            continue
+        probed.add((sock.family, sock.kind, address, port))
         try:
             with socket.socket(sock.family, sock.kind) as probe:
                 if sock.kind == socket.SOCK_STREAM:
@@ -91,7 +110,7 @@ def probe_binds(sockets: list[InetSocket], generation: PortGeneration) -> list[s
                 if sock.family == socket.AF_INET6:
                     probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 probe.bind((address, port))
-                if sock.kind == socket.SOCK_STREAM:
+                if sock.kind == socket.SOCK_STREAM and sock.bound:
                     probe.listen(1)  # a listener on the wildcard address is seen only by another listen
         except OSError as exc:
             kind = "tcp" if sock.kind == socket.SOCK_STREAM else "udp"
@@ -182,6 +201,5 @@ def replica_images(images: Path, target: Path, generation: PortGeneration, unix_
         if entry.name != FILES_IMAGE:
             os.symlink(entry.resolve(), target / entry.name)
     if (images / FILES_IMAGE).is_file():
-        rewrite_sockets(images, target, lambda sock: generation.port(sock.src_port) if sock.bound else None,
-                        unix_names)
+        rewrite_sockets(images, target, generation.ports, unix_names)
     return target

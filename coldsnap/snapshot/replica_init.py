@@ -67,7 +67,7 @@ def _name_sockets_for_this_namespace(images: Path) -> None:
 
     renamed = namespace_socket_names([s.name for s in read_sockets(images)[1]], os.stat("/proc/self/ns/pid").st_ino)
     if renamed:
-        rewrite_sockets(images, images, lambda sock: None, renamed)
+        rewrite_sockets(images, images, lambda sock: (None, None), renamed)
 
 
 def main(argv: list[str]) -> int:

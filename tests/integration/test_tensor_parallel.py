@@ -77,6 +77,32 @@ def test_tp2_restore_twice_gives_the_cold_start_tokens(tp_captured):
         kill_replicas(artifact)
 
 
+def test_two_tp2_replicas_restored_at_once_each_keep_their_ranks_connections(tp_captured, tmp_path):
+    """The TP2 tree's ranks talk over TCP (the rank channels, restored connected by CRIU's TCP repair):
+    two replicas at once on ports of their own move both ends of every such connection by their port
+    generation, so each replica's ranks stay joined to each other, and both serve the cold start's tokens."""
+    import threading
+
+    from tests.helpers import free_port
+
+    artifact, _, expected, _ = tp_captured
+    ports = [free_port(), free_port()]
+    results: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda p=p: results.update({p: coldsnap("restore", str(artifact), "--port", str(p))}))
+               for p in ports]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for port in ports:
+            assert results[port].returncode == 0, results[port].stderr.decode()[-3000:]
+        assert [complete(port, PROMPT_2) for port in ports] == [expected, expected]
+        assert len(replica_members(artifact)) == 6  # each replica: the supervisor and both ranks
+    finally:
+        kill_replicas(artifact)
+
+
 def test_tp2_warm_rebuilds_nccl_and_wake_serves_the_cold_start_tokens(tp_captured, tmp_path, monkeypatch):
     """Both ranks park together (their communicator rebuilt at warm), and wake together without rebuilding it."""
     artifact, port, expected, _ = tp_captured

@@ -47,11 +47,11 @@ def test_files_img_sockets_are_read_and_rewritten_keeping_every_other_byte(tmp_p
     assert [(s.src_port, s.bound, s.src_addr) for s in inet] == [(8000, True, b"\x7f\0\0\1"), (41234, False, b"\x7f\0\0\1")]
     assert [u.name for u in unix] == [b"\0coldsnap-agent-0123456789abcdef", b"/tmp/other.sock"] and unix[0].abstract
 
-    assert rewrite_sockets(captured, replica, lambda s: None, {}) == 0
+    assert rewrite_sockets(captured, replica, lambda s: (None, None), {}) == 0
     assert (replica / "files.img").read_bytes() == (captured / "files.img").read_bytes()
 
     renamed = {b"\0coldsnap-agent-0123456789abcdef": b"\0coldsnap-agent-fedcba9876543210"}
-    changed = rewrite_sockets(captured, replica, lambda s: 70000 if s.bound else None, renamed)
+    changed = rewrite_sockets(captured, replica, lambda s: (70000 if s.bound else None, None), renamed)
     inet, unix = read_sockets(replica)
     assert changed == 2 and [s.src_port for s in inet] == [70000, 41234]
     assert [u.name for u in unix] == [b"\0coldsnap-agent-fedcba9876543210", b"/tmp/other.sock"]
@@ -65,13 +65,18 @@ def test_a_truncated_image_is_refused_by_name(tmp_path):
         read_sockets(tmp_path)
 
 
-def test_the_port_generation_moves_every_bound_port_by_one_shift_and_probes_them(tmp_path):
-    _image(tmp_path / "images", _inet_entry(1, 8000), _inet_entry(2, 29500), _inet_entry(3, 41234, 1, 8000))
-    sockets = [s for s in read_sockets(tmp_path / "images")[0] if s.bound]
+def test_the_port_generation_moves_every_local_port_by_one_shift_and_probes_them(tmp_path):
+    # listeners on 8000 and 29500; a connection inside the tree (41234 → 8000, accepted on 8000); one to
+    # a server outside it (41235 → 443)
+    _image(tmp_path / "images", _inet_entry(1, 8000), _inet_entry(2, 29500), _inet_entry(3, 41234, 1, 8000),
+           _inet_entry(4, 8000, 1, 41234), _inet_entry(5, 41235, 1, 443))
+    sockets = [s for s in read_sockets(tmp_path / "images")[0] if s.src_port]
     generation = port_generation(sockets, 8000, 8100)
-    assert generation.shift == 100 and generation.moved == {8000: 8100, 29500: 29600}
-    with pytest.raises(ValueError, match=r"port\(s\) \[29500\] out of range \(shift \+40000\)"):
-        port_generation(sockets, 8000, 48000)
+    assert generation.shift == 100 and generation.moved == {8000: 8100, 29500: 29600, 41234: 41334, 41235: 41335}
+    assert [generation.ports(s) for s in sockets] == [(8100, None), (29600, None), (41334, 8100), (8100, 41334),
+                                                      (41335, None)]  # both ends inside move; 443 stays
+    with pytest.raises(ValueError, match=r"port\(s\) \[41234, 41235\] out of range \(shift \+30000\)"):
+        port_generation(sockets, 8000, 38000)
 
     with socket.socket() as busy:  # a port taken by another listener: the probe names it
         busy.bind(("127.0.0.1", 0))
@@ -87,7 +92,8 @@ def test_the_port_generation_moves_every_bound_port_by_one_shift_and_probes_them
     (tmp_path / "images" / "pages-1.img").write_bytes(b"pages")
     replica = replica_images(tmp_path / "images", tmp_path / "replica", generation, {})  # again: emptied first
     assert (replica / "pages-1.img").is_symlink() and (replica / "pages-1.img").read_bytes() == b"pages"
-    assert [s.src_port for s in read_sockets(replica)[0]] == [8100, 29600, 41234]
+    assert [(s.src_port, s.dst_port) for s in read_sockets(replica)[0]] == [
+        (8100, 0), (29600, 0), (41334, 8100), (8100, 41334), (41335, 443)]
 
 
 def test_a_replica_names_its_control_sockets_with_its_own_id():
