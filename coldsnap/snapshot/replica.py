@@ -85,10 +85,15 @@ def port_generation(sockets: list[InetSocket], captured_serving: int, serving: i
                           peers=frozenset((s.src_port, s.dst_port) for s in sockets if s.dst_port))
 
 
-def _address(sock: InetSocket) -> str:
+def _address(sock: InetSocket) -> tuple[int, str]:
+    """The family and address a probe binds for ``sock``: an IPv6 socket's IPv4-mapped address
+    (``::ffff:a.b.c.d``, a dual-stack socket talking IPv4) as IPv4, where the port it takes lives."""
     if sock.family == socket.AF_INET6:
-        return str(ipaddress.IPv6Address(sock.src_addr or bytes(16)))
-    return str(ipaddress.IPv4Address(sock.src_addr or bytes(4)))
+        address = ipaddress.IPv6Address(sock.src_addr or bytes(16))
+        if address.ipv4_mapped is not None:
+            return socket.AF_INET, str(address.ipv4_mapped)
+        return socket.AF_INET6, str(address)
+    return socket.AF_INET, str(ipaddress.IPv4Address(sock.src_addr or bytes(4)))
 
 
 def probe_binds(sockets: list[InetSocket], generation: PortGeneration) -> list[str]:
@@ -99,15 +104,15 @@ def probe_binds(sockets: list[InetSocket], generation: PortGeneration) -> list[s
     probed: set[tuple[int, int, str, int]] = set()
     for sock in sorted(sockets, key=lambda s: not s.bound):  # a listener first: its connections share its port
         port = generation.port(sock.src_port)
-        address = _address(sock)
-        if (sock.family, sock.kind, address, port) in probed:
+        family, address = _address(sock)
+        if (family, sock.kind, address, port) in probed:
             continue
-        probed.add((sock.family, sock.kind, address, port))
+        probed.add((family, sock.kind, address, port))
         try:
-            with socket.socket(sock.family, sock.kind) as probe:
+            with socket.socket(family, sock.kind) as probe:
                 if sock.kind == socket.SOCK_STREAM:
                     probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                if sock.family == socket.AF_INET6:
+                if family == socket.AF_INET6:
                     probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 probe.bind((address, port))
                 if sock.kind == socket.SOCK_STREAM and sock.bound:

@@ -142,3 +142,19 @@ def test_a_replica_binds_its_path_sockets_at_paths_of_its_own():
     too_long = b"/" + b"x" * 100
     assert path_socket_names([ipc, b"\0coldsnap-agent-0123456789abcdef", too_long], "port-8001") == {
         ipc: ipc + b".port-8001"}
+
+
+def test_a_dual_stack_socket_talking_ipv4_is_probed_on_its_ipv4_address():
+    # vLLM 0.26 on the H200: an IPv6 socket of a connection on ::ffff:<the host's IPv4> (a V6ONLY probe of
+    # that address fails with EINVAL: it used to be reported as taken)
+    from coldsnap.snapshot.criu_images import InetSocket
+
+    mapped = InetSocket(1, socket.AF_INET6, socket.SOCK_STREAM, 1, 41234, 8000,
+                        bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1]))
+    assert probe_binds([mapped], port_generation([mapped], 41234, 41234)) == []
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        taken = probe_binds([mapped], port_generation([mapped], 41234, port))
+    assert len(taken) == 1 and taken[0].startswith(f"tcp 127.0.0.1:{port} (")
