@@ -162,9 +162,6 @@ class RestoreResult:
     """A replica's pids on this host by their captured (namespace) pid; empty when restored with the
     captured pids themselves."""
 
-    def host_pid(self, captured: int) -> int:
-        return self.host_pids.get(captured, captured)
-
 
 def _log_tail(path: Path) -> str:
     try:
@@ -227,10 +224,11 @@ class CriuSnapshotter:
 
         ``replica`` (the default): the tree gets its own pid and mount namespaces and ``/dev/shm``
         (:mod:`coldsnap.snapshot.replica_init`), so restores of one image can run side by side; the
-        result names its pids as this host sees them; ``own_images`` says ``images`` is this restore's copy
-        (:func:`coldsnap.snapshot.replica.replica_images`), where the sockets named after their pid
-        namespace (the CUDA driver's) are renamed for the new one. Without it, the tree takes back its captured pids
-        in the host's namespace (waiting up to ``wait_for_pids_s`` for a previous incarnation to go).
+        result names its pids as this host sees them. ``own_images`` says ``images`` is this restore's
+        copy (:func:`coldsnap.snapshot.replica.replica_images`), where the sockets named after their pid
+        namespace (the CUDA driver's) are renamed for the new one. Without ``replica``, the tree takes
+        back its captured pids in the host's namespace (waiting up to ``wait_for_pids_s`` for a previous
+        incarnation to go).
         """
         from coldsnap.snapshot import process_tree
 
