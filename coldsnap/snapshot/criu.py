@@ -283,14 +283,17 @@ class CriuSnapshotter:
         unshare = shutil.which("unshare")
         if unshare is None:
             raise CriuError("restore", None, "no unshare (util-linux) on PATH: a replica restore needs it")
-        command = [unshare, "--pid", "--fork", "--mount-proc", "--", sys.executable, "-m",
+        # python -S, coldsnap found through PYTHONPATH: no site-packages scan on the restore's path.
+        command = [unshare, "--pid", "--fork", "--mount-proc", "--", sys.executable, "-S", "-m",
                    "coldsnap.snapshot.replica_init", *(["--own-images"] if own_images else []), str(images),
                    str(root_pid), self.criu.path, *args]
+        package_root = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         try:
             # Its own session: the replica must not get the launcher's terminal signals (^C).
             launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, pass_fds=tuple(inherited.values()),
-                                        start_new_session=True)
+                                        start_new_session=True, env=env)
         except OSError as exc:
             raise CriuError("restore", exc.errno, str(exc)) from None
         assert launcher.stdout is not None and launcher.stderr is not None

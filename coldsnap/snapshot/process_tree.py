@@ -23,12 +23,12 @@ from typing import Any, Iterator
 
 from coldsnap.atomic import write_atomic
 from coldsnap.host import PF_EXITING, stat_fields
+from coldsnap.snapshot.shm import SHM_DIR, copy_sparse, restore_shm
 
-__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "restore_shm", "namespace_pid", "inherited_files",
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
            "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
-SHM_DIR = Path("/dev/shm")
 _WRITE_MODES = os.O_WRONLY | os.O_RDWR
 
 
@@ -213,39 +213,6 @@ def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], s
     return state
 
 
-SPARSE_BLOCK = 1 << 20
-_ZEROS = bytes(SPARSE_BLOCK)
-
-
-def copy_sparse(source: Path, target: Path) -> int:
-    """Copy ``source`` to ``target`` (same size and mode) writing only its non-zero 1 MiB blocks; the
-    rest stays a hole. vLLM's shared-memory queues are 400 MB files that hold ~20 MB of data: copying
-    them whole cost every capture and every restore hundreds of MB of writes. Returns bytes written."""
-    written = 0
-    with open(source, "rb") as src, open(target, "wb") as dst:
-        size = os.fstat(src.fileno()).st_size
-        dst.truncate(size)
-        offset = 0
-        while offset < size:
-            try:  # skip holes the source already has (tmpfs and most file systems report them)
-                offset = os.lseek(src.fileno(), offset, os.SEEK_DATA)
-            except OSError:  # ENXIO: nothing but a hole up to the end
-                break
-            end = min(size, os.lseek(src.fileno(), offset, os.SEEK_HOLE))
-            src.seek(offset)
-            while offset < end:
-                block = src.read(min(SPARSE_BLOCK - offset % SPARSE_BLOCK, end - offset))
-                if not block:
-                    break
-                if block != _ZEROS[:len(block)]:
-                    dst.seek(offset)
-                    dst.write(block)
-                    written += len(block)
-                offset += len(block)
-    shutil.copymode(source, target)
-    return written
-
-
 def prepare_restore(images: Path, wait_for_pids_s: float = 10.0, host_namespace: bool = True) -> TreeFiles:
     """Put the host back in the state the image expects; raises :class:`ImageStateError` if it cannot.
     ``host_namespace``: the tree takes its captured pids and ``/dev/shm`` names on the host itself (not a
@@ -253,7 +220,7 @@ def prepare_restore(images: Path, wait_for_pids_s: float = 10.0, host_namespace:
     state = TreeFiles.load(images)
     if host_namespace:
         _wait_for_pids(state.pids, wait_for_pids_s)
-        restore_shm(images, state, SHM_DIR)
+        restore_shm(images, state.shm, SHM_DIR)
     for path, size in state.appended.items():
         try:
             current = os.stat(path).st_size
@@ -283,17 +250,6 @@ def _wait_for_pids(pids: list[int], wait_for_pids_s: float) -> None:
                 "(the previous incarnation is still running or not reaped)"
             )
         time.sleep(0.02)
-
-
-def restore_shm(images: Path, state: TreeFiles, shm_dir: Path) -> None:
-    """The image's saved /dev/shm files, put back in ``shm_dir``. Always the captured bytes: a previous
-    incarnation killed mid-flight leaves its /dev/shm files behind with *its* state (vLLM's shared-memory
-    message queues advanced past the captured position), and a restored tree mapping them desynchronizes.
-    Replaced by rename, so a process still holding an old file keeps its own inode."""
-    for name in state.shm:
-        tmp = shm_dir / f".{name}.coldsnap-tmp"
-        copy_sparse(images / "devshm" / name, tmp)
-        os.replace(tmp, shm_dir / name)
 
 
 def namespace_pid(pid: int) -> int:

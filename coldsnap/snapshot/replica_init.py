@@ -20,6 +20,7 @@ Failures print one line to standard error and exit non-zero: CRIU's own status w
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import sys
 from pathlib import Path
@@ -50,18 +51,22 @@ _MS_NOSUID, _MS_NODEV = 2, 4
 
 
 def _mount_private_shm(images: Path) -> None:
-    from coldsnap.snapshot.process_tree import SHM_DIR, TreeFiles, restore_shm
+    from coldsnap.snapshot.shm import SHM_DIR, restore_shm
 
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.mount(b"tmpfs", str(SHM_DIR).encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, b"mode=1777") != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"mount tmpfs on {SHM_DIR}: {os.strerror(errno)}")
-    restore_shm(images, TreeFiles.load(images), SHM_DIR)
+    # (process_tree.TreeFiles' file, read without importing process_tree: this runs on the restore's path)
+    names = json.loads((images / "coldsnap-tree-files.json").read_text()).get("shm", [])
+    restore_shm(images, names, SHM_DIR)
 
 
 def _name_sockets_for_this_namespace(images: Path) -> None:
     """The image's sockets named after their pid namespace (the CUDA driver's), renamed for this one, in
     ``images/files.img`` — this restore's own copy."""
+    if b"cuda-uvmfd" not in (images / "files.img").read_bytes():  # (a CPU tree: nothing to import for)
+        return
     from coldsnap.snapshot.criu_images import read_sockets, rewrite_sockets
     from coldsnap.snapshot.replica import namespace_socket_names
 

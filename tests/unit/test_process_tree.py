@@ -98,7 +98,7 @@ def test_connected_tcp_sockets_counts_connections_not_listeners():
 
 
 def test_copy_sparse_keeps_the_bytes_and_writes_only_data(tmp_path):
-    from coldsnap.snapshot.process_tree import copy_sparse
+    from coldsnap.snapshot.shm import copy_sparse
 
     source = tmp_path / "queue"
     with open(source, "wb") as handle:
