@@ -10,7 +10,8 @@ requested port": every local port of the tree (listening TCP, bound UDP, on any 
 ports of its connections) moves by the same shift, so the engine's other listeners (a TCP store, a
 metrics port) move with the serving port and two replicas never share one; a connection whose both
 ends are in the tree (vLLM's TCP store client, restored by CRIU's TCP repair) moves both ends, so it
-still connects the same two sockets. Every resulting bind is probed before CRIU runs. Abstract unix
+still connects the same two sockets (an ephemeral local port wraps around 1024–65535 where the shift
+would push it out of range). Every resulting bind is probed before CRIU runs. Abstract unix
 sockets named by coldsnap (the agent's and the template's control sockets) get the replica's own names;
 they are the only names a launcher connects to by name after the restore. Unix sockets bound to a file
 get a path of the replica's own; the CUDA driver's socket, named after its pid namespace, is renamed for
@@ -34,6 +35,7 @@ __all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images",
            "unix_names", "probe_path_sockets"]
 
 _PORT_MAX = 65535
+_PORT_MIN = 1024  # where a connection's wrapped local port may land: not a privileged port
 
 
 @dataclass(frozen=True)
@@ -74,9 +76,14 @@ def unix_names(images: Path) -> list[bytes]:
 
 def port_generation(sockets: list[InetSocket], captured_serving: int, serving: int) -> PortGeneration:
     """The generation that moves ``captured_serving`` to ``serving``; ``ValueError`` when it would push
-    one of the tree's other ports out of range."""
+    one of the ports the tree listens on out of range. A connection's own local port (an ephemeral one:
+    no listener of the tree holds it) is only a name both ends must agree on, so it wraps around
+    1024–65535 instead — the same shift, modulo: distinct ports stay distinct."""
     shift = serving - captured_serving
-    moved = {s.src_port: s.src_port + shift for s in sockets}
+    listening = {s.src_port for s in sockets if s.bound}
+    span = _PORT_MAX + 1 - _PORT_MIN
+    moved = {port: port + shift if port in listening or port < _PORT_MIN else _PORT_MIN + (port + shift - _PORT_MIN) % span
+             for port in {s.src_port for s in sockets}}
     out_of_range = sorted(p for p, q in moved.items() if not 1 <= q <= _PORT_MAX)
     if out_of_range:
         raise ValueError(f"serving on port {serving} would move the tree's port(s) {out_of_range} out of range "

@@ -75,8 +75,10 @@ def test_the_port_generation_moves_every_local_port_by_one_shift_and_probes_them
     assert generation.shift == 100 and generation.moved == {8000: 8100, 29500: 29600, 41234: 41334, 41235: 41335}
     assert [generation.ports(s) for s in sockets] == [(8100, None), (29600, None), (41334, 8100), (8100, 41334),
                                                       (41335, None)]  # both ends inside move; 443 stays
-    with pytest.raises(ValueError, match=r"port\(s\) \[41234, 41235\] out of range \(shift \+30000\)"):
-        port_generation(sockets, 8000, 38000)
+    with pytest.raises(ValueError, match=r"port\(s\) \[29500\] out of range \(shift \+36100\)"):
+        port_generation(sockets, 8000, 44100)  # a listener cannot leave the port range
+    wrapped = port_generation(sockets, 8000, 38000)  # a connection's ephemeral port wraps around 1024-65535
+    assert wrapped.moved == {8000: 38000, 29500: 59500, 41234: 6722, 41235: 6723}
 
     with socket.socket() as busy:  # a port taken by another listener: the probe names it
         busy.bind(("127.0.0.1", 0))
