@@ -16,8 +16,7 @@ from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
 from coldsnap.snapshot.cuda_checkpoint import cuda_devices
 from coldsnap.snapshot.replica import (PortGeneration, tree_sockets, namespace_socket_names, path_socket_names,
-                                       port_generation, probe_abstract_names, probe_binds, probe_path_sockets,
-                                       unix_names)
+                                       port_generation, probe_abstract_names, probe_binds, probe_path_sockets)
 
 __all__ = ["Replica", "plan_replica", "GpuPlacement", "gpu_placement", "gpu_remap", "port_free", "serving_port"]
 
@@ -54,9 +53,13 @@ class Replica:
 
     @property
     def name(self) -> str:
-        """The replica's name: its directory under the artifact's state directory, the suffix of its
-        path-bound sockets; one per serving port."""
-        return f"port-{self.serving_port}"
+        return replica_name(self.serving_port)
+
+
+def replica_name(serving_port: int) -> str:
+    """A replica's name: its directory under the artifact's state directory, the suffix of its
+    path-bound sockets; one per serving port."""
+    return f"port-{serving_port}"
 
 
 _CONTROL_ID = re.compile(r"^(@coldsnap-(?:agent|template)-)[0-9a-f]{16}")
@@ -73,15 +76,15 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
     tree will bind is probed: the serving port itself, and the generation's move of each other."""
     metadata = capsule.metadata
     port = serving_port(context, capsule)
-    sockets = tree_sockets(artifact.images(capsule.unit_id))
+    sockets, tree_names = tree_sockets(artifact.images(capsule.unit_id))
     try:
         generation = port_generation(sockets, metadata.serving_port, port)
     except ValueError as exc:
         raise OperationFailed("admission.port", str(exc)) from None
     taken = probe_binds(sockets, generation)
-    if metadata.template is not None and not port_free(port):  # the engine binds it once placed
-        taken.append(f"tcp 127.0.0.1:{port}")
-    elif not any(s.src_port == metadata.serving_port for s in sockets) and not port_free(port):
+    # A template's engine (or a tree holding no socket of it) binds the serving port only once started.
+    listens = metadata.template is None and any(s.src_port == metadata.serving_port for s in sockets)
+    if not listens and not port_free(port):
         taken.append(f"tcp 127.0.0.1:{port}")
     if taken:
         if port == metadata.serving_port:
@@ -101,9 +104,7 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
     if metadata.template is not None and template_control is not None:
         renamed[metadata.template.control] = template_control
     names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
-    tree_names = unix_names(artifact.images(capsule.unit_id))
-    replica_name = f"port-{port}"
-    paths = path_socket_names(tree_names, replica_name)
+    paths = path_socket_names(tree_names, replica_name(port))
     names.update(paths)  # (the CUDA driver's: by the replica's pid 1)
     # Any other abstract name the tree binds is restored as it is: taken by another process (another
     # replica of an engine that binds a fixed one), CRIU could not bind it.
@@ -111,7 +112,7 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
              and not namespace_socket_names([name], 0)]
     taken = probe_abstract_names(fixed) + probe_path_sockets(list(paths.values()))[0]
     if taken:
-        raise OperationFailed("admission.port", f"the tree's abstract unix socket(s) {', '.join(taken)} are taken "
+        raise OperationFailed("admission.port", f"the tree's unix socket(s) {', '.join(taken)} are taken "
                               "(by another replica of this capsule?)")
     return Replica(port, generation, controls, template_control, names)
 

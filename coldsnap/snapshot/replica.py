@@ -32,7 +32,7 @@ from coldsnap.snapshot.criu_images import FILES_IMAGE, InetSocket, read_sockets,
 
 __all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "tree_sockets",
            "namespace_socket_names", "probe_abstract_names", "path_socket_names",
-           "unix_names", "probe_path_sockets"]
+           "probe_path_sockets"]
 
 _PORT_MAX = 65535
 _PORT_MIN = 1024  # where a connection's wrapped local port may land: not a privileged port
@@ -59,19 +59,15 @@ class PortGeneration:
         return local, self.moved.get(sock.dst_port) if inside else None
 
 
-def tree_sockets(images: Path) -> list[InetSocket]:
-    """The inet sockets of the tree that hold a local port: listeners, bound sockets, and connections
-    (their local port moves too: two replicas of one connection inside the tree cannot share it)."""
+def tree_sockets(images: Path) -> tuple[list[InetSocket], list[bytes]]:
+    """From one read of the socket image: the inet sockets of the tree that hold a local port (listeners,
+    bound sockets, and connections: their local port moves too, two replicas of one connection inside
+    the tree cannot share it), and the names of its unix sockets (abstract ones begin with NUL), each
+    once, unnamed ones left out."""
     if not (images / FILES_IMAGE).is_file():
-        return []
-    return [s for s in read_sockets(images)[0] if s.src_port]
-
-
-def unix_names(images: Path) -> list[bytes]:
-    """The names of the tree's unix sockets (abstract ones begin with NUL), each once, unnamed ones left out."""
-    if not (images / FILES_IMAGE).is_file():
-        return []
-    return sorted({s.name for s in read_sockets(images)[1] if s.name})
+        return [], []
+    inet, unix = read_sockets(images)
+    return [s for s in inet if s.src_port], sorted({s.name for s in unix if s.name})
 
 
 def port_generation(sockets: list[InetSocket], captured_serving: int, serving: int) -> PortGeneration:
