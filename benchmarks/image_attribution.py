@@ -1,6 +1,16 @@
 """What a capture's process image holds: its host and device state, mapping by mapping.
 
     python benchmarks/image_attribution.py --size 8b --device cuda --out attribution.json
+    python benchmarks/image_attribution.py --artifact DIR --receipt CAPTURE_RECEIPT.json --out attribution.json
+
+``--artifact``: any engine's committed artifact (vLLM, SGLang, the reference workload), read as it is
+(nothing runs): each process of the image by the kind of mapping its pages are in, the zero pages the
+capture left out of it, and from the capture's receipt the device state — what torch's caching allocator
+held before and after the capture emptied its cache, what live tensors and CUDA-graph pools keep, and
+what the CUDA checkpoint moved into the process image (context, modules, workspaces, allocations).
+``vllm_startup.py`` and ``sglang_startup.py`` run this after their capture step.
+
+Without ``--artifact``:
 
 Runs the reference workload as `coldsnap capture` would (coldsnap's agent, one canary to warm it up),
 lets its agent release the model memory (``prepare``: weights written to a pack, KV cache and graph
@@ -126,14 +136,86 @@ def gpu_memory_by_pid() -> dict[int, int]:
     return held
 
 
+def _span(receipt: dict, name: str) -> dict:
+    return next((s.get("attributes", {}) for s in receipt.get("timing", {}).get("spans", []) if s["name"] == name), {})
+
+
+def capsule_attribution(artifact: Path, receipt: dict) -> dict:
+    """What the capture in ``artifact`` holds per process and by kind (see the module docstring)."""
+    from coldsnap.snapshot.criu_pages import image_census
+
+    images = next((artifact / "units").glob("*/images"))
+    census = image_census(images).to_json_value()
+    dump, checkpoint, prepare = (_span(receipt, n) for n in ("capture.criu_dump", "capture.cuda_checkpoint",
+                                                              "capture.prepare"))
+    dropped = {}
+    for item in str(dump.get("image_processes", "")).split(","):
+        parts = item.split(":")
+        if len(parts) == 4:
+            dropped[int(parts[0])] = int(parts[3])
+    for process in census["processes"]:
+        process["zero_bytes_left_out"] = dropped.get(process["pid"], 0)
+    ranks = sorted({k.split(".")[0] for k in prepare if k.startswith("rank")} | {""})
+    torch_allocator = {}
+    for rank in ranks:
+        prefix = f"{rank}." if rank else ""
+        if f"{prefix}torch_reserved_bytes" in prepare:
+            torch_allocator[rank or "rank0"] = {
+                "reserved_before_empty": prepare.get(f"{prefix}torch_reserved_before_empty_bytes", 0),
+                "reserved_after_empty": prepare[f"{prefix}torch_reserved_bytes"],
+                "allocated (graph pools, live buffers)": prepare.get(f"{prefix}torch_allocated_bytes", 0)}
+    device_state = None
+    if checkpoint:
+        device_state = checkpoint.get("anonymous_bytes_after", 0) - checkpoint.get("anonymous_bytes_before", 0)
+    image_files = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
+    return {"artifact": str(artifact), "image_bytes": image_files, "pages": census,
+            "zero_bytes_left_out": sum(dropped.values()), "torch_allocator": torch_allocator,
+            "device_state_in_image_bytes": device_state,
+            "compact_seconds": dump.get("compact_ns", 0) / 1e9}
+
+
+def render_capsule(document: dict) -> str:
+    mib = 2**20
+    lines = [f"image of {document['artifact']}: {document['image_bytes'] / mib:.0f} MiB in files, "
+             f"{document['zero_bytes_left_out'] / mib:.0f} MiB of zero pages left out at capture "
+             f"({document['compact_seconds']:.1f} s)", "",
+             "| process | kind of mapping | MiB in the image |", "|---|---|---:|"]
+    for process in document["pages"]["processes"]:
+        name = f"{process['comm']} ({process['pid']})"
+        for kind, value in sorted(process["by_kind"].items(), key=lambda kv: -kv[1]):
+            if value >= mib:
+                lines.append(f"| {name} | {kind} | {value / mib:.1f} |")
+        lines.append(f"| {name} | zero pages left out | ({process['zero_bytes_left_out'] / mib:.1f}) |")
+        lines.append(f"| **{name}** | **total** | **{process['bytes'] / mib:.1f}** |")
+    if document["torch_allocator"] or document["device_state_in_image_bytes"] is not None:
+        lines += ["", "| device state | MiB |", "|---|---:|"]
+        for rank, values in document["torch_allocator"].items():
+            lines += [f"| {rank}: torch caching allocator, {k} | {v / mib:.1f} |" for k, v in values.items()]
+        if document["device_state_in_image_bytes"] is not None:
+            reserved = sum(v["reserved_after_empty"] for v in document["torch_allocator"].values())
+            total = document["device_state_in_image_bytes"]
+            lines.append(f"| moved into the image by the CUDA checkpoint (all GPU processes) | {total / mib:.1f} |")
+            lines.append(f"| of it outside torch's allocator (CUDA context, modules, cuBLAS/NCCL workspaces) | "
+                         f"{(total - reserved) / mib:.1f} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--artifact", help="attribute this committed artifact's image (with --receipt)")
+    parser.add_argument("--receipt", help="--artifact: its capture's receipt JSON")
     parser.add_argument("--size", default="tiny", choices=["tiny", "1b", "8b"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--port", type=int, default=18961)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks, one GPU each (default 1)")
     parser.add_argument("--out", default="image_attribution.json")
     args = parser.parse_args()
+    if args.artifact:
+        receipt = json.loads(Path(args.receipt).read_text()) if args.receipt else {}
+        document = capsule_attribution(Path(args.artifact), receipt)
+        Path(args.out).write_text(json.dumps(document, indent=2) + "\n")
+        print(render_capsule(document))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="coldsnap-attribution-"))
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", args.size, "--device", args.device,
                "--port", str(args.port), *(["--tp", str(args.tp)] if args.tp > 1 else [])]

@@ -19,6 +19,10 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
   cold-warm    ``--repeat`` cold starts with the warm compile cache
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
+  serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
+               vLLM's own load client (``vllm bench serve``, random 512-token prompts, 128 tokens out,
+               256 prompts at concurrency 64, ignore-eos): output throughput, TTFT and TPOT medians; and
+               the same greedy token ids over 16 prompts and one streamed completion
   sleep        vLLM's own ``--enable-sleep-mode`` (level 1): /sleep then /wake_up, timed; then the same
                through coldsnap's sleep backend (``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap``), whose
                /wake_up answers only after the canary matched
@@ -44,14 +48,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from coldsnap.demo import cold_start, sleep_wake_cycle  # noqa: E402
+from coldsnap.demo import cold_start, first_answer, plain_server, sleep_wake_cycle  # noqa: E402
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
+from image_attribution import capsule_attribution, render_capsule  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
-STEPS = ("model", "cold-empty", "capture", "restore", "cold-warm", "native", "sleep", "dropped")
+STEPS = ("model", "cold-empty", "capture", "restore", "cold-warm", "serving", "native", "sleep", "dropped")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -63,8 +68,38 @@ LOG_PHASES = {  # vLLM 0.26's own log lines → phase names
 KV_LINE = r"Available KV cache memory: ([0-9.]+) GiB"
 
 
+SERVE_INPUT, SERVE_OUTPUT, SERVE_PROMPTS, SERVE_CONCURRENCY = 512, 128, 256, 64
+SERVE_METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
+SERVE_CHECK_PROMPTS = 16
+
+
 def tokens(port: int) -> list[int]:
     return ask_canary(port, PROMPT, 12).token_ids
+
+
+def tokens_of(port: int, prompt: str) -> list[int]:
+    return ask_canary(port, prompt, 16).token_ids
+
+
+def serving_prompts() -> list[str]:
+    return [f"Prompt {i} of the serving check: the restored server answers {i} like the cold one." for i in
+            range(SERVE_CHECK_PROMPTS)]
+
+
+def streamed_tokens(port: int, prompt: str, max_tokens: int) -> list[str]:
+    """A streamed greedy completion (``stream: true``) through the OpenAI API, as its text pieces in order."""
+    import urllib.request
+
+    request = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(request).encode(),
+                                 headers={"Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(req, timeout=120) as response:
+        for line in response:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    return pieces
 
 
 def serve_command(model: Path, port: int, *extra: str) -> list[str]:
@@ -191,7 +226,11 @@ class Bench:
             "engine_log": self.parse_log(log),
         }
         self.state["capture"]["image_to_non_model"] = round(dump["image_bytes"] / self.state["capture"]["non_model_bytes"], 3)
-        print(json.dumps(self.state["capture"]), flush=True)
+        self.state["capture"]["zero_bytes_left_out"] = dump.get("zero_bytes_dropped", 0)
+        attribution = capsule_attribution(self.artifact, document)
+        self.state["capture"]["attribution"] = attribution
+        print(json.dumps({k: v for k, v in self.state["capture"].items() if k != "attribution"}), flush=True)
+        print(render_capsule(attribution), flush=True)
         self.save()
 
     def restore(self, cache: str) -> None:
@@ -229,6 +268,72 @@ class Bench:
         drop_caches()
         self.cold_start("cold start", "cold", self.env(), *self.args.vllm_args)
         self.state["runs"][-1]["compile_cache"] = "warm"
+        self.save()
+
+    # serving speed after a restore ---------------------------------------------------------------
+
+    def serving_load(self, label: str) -> dict[str, float]:
+        """One run of vLLM's own load client (``vllm bench serve``) against the server on ``self.port``:
+        random prompts of SERVE_INPUT tokens, SERVE_OUTPUT tokens each (ignore-eos), SERVE_PROMPTS prompts at
+        SERVE_CONCURRENCY. Returns its output throughput (tokens/s) and TTFT / TPOT medians (ms)."""
+        result = self.work / f"serve-{label}.json"
+        result.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+                   "--base-url", f"http://127.0.0.1:{self.port}", "--model", str(self.model),
+                   "--dataset-name", "random", "--random-input-len", str(SERVE_INPUT),
+                   "--random-output-len", str(SERVE_OUTPUT), "--num-prompts", str(SERVE_PROMPTS),
+                   "--max-concurrency", str(SERVE_CONCURRENCY), "--ignore-eos", "--seed", "0", "--disable-tqdm",
+                   "--save-result", "--result-dir", str(self.work), "--result-filename", result.name]
+        with open(self.work / f"serve-{label}.log", "wb") as log:
+            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
+        measured = json.loads(result.read_text())
+        return {key: round(float(measured[key]), 3) for key in SERVE_METRICS}
+
+    def serving_runs(self, label: str) -> dict:
+        """The greedy token ids of SERVE_CHECK_PROMPTS prompts, one streamed completion's ids, then
+        ``--repeat`` load runs."""
+        return {"prompt_tokens": [tokens_of(self.port, p) for p in serving_prompts()],
+                "streamed_tokens": streamed_tokens(self.port, PROMPT, 32),
+                "loads": [self.serving_load(f"{label}-{i}") for i in range(self.args.repeat)]}
+
+    def step_serving(self) -> None:
+        """Serving speed and answers of a cold-started and a restored server with the same flags, one
+        after the other on this GPU: ``--repeat`` load runs each (vLLM's own client), and the same
+        greedy token ids over SERVE_CHECK_PROMPTS prompts and a streamed completion."""
+        if not (self.artifact / "artifact.json").exists():
+            raise SystemExit("serving: capture first")
+        log = self.work / "serving-cold-start.log"
+        with plain_server(self.serve_command(*self.args.vllm_args), self.env(), log) as (process, started):
+            first_answer(self.port, started, process, 900, PROMPT, 12, log)
+            cold = self.serving_runs("cold")
+        time.sleep(1)
+        receipt_path = self.work / "serving-restore.json"
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
+                               str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
+        receipt = json.loads(receipt_path.read_text())
+        try:
+            if done.returncode != 0:
+                raise SystemExit(f"serving: restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
+            restored = self.serving_runs("restored")
+        finally:
+            pid = restored_pid(receipt)
+            if pid is not None:
+                kill_tree(pid)
+        medians = {}
+        for key in SERVE_METRICS:
+            cold_median = statistics.median(r[key] for r in cold["loads"])
+            restored_median = statistics.median(r[key] for r in restored["loads"])
+            medians[key] = {"cold start": cold_median, "restored": restored_median,
+                            "restored / cold": round(restored_median / cold_median, 4) if cold_median else None}
+        self.state["serving"] = {
+            "load": {"input_tokens": SERVE_INPUT, "output_tokens": SERVE_OUTPUT, "prompts": SERVE_PROMPTS,
+                     "concurrency": SERVE_CONCURRENCY, "repeat": self.args.repeat, "client": "vllm bench serve"},
+            "cold start": cold["loads"], "restored": restored["loads"], "medians": medians,
+            "same_prompt_tokens": cold["prompt_tokens"] == restored["prompt_tokens"],
+            "same_streamed_tokens": cold["streamed_tokens"] == restored["streamed_tokens"],
+            "prompts_checked": len(cold["prompt_tokens"]),
+        }
+        print(json.dumps(self.state["serving"]["medians"]), flush=True)
         self.save()
 
     def sleep_cycle(self, kind: str, env: dict[str, str], *extra: str) -> None:
@@ -291,6 +396,16 @@ def render(state: dict) -> str:
             budgets["coldsnap loader (capture)"] = capture["engine_log"]["kv_cache_gib"]
     if budgets:
         lines.append("  KV cache budget (GiB): " + ", ".join(f"{k}: {v}" for k, v in budgets.items()))
+    serving = state.get("serving")
+    if serving:
+        load = serving["load"]
+        lines.append(f"  serving ({load['client']}, {load['prompts']} prompts of {load['input_tokens']} → "
+                     f"{load['output_tokens']} tokens at concurrency {load['concurrency']}, median of {load['repeat']}):")
+        for key, values in serving["medians"].items():
+            lines.append(f"    {key:<20} cold start {values['cold start']:>10}  restored {values['restored']:>10}  "
+                         f"restored/cold {values['restored / cold']}")
+        lines.append(f"    same greedy token ids over {serving['prompts_checked']} prompts: {serving['same_prompt_tokens']}; "
+                     f"same streamed completion: {serving['same_streamed_tokens']}")
     if any(not r.get("same_tokens", True) for r in state["runs"]):
         lines.append("  WARNING: some run's tokens differ from the first cold start's")
     else:

@@ -183,6 +183,11 @@ class CaptureSequence:
             for rank, prepared in enumerate(self.prepared):
                 prefix = rank_prefix(rank)
                 span.update({f"{prefix}{k}_ns": int(v * 1e9) for k, v in prepared.seconds.items()})
+                # torch's caching allocator on the GPU, before and after its cache was emptied: image attribution
+                span.update({f"{prefix}torch_reserved_before_empty_bytes": prepared.device_bytes_before_empty,
+                             f"{prefix}torch_reserved_bytes": prepared.device_bytes,
+                             f"{prefix}torch_allocated_bytes": prepared.device_bytes_allocated,
+                             f"{prefix}rss_bytes": prepared.rss_bytes})
                 if prepared.graphs_released:
                     span[f"{prefix}graphs_released"] = ",".join(prepared.graphs_released)
 
@@ -222,11 +227,16 @@ class CaptureSequence:
             self.dumped = True
             engine.process.wait(timeout=30)
             span["image_bytes"] = result.image_bytes
+            if result.census is not None:  # the zero pages left out, per process: pid:comm:bytes:dropped
+                span["zero_bytes_dropped"] = result.census.dropped_bytes
+                span["compact_ns"] = int(result.compact_seconds * 1e9)
+                span["image_processes"] = result.census.summary()
             # Goal: the image holds no weights and no KV, so it is about the process's other memory.
             span["rss_after_release_bytes"] = rss_after_release  # the ranks' own processes
             span["tree_rss_bytes"] = tree_rss  # every process of the tree, model memory released
             span["device_bytes_after_release"] = device_after_release
-        self.context.progress(f"dumped {len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB of images "
+        dropped = f", {result.census.dropped_bytes / 2**20:.1f} MiB of zero pages left out" if result.census else ""
+        self.context.progress(f"dumped {len(result.pids)} processes, {result.image_bytes / 2**20:.1f} MiB of images{dropped} "
                               f"in {result.seconds:.2f} s (resident memory without model memory: "
                               f"{rss_after_release / 2**20:.1f} MiB host + {device_after_release / 2**20:.1f} MiB GPU)")
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import platform
+import stat
 import threading
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal
@@ -36,7 +37,7 @@ from coldsnap.operation import OperationContext, OperationFailed, OperationOutco
 from coldsnap.native import probe_cuda
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import PhaseProgress
-from coldsnap.payload.validation import verify_file
+from coldsnap.payload.validation import verify_file, verify_files
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
@@ -47,13 +48,34 @@ from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoin
 __all__ = ["restore", "admit", "port_free", "serving_port", "gpu_placement"]
 
 
-def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> None:
+class _InBackground:
+    """A call run in a thread from now on; :meth:`result` waits for it and returns (or raises) what it did."""
+
+    def __init__(self, call: Callable[[], Any], name: str):
+        self._outcome: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                self._outcome["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                self._outcome["error"] = exc
+
+        self._thread = threading.Thread(target=run, name=name, daemon=True)
+        self._thread.start()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if "error" in self._outcome:
+            raise self._outcome["error"]
+        return self._outcome["value"]
+
+
+def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor, probe: dict) -> None:
     """The snapshot driver's NVIDIA floor (always), the captured floor (unless relaxed); for n610, whose
     image holds CUDA state, also the GPU model, compute capability and the checkpoint API (an n580
-    template holds none: any GPU the engine runs on will do)."""
+    template holds none: any GPU the engine runs on will do). ``probe``: :func:`probe_cuda`'s answer."""
     captured = descriptor.platform
     driver = nvidia_kernel_driver()
-    probe = probe_cuda()  # one probe: devices and the checkpoint API
     devices = probe["devices"] if probe["available"] else []
     if driver is None or not devices:
         raise OperationFailed("admission.cuda", "the artifact was captured on a GPU; this host has no usable NVIDIA GPU")
@@ -70,6 +92,55 @@ def _admit_gpu(context: OperationContext, descriptor: ArtifactDescriptor) -> Non
                               f"this host has {device['name']} (cc {device['compute_capability']})")
     if not probe["checkpoint_api"]:
         raise OperationFailed("admission.cuda", "this driver has no CUDA checkpoint API")
+
+
+def _regular_file_size(path: Path) -> int | None:
+    try:
+        status = path.stat()
+    except OSError:
+        return None
+    return status.st_size if stat.S_ISREG(status.st_mode) else None
+
+
+def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: Any
+                   ) -> tuple[CapsuleManifest, dict[int, "WeightSource"]]:
+    """The unit's capsule manifest and every image it lists, then each rank's weight source."""
+    timer, op = context.timer, context.request.operation
+    with timer.span(f"{op}.admission.capsule") as span:
+        capsule_path = artifact.capsule_path(unit.unit_id)
+        try:  # the manifest itself first: the descriptor binds its digest
+            verify_file(capsule_path, unit.capsule.sha256, artifact.record_dir(capsule_path))
+            capsule = artifact.read_capsule(unit.unit_id)
+        except (PackError, OSError) as exc:
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id}: {exc}") from None
+        except ContractError as exc:  # an older or newer coldsnap's manifest, named as such
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} cannot be read by this coldsnap: "
+                                  f"{'; '.join(exc.problems)}") from None
+        # Every image against the capsule's digest before CRIU reads it: a same-size corruption must stop
+        # here, not restore garbage. Unchanged files are trusted from their records, each read once.
+        images = artifact.images(unit.unit_id)
+        by_folder: dict[Path, list[tuple[Path, str]]] = {}
+        for entry in capsule.files:
+            path = images / entry.path
+            if _regular_file_size(path) != entry.size_bytes:
+                raise OperationFailed("admission.capsule", f"capsule file {entry.path} is missing or changed size")
+            by_folder.setdefault(path.parent, []).append((path, entry.sha256))
+        verified_by: dict[str, int] = {}
+        for files in by_folder.values():
+            try:
+                verified = verify_files(files, artifact.record_dir(files[0][0]))
+            except (PackError, OSError) as exc:
+                raise OperationFailed("admission.capsule", f"capsule file {exc}") from None
+            for verification in verified:
+                verified_by[verification.method] = verified_by.get(verification.method, 0) + 1
+        span["images_verified_by"] = ",".join(f"{m}:{n}" for m, n in sorted(verified_by.items()))
+        recorded = sorted(w.rank for w in capsule.metadata.workers)
+        if recorded != sorted(w.rank for w in unit.workers):
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
+                                  f"artifact {sorted(w.rank for w in unit.workers)}")
+    with timer.span(f"{op}.admission.payload") as span:
+        sources = weight_sources(context, artifact, unit.workers, span)
+    return capsule, sources
 
 
 def admit(context: OperationContext, artifact: ArtifactDir
@@ -90,65 +161,32 @@ def admit(context: OperationContext, artifact: ArtifactDir
                                   f"request asks {context.request.engine}/{context.request.snapshot_driver}")
         if len(descriptor.units) != 1:
             raise OperationFailed("admission.topology", "this build restores one launch unit")
-    # `criu check` (~0.1 s) runs while the platform is probed (~0.1 s, CUDA init); its span is the wait.
-    criu_checked: dict[str, Any] = {}
+    # `criu check` (~0.1 s) and the CUDA probe (~0.15 s: driver init) run in threads while the capsule's
+    # images are checked; their spans are the waits, in the order their failures are reported.
+    def check_criu() -> tuple[tuple[int, ...], Any]:
+        criu = Criu()
+        return criu.version(), criu.check()
 
-    def check_criu() -> None:
-        try:
-            criu = Criu()
-            criu_checked["version"], criu_checked["check"] = criu.version(), criu.check()
-        except CriuError as exc:
-            criu_checked["error"] = exc
-
-    checker = threading.Thread(target=check_criu, name="coldsnap-criu-check", daemon=True)
-    checker.start()
+    checker = _InBackground(check_criu, "coldsnap-criu-check")
+    gpu_probe = _InBackground(probe_cuda, "coldsnap-cuda-probe") if descriptor.platform.nvidia_driver is not None else None
     with timer.span(f"{op}.admission.platform"):
         if descriptor.platform.arch != platform.machine():
             raise OperationFailed("admission.platform", f"captured on {descriptor.platform.arch}, this is {platform.machine()}")
         if context.request.policy.compatibility.kernel == "exact" and descriptor.platform.kernel != platform.release():
             raise OperationFailed("admission.kernel", f"captured on kernel {descriptor.platform.kernel}, this is {platform.release()}")
-        if descriptor.platform.nvidia_driver is not None:
-            _admit_gpu(context, descriptor)
+    capsule, sources = _admit_capsule(context, artifact, unit := descriptor.units[0])
+    if gpu_probe is not None:
+        with timer.span(f"{op}.admission.gpu"):
+            _admit_gpu(context, descriptor, gpu_probe.result())
     with timer.span(f"{op}.admission.criu"):
-        checker.join()
-        if "error" in criu_checked:
-            raise OperationFailed("admission.criu", str(criu_checked["error"])) from None
-        version, check = criu_checked["version"], criu_checked["check"]
+        try:
+            version, check = checker.result()
+        except CriuError as exc:
+            raise OperationFailed("admission.criu", str(exc)) from None
         if version[:2] < MINIMUM_VERSION:
             raise OperationFailed("admission.criu", f"CRIU {'.'.join(map(str, version))} is too old (need 4.2+)")
         if not check.ok:
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
-    unit = descriptor.units[0]
-    with timer.span(f"{op}.admission.capsule") as span:
-        capsule_path = artifact.capsule_path(unit.unit_id)
-        try:  # the manifest itself first: the descriptor binds its digest
-            verify_file(capsule_path, unit.capsule.sha256, artifact.record_dir(capsule_path))
-            capsule = artifact.read_capsule(unit.unit_id)
-        except (PackError, OSError) as exc:
-            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id}: {exc}") from None
-        except ContractError as exc:  # an older or newer coldsnap's manifest, named as such
-            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} cannot be read by this coldsnap: "
-                                  f"{'; '.join(exc.problems)}") from None
-        images = artifact.images(unit.unit_id)
-        verified_by: dict[str, int] = {}
-        for entry in capsule.files:
-            path = images / entry.path
-            try:
-                if not path.is_file() or path.stat().st_size != entry.size_bytes:
-                    raise OperationFailed("admission.capsule", f"capsule file {entry.path} is missing or changed size")
-                # Every image against the capsule's digest before CRIU reads it: a same-size corruption
-                # must stop here, not restore garbage. Unchanged files are trusted from their record.
-                method = verify_file(path, entry.sha256, artifact.record_dir(path)).method
-            except (PackError, OSError) as exc:
-                raise OperationFailed("admission.capsule", f"capsule file {entry.path}: {exc}") from None
-            verified_by[method] = verified_by.get(method, 0) + 1
-        span["images_verified_by"] = ",".join(f"{m}:{n}" for m, n in sorted(verified_by.items()))
-        recorded = sorted(w.rank for w in capsule.metadata.workers)
-        if recorded != sorted(w.rank for w in unit.workers):
-            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
-                                  f"artifact {sorted(w.rank for w in unit.workers)}")
-    with timer.span(f"{op}.admission.payload") as span:
-        sources = weight_sources(context, artifact, unit.workers, span)
     with timer.span(f"{op}.admission.port") as span:
         replica = plan_replica(context, artifact, capsule)
         span["serving_port"] = replica.serving_port

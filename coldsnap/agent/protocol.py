@@ -167,6 +167,11 @@ class PrepareReply(Message):
     rss_bytes: int
     """The process's resident memory once model memory is gone: what its image will hold."""
     device_bytes: int
+    """GPU memory torch's caching allocator holds once its cache was emptied (0 without CUDA torch)."""
+    device_bytes_before_empty: int = 0
+    """The same before the cache was emptied: what emptying it took out of the image."""
+    device_bytes_allocated: int = 0
+    """Of ``device_bytes``, what live tensors and CUDA-graph pools use."""
     regions: dict[str, RegionStatus]
     graphs_released: list[str]
     recovery_files: list[str] = []

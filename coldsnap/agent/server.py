@@ -235,6 +235,8 @@ class AgentServer:
             except BaseException:
                 self.serving_lock.release()
                 raise
+        device_bytes = _torch_device_bytes()
+        timed(seconds, "empty_cache", _empty_torch_cache)
         timed(seconds, "malloc_trim", _trim_heap)
         self.state = "prepared"
         self._xstate = dynamic_permissions()  # CRIU does not carry AMX permission; resume asks again
@@ -244,7 +246,8 @@ class AgentServer:
             payload=PackRef(**packs["payload"]) if "payload" in packs else None,
             residual=PackRef(**packs["residual"]) if "residual" in packs else None,
             layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=_rss_bytes(),
-            device_bytes=_torch_device_bytes(), regions=self._regions(), graphs_released=list(self.graphs_released),
+            device_bytes=_torch_device_bytes(), device_bytes_before_empty=device_bytes,
+            device_bytes_allocated=_torch_device_bytes(allocated=True), regions=self._regions(), graphs_released=list(self.graphs_released),
             recovery_files=list(self.hooks.recovery_files))
 
     def _drain(self, rendezvous: "Rendezvous | None", seconds: dict[str, float]) -> None:
@@ -557,13 +560,37 @@ def _rss_bytes() -> int:
     return 0
 
 
-def _torch_device_bytes() -> int:
+def _cuda_torch() -> Any:
+    """The engine's torch when it has initialized CUDA in this process, else None (never imported here)."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_initialized() else None
+
+
+def _torch_device_bytes(allocated: bool = False) -> int:
     """GPU memory torch's caching allocator still holds outside the stable regions (graph pools,
-    activations): the CUDA checkpoint copies it into the process image. 0 without CUDA torch."""
-    torch = sys.modules.get("torch")  # never import an engine's torch ourselves
-    if torch is None or not torch.cuda.is_initialized():
+    activations): the CUDA checkpoint copies it into the process image. ``allocated``: only what live
+    tensors and graph pools use, not the cache's free blocks. 0 without CUDA torch."""
+    torch = _cuda_torch()
+    if torch is None:
         return 0
-    return sum(torch.cuda.memory_reserved(d) for d in range(torch.cuda.device_count()))
+    measure = torch.cuda.memory_allocated if allocated else torch.cuda.memory_reserved
+    return sum(measure(d) for d in range(torch.cuda.device_count()))
+
+
+def _empty_torch_cache() -> None:
+    """Hand the free blocks of torch's caching allocator back to the driver (the profile run's
+    activations, warm-up buffers): the CUDA checkpoint copies every byte a process holds on the GPU into
+    its image, used or not. Blocks of live CUDA-graph pools stay (their graphs replay from them). Every
+    engine's agent does this; vLLM at TP 1 with graphs kept never did (0.6 GB of an 8B capture's image)."""
+    torch = _cuda_torch()
+    if torch is None:
+        return
+    import gc
+
+    gc.collect()  # tensors kept only by reference cycles free their blocks first
+    # No torch.cuda.synchronize() here: this thread's current device is 0, and on a TP rank of another
+    # GPU it would create a context there. empty_cache waits on each block's own device before freeing.
+    torch.cuda.empty_cache()
 
 
 _agent: AgentServer | None = None

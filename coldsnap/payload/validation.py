@@ -13,7 +13,8 @@ so a write in the same clock tick as the last change before the hash leaves the 
 An entry whose file changed less than :data:`RACY_WINDOW_NS` before its hash started is therefore not
 trusted; the next verification hashes again and records a verdict that is no longer racy.
 
-Every caller (restore, the CLI's ``payload verify``) goes through :func:`verify_file`.
+Every caller (restore, the CLI's ``payload verify``) goes through :func:`verify_file` (or
+:func:`verify_files`, the same for many files at once).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ __all__ = [
     "ValidationRecord",
     "Verification",
     "verify_file",
+    "verify_files",
     "read_validation_record",
     "record_written_file",
     "hash_and_record",
@@ -278,8 +280,37 @@ def verify_file(path: str | Path, expected_sha256: str | None = None, record_dir
     Raises :class:`PackDigestMismatch` (the file is not what is expected), :class:`PackUnreadable`
     (missing, not a regular file, unreadable) or :class:`ExpectedDigestError`.
     """
+    return _verify(Path(path), expected_sha256, record_dir, _RecordCache())
+
+
+def verify_files(files: list[tuple[Path, str]], record_dir: Path | None = None) -> list[Verification]:
+    """:func:`verify_file` for many files (a capsule's CRIU images: hundreds of them), each directory's
+    record read once instead of once per file: a capsule of 231 images was admitted in 0.49 s that way,
+    nearly all of it decoding the same record again. Same verdicts and errors, in the order given;
+    ``record_dir`` as for :func:`verify_file`, one for all the files."""
+    records = _RecordCache()
+    return [_verify(Path(path), expected, record_dir, records) for path, expected in files]
+
+
+class _RecordCache:
+    """Validation records read once per directory within one verification call. A record this call
+    updates (a file hashed in full) is read again afterwards, so later files see the update."""
+
+    def __init__(self) -> None:
+        self._records: dict[tuple[Path, bool], ValidationRecord] = {}
+
+    def entry(self, directory: Path, name: str, warn: bool) -> ValidationEntry | None:
+        key = (directory, warn)
+        if key not in self._records:
+            self._records[key] = _load_record(directory, warn=warn)
+        return self._records[key].files.get(name)
+
+    def forget(self, directory: Path) -> None:
+        self._records = {k: v for k, v in self._records.items() if k[0] != directory}
+
+
+def _verify(path: Path, expected_sha256: str | None, record_dir: Path | None, records: _RecordCache) -> Verification:
     started = time.perf_counter()
-    path = Path(path)
     expected = _expected_digest(path, expected_sha256)
     try:
         status = os.stat(path)
@@ -288,11 +319,11 @@ def verify_file(path: str | Path, expected_sha256: str | None = None, record_dir
     if not stat.S_ISREG(status.st_mode):
         raise PackUnreadable(str(path), "not a regular file")
 
-    entry = _load_record(path.parent, warn=True).files.get(path.name)
+    entry = records.entry(path.parent, path.name, warn=True)
     if _trusted(entry, _identity(status), expected):
         return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
     if record_dir is not None:
-        entry = _load_record(record_dir, warn=False).files.get(path.name)
+        entry = records.entry(record_dir, path.name, warn=False)
         if _trusted(entry, _identity(status), expected):
             return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
 
@@ -301,11 +332,13 @@ def verify_file(path: str | Path, expected_sha256: str | None = None, record_dir
     except OSError as exc:
         raise PackUnreadable(str(path), exc.strerror or str(exc)) from None
     actual = hashed.sha256
+    written = record_dir or path.parent
+    records.forget(written)
     if actual != expected:
         # The entry is stale unless it describes the file exactly as hashed (then only the caller's
         # expectation was wrong, and a later verification with the right one may still trust it).
         if entry is not None and not (entry.sha256 == actual and _entry_identity(entry) == hashed.identity):
-            _update_record(record_dir or path.parent, path.name, None)
+            _update_record(written, path.name, None)
         raise PackDigestMismatch(str(path), expected, actual)
     _record_hash(path, hashed, record_dir)
     return Verification(path, actual, hashed.bytes, "full-hash", time.perf_counter() - started)

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from coldsnap.snapshot.criu_images import ImageFormatError
+from coldsnap.snapshot.criu_pages import ImageCensus, compact_image
+
 __all__ = [
     "CriuError",
     "Criu",
@@ -151,6 +154,9 @@ class DumpResult:
     seconds: float
     image_bytes: int
     pids: list[int]
+    census: "ImageCensus | None" = None
+    """Each process's private pages by kind, and the zero pages left out (None: not compacted)."""
+    compact_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -181,8 +187,13 @@ class CriuSnapshotter:
         self.criu = criu or Criu()
         self.options = options
 
-    def dump(self, root_pid: int, images: Path, timeout: float = 600, owned_root: Path | None = None) -> DumpResult:
+    def dump(self, root_pid: int, images: Path, timeout: float = 600, owned_root: Path | None = None,
+             compact: bool = True) -> DumpResult:
         """Dump (and so stop) the tree rooted at ``root_pid`` into the empty directory ``images``.
+
+        ``compact`` (the default): the zero pages of private anonymous memory are then left out of the
+        image (:func:`coldsnap.snapshot.criu_pages.compact_image`); the restore reads fewer pages and
+        gives the same memory.
 
         Files under ``owned_root`` (the artifact) that the tree has open for writing — the engine's log —
         are dumped as external files: a restore gives the tree its own copy (see :meth:`restore`), so
@@ -211,7 +222,16 @@ class CriuSnapshotter:
         if result.returncode != 0:
             raise CriuError("dump", result.returncode, _log_tail(images / "dump.log") or _tail(result.stderr))
         process_tree.capture_tree_files(images, pids, written, shm, shm_before, external)
-        return DumpResult(seconds=seconds, image_bytes=_tree_bytes(images), pids=pids)
+        census, compact_seconds = None, 0.0
+        if compact:
+            started = time.monotonic()
+            try:
+                census = compact_image(images)
+            except (ImageFormatError, OSError) as exc:
+                raise CriuError("dump", None, f"leaving the zero pages out of the image: {exc}") from None
+            compact_seconds = time.monotonic() - started
+        return DumpResult(seconds=seconds, image_bytes=_tree_bytes(images), pids=pids, census=census,
+                          compact_seconds=compact_seconds)
 
     def restore(self, images: Path, state_dir: Path, owned_root: Path | None = None, timeout: float = 600,
                 wait_for_pids_s: float = 10.0, replica: bool = True, own_images: bool = False) -> RestoreResult:

@@ -11,8 +11,9 @@ learned from a fixed text).
 ``--shape 8b``: Llama-3-8B's geometry (hidden 4096, 32 layers, 32 heads / 8 KV heads, intermediate
 14336, vocab 128256), bf16, ~16 GB in 5 GB shards with ``model.safetensors.index.json``; the weights
 are drawn on ``--device`` (default cuda when there is one: the 8 billion draws take seconds there) and
-written tensor by tensor. The model's vocabulary is larger than the tokenizer's, so its greedy text
-decodes to nothing: compare token ids. Needs torch, transformers, tokenizers and safetensors.
+written tensor by tensor. Its tokenizer covers the whole vocabulary (the 512 trained tokens, then one
+`` t<id>`` token per other id: random weights generate any id, and each decodes to text) and has a chat
+template. Needs torch, transformers, tokenizers and safetensors.
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ _CORPUS = (
 )
 
 
-def _tokenizer(directory: Path, vocab_size: int) -> Any:
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+"""A plain chat template for the 8B-shaped model, so ``/v1/chat/completions`` serves it."""
+
+
+def _tokenizer(directory: Path, vocab_size: int, model_vocab_size: int | None = None) -> Any:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens trained on a fixed corpus. With
+    ``model_vocab_size`` (the 8B shape's 128256), the vocabulary is filled up to the model's with tokens
+    `` t<id>`` that no merge produces: prompts encode as before, and every id the model can generate
+    decodes to text (with 512 tokens only, most generated ids decoded to nothing)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +59,15 @@ def _tokenizer(directory: Path, vocab_size: int) -> Any:
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - 3, special_tokens=["<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tokenizer.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    if model_vocab_size is not None:
+        document = json.loads(tokenizer.to_str())
+        vocab = document["model"]["vocab"]
+        for token_id in range(len(vocab), model_vocab_size):
+            vocab[f"\u0120t{token_id}"] = token_id  # Ġ: the byte-level alphabet's space
+        tokenizer = Tokenizer.from_str(json.dumps(document))
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    if model_vocab_size is not None:
+        fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(directory)
     return fast
 
@@ -104,7 +122,7 @@ def build_llama_8b_shape(directory: str | Path, seed: int = 0, device: str | Non
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    fast = _tokenizer(directory, 512)
+    fast = _tokenizer(directory, 512, LLAMA_3_8B["vocab_size"])
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     LlamaConfig(**LLAMA_3_8B, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                 pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16",

@@ -197,3 +197,46 @@ def test_files_of_the_owned_root_stay_untouched_and_the_root_can_move(server, tm
     kill_tree(restored.pid)
     assert (restore_state / "server.log.previous").read_text() == log_at_dump + "inc 2\n"
     assert (restore_state / "server.log").read_text() == log_at_dump + "inc 2\n"
+
+
+def _digests(port: int, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                conn.sendall(b"digest\n")
+                return conn.recv(256).decode().strip()
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def test_zero_pages_left_out_restore_the_same_memory(tmp_path):
+    """A dump leaves the zero pages of private anonymous memory out; the restored parent and its
+    copy-on-write child hold the same bytes as before (zeros the child wrote over its parent's pages,
+    zeros written over a file-backed private mapping's bytes, short and long zero runs)."""
+    from coldsnap.snapshot.criu_pages import image_census
+
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.integration.zero_pages_workload", str(port)], cwd=REPO,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    roots = [process.pid]
+    try:
+        before = _digests(port)
+        images = tmp_path / "images"
+        snapshotter = CriuSnapshotter()
+        result = _dump(snapshotter, process, images)
+        census = result.census
+        assert census is not None and census.dropped_bytes >= 2 * (12 << 20)  # each process's long zero runs
+        assert all(p.comm == "python" or p.comm.startswith("python") for p in census.processes)
+        assert image_census(images).zero_bytes == 0  # nothing droppable is left
+        for attempt in range(2):  # the compacted image restores more than once
+            restored = snapshotter.restore(images, tmp_path / f"state-{attempt}")
+            roots.append(restored.pid)
+            assert _digests(port) == before
+            kill_tree(restored.pid)
+    finally:
+        for root in roots:
+            kill_tree(root)
