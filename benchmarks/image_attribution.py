@@ -151,8 +151,8 @@ def capsule_attribution(artifact: Path, receipt: dict) -> dict:
     dropped = {}
     for item in str(dump.get("image_processes", "")).split(","):
         parts = item.split(":")
-        if len(parts) == 4:
-            dropped[int(parts[0])] = int(parts[3])
+        if len(parts) == 3:
+            dropped[int(parts[0])] = int(parts[2])
     for process in census["processes"]:
         process["zero_bytes_left_out"] = dropped.get(process["pid"], 0)
     ranks = sorted({k.split(".")[0] for k in prepare if k.startswith("rank")} | {""})
@@ -186,6 +186,7 @@ def render_capsule(document: dict) -> str:
             if value >= mib:
                 lines.append(f"| {name} | {kind} | {value / mib:.1f} |")
         lines.append(f"| {name} | zero pages left out | ({process['zero_bytes_left_out'] / mib:.1f}) |")
+        lines.append(f"| {name} | of the pages, in mappings advised MADV_HUGEPAGE | ({process['huge_pages_advised_bytes'] / mib:.1f}) |")
         lines.append(f"| **{name}** | **total** | **{process['bytes'] / mib:.1f}** |")
     if document["torch_allocator"] or document["device_state_in_image_bytes"] is not None:
         lines += ["", "| device state | MiB |", "|---|---:|"]

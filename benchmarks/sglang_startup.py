@@ -9,7 +9,8 @@ The same steps, timing and JSON as ``vllm_startup.py`` (its ``Bench``), for SGLa
 the page cache, CUDA graphs on), a restore is `coldsnap restore`'s exec to its exit after the canary
 matched, and every run's greedy token ids are checked against the first cold start's. Steps: model,
 cold-warm (SGLang's default loader; SGLang has no compile cache by default), capture (``--load-format
-coldsnap``), restore, native (a start from the captured pack), dropped. SGLang runs with the Triton
+coldsnap``), restore, serving (``vllm_startup.py``'s, with SGLang's own ``sglang.bench_serving`` client),
+native (a start from the captured pack), dropped. SGLang runs with the Triton
 attention backend and PyTorch sampling (``SGLANG_ARGS``: the slim SGLang the H200 gets has no FA3
 kernels and no FlashInfer JIT cache); add flags with ``--sglang-arg``.
 """
@@ -24,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_startup import Bench, run_steps  # noqa: E402
+from vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, run_steps, serve_load  # noqa: E402
 
-STEPS = ("model", "cold-warm", "capture", "restore", "native", "dropped")
+STEPS = ("model", "cold-warm", "capture", "restore", "serving", "native", "dropped")
 SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")
 SGLANG_ENV = {"HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0", "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1",
               "SGLANG_PLUGINS": "coldsnap"}
@@ -41,6 +42,7 @@ KV_LINE = r"KV Cache is allocated\. #tokens: \d+, K size: ([0-9.]+) GB"
 class SglangBench(Bench):
     name = "sglang_startup"
     engine_env = SGLANG_ENV
+    load_client = "sglang.bench_serving"
 
     def serve_command(self, *extra: str) -> list[str]:
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model), "--port", str(self.port),
@@ -54,6 +56,26 @@ class SglangBench(Bench):
             phases["kv_cache_gib"] = round(2 * float(kv[-1]), 2)  # K and V
         return phases
 
+    def serving_load(self, label: str) -> dict[str, float]:
+        """``vllm_startup.Bench.serving_load`` with SGLang's own client (``sglang.bench_serving``: random token
+        ids, fixed lengths — its ``random`` dataset would download ShareGPT)."""
+        import json
+        import os
+        import subprocess
+
+        result = self.work / f"serve-{label}.jsonl"
+        result.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
+                   "--port", str(self.port), "--model", str(self.model), "--dataset-name", "random-ids",
+                   "--random-input-len", str(self.load[0]), "--random-output-len", str(self.load[1]),
+                   "--random-range-ratio", "1.0", "--num-prompts", str(self.load[2]),
+                   "--max-concurrency", str(self.load[3]), "--seed", "0", "--disable-tqdm",
+                   "--output-file", str(result)]
+        with open(self.work / f"serve-{label}.log", "wb") as log:
+            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
+        measured = json.loads(result.read_text().strip().splitlines()[-1])
+        return {key: round(float(measured[key]), 3) for key in SERVE_METRICS}
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,6 +87,8 @@ def main() -> int:
     parser.add_argument("--out", help="write the JSON here too")
     parser.add_argument("--png", help="draw the chart here (needs matplotlib)")
     parser.add_argument("--port", type=int, default=18241)
+    parser.add_argument("--serve-load", default=SERVE_LOAD, type=serve_load,
+                        help=f"serving step: input tokens,output tokens,prompts,concurrency (default {SERVE_LOAD})")
     parser.add_argument("--sglang-arg", dest="vllm_args", action="append", default=[],
                         help="extra `sglang.launch_server` argument (repeat; e.g. --sglang-arg=--mem-fraction-static=0.3)")
     args = parser.parse_args()

@@ -68,9 +68,18 @@ LOG_PHASES = {  # vLLM 0.26's own log lines → phase names
 KV_LINE = r"Available KV cache memory: ([0-9.]+) GiB"
 
 
-SERVE_INPUT, SERVE_OUTPUT, SERVE_PROMPTS, SERVE_CONCURRENCY = 512, 128, 256, 64
+SERVE_LOAD = "512,128,256,64"
+"""The serving step's load: input tokens, output tokens, prompts, concurrency (``--serve-load``)."""
 SERVE_METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 SERVE_CHECK_PROMPTS = 16
+
+
+def serve_load(text: str) -> str:
+    """``--serve-load``: four positive integers."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: want input,output,prompts,concurrency (four positive integers)")
+    return text
 
 
 def tokens(port: int) -> list[int]:
@@ -124,6 +133,7 @@ class Bench:
 
     name = "vllm_startup"
     engine_env = VLLM_ENV
+    load_client = "vllm bench serve"
 
     def serve_command(self, *extra: str) -> list[str]:
         return serve_command(self.model, self.port, *extra)
@@ -142,6 +152,7 @@ class Bench:
         self.artifact = self.work / "artifact"
         self.port = args.port
         self.cache = self.work / "vllm-cache"  # the warm compile cache every run but cold-empty shares
+        self.load = [int(n) for n in args.serve_load.split(",")]
 
     def save(self) -> None:
         self.state["summary"] = summarize(self.state["runs"])
@@ -274,15 +285,15 @@ class Bench:
 
     def serving_load(self, label: str) -> dict[str, float]:
         """One run of vLLM's own load client (``vllm bench serve``) against the server on ``self.port``:
-        random prompts of SERVE_INPUT tokens, SERVE_OUTPUT tokens each (ignore-eos), SERVE_PROMPTS prompts at
-        SERVE_CONCURRENCY. Returns its output throughput (tokens/s) and TTFT / TPOT medians (ms)."""
+        ``self.load`` (random prompts of that many input tokens, output tokens each with ignore-eos, prompts,
+        concurrency). Returns its output throughput (tokens/s) and TTFT / TPOT medians (ms)."""
         result = self.work / f"serve-{label}.json"
         result.unlink(missing_ok=True)
         command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
                    "--base-url", f"http://127.0.0.1:{self.port}", "--model", str(self.model),
-                   "--dataset-name", "random", "--random-input-len", str(SERVE_INPUT),
-                   "--random-output-len", str(SERVE_OUTPUT), "--num-prompts", str(SERVE_PROMPTS),
-                   "--max-concurrency", str(SERVE_CONCURRENCY), "--ignore-eos", "--seed", "0", "--disable-tqdm",
+                   "--dataset-name", "random", "--random-input-len", str(self.load[0]),
+                   "--random-output-len", str(self.load[1]), "--num-prompts", str(self.load[2]),
+                   "--max-concurrency", str(self.load[3]), "--ignore-eos", "--seed", "0", "--disable-tqdm",
                    "--save-result", "--result-dir", str(self.work), "--result-filename", result.name]
         with open(self.work / f"serve-{label}.log", "wb") as log:
             subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
@@ -326,8 +337,8 @@ class Bench:
             medians[key] = {"cold start": cold_median, "restored": restored_median,
                             "restored / cold": round(restored_median / cold_median, 4) if cold_median else None}
         self.state["serving"] = {
-            "load": {"input_tokens": SERVE_INPUT, "output_tokens": SERVE_OUTPUT, "prompts": SERVE_PROMPTS,
-                     "concurrency": SERVE_CONCURRENCY, "repeat": self.args.repeat, "client": "vllm bench serve"},
+            "load": {"input_tokens": self.load[0], "output_tokens": self.load[1], "prompts": self.load[2],
+                     "concurrency": self.load[3], "repeat": self.args.repeat, "client": self.load_client},
             "cold start": cold["loads"], "restored": restored["loads"], "medians": medians,
             "same_prompt_tokens": cold["prompt_tokens"] == restored["prompt_tokens"],
             "same_streamed_tokens": cold["streamed_tokens"] == restored["streamed_tokens"],
@@ -446,6 +457,8 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=18231)
     parser.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
                         help="extra `vllm serve` argument (repeat; e.g. --vllm-arg=--gpu-memory-utilization=0.5)")
+    parser.add_argument("--serve-load", default=SERVE_LOAD, type=serve_load,
+                        help=f"serving step: input tokens,output tokens,prompts,concurrency (default {SERVE_LOAD})")
     parser.add_argument("--compile", action="store_true", help="cpu: keep torch.compile on (default --enforce-eager)")
     args, rest = parser.parse_known_args()
     if args.png_from:

@@ -355,6 +355,10 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
         print("coldsnap: give the artifact directory (or --request-json)", file=sys.stderr)
         return EXIT_USAGE
     _use_state_dir(args)
+    if getattr(args, "host_thp", False):
+        from coldsnap.snapshot.thp import HOST_THP_ENV
+
+        os.environ[HOST_THP_ENV] = "always"
     if args.operation == "wake" and args.artifact and not args.request_json:
         from coldsnap.activation.standby import standby_artifact
 
@@ -463,6 +467,14 @@ def _add_weights_flag(p: argparse.ArgumentParser) -> None:
                    help="where the weights come from: auto (the native pack, else — missing or failing verification — "
                    "the safetensors the capture pinned, with a warning), native (the pack or nothing), recovery (the "
                    "pinned safetensors, replayed into the captured layout); default: the capture's policy (auto)")
+
+
+def _add_host_thp_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host-thp", action="store_true",
+                   help="switch this HOST's transparent huge pages to `always` while CRIU fills the restored memory "
+                   "(faster fill: CRIU 4.2 fills 4 KiB pages otherwise), then back to the mode it found (the last "
+                   "of concurrent restores puts it back). Every process on the host allocating meanwhile gets huge "
+                   "pages too: the host owner's call. Needs root. Same as COLDSNAP_HOST_THP=always")
 
 
 def _add_state_dir_flag(p: argparse.ArgumentParser) -> None:
@@ -600,6 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", metavar="N[,M...]", help="the GPU(s) to place the ranks on, in rank order "
                    "(CUDA_VISIBLE_DEVICES of this host: ordinals or UUIDs; default: the capture's)")
     _add_weights_flag(p)
+    _add_host_thp_flag(p)
     _add_state_dir_flag(p)
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="restore")
@@ -618,6 +631,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl", type=int, metavar="SECONDS",
                    help="how long the standby waits for a wake before it stops itself (default 3600)")
     _add_weights_flag(p)
+    _add_host_thp_flag(p)
     _add_state_dir_flag(p)
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="warm")

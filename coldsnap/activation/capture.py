@@ -227,7 +227,7 @@ class CaptureSequence:
             self.dumped = True
             engine.process.wait(timeout=30)
             span["image_bytes"] = result.image_bytes
-            if result.census is not None:  # the zero pages left out, per process: pid:comm:bytes:dropped
+            if result.census is not None:  # the zero pages left out, per process: pid:bytes:dropped
                 span["zero_bytes_dropped"] = result.census.dropped_bytes
                 span["compact_ns"] = int(result.compact_seconds * 1e9)
                 span["image_processes"] = result.census.summary()

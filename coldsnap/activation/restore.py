@@ -15,6 +15,7 @@ included — goes through its one unwind, which kills what was restored and leav
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -44,6 +45,7 @@ from coldsnap.host import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.replica import probe_path_sockets, replica_images
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint
+from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill, thp_mode
 
 __all__ = ["restore", "admit", "port_free", "serving_port", "gpu_placement"]
 
@@ -178,6 +180,18 @@ def admit(context: OperationContext, artifact: ArtifactDir
     if gpu_probe is not None:
         with timer.span(f"{op}.admission.gpu"):
             _admit_gpu(context, descriptor, gpu_probe.result())
+    try:
+        host_thp = host_thp_requested()
+    except ThpError as exc:
+        raise OperationFailed("admission.host_thp", str(exc)) from None
+    if host_thp:
+        with timer.span(f"{op}.admission.host_thp") as span:
+            try:
+                span["host_thp_before"] = thp_mode()
+            except ThpError as exc:
+                raise OperationFailed("admission.host_thp", str(exc)) from None
+            if os.geteuid() != 0:
+                raise OperationFailed("admission.host_thp", "--host-thp sets the host's THP mode, which needs root")
     with timer.span(f"{op}.admission.criu"):
         try:
             version, check = checker.result()
@@ -376,7 +390,13 @@ class RestoreSequence:
             span["state_dir"] = str(state_dir)
             images = self.replica_images(state_dir)
             options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
-            result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True)
+            with contextlib.ExitStack() as window:
+                if host_thp_requested():  # the operator's choice (--host-thp), checked at admission
+                    try:
+                        span["host_thp_before"] = window.enter_context(huge_pages_for_the_fill(state_root()))
+                    except ThpError as exc:
+                        raise OperationFailed("admission.host_thp", str(exc)) from None
+                result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True)
             self.restored_pid = span["pid"] = result.pid
             self.host_pids = result.host_pids
         self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")

@@ -48,6 +48,8 @@ ERROR_CODES: dict[str, str] = {
     "admission.driver_floor": "the NVIDIA driver is below the snapshot driver's floor or the captured one",
     "admission.gpu": "another GPU model or compute capability than the capture's",
     "admission.criu": "CRIU is missing, too old, or `criu check` fails",
+    "admission.host_thp": "--host-thp (COLDSNAP_HOST_THP=always) was asked, and the host's transparent-huge-page "
+                          "mode cannot be read or set (needs root and a kernel with THP)",
     "admission.capsule": "the capsule manifest or an image is missing, changed, or from a coldsnap that cannot read it",
     "admission.payload": "a native pack is missing or its bytes do not match the descriptor (and no recovery "
                          "source may stand in: weights.mode native, or none recorded or verified)",

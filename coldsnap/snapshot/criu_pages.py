@@ -38,7 +38,7 @@ entry with its own I/O vector; single zero pages inside written memory are not w
 
 # images/mm.proto, vma.proto, pagemap.proto, core.proto, pstree.proto field numbers
 _MM_VMAS = 14
-_VMA_START, _VMA_END, _VMA_STATUS = 1, 2, 7
+_VMA_START, _VMA_END, _VMA_STATUS, _VMA_MADV = 1, 2, 7, 9
 _PE_VADDR, _PE_COMPAT_NR, _PE_IN_PARENT, _PE_FLAGS, _PE_NR = 1, 2, 3, 4, 5
 _HEAD_PAGES_ID = 1
 _CORE_TC, _TC_COMM = 3, 6
@@ -46,6 +46,7 @@ _CORE_TC, _TC_COMM = 3, 6
 VMA_AREA_STACK, VMA_AREA_HEAP = 1 << 1, 1 << 5
 VMA_FILE_PRIVATE, VMA_ANON_PRIVATE = 1 << 6, 1 << 9
 PE_PARENT, PE_PRESENT = 1 << 0, 1 << 2
+MADV_HUGEPAGE = 14  # vma_entry.madv is a bitmap of 1 << MADV_*
 _LARGE = 64 << 20
 _CHUNK = 16 << 20
 _ZERO_PAGE = bytes(PAGE_SIZE)
@@ -62,6 +63,9 @@ class ProcessPages:
     """Of ``by_kind``, the pages that held only zeros (in runs of at least :data:`MIN_ZERO_RUN_PAGES`)."""
     dropped_bytes: int = 0
     """Zero pages :func:`compact_image` left out (0 for a census)."""
+    huge_pages_advised_bytes: int = 0
+    """Pages in mappings advised ``MADV_HUGEPAGE``: CRIU 4.2 fills them with 4 KiB pages all the same and
+    applies the advice after the fill (ENGINE-RESTORE-FACTS.md §3)."""
     entries_before: int = 0
     entries_after: int = 0
 
@@ -75,7 +79,8 @@ class ProcessPages:
 
     def to_json_value(self) -> dict:
         return {"pid": self.pid, "comm": self.comm, "bytes": self.bytes, "zero_bytes": self.zero_bytes,
-                "dropped_bytes": self.dropped_bytes, "by_kind": dict(self.by_kind),
+                "dropped_bytes": self.dropped_bytes, "huge_pages_advised_bytes": self.huge_pages_advised_bytes,
+                "by_kind": dict(self.by_kind),
                 "zero_by_kind": dict(self.zero_by_kind), "pagemap_entries": [self.entries_before, self.entries_after]}
 
 
@@ -96,9 +101,9 @@ class ImageCensus:
         return sum(p.dropped_bytes for p in self.processes)
 
     def summary(self) -> str:
-        """``pid:comm:bytes:dropped`` per process, largest first (a span attribute)."""
+        """``pid:bytes:dropped`` per process, comma-separated, largest first (a span attribute)."""
         ordered = sorted(self.processes, key=lambda p: -p.bytes)
-        return ",".join(f"{p.pid}:{p.comm}:{p.bytes}:{p.dropped_bytes}" for p in ordered)
+        return ",".join(f"{p.pid}:{p.bytes}:{p.dropped_bytes}" for p in ordered)
 
     def to_json_value(self) -> dict:
         return {"bytes": self.bytes, "zero_bytes": self.zero_bytes, "dropped_bytes": self.dropped_bytes,
@@ -110,6 +115,11 @@ class _Vma:
     start: int
     end: int
     status: int
+    madv: int = 0
+
+    @property
+    def huge_pages_advised(self) -> bool:
+        return bool(self.madv & 1 << MADV_HUGEPAGE)
 
     def kind(self) -> str:
         if self.status & VMA_FILE_PRIVATE:
@@ -156,7 +166,8 @@ def _vmas(path: Path) -> list[_Vma]:
     for number, _, value in _decode(entries[0]):
         if number == _MM_VMAS and isinstance(value, bytes):
             vma = _decode(value)
-            found.append(_Vma(int(_first(vma, _VMA_START)), int(_first(vma, _VMA_END)), int(_first(vma, _VMA_STATUS))))
+            found.append(_Vma(int(_first(vma, _VMA_START)), int(_first(vma, _VMA_END)), int(_first(vma, _VMA_STATUS)),
+                              int(_first(vma, _VMA_MADV))))
     return sorted(found, key=lambda v: v.start)
 
 
@@ -277,6 +288,8 @@ def _zero_runs(source: int, entry: _Entry, cursor: _VmaCursor, result: ProcessPa
             vma = cursor.at(entry.vaddr + (done + i) * PAGE_SIZE)
             kind = vma.kind() if vma else "other"
             result.by_kind[kind] = result.by_kind.get(kind, 0) + PAGE_SIZE
+            if vma is not None and vma.huge_pages_advised:
+                result.huge_pages_advised_bytes += PAGE_SIZE
             if vma is not None and vma.droppable and data.startswith(_ZERO_PAGE, i * PAGE_SIZE):
                 if unwritten is not None and target is not None:
                     _write_all(target, data[unwritten:i * PAGE_SIZE])

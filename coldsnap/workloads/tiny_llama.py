@@ -122,7 +122,7 @@ def build_llama_8b_shape(directory: str | Path, seed: int = 0, device: str | Non
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    fast = _tokenizer(directory, 512, LLAMA_3_8B["vocab_size"])
+    fast = _tokenizer(directory, 512, int(LLAMA_3_8B["vocab_size"]))
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     LlamaConfig(**LLAMA_3_8B, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
                 pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="bfloat16",
