@@ -12,7 +12,7 @@ import platform
 import re
 from pathlib import Path
 
-__all__ = ["PF_EXITING", "nvidia_kernel_driver", "host_facts", "live_start_ticks", "stat_fields"]
+__all__ = ["PF_EXITING", "boot_id", "nvidia_kernel_driver", "host_facts", "live_start_ticks", "stat_fields"]
 
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
@@ -27,6 +27,15 @@ def nvidia_kernel_driver(proc_file: Path = _NVIDIA_PROC) -> str | None:
         return None
     match = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
     return match.group(1) if match else None
+
+
+def boot_id() -> str:
+    """This boot's random id (``/proc/sys/kernel/random/boot_id``; "" when unreadable): facts cached
+    under it (a ``criu check`` verdict, the GPUs) hold until the next reboot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
 
 
 def host_facts() -> dict[str, str | bool]:

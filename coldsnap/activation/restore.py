@@ -35,16 +35,15 @@ from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, WorkerRecor
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
-from coldsnap.native import probe_cuda
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import PhaseProgress
 from coldsnap.payload.validation import verify_file, verify_files
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
-from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import MINIMUM_VERSION, CriuError, CriuSnapshotter, SnapshotOptions, checked_criu
 from coldsnap.snapshot.replica import probe_path_sockets, replica_images
-from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint
+from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cached_probe_cuda, start_cuda_in_background
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill, thp_mode
 
 __all__ = ["restore", "admit", "port_free", "serving_port", "gpu_placement"]
@@ -102,6 +101,17 @@ def _regular_file_size(path: Path) -> int | None:
     except OSError:
         return None
     return status.st_size if stat.S_ISREG(status.st_mode) else None
+
+
+def _host_cache_dir() -> Path | None:
+    """Where admission keeps this boot's host facts (the ``criu check`` verdict, the GPUs): the state
+    root, or None when it cannot be made (every restore then asks afresh)."""
+    try:
+        root = state_root()
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+    except OSError:
+        return None
 
 
 def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: Any
@@ -165,12 +175,10 @@ def admit(context: OperationContext, artifact: ArtifactDir
             raise OperationFailed("admission.topology", "this build restores one launch unit")
     # `criu check` (~0.1 s) and the CUDA probe (~0.15 s: driver init) run in threads while the capsule's
     # images are checked; their spans are the waits, in the order their failures are reported.
-    def check_criu() -> tuple[tuple[int, ...], Any]:
-        criu = Criu()
-        return criu.version(), criu.check()
-
-    checker = _InBackground(check_criu, "coldsnap-criu-check")
-    gpu_probe = _InBackground(probe_cuda, "coldsnap-cuda-probe") if descriptor.platform.nvidia_driver is not None else None
+    cache_dir = _host_cache_dir()
+    checker = _InBackground(lambda: checked_criu(cache_dir), "coldsnap-criu-check")
+    gpu_probe = (_InBackground(lambda: cached_probe_cuda(cache_dir), "coldsnap-cuda-probe")
+                 if descriptor.platform.nvidia_driver is not None else None)
     with timer.span(f"{op}.admission.platform"):
         if descriptor.platform.arch != platform.machine():
             raise OperationFailed("admission.platform", f"captured on {descriptor.platform.arch}, this is {platform.machine()}")
@@ -383,6 +391,8 @@ class RestoreSequence:
                                                     self.gpus.launcher_ordinals if self.gpus is not None else {})
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
             state_dir = self.state_dir()
+            if self.metadata.gpu_pids:  # the checkpoint API ready when the tree is (admission used a cached probe)
+                start_cuda_in_background()
             for stager in self.stagers.values():
                 stager.start()
             self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)

@@ -9,6 +9,7 @@ The binary is found through ``COLDSNAP_CRIU`` (a path), else ``criu`` on ``PATH`
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
@@ -111,6 +112,45 @@ class Criu:
         result = self._run("check", ["check"], timeout=60)
         output = _tail(result.stdout + result.stderr)
         return CriuCheck(ok=result.returncode == 0 and "Looks good" in result.stdout + result.stderr, output=output)
+
+
+CHECK_CACHE = "criu-check.json"
+
+
+def _check_key(criu: Criu) -> list[object]:
+    """What a cached ``criu check`` verdict holds for: this executable file as it is, this kernel, this boot."""
+    from coldsnap.host import boot_id
+
+    status = os.stat(criu.path)
+    return [os.path.realpath(criu.path), status.st_ino, status.st_size, status.st_mtime_ns, os.uname().release,
+            boot_id(), os.geteuid()]
+
+
+def checked_criu(cache_dir: Path | None = None) -> tuple[tuple[int, ...], CriuCheck]:
+    """CRIU's version and ``criu check`` verdict. With ``cache_dir`` (a restore's state root) a passing
+    verdict is kept there and reused while the executable file, the kernel and the boot are the same: the
+    two runs cost ~0.1 s of every restore's admission, and what ``check`` probes (kernel features) does not
+    change within a boot. A failing verdict is never kept. ``coldsnap doctor`` always asks afresh."""
+    criu = Criu()
+    cache = cache_dir / CHECK_CACHE if cache_dir is not None else None
+    key: list[object] = []
+    if cache is not None:
+        try:
+            key = _check_key(criu)
+            cached = json.loads(cache.read_text())
+            if cached.get("key") == key:
+                return tuple(cached["version"]), CriuCheck(ok=True, output=cached["output"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass
+    version, check = criu.version(), criu.check()
+    if cache is not None and check.ok and key:
+        try:
+            temporary = cache.with_name(f".{cache.name}.{os.getpid()}")
+            temporary.write_text(json.dumps({"key": key, "version": list(version), "output": check.output}))
+            os.replace(temporary, cache)
+        except OSError:
+            pass  # a read-only state root: every restore checks again
+    return version, check
 
 
 TcpMode = Literal["established", "close", "none"]

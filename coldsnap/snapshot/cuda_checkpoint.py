@@ -12,9 +12,12 @@ and KV before this runs: what remains is the CUDA context, graphs and small runt
 
 from __future__ import annotations
 
+import json
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
 from coldsnap.native import NativeUnavailable, native, probe_cuda
@@ -25,7 +28,9 @@ __all__ = [
     "NativeCheckpointDriver",
     "TreeCheckpoint",
     "gpu_processes",
+    "cached_probe_cuda",
     "cuda_devices",
+    "start_cuda_in_background",
     "STATES",
 ]
 
@@ -67,9 +72,50 @@ class NativeCheckpointDriver:
             raise CudaCheckpointError("state", pid, str(exc)) from None
 
 
-def cuda_devices() -> list[dict]:
-    """The GPUs this process sees (``coldsnap._C.cuda_probe``), [] without a driver."""
+PROBE_CACHE = "cuda-probe.json"
+
+
+def cached_probe_cuda(cache_dir: Path | None) -> dict:
+    """:func:`coldsnap.native.probe_cuda`, kept in ``cache_dir`` (a restore's state root) while the boot,
+    the NVIDIA driver and the GPUs asked for (``CUDA_VISIBLE_DEVICES``, ``CUDA_DEVICE_ORDER``) are the
+    same: initializing CUDA for the probe took ~0.15 s of every restore's admission. Only a probe that
+    found GPUs is kept. The launcher still initializes CUDA for the checkpoint API, beside CRIU
+    (:func:`start_cuda_in_background`)."""
+    from coldsnap.host import boot_id, nvidia_kernel_driver
+
+    key = [boot_id(), nvidia_kernel_driver(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+           os.environ.get("CUDA_DEVICE_ORDER"), os.geteuid()]
+    cache = cache_dir / PROBE_CACHE if cache_dir is not None else None
+    if cache is not None and key[0] and key[1]:
+        try:
+            cached = json.loads(cache.read_text())
+            if cached.get("key") == key and isinstance(cached.get("probe"), dict):
+                return cached["probe"]
+        except (OSError, ValueError):
+            pass
     probe = probe_cuda()
+    if cache is not None and key[0] and key[1] and probe.get("available") and probe.get("devices"):
+        try:
+            temporary = cache.with_name(f".{cache.name}.{os.getpid()}")
+            temporary.write_text(json.dumps({"key": key, "probe": probe}))
+            os.replace(temporary, cache)
+        except (OSError, TypeError, ValueError):
+            pass
+    return probe
+
+
+def start_cuda_in_background() -> threading.Thread:
+    """Initialize CUDA in this process on a thread (~0.15 s of driver start-up), so the checkpoint API is
+    ready when the restored tree is; the CUDA restore's own calls wait for it inside the driver."""
+    thread = threading.Thread(target=probe_cuda, name="coldsnap-cuda-init", daemon=True)
+    thread.start()
+    return thread
+
+
+def cuda_devices(cache_dir: Path | None = None) -> list[dict]:
+    """The GPUs this process sees (``coldsnap._C.cuda_probe``; through :func:`cached_probe_cuda` with a
+    ``cache_dir``), [] without a driver."""
+    probe = cached_probe_cuda(cache_dir) if cache_dir is not None else probe_cuda()
     return list(probe["devices"]) if probe["available"] else []
 
 
