@@ -87,6 +87,8 @@ def main() -> int:
     parser.add_argument("--out", help="write the JSON here too")
     parser.add_argument("--png", help="draw the chart here (needs matplotlib)")
     parser.add_argument("--port", type=int, default=18241)
+    parser.add_argument("--restore-arg", dest="restore_args", action="append", default=[],
+                        help="extra `coldsnap restore` argument for the restore steps (repeat; e.g. --restore-arg=--host-thp)")
     parser.add_argument("--serve-load", default=SERVE_LOAD, type=serve_load,
                         help=f"serving step: input tokens,output tokens,prompts,concurrency (default {SERVE_LOAD})")
     parser.add_argument("--sglang-arg", dest="vllm_args", action="append", default=[],

@@ -249,7 +249,8 @@ class Bench:
         receipt_path = self.work / f"restore-{index}.json"
         exec_ns = time.time_ns()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
-                               str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
+                               str(receipt_path), *self.args.restore_args], env={**os.environ, **self.env()},
+                              capture_output=True, text=True)
         exit_ns = time.time_ns()
         receipt = json.loads(receipt_path.read_text())
         try:
@@ -264,8 +265,13 @@ class Bench:
         phases = receipt_timeline(receipt, exec_ns, exit_ns)
         seconds = phases.pop("exec → canary matched")  # the restore as the user sees it
         expected = self.expected()
-        self.record(kind="restore", cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
-                    same_tokens=expected is None or answer == expected)
+        kind = " ".join(["restore", *self.args.restore_args])
+        self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
+                    same_tokens=expected is None or answer == expected, image_bytes=self.image_bytes())
+
+    def image_bytes(self) -> int | None:
+        images = next((self.artifact / "units").glob("*/images"), None)
+        return sum(f.stat().st_size for f in images.rglob("*") if f.is_file()) if images else None
 
     def step_restore(self) -> None:
         for _ in range(self.args.repeat):
@@ -457,6 +463,8 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=18231)
     parser.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[],
                         help="extra `vllm serve` argument (repeat; e.g. --vllm-arg=--gpu-memory-utilization=0.5)")
+    parser.add_argument("--restore-arg", dest="restore_args", action="append", default=[],
+                        help="extra `coldsnap restore` argument for the restore steps (repeat; e.g. --restore-arg=--host-thp)")
     parser.add_argument("--serve-load", default=SERVE_LOAD, type=serve_load,
                         help=f"serving step: input tokens,output tokens,prompts,concurrency (default {SERVE_LOAD})")
     parser.add_argument("--compile", action="store_true", help="cpu: keep torch.compile on (default --enforce-eager)")
