@@ -196,8 +196,12 @@ def render_capsule(document: dict) -> str:
             reserved = sum(v["reserved_after_empty"] for v in document["torch_allocator"].values())
             total = document["device_state_in_image_bytes"]
             lines.append(f"| moved into the image by the CUDA checkpoint (all GPU processes) | {total / mib:.1f} |")
-            lines.append(f"| of it outside torch's allocator (CUDA context, modules, cuBLAS/NCCL workspaces) | "
-                         f"{(total - reserved) / mib:.1f} |")
+            if reserved <= total:
+                lines.append(f"| of it outside torch's allocator (CUDA context, modules, cuBLAS/NCCL workspaces) | "
+                             f"{(total - reserved) / mib:.1f} |")
+            else:  # SGLang: torch counts the memory pool coldsnap's regions back (released before the checkpoint)
+                lines.append("| of it outside torch's allocator | n/a: torch's count includes memory coldsnap's "
+                             "regions released (SGLang's KV pool) |")
     return "\n".join(lines)
 
 

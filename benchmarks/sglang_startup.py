@@ -63,6 +63,10 @@ class SglangBench(Bench):
         import os
         import subprocess
 
+        if self.args.load_client_path:  # vLLM's client, from another site, through SGLang's OpenAI API
+            self.load_client = "vllm bench serve (openai backend)"
+            env = {**os.environ, **self.env(), "PYTHONPATH": self.args.load_client_path}
+            return Bench.serving_load(self, label, backend="openai", env=env)
         result = self.work / f"serve-{label}.jsonl"
         result.unlink(missing_ok=True)
         command = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--host", "127.0.0.1",
@@ -91,6 +95,9 @@ def main() -> int:
                         help="extra `coldsnap restore` argument for the restore steps (repeat; e.g. --restore-arg=--host-thp)")
     parser.add_argument("--serve-load", default=SERVE_LOAD, type=serve_load,
                         help=f"serving step: input tokens,output tokens,prompts,concurrency (default {SERVE_LOAD})")
+    parser.add_argument("--load-client-path", metavar="PYTHONPATH",
+                        help="serving step: run vLLM's `vllm bench serve` (openai backend) from this PYTHONPATH instead "
+                        "of sglang.bench_serving (which imports Hugging Face `datasets` at start)")
     parser.add_argument("--sglang-arg", dest="vllm_args", action="append", default=[],
                         help="extra `sglang.launch_server` argument (repeat; e.g. --sglang-arg=--mem-fraction-static=0.3)")
     args = parser.parse_args()

@@ -21,8 +21,9 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
   serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
                vLLM's own load client (``vllm bench serve``, random 512-token prompts, 128 tokens out,
-               256 prompts at concurrency 64, ignore-eos): output throughput, TTFT and TPOT medians; and
-               the same greedy token ids over 16 prompts and one streamed completion
+               256 prompts at concurrency 64, ignore-eos; one warm-up load first): output throughput,
+               TTFT and TPOT medians; and the same greedy token ids over 16 prompts and the same text
+               of one streamed completion
   sleep        vLLM's own ``--enable-sleep-mode`` (level 1): /sleep then /wake_up, timed; then the same
                through coldsnap's sleep backend (``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap``), whose
                /wake_up answers only after the canary matched
@@ -72,6 +73,7 @@ SERVE_LOAD = "512,128,256,64"
 """The serving step's load: input tokens, output tokens, prompts, concurrency (``--serve-load``)."""
 SERVE_METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
 SERVE_CHECK_PROMPTS = 16
+STREAM_PROMPT = "A streamed answer, asked once of each server and of no other request before it."
 
 
 def serve_load(text: str) -> str:
@@ -289,28 +291,33 @@ class Bench:
 
     # serving speed after a restore ---------------------------------------------------------------
 
-    def serving_load(self, label: str) -> dict[str, float]:
+    def serving_load(self, label: str, backend: str = "vllm", env: dict[str, str] | None = None) -> dict[str, float]:
         """One run of vLLM's own load client (``vllm bench serve``) against the server on ``self.port``:
         ``self.load`` (random prompts of that many input tokens, output tokens each with ignore-eos, prompts,
         concurrency). Returns its output throughput (tokens/s) and TTFT / TPOT medians (ms)."""
         result = self.work / f"serve-{label}.json"
         result.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", "vllm",
+        command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve", "--backend", backend,
                    "--base-url", f"http://127.0.0.1:{self.port}", "--model", str(self.model),
                    "--dataset-name", "random", "--random-input-len", str(self.load[0]),
                    "--random-output-len", str(self.load[1]), "--num-prompts", str(self.load[2]),
                    "--max-concurrency", str(self.load[3]), "--ignore-eos", "--seed", "0", "--disable-tqdm",
                    "--save-result", "--result-dir", str(self.work), "--result-filename", result.name]
         with open(self.work / f"serve-{label}.log", "wb") as log:
-            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **self.env()})
+            subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT,
+                           env=env or {**os.environ, **self.env()})
         measured = json.loads(result.read_text())
         return {key: round(float(measured[key]), 3) for key in SERVE_METRICS}
 
     def serving_runs(self, label: str) -> dict:
-        """The greedy token ids of SERVE_CHECK_PROMPTS prompts, one streamed completion's ids, then
-        ``--repeat`` load runs."""
+        """The greedy token ids of SERVE_CHECK_PROMPTS prompts, one streamed completion's pieces (of a
+        prompt neither server was asked before: a prefix cache filled by an earlier request changes the
+        arithmetic, and SGLang's, caching prompts with their answers, did), then one warm-up load (a
+        server's first load ran ~40 % slower on the H200, cold-started or restored alike: new batch
+        shapes) and ``--repeat`` timed load runs."""
         return {"prompt_tokens": [tokens_of(self.port, p) for p in serving_prompts()],
-                "streamed_tokens": streamed_tokens(self.port, PROMPT, 32),
+                "streamed_tokens": streamed_tokens(self.port, STREAM_PROMPT, 32),
+                "warmup": self.serving_load(f"{label}-warmup"),
                 "loads": [self.serving_load(f"{label}-{i}") for i in range(self.args.repeat)]}
 
     def step_serving(self) -> None:
@@ -324,7 +331,7 @@ class Bench:
             first_answer(self.port, started, process, 900, PROMPT, 12, log)
             cold = self.serving_runs("cold")
         time.sleep(1)
-        receipt_path = self.work / "serving-restore.json"
+        receipt_path = self.work / f"serving-restore-{len(self.state['runs'])}-{time.time_ns()}.json"
         done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
                                str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
         receipt = json.loads(receipt_path.read_text())
@@ -346,8 +353,12 @@ class Bench:
             "load": {"input_tokens": self.load[0], "output_tokens": self.load[1], "prompts": self.load[2],
                      "concurrency": self.load[3], "repeat": self.args.repeat, "client": self.load_client},
             "cold start": cold["loads"], "restored": restored["loads"], "medians": medians,
+            "warmup": {"cold start": cold["warmup"], "restored": restored["warmup"]},
             "same_prompt_tokens": cold["prompt_tokens"] == restored["prompt_tokens"],
-            "same_streamed_tokens": cold["streamed_tokens"] == restored["streamed_tokens"],
+            # the text, not its pieces: how a server cuts a stream into chunks depends on timing
+            "same_streamed_text": "".join(cold["streamed_tokens"]) == "".join(restored["streamed_tokens"]),
+            "streamed_text": {"cold start": "".join(cold["streamed_tokens"]), "restored": "".join(restored["streamed_tokens"])},
+            "streamed_chunks": {"cold start": len(cold["streamed_tokens"]), "restored": len(restored["streamed_tokens"])},
             "prompts_checked": len(cold["prompt_tokens"]),
         }
         print(json.dumps(self.state["serving"]["medians"]), flush=True)
@@ -422,7 +433,7 @@ def render(state: dict) -> str:
             lines.append(f"    {key:<20} cold start {values['cold start']:>10}  restored {values['restored']:>10}  "
                          f"restored/cold {values['restored / cold']}")
         lines.append(f"    same greedy token ids over {serving['prompts_checked']} prompts: {serving['same_prompt_tokens']}; "
-                     f"same streamed completion: {serving['same_streamed_tokens']}")
+                     f"same streamed text: {serving.get('same_streamed_text', serving.get('same_streamed_tokens'))}")
     if any(not r.get("same_tokens", True) for r in state["runs"]):
         lines.append("  WARNING: some run's tokens differ from the first cold start's")
     else:

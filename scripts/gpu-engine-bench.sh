@@ -67,7 +67,9 @@ case "${1:-}" in
         mkdir -p "$work"
         ln -sfn "$model" "$work/llama-8b"
         set +e
-        python3 "benchmarks/${engine}_startup.py" --shape 8b --dir "$work" --steps "$steps" --repeat "$repeat" \
+        device=()
+        [ "$engine" = vllm ] && device=(--device cuda)  # vllm_startup.py's default is vLLM's CPU build
+        python3 "benchmarks/${engine}_startup.py" "${device[@]}" --shape 8b --dir "$work" --steps "$steps" --repeat "$repeat" \
             --out "$out/$engine-startup.json" ${COLDSNAP_BENCH_ARGS:-} 2>&1 | tee -a "$out/$engine-startup.log"
         status=${PIPESTATUS[0]}
         set -e
