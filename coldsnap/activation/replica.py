@@ -8,10 +8,10 @@ import json
 import re
 import socket
 import uuid
-from pathlib import Path
 from dataclasses import dataclass
 
-from coldsnap.activation.artifact_dir import ArtifactDir, state_root
+from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.state import host_cache_dir
 from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
@@ -170,11 +170,6 @@ def gpu_remap(captured: list[str], captured_visible: str | None, current: list[s
     return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(gpu) for i, gpu in enumerate(target)})
 
 
-def _cache_dir() -> Path | None:
-    root = state_root()
-    return root if root.is_dir() else None
-
-
 def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> GpuPlacement:
     """This restore's :class:`GpuPlacement` (``admission.gpu`` when the request's GPUs are not there):
     the request's ``CUDA_VISIBLE_DEVICES`` (``--gpu``) against the capture's."""
@@ -187,7 +182,7 @@ def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: Cap
     except (OSError, ValueError, AttributeError):
         captured_visible = None
     try:
-        return gpu_remap(metadata.gpu_uuids, captured_visible, [d["uuid"] for d in cuda_devices(_cache_dir())],
+        return gpu_remap(metadata.gpu_uuids, captured_visible, [d["uuid"] for d in cuda_devices(host_cache_dir())],
                          context.request.units[0].env.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         raise OperationFailed("admission.gpu", str(exc)) from None

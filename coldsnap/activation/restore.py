@@ -25,13 +25,14 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal
 
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
+from coldsnap.activation.state import host_cache_dir
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica, gpu_placement, plan_replica, port_free, serving_port
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
-from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, WorkerRecord
+from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, UnitRecord, WorkerRecord
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
@@ -103,18 +104,7 @@ def _regular_file_size(path: Path) -> int | None:
     return status.st_size if stat.S_ISREG(status.st_mode) else None
 
 
-def _host_cache_dir() -> Path | None:
-    """Where admission keeps this boot's host facts (the ``criu check`` verdict, the GPUs): the state
-    root, or None when it cannot be made (every restore then asks afresh)."""
-    try:
-        root = state_root()
-        root.mkdir(parents=True, exist_ok=True)
-        return root
-    except OSError:
-        return None
-
-
-def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: Any
+def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: UnitRecord
                    ) -> tuple[CapsuleManifest, dict[int, "WeightSource"]]:
     """The unit's capsule manifest and every image it lists, then each rank's weight source."""
     timer, op = context.timer, context.request.operation
@@ -175,7 +165,7 @@ def admit(context: OperationContext, artifact: ArtifactDir
             raise OperationFailed("admission.topology", "this build restores one launch unit")
     # `criu check` (~0.1 s) and the CUDA probe (~0.15 s: driver init) run in threads while the capsule's
     # images are checked; their spans are the waits, in the order their failures are reported.
-    cache_dir = _host_cache_dir()
+    cache_dir = host_cache_dir()
     checker = _InBackground(lambda: checked_criu(cache_dir), "coldsnap-criu-check")
     gpu_probe = (_InBackground(lambda: cached_probe_cuda(cache_dir), "coldsnap-cuda-probe")
                  if descriptor.platform.nvidia_driver is not None else None)

@@ -28,6 +28,18 @@ def state_root() -> Path:
     return Path("/run/coldsnap") if os.geteuid() == 0 else Path(f"/tmp/coldsnap-{os.getuid()}")
 
 
+def host_cache_dir() -> Path | None:
+    """Where restores keep this boot's host facts (a passing ``criu check`` verdict, the GPUs the CUDA
+    probe found): the state root, made if needed; None when it cannot be made (each restore then asks
+    afresh)."""
+    try:
+        root = state_root()
+        root.mkdir(parents=True, exist_ok=True)
+        return root
+    except OSError:
+        return None
+
+
 def artifact_id(root: Path) -> str:
     """The id of the artifact committed in ``root`` (OSError when it has none)."""
     return hashlib.sha256((root / "artifact.json").read_bytes()).hexdigest()[:16]

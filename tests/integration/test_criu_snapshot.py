@@ -26,13 +26,13 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def _ask(port: int, timeout: float = 10.0) -> str:
+def _ask(port: int, timeout: float = 10.0, command: bytes = b"inc") -> str:
     deadline = time.monotonic() + timeout
     while True:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-                conn.sendall(b"inc\n")
-                return conn.recv(64).decode().strip()
+                conn.sendall(command + b"\n")
+                return conn.recv(256).decode().strip()
         except OSError:
             if time.monotonic() > deadline:
                 raise
@@ -199,17 +199,8 @@ def test_files_of_the_owned_root_stay_untouched_and_the_root_can_move(server, tm
     assert (restore_state / "server.log").read_text() == log_at_dump + "inc 2\n"
 
 
-def _digests(port: int, timeout: float = 10.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-                conn.sendall(b"digest\n")
-                return conn.recv(256).decode().strip()
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+def _digests(port: int) -> str:
+    return _ask(port, command=b"digest")
 
 
 def test_zero_pages_left_out_restore_the_same_memory(tmp_path):
