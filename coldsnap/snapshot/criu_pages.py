@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coldsnap.atomic import write_atomic
 from coldsnap.snapshot.criu_images import Field, ImageFormatError, _decode, _encode, _first, _read_entries
 
 __all__ = ["ProcessPages", "ImageCensus", "image_census", "compact_image", "PAGE_SIZE", "MIN_ZERO_RUN_PAGES"]
@@ -225,10 +227,15 @@ def _scan(images: Path, pid: int, rewrite: bool, min_run: int) -> ProcessPages:
     cursor = _VmaCursor(_vmas(images / f"mm-{pid}.img"))
     result = ProcessPages(pid=pid, comm=_comm(images / f"core-{pid}.img"), entries_before=len(entries))
     kept: list[_Entry] = []
+    compacted = pages_path.with_name(pages_path.name + ".compact")
     source = os.open(pages_path, os.O_RDONLY | os.O_CLOEXEC)
-    target = os.open(pages_path.with_name(pages_path.name + ".compact"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-                     | os.O_CLOEXEC, 0o600) if rewrite else None
+    target = None
     try:
+        if rewrite:  # the new pages file as CRIU made the old one: its mode and owner
+            status = os.fstat(source)
+            target = os.open(compacted, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            os.fchmod(target, stat.S_IMODE(status.st_mode))
+            os.fchown(target, status.st_uid, status.st_gid)
         for entry in entries:
             if not entry.present:
                 kept.append(entry)
@@ -240,20 +247,25 @@ def _scan(images: Path, pid: int, rewrite: bool, min_run: int) -> ProcessPages:
             if leftover:
                 raise ImageFormatError(f"{pages_path.name}: {leftover} bytes past the pages its pagemap lists")
             os.fsync(target)
+    except BaseException:
+        if target is not None:
+            compacted.unlink(missing_ok=True)
+        raise
     finally:
         os.close(source)
         if target is not None:
             os.close(target)
     result.entries_after = len(kept)
-    if rewrite:
+    if rewrite and not result.zero_bytes:  # nothing to leave out: the dump's own files stay
+        compacted.unlink(missing_ok=True)
+    elif rewrite:
         result.dropped_bytes = result.zero_bytes
         out = bytearray(header)
         for raw in [head, *(_encode(e.fields) for e in kept)]:
             out += struct.pack("<I", len(raw)) + raw
-        temporary = pagemap_path.with_name(pagemap_path.name + ".compact")
-        temporary.write_bytes(bytes(out))
-        os.replace(pages_path.with_name(pages_path.name + ".compact"), pages_path)
-        os.replace(temporary, pagemap_path)
+        # pages first: until the pagemap names the new layout, a crash leaves the capture uncommitted
+        os.replace(compacted, pages_path)
+        write_atomic(pagemap_path, bytes(out), mode=stat.S_IMODE(os.stat(pagemap_path).st_mode))
     return result
 
 
