@@ -409,7 +409,8 @@ class RestoreSequence:
         for stale in probe_path_sockets([n for n in self.replica.unix_names.values() if n.startswith(b"/")])[1]:
             stale.unlink(missing_ok=True)
         return replica_images(self.artifact.images(self.unit.unit_id), state_dir / "images",
-                              self.replica.generation, self.replica.unix_names)
+                              self.replica.generation, self.replica.unix_names,
+                              f".{self.replica.name}".encode())
 
     def state_dir(self) -> Path:
         """This replica's state directory under the artifact's, made if needed (``restore.state_dir`` when

@@ -17,13 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["ImageFormatError", "InetSocket", "UnixSocket", "FILES_IMAGE", "read_sockets", "rewrite_sockets"]
+__all__ = ["ImageFormatError", "InetSocket", "UnixSocket", "FILES_IMAGE", "ghost_file_ids", "read_sockets",
+           "rewrite_sockets"]
 
 FILES_IMAGE = "files.img"
+REMAP_IMAGE = "remap-fpath.img"
 
 # file_entry fields, fd_types values (images/fdinfo.proto)
-_FILE_TYPE, _FILE_ISK, _FILE_USK = 1, 4, 16
-_INETSK, _UNIXSK = 4, 5
+_FILE_TYPE, _FILE_REG, _FILE_ISK, _FILE_USK = 1, 3, 4, 16
+_REG, _INETSK, _UNIXSK = 1, 4, 5
+# reg_file_entry fields (images/regfile.proto); remap_file_path_entry fields and remap_type (images/remap-file-path.proto)
+_REG_ID, _REG_NAME = 1, 6
+_REMAP_ORIG_ID, _REMAP_TYPE, _REMAP_GHOST = 1, 3, 1
 # inet_sk_entry fields (images/sk-inet.proto)
 _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_STATE, _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR = 2, 3, 4, 6, 7, 8, 11
 # unix_sk_entry fields (images/sk-unix.proto)
@@ -198,19 +203,46 @@ def _nested(fields: list[Field], number: int, path: Path) -> bytes:
     return value
 
 
+def ghost_file_ids(images: Path) -> set[int]:
+    """The regular files the image carries as ghosts (deleted while open: their bytes are in the image), by
+    file id (``remap-fpath.img``; none without it)."""
+    path = images / REMAP_IMAGE
+    if not path.is_file():
+        return set()
+    found = set()
+    for entry in _read_entries(path)[1]:
+        fields = _decode(entry)
+        if _first(fields, _REMAP_TYPE) == _REMAP_GHOST:
+            found.add(int(_first(fields, _REMAP_ORIG_ID)))
+    return found
+
+
 def rewrite_sockets(source: Path, target: Path, ports: Callable[[InetSocket], tuple[int | None, int | None]],
-                    unix_names: dict[bytes, bytes]) -> int:
+                    unix_names: dict[bytes, bytes], ghost_suffix: bytes = b"") -> int:
     """Copy ``source/files.img`` to ``target/files.img`` with each inet socket's source and destination
     ports replaced by ``ports(socket)`` (``None``: kept) and each unix socket named in ``unix_names``
-    renamed. Returns how many sockets changed. Every other byte of every entry is kept as it was."""
+    renamed; with ``ghost_suffix``, each ghost file's path gets it too. Returns how many entries changed.
+    Every other byte of every entry is kept as it was.
+
+    Why ghosts: CRIU re-creates a file deleted while open at ``<its path>.cr.<id>.ghost`` (exclusively)
+    and links it at its path while it opens it, then removes both — so two restores of one image at once
+    collide there ("Can't create ghost regfile: File exists"; seen with two vLLM replicas). Under another
+    name, each restore has its own; the process holds a deleted file either way."""
     header, entries = _read_entries(source / FILES_IMAGE)
+    ghosts = ghost_file_ids(source) if ghost_suffix else set()
     changed = 0
     out = bytearray(header)
     for entry in entries:
         fields = _decode(entry)
         kind = _first(fields, _FILE_TYPE)
         new_entry = entry
-        if kind in (_INETSK, _UNIXSK):
+        if kind == _REG and ghosts:
+            reg = _decode(_nested(fields, _FILE_REG, source / FILES_IMAGE))
+            if int(_first(reg, _REG_ID)) in ghosts:
+                renamed = [(n, w, v + ghost_suffix if n == _REG_NAME and isinstance(v, bytes) else v) for n, w, v in reg]
+                changed += 1
+                new_entry = _encode([(n, w, _encode(renamed) if n == _FILE_REG else v) for n, w, v in fields])
+        elif kind in (_INETSK, _UNIXSK):
             number = _FILE_ISK if kind == _INETSK else _FILE_USK
             inner = _decode(_nested(fields, number, source / FILES_IMAGE))
             if kind == _INETSK:

@@ -32,6 +32,11 @@ def _unix_entry(ino: int, name: bytes) -> bytes:
     return _encode([(1, _VARINT, 5), (2, _VARINT, ino), (16, _LENGTH, usk)])
 
 
+def _reg_entry(file_id: int, name: bytes) -> bytes:
+    reg = _encode([(1, _VARINT, file_id), (2, _VARINT, 0o100002), (3, _VARINT, 0), (6, _LENGTH, name)])
+    return _encode([(1, _VARINT, 1), (2, _VARINT, file_id), (3, _LENGTH, reg)])
+
+
 def _image(directory, *entries: bytes) -> None:
     directory.mkdir(exist_ok=True)
     (directory / "files.img").write_bytes(_MAGICS + b"".join(struct.pack("<I", len(e)) + e for e in entries))
@@ -160,3 +165,21 @@ def test_a_dual_stack_socket_talking_ipv4_is_probed_on_its_ipv4_address():
         port = busy.getsockname()[1]
         taken = probe_binds([mapped], port_generation([mapped], 41234, port))
     assert len(taken) == 1 and taken[0].startswith(f"tcp 127.0.0.1:{port} (")
+
+
+def test_files_deleted_while_open_get_a_path_of_the_replicas_own(tmp_path):
+    """CRIU re-creates a ghost at <path>.cr.<id>.ghost, exclusively: two replicas of one image restoring
+    at once collided there, so each replica's copy names its ghosts apart (and only them)."""
+    captured, replica = tmp_path / "captured", tmp_path / "replica"
+    replica.mkdir()
+    _image(captured, _reg_entry(7, b"/tmp/deleted-while-open"), _reg_entry(8, b"/usr/lib/libkept.so"),
+           _unix_entry(3, b"/tmp/other.sock"))
+    remap = _encode([(1, _VARINT, 7), (2, _VARINT, 1), (3, _VARINT, 1)])  # file 7 is ghost 1
+    linked = _encode([(1, _VARINT, 8), (2, _VARINT, 9), (3, _VARINT, 0)])  # a link remap is not a ghost
+    (captured / "remap-fpath.img").write_bytes(_MAGICS + b"".join(struct.pack("<I", len(e)) + e for e in (remap, linked)))
+    assert rewrite_sockets(captured, replica, lambda s: (None, None), {}, b".port-8001") == 1
+    data = (replica / "files.img").read_bytes()
+    assert b"/tmp/deleted-while-open.port-8001" in data and b"/usr/lib/libkept.so.port" not in data
+    assert b"/tmp/other.sock.port" not in data
+    assert rewrite_sockets(captured, replica, lambda s: (None, None), {}) == 0  # no suffix asked: unchanged
+    assert (replica / "files.img").read_bytes() == (captured / "files.img").read_bytes()
