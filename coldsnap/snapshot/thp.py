@@ -97,7 +97,8 @@ def _locked_record(state_root: Path) -> Iterator[dict]:
 def _leave(state_root: Path, path: Path) -> str | None:
     """Drop this process from the window; the last one out restores the recorded mode (returned)."""
     with _locked_record(state_root) as record:
-        record["holders"] = [p for p in record["holders"] if p != os.getpid()]
+        if os.getpid() in record["holders"]:  # one entry per window: a process may hold several at once
+            record["holders"].remove(os.getpid())
         if record["holders"] or "previous" not in record:
             return None
         previous = record.pop("previous")
