@@ -15,6 +15,7 @@
 #
 # Both benchmarks share one model (/tmp/coldsnap-llama-8b). Carry .gpu-bundle/wheels and .gpu-bundle/criu-debs
 # with the first call, the ENGINE-site.json manifests with every call, and at most one ≤ 56 MiB part per call.
+# COLDSNAP_BENCH_ARGS: more benchmark arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -79,7 +80,7 @@ case "${1:-}" in
         exit "$status"
         ;;
     *)
-        sed -n '2,17p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
