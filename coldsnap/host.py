@@ -7,12 +7,17 @@ compares them at restore.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PF_EXITING", "boot_id", "nvidia_kernel_driver", "host_facts", "live_start_ticks", "stat_fields"]
+from coldsnap.atomic import write_atomic
+
+__all__ = ["PF_EXITING", "boot_id", "keep_boot_fact", "kept_boot_fact", "nvidia_kernel_driver", "host_facts",
+           "live_start_ticks", "stat_fields"]
 
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
@@ -36,6 +41,30 @@ def boot_id() -> str:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:
         return ""
+
+
+def kept_boot_fact(cache_dir: Path | None, name: str, key: list[Any]) -> Any:
+    """The value :func:`keep_boot_fact` kept as ``cache_dir/name`` for ``key`` in this boot, else None."""
+    boot = boot_id()
+    if cache_dir is None or not boot:
+        return None
+    try:
+        kept = json.loads((cache_dir / name).read_text())
+    except (OSError, ValueError):
+        return None
+    return kept.get("value") if isinstance(kept, dict) and kept.get("key") == [boot, *key] else None
+
+
+def keep_boot_fact(cache_dir: Path | None, name: str, key: list[Any], value: Any) -> None:
+    """Keep ``value`` (JSON) as ``cache_dir/name``, valid for ``key`` until the next reboot; best effort
+    (a read-only or missing directory keeps nothing: each caller then asks afresh)."""
+    boot = boot_id()
+    if cache_dir is None or not boot:
+        return
+    try:
+        write_atomic(cache_dir / name, json.dumps({"key": [boot, *key], "value": value}).encode())
+    except (OSError, TypeError, ValueError):
+        pass
 
 
 def host_facts() -> dict[str, str | bool]:

@@ -9,7 +9,6 @@ The binary is found through ``COLDSNAP_CRIU`` (a path), else ``criu`` on ``PATH`
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import select
@@ -117,39 +116,27 @@ class Criu:
 CHECK_CACHE = "criu-check.json"
 
 
-def _check_key(criu: Criu) -> list[object]:
-    """What a cached ``criu check`` verdict holds for: this executable file as it is, this kernel, this boot."""
-    from coldsnap.host import boot_id
-
-    status = os.stat(criu.path)
-    return [os.path.realpath(criu.path), status.st_ino, status.st_size, status.st_mtime_ns, os.uname().release,
-            boot_id(), os.geteuid()]
-
-
 def checked_criu(cache_dir: Path | None = None) -> tuple[tuple[int, ...], CriuCheck]:
     """CRIU's version and ``criu check`` verdict. With ``cache_dir`` (a restore's state root) a passing
     verdict is kept there and reused while the executable file, the kernel and the boot are the same: the
     two runs cost ~0.1 s of every restore's admission, and what ``check`` probes (kernel features) does not
     change within a boot. A failing verdict is never kept. ``coldsnap doctor`` always asks afresh."""
+    from coldsnap.host import keep_boot_fact, kept_boot_fact
+
     criu = Criu()
-    cache = cache_dir / CHECK_CACHE if cache_dir is not None else None
     key: list[object] = []
-    if cache is not None:
-        try:
-            key = _check_key(criu)
-            cached = json.loads(cache.read_text())
-            if cached.get("key") == key:
-                return tuple(cached["version"]), CriuCheck(ok=True, output=cached["output"])
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass
+    try:
+        status = os.stat(criu.path)
+        key = [os.path.realpath(criu.path), status.st_ino, status.st_size, status.st_mtime_ns, os.uname().release,
+               os.geteuid()]
+    except OSError:
+        cache_dir = None  # nothing to key on (criu.version reports why)
+    kept = kept_boot_fact(cache_dir, CHECK_CACHE, key)
+    if isinstance(kept, dict) and isinstance(kept.get("version"), list) and isinstance(kept.get("output"), str):
+        return tuple(kept["version"]), CriuCheck(ok=True, output=kept["output"])
     version, check = criu.version(), criu.check()
-    if cache is not None and check.ok and key:
-        try:
-            temporary = cache.with_name(f".{cache.name}.{os.getpid()}")
-            temporary.write_text(json.dumps({"key": key, "version": list(version), "output": check.output}))
-            os.replace(temporary, cache)
-        except OSError:
-            pass  # a read-only state root: every restore checks again
+    if check.ok:
+        keep_boot_fact(cache_dir, CHECK_CACHE, key, {"version": list(version), "output": check.output})
     return version, check
 
 

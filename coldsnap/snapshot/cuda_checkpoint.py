@@ -12,7 +12,6 @@ and KV before this runs: what remains is the CUDA context, graphs and small runt
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -81,26 +80,17 @@ def cached_probe_cuda(cache_dir: Path | None) -> dict:
     same: initializing CUDA for the probe took ~0.15 s of every restore's admission. Only a probe that
     found GPUs is kept. The launcher still initializes CUDA for the checkpoint API, beside CRIU
     (:func:`start_cuda_in_background`)."""
-    from coldsnap.host import boot_id, nvidia_kernel_driver
+    from coldsnap.host import keep_boot_fact, kept_boot_fact, nvidia_kernel_driver
 
-    key = [boot_id(), nvidia_kernel_driver(), os.environ.get("CUDA_VISIBLE_DEVICES"),
-           os.environ.get("CUDA_DEVICE_ORDER"), os.geteuid()]
-    cache = cache_dir / PROBE_CACHE if cache_dir is not None else None
-    if cache is not None and key[0] and key[1]:
-        try:
-            cached = json.loads(cache.read_text())
-            if cached.get("key") == key and isinstance(cached.get("probe"), dict):
-                return cached["probe"]
-        except (OSError, ValueError):
-            pass
+    driver = nvidia_kernel_driver()
+    key = [driver, os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"), os.geteuid()]
+    cache_dir = cache_dir if driver else None  # no driver: nothing worth keeping
+    kept = kept_boot_fact(cache_dir, PROBE_CACHE, key)
+    if isinstance(kept, dict):
+        return kept
     probe = probe_cuda()
-    if cache is not None and key[0] and key[1] and probe.get("available") and probe.get("devices"):
-        try:
-            temporary = cache.with_name(f".{cache.name}.{os.getpid()}")
-            temporary.write_text(json.dumps({"key": key, "probe": probe}))
-            os.replace(temporary, cache)
-        except (OSError, TypeError, ValueError):
-            pass
+    if probe.get("available") and probe.get("devices"):
+        keep_boot_fact(cache_dir, PROBE_CACHE, key, probe)
     return probe
 
 
