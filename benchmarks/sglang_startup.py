@@ -18,7 +18,10 @@ kernels and no FlashInfer JIT cache); add flags with ``--sglang-arg``.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -59,10 +62,6 @@ class SglangBench(Bench):
     def serving_load(self, label: str) -> dict[str, float]:
         """``vllm_startup.Bench.serving_load`` with SGLang's own client (``sglang.bench_serving``: random token
         ids, fixed lengths — its ``random`` dataset would download ShareGPT)."""
-        import json
-        import os
-        import subprocess
-
         if self.args.load_client_path:  # vLLM's client, from another site, through SGLang's OpenAI API
             self.load_client = "vllm bench serve (openai backend)"
             env = {**os.environ, **self.env(), "PYTHONPATH": self.args.load_client_path}

@@ -235,7 +235,7 @@ class AgentServer:
             except BaseException:
                 self.serving_lock.release()
                 raise
-        device_bytes = _torch_device_bytes()
+        reserved_before_empty = _torch_device_bytes()
         timed(seconds, "empty_cache", _empty_torch_cache)
         timed(seconds, "malloc_trim", _trim_heap)
         self.state = "prepared"
@@ -246,7 +246,7 @@ class AgentServer:
             payload=PackRef(**packs["payload"]) if "payload" in packs else None,
             residual=PackRef(**packs["residual"]) if "residual" in packs else None,
             layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=_rss_bytes(),
-            device_bytes=_torch_device_bytes(), device_bytes_before_empty=device_bytes,
+            device_bytes=_torch_device_bytes(), device_bytes_before_empty=reserved_before_empty,
             device_bytes_allocated=_torch_device_bytes(allocated=True), regions=self._regions(), graphs_released=list(self.graphs_released),
             recovery_files=list(self.hooks.recovery_files))
 
