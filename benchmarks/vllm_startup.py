@@ -17,6 +17,7 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   cold-empty   cold start with an empty vLLM compile cache (a fresh VLLM_CACHE_ROOT)
   capture      `coldsnap capture -- vllm serve M --load-format coldsnap` (warm compile cache)
   restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
+  restore-4k   the same with ``COLDSNAP_CRIU_THP_FILL=0``: CRIU fills 4 KiB pages, as a stock CRIU does
   cold-warm    ``--repeat`` cold starts with the warm compile cache
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
   serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
@@ -57,7 +58,7 @@ from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from image_attribution import capsule_attribution, render_capsule  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
-STEPS = ("model", "cold-empty", "capture", "restore", "cold-warm", "serving", "native", "sleep", "dropped")
+STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "cold-warm", "serving", "native", "sleep", "dropped")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -246,12 +247,14 @@ class Bench:
         print(render_capsule(attribution), flush=True)
         self.save()
 
-    def restore(self, cache: str) -> None:
+    def restore(self, cache: str, env: dict[str, str] | None = None) -> None:
+        """One ``coldsnap restore`` timed from its exec to the canary's match; ``env`` (e.g. the 4 KiB
+        fill) is named in the run's kind."""
         index = len(self.state["runs"])
         receipt_path = self.work / f"restore-{index}.json"
         exec_ns = time.time_ns()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
-                               str(receipt_path), *self.args.restore_args], env={**os.environ, **self.env()},
+                               str(receipt_path), *self.args.restore_args], env={**os.environ, **self.env(), **(env or {})},
                               capture_output=True, text=True)
         exit_ns = time.time_ns()
         receipt = json.loads(receipt_path.read_text())
@@ -267,7 +270,7 @@ class Bench:
         phases = receipt_timeline(receipt, exec_ns, exit_ns)
         seconds = phases.pop("exec → canary matched")  # the restore as the user sees it
         expected = self.expected()
-        kind = " ".join(["restore", *self.args.restore_args])
+        kind = " ".join(["restore", *self.args.restore_args, *(f"{k}={v}" for k, v in (env or {}).items())])
         self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
                     same_tokens=expected is None or answer == expected, image_bytes=self.image_bytes())
 
@@ -278,6 +281,12 @@ class Bench:
     def step_restore(self) -> None:
         for _ in range(self.args.repeat):
             self.restore("warm")
+
+    def step_restore_4k(self) -> None:
+        """Restores whose CRIU fills 4 KiB pages, as a stock CRIU does (the comparison for the huge-page
+        fill, in the same run)."""
+        for _ in range(self.args.repeat):
+            self.restore("warm", env={"COLDSNAP_CRIU_THP_FILL": "0"})
 
     def step_dropped(self) -> None:
         if not drop_caches():

@@ -19,13 +19,15 @@ __all__ = ["collect_report", "render_table"]
 
 
 def _criu_section() -> dict[str, Any]:
-    section: dict[str, Any] = {"path": None, "version": None, "version_ok": False, "check_ok": False, "detail": ""}
+    section: dict[str, Any] = {"path": None, "version": None, "version_ok": False, "fills_huge_pages": False,
+                               "check_ok": False, "detail": ""}
     try:
         criu = Criu()
         section["path"] = criu.path
         version = criu.version()
-        section["version"] = ".".join(str(p) for p in version)
-        section["version_ok"] = version[:2] >= MINIMUM_VERSION
+        section["version"] = ".".join(str(p) for p in version.numbers)
+        section["version_ok"] = version.numbers[:2] >= MINIMUM_VERSION
+        section["fills_huge_pages"] = version.fills_huge_pages
         if os.geteuid() != 0:
             section["detail"] = "criu check needs root; run doctor as root"
             return section
@@ -85,7 +87,8 @@ def render_table(report: dict[str, Any]) -> str:
     row("host", True, f"{host['arch']}, kernel {host['kernel']}, {'root' if host['root'] else 'not root'}")
     criu = report["criu"]
     if criu["path"]:
-        row("criu", criu["version_ok"], f"{criu['version']} at {criu['path']}")
+        fill = "fills huge pages" if criu["fills_huge_pages"] else "stock build: no huge-page fill"
+        row("criu", criu["version_ok"], f"{criu['version']} at {criu['path']} ({fill})")
         row("criu check", criu["check_ok"], criu["detail"].splitlines()[-1] if criu["detail"] else "")
     else:
         row("criu", False, criu["detail"])

@@ -47,7 +47,7 @@ export COLDSNAP_CRIU=/tmp/coldsnap-criu/bin/criu
 # `coldsnap restore` compiled pydantic and coldsnap from source (imports 370 ms instead of ~200 ms on the
 # H200), which a user's image — pip compiles on install — never pays. Python still reads the .pyc files.
 log "compiling the site and the checkout to bytecode"
-"$python" -m compileall -q -j 0 "$site" "$repo/coldsnap" "$repo/coldsnap_vllm" >/dev/null || true
+"$python" -m compileall -q -j 0 "$site" "$repo/coldsnap" "$repo/coldsnap_vllm" "$repo/coldsnap_sglang" >/dev/null || true
 
 log "building coldsnap._C with $($python --version)"
 "$python" setup.py build_ext --inplace >"$logs/build.log" 2>&1 || { tail -30 "$logs/build.log" >&2; exit 1; }

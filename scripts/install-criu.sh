@@ -15,6 +15,10 @@
 #     Because the loader is given --library-path (not LD_LIBRARY_PATH), programs
 #     that criu itself executes (iptables, nft, action scripts) run unaffected
 #     with the host's own libraries.
+#   * The criu binary itself is built by scripts/build-criu.sh: upstream 4.2.1 plus
+#     scripts/criu/thp-fill.patch (CRIU_THP_FILL=1 fills a restore's private memory into
+#     huge pages), against exactly the libraries of the prefix. It replaces sid's
+#     usr/sbin/criu there; --stock keeps sid's binary.
 #   * The downloads use a private, throw-away apt setup (own sources list,
 #     lists, cache, empty status, no host apt.conf.d / preferences / sources.list.d),
 #     so the machine's apt sources and state are never changed.
@@ -43,6 +47,9 @@ ALL_PKGS=("${SID_PKGS[@]}" "${TRIXIE_PKGS[@]}")
 MULTIARCH=x86_64-linux-gnu
 LDSO_NAME=ld-linux-x86-64.so.2
 STAMP_NAME=.coldsnap-criu.stamp
+BUILT_NAME=criu-$EXPECTED_VERSION-coldsnap          # the built binary, beside the .debs
+BUILT_BINARY="coldsnap (thp-fill.patch)" STOCK_BINARY="debian sid"  # the stamp's binary= line
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 SUMS_NAME=SHA256SUMS
 
 # ----------------------------------------------------------------- helpers --
@@ -52,16 +59,20 @@ die() { printf '%s: ERROR: %s\n' "$PROG" "$*" >&2; exit 1; }
 usage() {
     cat <<EOF
 Usage:
-  ${0##*/} [--prefix DIR] [--debs DIR] [--link DIR | --no-link] [--force]
+  ${0##*/} [--prefix DIR] [--debs DIR] [--link DIR | --no-link] [--force] [--stock]
       Install CRIU $EXPECTED_VERSION. Downloads the .debs into the debs folder
-      unless it already holds all of them, unpacks them into the prefix,
-      writes the wrapper PREFIX/bin/criu and symlinks it as DIR/criu.
-  ${0##*/} --download-only DIR
-      Only download the .debs (plus a $SUMS_NAME file) into DIR, e.g. to carry
-      them to an offline machine.
-  ${0##*/} --from-debs DIR [--prefix DIR] [--link DIR | --no-link] [--force]
-      Offline install from .debs already in DIR; never touches the network
-      and needs no apt at all (works on e.g. Ubuntu 24.04 too).
+      unless it already holds all of them, builds coldsnap's criu binary there
+      (scripts/build-criu.sh, about a minute) unless it is there already,
+      unpacks the .debs into the prefix, puts the built binary in, writes the
+      wrapper PREFIX/bin/criu and symlinks it as DIR/criu.
+  ${0##*/} --download-only DIR [--stock]
+      Only download the .debs and build the binary (plus a $SUMS_NAME file)
+      into DIR, e.g. to carry them to an offline machine.
+  ${0##*/} --from-debs DIR [--prefix DIR] [--link DIR | --no-link] [--force] [--stock]
+      Offline install from .debs (and the built binary, $BUILT_NAME) already
+      in DIR; never touches the network and needs no apt at all (works on e.g.
+      Ubuntu 24.04 too). Without the built binary there, sid's is installed,
+      with a warning.
 
 Options:
   --prefix DIR   install prefix (default: $DEFAULT_PREFIX)
@@ -69,11 +80,14 @@ Options:
   --link DIR     where to symlink the wrapper as 'criu' (default: $DEFAULT_LINK_DIR)
   --no-link      do not create the symlink
   --force        reinstall even if the prefix is already complete
+  --stock        Debian sid's criu binary as it is: no build, no huge-page fill
   -h, --help     show this help
 
 What gets installed:
   from Debian sid:    ${SID_PKGS[*]}
   from Debian trixie: ${TRIXIE_PKGS[*]}
+  built here:         usr/sbin/criu = $EXPECTED_VERSION + scripts/criu/thp-fill.patch
+                      (\`criu --version\` names GitID v$EXPECTED_VERSION-coldsnap-thp-fill)
   The binary runs via the prefix's own loader, so the host libc is untouched:
     PREFIX/usr/lib/$MULTIARCH/$LDSO_NAME --library-path PREFIX/usr/lib/$MULTIARCH PREFIX/usr/sbin/criu
   A second run with everything in place does nothing heavy and exits 0.
@@ -119,10 +133,12 @@ upstream_version() { local v=${1#*:}; printf '%s\n' "${v%-*}"; }
 declare -A DEB
 MISSING=()
 DEB_CRIU_VER=""
+BUILT=""
 scan_debs() {
     local dir=$1 pkg
     local -a f
-    DEB=(); MISSING=(); DEB_CRIU_VER=""
+    DEB=(); MISSING=(); DEB_CRIU_VER=""; BUILT=""
+    if [ $STOCK -eq 0 ] && [ -f "$dir/$BUILT_NAME" ]; then BUILT=$dir/$BUILT_NAME; fi
     if [ ! -d "$dir" ]; then MISSING=("${ALL_PKGS[@]}"); return 0; fi
     for pkg in "${ALL_PKGS[@]}"; do
         # "pkg_" prefix: libc6_* does not match libc6-dev_*.
@@ -147,9 +163,23 @@ have_debs() { [ ${#MISSING[@]} -eq 0 ] && [ "$DEB_CRIU_VER" = "$EXPECTED_VERSION
 # "sha256  basename" lines for the scanned set, sorted (stable manifest).
 deb_manifest() {
     local pkg
-    for pkg in "${ALL_PKGS[@]}"; do
-        (cd "$(dirname "${DEB[$pkg]}")" && sha256sum -- "$(basename "${DEB[$pkg]}")")
-    done | LC_ALL=C sort -k2
+    {
+        for pkg in "${ALL_PKGS[@]}"; do
+            (cd "$(dirname "${DEB[$pkg]}")" && sha256sum -- "$(basename "${DEB[$pkg]}")")
+        done
+        [ -z "$BUILT" ] || (cd "$(dirname "$BUILT")" && sha256sum -- "$BUILT_NAME")
+    } | LC_ALL=C sort -k2
+}
+
+# Build coldsnap's criu binary from the .debs in $1 (scripts/build-criu.sh), then rewrite the
+# folder's checksum file to cover it.
+build_binary() {
+    local dir=$1
+    log "building coldsnap's criu binary into $dir/$BUILT_NAME (scripts/build-criu.sh; --stock skips this)"
+    bash "$SCRIPT_DIR/build-criu.sh" --debs "$dir" --out "$dir/$BUILT_NAME" ||
+        die "building criu failed (see above); --stock installs Debian's binary without the huge-page fill"
+    scan_debs "$dir"
+    deb_manifest >"$dir/.$SUMS_NAME.tmp" && mv -f "$dir/.$SUMS_NAME.tmp" "$dir/$SUMS_NAME"
 }
 
 # Human-readable total size of the scanned set.
@@ -266,6 +296,7 @@ EOF
         chown "$(id -u):$(id -g)" -- "$dest/${DEB[$pkg]##*/}" 2>/dev/null || true
         chmod 644 -- "$dest/${DEB[$pkg]##*/}"
     done
+    rm -f -- "$dest/$BUILT_NAME"  # built against the .debs replaced just now
     scan_debs "$dest"
     deb_manifest >"$dest/.$SUMS_NAME.tmp" && mv -f "$dest/.$SUMS_NAME.tmp" "$dest/$SUMS_NAME"
     log "downloaded ${#ALL_PKGS[@]} .debs ($(deb_total_size)) into $dest"
@@ -318,6 +349,11 @@ install_prefix() {
         dpkg-deb -x "${DEB[$pkg]}" "$tmp" || die "dpkg-deb -x failed for ${DEB[$pkg]}"
     done
     [ -x "$tmp/usr/sbin/criu" ] || die "usr/sbin/criu missing after unpacking"
+    local binary=$STOCK_BINARY
+    if [ -n "$BUILT" ]; then
+        install -m 755 -- "$BUILT" "$tmp/usr/sbin/criu"
+        binary=$BUILT_BINARY
+    fi
 
     # Where the loader lands depends on the libc6 build (trixie: a regular file
     # in usr/lib/<triplet>, plus a /lib64 or /usr/lib64 symlink with an
@@ -342,7 +378,7 @@ install_prefix() {
     local tlib list bad ver
     tlib=$(printf '%s' "$libpath" | sed "s|[^:][^:]*|$tmp/&|g")
     list=$("$tmp/$ldso" --library-path "$tlib" --list "$tmp/usr/sbin/criu" 2>&1) ||
-        die "criu does not load with the private loader:"$'\n'"$list"
+        die "criu ($binary) does not load with the private loader:"$'\n'"$list"
     bad=$(printf '%s\n' "$list" | grep -v -e "=> $tmp/" -e "^[[:space:]]*$tmp/" -e 'linux-vdso' || true)
     [ -z "$bad" ] || die "libraries not resolved inside the prefix:"$'\n'"$bad"
     ver=$(wrapper_version "$tmp/$ldso" --library-path "$tlib" "$tmp/usr/sbin/criu")
@@ -366,6 +402,7 @@ EOF
         echo "version=$EXPECTED_VERSION"
         echo "ldso=$ldso"
         echo "libpath=$libpath"
+        echo "binary=$binary"
         deb_manifest
     } >"$tmp/$STAMP_NAME"
 
@@ -384,7 +421,7 @@ EOF
     else
         mv -T -- "$tmp" "$prefix"
     fi
-    log "installed criu $EXPECTED_VERSION into $prefix"
+    log "installed criu $EXPECTED_VERSION ($binary binary) into $prefix"
 }
 
 # Symlink the wrapper as LINKDIR/criu (atomically replaces an older symlink).
@@ -410,6 +447,7 @@ prefix_is_current() {
     stamp=$prefix/$STAMP_NAME
     [ -f "$stamp" ] && [ -x "$prefix/bin/criu" ] || return 1
     grep -qx "version=$EXPECTED_VERSION" "$stamp" || return 1
+    grep -qx "binary=$WANT_BINARY" "$stamp" || return 1
     if [ -n "$manifest" ]; then
         [ "$(grep -E '^[0-9a-f]{64}  ' "$stamp")" = "$manifest" ] || return 1
     fi
@@ -418,7 +456,7 @@ prefix_is_current() {
 
 # -------------------------------------------------------------------- main --
 MODE=install PREFIX=$DEFAULT_PREFIX DEBS=$DEFAULT_DEBS LINK_DIR=$DEFAULT_LINK_DIR
-DO_LINK=1 FORCE=0 OFFLINE=0
+DO_LINK=1 FORCE=0 OFFLINE=0 STOCK=0
 while [ $# -gt 0 ]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
@@ -427,6 +465,7 @@ while [ $# -gt 0 ]; do
         --link) [ $# -ge 2 ] || die "--link needs a DIR"; LINK_DIR=$2; DO_LINK=1; shift ;;
         --no-link) DO_LINK=0 ;;
         --force) FORCE=1 ;;
+        --stock) STOCK=1 ;;
         --download-only)
             [ $# -ge 2 ] || die "--download-only needs a DIR"
             [ $OFFLINE -eq 0 ] || die "--download-only and --from-debs exclude each other"
@@ -451,6 +490,7 @@ if [ $MODE = download ]; then
     else
         download_debs "$DEBS"
     fi
+    [ $STOCK -eq 1 ] || [ -n "$BUILT" ] || build_binary "$DEBS"
     exit 0
 fi
 
@@ -478,6 +518,10 @@ scan_debs "$DEBS"
 HAVE_DEBS=0
 if have_debs; then HAVE_DEBS=1; fi
 
+# The binary the prefix should have: the built one, unless --stock or an offline folder without it.
+WANT_BINARY=$BUILT_BINARY
+if [ $STOCK -eq 1 ] || { [ $OFFLINE -eq 1 ] && [ -z "$BUILT" ]; }; then WANT_BINARY=$STOCK_BINARY; fi
+
 # Fast path: prefix complete and current. If a full set of .debs is at hand,
 # it must be the one the prefix was built from (so fresh .debs get installed).
 if [ $FORCE -eq 0 ]; then
@@ -504,6 +548,13 @@ if [ $HAVE_DEBS -eq 0 ]; then
     download_debs "$DEBS"
 else
     log "using the .debs in $DEBS ($(deb_total_size))"
+fi
+if [ $STOCK -eq 0 ] && [ -z "$BUILT" ]; then
+    if [ $OFFLINE -eq 1 ]; then
+        log "warning: no $BUILT_NAME in $DEBS: installing Debian's criu binary, without the huge-page fill (make the folder with --download-only to include it)"
+    else
+        build_binary "$DEBS"
+    fi
 fi
 
 install_prefix "$PREFIX"

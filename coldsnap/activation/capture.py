@@ -302,7 +302,7 @@ class CaptureSequence:
                     nvidia_driver_floor=int(driver.split(".")[0]) if driver else None,
                     gpu_model=self.gpus[0]["name"] if self.gpus else None,
                     compute_capability=self.gpus[0]["compute_capability"] if self.gpus else None,
-                    criu_version=".".join(map(str, snapshotter.criu.version())),
+                    criu_version=".".join(map(str, snapshotter.criu.version().numbers)),
                 ),
                 canary=CanaryRecord(prompt=self.request.policy.validation.prompt or "", expected_response=canary.text,
                                     token_ids=canary.token_ids, prompt_argmax=canary.prompt_argmax,

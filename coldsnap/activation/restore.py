@@ -42,7 +42,8 @@ from coldsnap.payload.validation import verify_file, verify_files
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
-from coldsnap.snapshot.criu import MINIMUM_VERSION, CriuError, CriuSnapshotter, SnapshotOptions, checked_criu
+from coldsnap.snapshot.criu import (MINIMUM_VERSION, CriuError, CriuSnapshotter, SnapshotOptions, checked_criu,
+                                    thp_fill_wanted)
 from coldsnap.snapshot.replica import probe_path_sockets, replica_images
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cached_probe_cuda, start_cuda_in_background
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill, thp_mode
@@ -190,13 +191,14 @@ def admit(context: OperationContext, artifact: ArtifactDir
                 raise OperationFailed("admission.host_thp", str(exc)) from None
             if os.geteuid() != 0:
                 raise OperationFailed("admission.host_thp", "--host-thp sets the host's THP mode, which needs root")
-    with timer.span(f"{op}.admission.criu"):
+    with timer.span(f"{op}.admission.criu") as span:
         try:
             version, check = checker.result()
         except CriuError as exc:
             raise OperationFailed("admission.criu", str(exc)) from None
-        if version[:2] < MINIMUM_VERSION:
-            raise OperationFailed("admission.criu", f"CRIU {'.'.join(map(str, version))} is too old (need 4.2+)")
+        span["criu"] = str(version)  # (its GitID says whether it fills huge pages)
+        if version.numbers[:2] < MINIMUM_VERSION:
+            raise OperationFailed("admission.criu", f"CRIU {version} is too old (need 4.2+)")
         if not check.ok:
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
     with timer.span(f"{op}.admission.port") as span:
@@ -388,6 +390,7 @@ class RestoreSequence:
             self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
             self.warmer.start()
             span["state_dir"] = str(state_dir)
+            span["thp_fill"] = thp_fill_wanted()  # (CRIU fills huge pages where its build and the host's mode allow)
             images = self.replica_images(state_dir)
             options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
             with contextlib.ExitStack() as window:

@@ -49,7 +49,7 @@ restored process may be parked in ``standby`` first (collectives rebuilt, memory
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, defer_build=True)  # (built when first used)
 
 
 # ---- commands ------------------------------------------------------------------------------------

@@ -45,6 +45,9 @@ class Contract(BaseModel):
         strict=True,
         frozen=True,
         validate_default=True,
+        # Each model's validator is built when it is first used, not at import: a restore uses a few of
+        # the ~70 models, and building them all was most of its start-up before admission.
+        defer_build=True,
     )
 
     @classmethod

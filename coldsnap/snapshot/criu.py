@@ -5,6 +5,11 @@ cannot dump TCP sockets on kernels >= 6.16 (checkpoint-restore/criu#2705, #2718)
 installs 4.2.1 into a private prefix with a ``criu`` wrapper.
 
 The binary is found through ``COLDSNAP_CRIU`` (a path), else ``criu`` on ``PATH``.
+
+The CRIU that script builds carries ``scripts/criu/thp-fill.patch``: with ``CRIU_THP_FILL=1`` (set by
+every restore here unless ``COLDSNAP_CRIU_THP_FILL=0``) and the host's THP mode ``madvise``, it fills
+private anonymous memory into 2 MiB pages and takes the advice back after; a stock CRIU ignores the
+variable. ``criu --version`` names the build (GitID ``v4.2.1-coldsnap-thp-fill``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "CriuError",
     "Criu",
     "CriuCheck",
+    "CriuVersion",
     "CriuSnapshotter",
     "DumpResult",
     "RestoreResult",
@@ -37,6 +43,9 @@ __all__ = [
 ]
 
 MINIMUM_VERSION = (4, 2)
+THP_FILL_BUILD = "coldsnap-thp-fill"
+"""In the GitID of a CRIU built by ``scripts/build-criu.sh``: it fills huge pages (``CRIU_THP_FILL``)."""
+THP_FILL_ENV = "COLDSNAP_CRIU_THP_FILL"
 
 # Printed by every run inside containers with a low hard limit; it does not affect the result.
 _HARMLESS = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self")
@@ -64,6 +73,30 @@ class CriuCheck:
     output: str
 
 
+@dataclass(frozen=True)
+class CriuVersion:
+    """What ``criu --version`` says."""
+
+    numbers: tuple[int, ...]
+    """``(major, minor[, sublevel])``."""
+    gitid: str = ""
+    """The build's GitID line, empty for a release built outside git (Debian's)."""
+
+    @property
+    def fills_huge_pages(self) -> bool:
+        """Built with ``scripts/criu/thp-fill.patch``: ``CRIU_THP_FILL=1`` fills private memory into huge
+        pages."""
+        return THP_FILL_BUILD in self.gitid
+
+    def __str__(self) -> str:
+        return ".".join(map(str, self.numbers)) + (f" ({self.gitid})" if self.gitid else "")
+
+
+def thp_fill_wanted() -> bool:
+    """Restores ask CRIU to fill huge pages unless ``COLDSNAP_CRIU_THP_FILL=0``."""
+    return os.environ.get(THP_FILL_ENV, "1") != "0"
+
+
 def _tail(text: str, lines: int = 20) -> str:
     kept = [line for line in text.splitlines() if not _HARMLESS.search(line)]
     return "\n".join(kept[-lines:])
@@ -88,23 +121,25 @@ class Criu:
             raise CriuError("locate", None, f"{hint}; install it with scripts/install-criu.sh")
         self.path = found
 
-    def _run(self, op: str, args: list[str], timeout: float, pass_fds: tuple[int, ...] = ()) -> subprocess.CompletedProcess[str]:
+    def _run(self, op: str, args: list[str], timeout: float, pass_fds: tuple[int, ...] = (),
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         try:
             return subprocess.run(
-                [self.path, *args], capture_output=True, text=True, timeout=timeout, check=False, pass_fds=pass_fds
-            )
+                [self.path, *args], capture_output=True, text=True, timeout=timeout, check=False, pass_fds=pass_fds,
+                env=env)
         except OSError as exc:
             raise CriuError(op, exc.errno, str(exc)) from None
         except subprocess.TimeoutExpired:
             raise CriuError(op, None, f"timed out after {timeout:.0f} s") from None
 
-    def version(self) -> tuple[int, ...]:
-        """``(major, minor[, sublevel])`` from ``criu --version``."""
+    def version(self) -> CriuVersion:
+        """``criu --version``: the version's numbers and the build's GitID."""
         result = self._run("--version", ["--version"], timeout=30)
         match = re.search(r"Version:\s*([0-9]+(?:\.[0-9]+)*)", result.stdout)
         if result.returncode != 0 or not match:
             raise CriuError("--version", result.returncode, _tail(result.stdout + result.stderr))
-        return tuple(int(p) for p in match.group(1).split("."))
+        gitid = re.search(r"GitID:\s*(\S+)", result.stdout)
+        return CriuVersion(tuple(int(p) for p in match.group(1).split(".")), gitid.group(1) if gitid else "")
 
     def check(self) -> CriuCheck:
         """Run ``criu check`` (needs root); never raises for a failed check, only for a missing binary."""
@@ -116,7 +151,7 @@ class Criu:
 CHECK_CACHE = "criu-check.json"
 
 
-def checked_criu(cache_dir: Path | None = None) -> tuple[tuple[int, ...], CriuCheck]:
+def checked_criu(cache_dir: Path | None = None) -> tuple[CriuVersion, CriuCheck]:
     """CRIU's version and ``criu check`` verdict. With ``cache_dir`` (a restore's state root) a passing
     verdict is kept there and reused while the executable file, the kernel and the boot are the same: the
     two runs cost ~0.1 s of every restore's admission, and what ``check`` probes (kernel features) does not
@@ -132,11 +167,13 @@ def checked_criu(cache_dir: Path | None = None) -> tuple[tuple[int, ...], CriuCh
     except OSError:
         cache_dir = None  # nothing to key on (criu.version reports why)
     kept = kept_boot_fact(cache_dir, CHECK_CACHE, key)
-    if isinstance(kept, dict) and isinstance(kept.get("version"), list) and isinstance(kept.get("output"), str):
-        return tuple(kept["version"]), CriuCheck(ok=True, output=kept["output"])
+    if isinstance(kept, dict) and isinstance(kept.get("version"), list) and isinstance(kept.get("output"), str) \
+            and isinstance(kept.get("gitid"), str):
+        return CriuVersion(tuple(kept["version"]), kept["gitid"]), CriuCheck(ok=True, output=kept["output"])
     version, check = criu.version(), criu.check()
     if check.ok:
-        keep_boot_fact(cache_dir, CHECK_CACHE, key, {"version": list(version), "output": check.output})
+        keep_boot_fact(cache_dir, CHECK_CACHE, key, {"version": list(version.numbers), "gitid": version.gitid,
+                                                     "output": check.output})
     return version, check
 
 
@@ -298,21 +335,24 @@ class CriuSnapshotter:
                 *self.options.args(),
                 *(argument for key, fd in inherited.items() for argument in ("--inherit-fd", f"fd[{fd}]:{key}")),
                 *_log_level()]
+        # CRIU_THP_FILL: this project's CRIU fills private memory into huge pages where the host's THP
+        # mode is "madvise" (a stock CRIU ignores it).
+        env = {**os.environ, "CRIU_THP_FILL": "1" if thp_fill_wanted() else "0"}
         started = time.monotonic()
         try:
             if replica:
                 pid, pids = self._restore_replica(images, state.pids[0], args, work / log, timeout, inherited,
-                                                  own_images)
+                                                  own_images, env)
             else:
-                pid, pids = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited), {}
+                pid, pids = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited, env), {}
         finally:
             for fd in inherited.values():
                 os.close(fd)
         return RestoreResult(pid=pid, seconds=time.monotonic() - started, host_pids=pids)
 
     def _restore_here(self, args: list[str], log: Path, pidfile: Path, timeout: float,
-                      inherited: dict[str, int]) -> int:
-        result = self.criu._run("restore", args, timeout=timeout, pass_fds=tuple(inherited.values()))
+                      inherited: dict[str, int], env: dict[str, str]) -> int:
+        result = self.criu._run("restore", args, timeout=timeout, pass_fds=tuple(inherited.values()), env=env)
         if result.returncode != 0:
             raise CriuError("restore", result.returncode, _log_tail(log) or _tail(result.stderr))
         try:
@@ -321,7 +361,8 @@ class CriuSnapshotter:
             raise CriuError("restore", None, f"CRIU reported success but wrote no pid to {pidfile}") from None
 
     def _restore_replica(self, images: Path, root_pid: int, args: list[str], log: Path, timeout: float,
-                         inherited: dict[str, int], own_images: bool) -> tuple[int, dict[int, int]]:
+                         inherited: dict[str, int], own_images: bool,
+                         env: dict[str, str]) -> tuple[int, dict[int, int]]:
         """CRIU as the first process of new pid and mount namespaces (``unshare``); returns the root's pid
         on this host and every restored pid's host pid by its captured one."""
         from coldsnap.snapshot import process_tree
@@ -335,7 +376,7 @@ class CriuSnapshotter:
                    "coldsnap.snapshot.replica_init", *(["--own-images"] if own_images else []), str(images),
                    str(root_pid), self.criu.path, *args]
         package_root = str(Path(__file__).resolve().parents[2])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
+        env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         try:
             # Its own session: the replica must not get the launcher's terminal signals (^C).
             launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

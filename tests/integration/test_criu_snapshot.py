@@ -231,3 +231,59 @@ def test_zero_pages_left_out_restore_the_same_memory(tmp_path):
     finally:
         for root in roots:
             kill_tree(root)
+
+
+def _mapping(pid: int, start: int) -> dict[str, str]:
+    """The smaps fields of ``pid``'s mapping that starts at ``start``."""
+    fields: dict[str, str] = {}
+    with open(f"/proc/{pid}/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                inside = int(head.split("-")[0], 16) == start
+            elif inside:
+                name, _, value = line.partition(":")
+                fields[name] = value.strip()
+    return fields
+
+
+def test_huge_page_fill_gives_the_same_memory_and_takes_back_its_advice(tmp_path, monkeypatch):
+    """This project's CRIU (scripts/build-criu.sh) with the host's THP mode ``madvise``: a restore fills a
+    big private mapping into huge pages, with the same bytes, and leaves it advised MADV_NOHUGEPAGE (no
+    huge pages for memory touched later, as before the dump); COLDSNAP_CRIU_THP_FILL=0 fills 4 KiB pages."""
+    from coldsnap.snapshot.criu import Criu
+    from coldsnap.snapshot.thp import thp_mode
+
+    if not Criu().version().fills_huge_pages:
+        pytest.fail("the installed CRIU is not the one scripts/build-criu.sh builds (run scripts/install-criu.sh)")
+    if thp_mode() != "madvise":
+        pytest.skip(f"the host's THP mode is {thp_mode()!r}: the fill only changes anything under 'madvise'")
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.integration.thp_fill_workload", str(port)], cwd=REPO,
+                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+    roots = [process.pid]
+    try:
+        digest, start = _digests(port).split()
+        assert "hg" not in _mapping(process.pid, int(start, 16))["VmFlags"].split()
+        snapshotter = CriuSnapshotter()
+        _dump(snapshotter, process, tmp_path / "images")
+        restored = snapshotter.restore(tmp_path / "images", tmp_path / "state-huge", replica=False)
+        roots.append(restored.pid)
+        assert _digests(port) == f"{digest} {start}"
+        mapping = _mapping(restored.pid, int(start, 16))
+        flags = mapping["VmFlags"].split()
+        assert "nh" in flags and "hg" not in flags, flags
+        assert int(mapping["AnonHugePages"].split()[0]) >= 2048, mapping  # (a page short of memory falls back)
+        kill_tree(restored.pid)
+
+        monkeypatch.setenv("COLDSNAP_CRIU_THP_FILL", "0")
+        restored = snapshotter.restore(tmp_path / "images", tmp_path / "state-small", replica=False)
+        roots.append(restored.pid)
+        assert _digests(port) == f"{digest} {start}"
+        mapping = _mapping(restored.pid, int(start, 16))
+        assert int(mapping["AnonHugePages"].split()[0]) == 0 and "nh" not in mapping["VmFlags"].split()
+    finally:
+        for root in roots:
+            kill_tree(root)

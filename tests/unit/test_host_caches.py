@@ -8,22 +8,33 @@ from coldsnap.snapshot import cuda_checkpoint
 from coldsnap.snapshot.criu import checked_criu
 
 
-def _fake_criu(path, calls, verdict="Looks good."):
+def _fake_criu(path, calls, verdict="Looks good.", gitid=""):
+    version = "Version: 4.2.1" + (f"\\nGitID: {gitid}" if gitid else "")
     path.write_text(f"#!/bin/sh\necho run >> {calls}\n"
-                    f"case \"$1\" in --version) echo 'Version: 4.2.1' ;; check) echo '{verdict}' ;; esac\n")
+                    f"case \"$1\" in --version) printf '{version}\\n' ;; check) echo '{verdict}' ;; esac\n")
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
 def test_a_passing_criu_check_is_reused_until_the_executable_changes(tmp_path, monkeypatch):
     criu, calls = tmp_path / "criu", tmp_path / "calls"
-    _fake_criu(criu, calls)
+    _fake_criu(criu, calls, gitid="v4.2.1-coldsnap-thp-fill")
     monkeypatch.setenv("COLDSNAP_CRIU", str(criu))
-    assert checked_criu(tmp_path)[0] == (4, 2, 1)
-    assert checked_criu(tmp_path)[1].ok
+    version = checked_criu(tmp_path)[0]
+    assert version.numbers == (4, 2, 1) and version.fills_huge_pages
+    version, check = checked_criu(tmp_path)  # kept: the build's GitID too
+    assert check.ok and version.fills_huge_pages and str(version) == "4.2.1 (v4.2.1-coldsnap-thp-fill)"
     assert len(calls.read_text().splitlines()) == 2  # --version and check, once
     os.utime(criu, ns=(1, 1))  # another executable (mtime changed): asked again
     checked_criu(tmp_path)
     assert len(calls.read_text().splitlines()) == 4
+
+
+def test_a_stock_criu_does_not_fill_huge_pages(tmp_path, monkeypatch):
+    criu, calls = tmp_path / "criu", tmp_path / "calls"
+    _fake_criu(criu, calls)
+    monkeypatch.setenv("COLDSNAP_CRIU", str(criu))
+    version = checked_criu(tmp_path)[0]
+    assert version.numbers == (4, 2, 1) and version.gitid == "" and not version.fills_huge_pages
 
 
 def test_a_failing_criu_check_is_never_kept(tmp_path, monkeypatch):
