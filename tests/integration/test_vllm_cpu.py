@@ -38,6 +38,23 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+def _free_ports_near(port: int, count: int) -> list[int]:
+    """``count`` free ports just above (else below) ``port``: a replica on port P moves every port of the
+    tree by P minus the captured serving port, so a far one (any two free ports) may push the tree's
+    other ports past 65535, which admission refuses."""
+    found: list[int] = []
+    for candidate in [*range(port + 1, min(port + 500, 65536)), *range(port - 1, max(port - 500, 1024), -1)]:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", candidate))
+            except OSError:
+                continue
+        found.append(candidate)
+        if len(found) == count:
+            return found
+    raise RuntimeError(f"no {count} free ports near {port}")
+
+
 def serve(model: Path, port: int, *extra: str) -> list[str]:
     return [str(VLLM), "serve", str(model), "--port", str(port), "--enforce-eager", "--max-model-len", "256", *extra]
 
@@ -288,7 +305,7 @@ def test_two_replicas_of_vllm_serve_restored_at_once_answer_like_vllms_default_l
     """One capsule, two `coldsnap restore --port P` at once: each replica's sockets moved to its port, its
     pids, /dev/shm (vLLM's queues and semaphores) and agent socket its own; both serve vLLM's answers."""
     artifact, captured_port, _ = captured
-    ports = [_free_port(), _free_port()]
+    ports = _free_ports_near(captured_port, 2)
     launchers = [subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", str(artifact), "--port", str(port),
                                    "--receipt-json", str(tmp_path / f"restore-{port}.json")],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for port in ports]
@@ -313,7 +330,8 @@ def test_an_n580_template_of_vllm_serve_restores_on_another_port_like_vllms_defa
     """`coldsnap capture --driver n580`: `vllm serve` under the pre-CUDA template (vLLM's server and model
     code imported), dumped; `coldsnap restore --port P` places it on P and vLLM starts there, its
     weights hydrated from the capture's native pack at load time, answering as vLLM's default loader."""
-    captured_port, port = _free_port(), _free_port()
+    captured_port = _free_port()
+    port = _free_ports_near(captured_port, 1)[0]
     artifact = tmp_path / "artifact"
     result = coldsnap("capture", "--driver", "n580", "--out", str(artifact), "--receipt-json", str(tmp_path / "capture.json"),
                       "--", *serve(model, captured_port, "--load-format", "coldsnap"))
