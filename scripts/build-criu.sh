@@ -6,7 +6,7 @@
 # Usage:
 #   build-criu.sh --debs DIR --out FILE [--work DIR] [--jobs N]
 #     DIR   the runtime .debs install-criu.sh downloaded (criu from sid, libraries from trixie)
-#     FILE  where the stripped binary goes (written atomically)
+#     FILE  where the stripped binary goes (written atomically), with FILE.source naming the patch's sha256
 #
 # How: the criu source tarball comes from Debian's sid index (sha256 checked against it); the -dev
 # packages for the sysroot are only downloaded, with a private throw-away apt setup (trixie, plus sid
@@ -172,5 +172,7 @@ log "built in $(( $(date +%s) - started )) s"
 mkdir -p "$(dirname "$OUT")"
 strip --strip-unneeded --remove-section=.comment -o "$OUT.tmp.$$" "$src/criu/criu"
 chmod 755 "$OUT.tmp.$$"
+printf 'patch=%s\n' "$(sha256sum "$PATCH" | cut -d' ' -f1)" >"$OUT.source.tmp.$$"
 mv -f "$OUT.tmp.$$" "$OUT"
+mv -f "$OUT.source.tmp.$$" "$OUT.source"  # what it was built from: install-criu.sh rebuilds when the patch changes
 log "wrote $OUT ($(du -h "$OUT" | cut -f1), sha256 $(sha256sum "$OUT" | cut -c1-16)…)"

@@ -50,6 +50,7 @@ STAMP_NAME=.coldsnap-criu.stamp
 BUILT_NAME=criu-$EXPECTED_VERSION-coldsnap          # the built binary, beside the .debs
 BUILT_BINARY="coldsnap (thp-fill.patch)" STOCK_BINARY="debian sid"  # the stamp's binary= line
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+PATCH=$SCRIPT_DIR/criu/thp-fill.patch
 SUMS_NAME=SHA256SUMS
 
 # ----------------------------------------------------------------- helpers --
@@ -138,7 +139,11 @@ scan_debs() {
     local dir=$1 pkg
     local -a f
     DEB=(); MISSING=(); DEB_CRIU_VER=""; BUILT=""
-    if [ $STOCK -eq 0 ] && [ -f "$dir/$BUILT_NAME" ]; then BUILT=$dir/$BUILT_NAME; fi
+    # The built binary counts only if it was built from this checkout's patch.
+    if [ $STOCK -eq 0 ] && [ -f "$dir/$BUILT_NAME" ] &&
+       [ "$(cat "$dir/$BUILT_NAME.source" 2>/dev/null)" = "patch=$(sha256sum "$PATCH" | cut -d' ' -f1)" ]; then
+        BUILT=$dir/$BUILT_NAME
+    fi
     if [ ! -d "$dir" ]; then MISSING=("${ALL_PKGS[@]}"); return 0; fi
     for pkg in "${ALL_PKGS[@]}"; do
         # "pkg_" prefix: libc6_* does not match libc6-dev_*.
@@ -296,7 +301,7 @@ EOF
         chown "$(id -u):$(id -g)" -- "$dest/${DEB[$pkg]##*/}" 2>/dev/null || true
         chmod 644 -- "$dest/${DEB[$pkg]##*/}"
     done
-    rm -f -- "$dest/$BUILT_NAME"  # built against the .debs replaced just now
+    rm -f -- "$dest/$BUILT_NAME" "$dest/$BUILT_NAME.source"  # built against the .debs replaced just now
     scan_debs "$dest"
     deb_manifest >"$dest/.$SUMS_NAME.tmp" && mv -f "$dest/.$SUMS_NAME.tmp" "$dest/$SUMS_NAME"
     log "downloaded ${#ALL_PKGS[@]} .debs ($(deb_total_size)) into $dest"
@@ -551,7 +556,7 @@ else
 fi
 if [ $STOCK -eq 0 ] && [ -z "$BUILT" ]; then
     if [ $OFFLINE -eq 1 ]; then
-        log "warning: no $BUILT_NAME in $DEBS: installing Debian's criu binary, without the huge-page fill (make the folder with --download-only to include it)"
+        log "warning: no $BUILT_NAME built from this checkout's patch in $DEBS: installing Debian's criu binary, without the huge-page fill (make the folder with --download-only to include it)"
     else
         build_binary "$DEBS"
     fi

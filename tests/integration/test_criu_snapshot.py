@@ -248,10 +248,23 @@ def _mapping(pid: int, start: int) -> dict[str, str]:
     return fields
 
 
+def _present_pages(pid: int, start: int, pages: int) -> int:
+    """How many of ``pages`` pages from ``start`` are mapped in ``pid`` (/proc/PID/pagemap's bit 63)."""
+    with open(f"/proc/{pid}/pagemap", "rb") as pagemap:
+        pagemap.seek(start // PAGE * 8)
+        entries = pagemap.read(pages * 8)
+    return sum(int.from_bytes(entries[i:i + 8], "little") >> 63 for i in range(0, len(entries), 8))
+
+
+PAGE = 4096
+
+
 def test_huge_page_fill_gives_the_same_memory_and_takes_back_its_advice(tmp_path, monkeypatch):
     """This project's CRIU (scripts/build-criu.sh) with the host's THP mode ``madvise``: a restore fills a
-    big private mapping into huge pages, with the same bytes, and leaves it advised MADV_NOHUGEPAGE (no
-    huge pages for memory touched later, as before the dump); COLDSNAP_CRIU_THP_FILL=0 fills 4 KiB pages."""
+    big private mapping into huge pages, with the same bytes, maps the zeros the image left out (to the
+    huge zero page, so later reads do not fault page by page) and leaves the mapping advised
+    MADV_NOHUGEPAGE (no huge pages for memory touched later, as before the dump);
+    COLDSNAP_CRIU_THP_FILL=0 fills 4 KiB pages and leaves the zeros unmapped."""
     from coldsnap.snapshot.criu import Criu
     from coldsnap.snapshot.thp import thp_mode
 
@@ -271,6 +284,8 @@ def test_huge_page_fill_gives_the_same_memory_and_takes_back_its_advice(tmp_path
         _dump(snapshotter, process, tmp_path / "images")
         restored = snapshotter.restore(tmp_path / "images", tmp_path / "state-huge", replica=False)
         roots.append(restored.pid)
+        zeros = int(start, 16) + (16 << 20)  # the last 16 MiB: zeros, left out of the compacted image
+        assert _present_pages(restored.pid, zeros, 4096) == 4096  # (before the digest reads them)
         assert _digests(port) == f"{digest} {start}"
         mapping = _mapping(restored.pid, int(start, 16))
         flags = mapping["VmFlags"].split()
@@ -281,6 +296,7 @@ def test_huge_page_fill_gives_the_same_memory_and_takes_back_its_advice(tmp_path
         monkeypatch.setenv("COLDSNAP_CRIU_THP_FILL", "0")
         restored = snapshotter.restore(tmp_path / "images", tmp_path / "state-small", replica=False)
         roots.append(restored.pid)
+        assert _present_pages(restored.pid, zeros, 4096) == 0
         assert _digests(port) == f"{digest} {start}"
         mapping = _mapping(restored.pid, int(start, 16))
         assert int(mapping["AnonHugePages"].split()[0]) == 0 and "nh" not in mapping["VmFlags"].split()
