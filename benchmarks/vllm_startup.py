@@ -18,6 +18,8 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   capture      `coldsnap capture -- vllm serve M --load-format coldsnap` (warm compile cache)
   restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
   restore-4k   the same with ``COLDSNAP_CRIU_THP_FILL=0``: CRIU fills 4 KiB pages, as a stock CRIU does
+  restore-log  one restore with CRIU's timestamped log (``COLDSNAP_CRIU_LOG_LEVEL=3``), copied to
+               ``DIR/criu-restore-v3.log``: where CRIU's step of a restore spends its time
   cold-warm    ``--repeat`` cold starts with the warm compile cache
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
   serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
@@ -58,7 +60,8 @@ from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from image_attribution import capsule_attribution, render_capsule  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
-STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "cold-warm", "serving", "native", "sleep", "dropped")
+STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-log", "cold-warm", "serving", "native", "sleep",
+         "dropped")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -281,6 +284,14 @@ class Bench:
     def step_restore(self) -> None:
         for _ in range(self.args.repeat):
             self.restore("warm")
+
+    def step_restore_log(self) -> None:
+        self.restore("warm", env={"COLDSNAP_CRIU_LOG_LEVEL": "3"})
+        receipt = json.loads((self.work / f"restore-{len(self.state['runs']) - 1}.json").read_text())
+        criu = next(s for s in receipt["timing"]["spans"] if s["name"].endswith(".criu_restore"))
+        logs = sorted(Path(criu["attributes"]["state_dir"], "criu").glob("restore-*.log"), key=lambda p: p.stat().st_mtime)
+        if logs:
+            (self.work / "criu-restore-v3.log").write_bytes(logs[-1].read_bytes())
 
     def step_restore_4k(self) -> None:
         """Restores whose CRIU fills 4 KiB pages, as a stock CRIU does (the comparison for the huge-page
