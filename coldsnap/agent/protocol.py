@@ -244,7 +244,10 @@ class ProtocolError(RuntimeError):
     """A line that is not a message of this protocol (the other side runs another build, or died)."""
 
 
-_COMMAND: TypeAdapter[Status | TakeLease | Prepare | Resume | Standby | Prefill] = TypeAdapter(Command)
+# Built at the agent's first command (before any capture, so a restored agent has it); launchers never
+# decode commands and never build it.
+_COMMAND: TypeAdapter[Status | TakeLease | Prepare | Resume | Standby | Prefill] = TypeAdapter(
+    Command, config=ConfigDict(defer_build=True))
 
 
 def encode(message: Message) -> bytes:

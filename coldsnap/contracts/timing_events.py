@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal, Union
 
-from pydantic import Field, TypeAdapter
+from pydantic import ConfigDict, Field, TypeAdapter
 
 from coldsnap.contracts.base import Contract, Identifier, Sha256Hex
 from coldsnap.contracts.common import OperationState
@@ -106,4 +106,5 @@ TimingEvent = Annotated[
     Union[StreamStart, ClockEvent, SpanStart, SpanComplete, StreamComplete],
     Field(discriminator="event"),
 ]
-TIMING_EVENT_ADAPTER: TypeAdapter[TimingEvent] = TypeAdapter(TimingEvent)
+# Built when first used (every operation imports this module; few read a timing stream back).
+TIMING_EVENT_ADAPTER: TypeAdapter[TimingEvent] = TypeAdapter(TimingEvent, config=ConfigDict(defer_build=True))
