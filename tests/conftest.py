@@ -1,4 +1,7 @@
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def state_root_of_the_session():
+    """Every restore of the run keeps its state (replica folders, CRIU logs, per-boot host facts) in one
+    folder of its own, removed at the end: the host's /run/coldsnap never collects the state of
+    artifacts the tests have long deleted. A test that sets COLDSNAP_STATE_DIR itself still wins."""
+    if os.environ.get("COLDSNAP_STATE_DIR"):
+        yield
+        return
+    root = tempfile.mkdtemp(prefix="coldsnap-test-state-")
+    os.environ["COLDSNAP_STATE_DIR"] = root
+    try:
+        yield
+    finally:
+        del os.environ["COLDSNAP_STATE_DIR"]
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
