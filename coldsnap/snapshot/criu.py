@@ -325,6 +325,7 @@ class CriuSnapshotter:
         pidfile = work / "restore.pid"
         pidfile.unlink(missing_ok=True)
         log = f"restore-{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}.log"
+        _drop_old_logs(work, "restore-*.log", KEPT_RESTORE_LOGS - 1)
         inherited: dict[str, int] = {}
         if state.external:
             if owned_root is None:
@@ -406,6 +407,20 @@ class CriuSnapshotter:
             raise CriuError("restore", None, "CRIU reported the tree restored, but its root is gone")
         pids = {process_tree.namespace_pid(pid): pid for pid in process_tree.tree_pids(roots[0])}
         return roots[0], pids
+
+
+KEPT_RESTORE_LOGS = 8
+"""CRIU restore logs kept per state directory: a host restoring one replica all day keeps the latest."""
+
+
+def _drop_old_logs(folder: Path, pattern: str, keep: int) -> None:
+    """All but the ``keep`` newest files matching ``pattern`` in ``folder`` removed (best effort)."""
+    try:
+        logs = sorted(folder.glob(pattern), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+    except OSError:
+        return
+    for old in logs[keep:]:
+        old.unlink(missing_ok=True)
 
 
 def _children(pid: int) -> list[int]:

@@ -70,3 +70,4 @@ def test_a_probe_that_found_no_gpu_is_not_kept(tmp_path, monkeypatch):
     monkeypatch.setattr("coldsnap.host.nvidia_kernel_driver", lambda: "580.159.04")
     assert cuda_checkpoint.cuda_devices(tmp_path) == []
     assert not (tmp_path / cuda_checkpoint.PROBE_CACHE).exists()
+
