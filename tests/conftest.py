@@ -21,21 +21,26 @@ def pytest_collection_modifyitems(config, items):
 FIXTURES = Path(__file__).parent / "fixtures"
 
 
-@pytest.fixture(scope="session", autouse=True)
-def state_root_of_the_session():
-    """Every restore of the run keeps its state (replica folders, CRIU logs, per-boot host facts) in one
-    folder of its own, removed at the end: the host's /run/coldsnap never collects the state of
-    artifacts the tests have long deleted. A test that sets COLDSNAP_STATE_DIR itself still wins."""
-    if os.environ.get("COLDSNAP_STATE_DIR"):
-        yield
-        return
-    root = tempfile.mkdtemp(prefix="coldsnap-test-state-")
-    os.environ["COLDSNAP_STATE_DIR"] = root
-    try:
-        yield
-    finally:
-        del os.environ["COLDSNAP_STATE_DIR"]
-        shutil.rmtree(root, ignore_errors=True)
+# What the run's processes leave behind goes into folders of the run's own, removed at its end: restores'
+# state (replica folders, CRIU logs, per-boot host facts: COLDSNAP_STATE_DIR) and the engines' and
+# workloads' temporary files (TMPDIR of every process the tests start: vLLM's ZeroMQ socket files, one
+# set per server and restored replica, piled up in /tmp by the hundred). pytest itself keeps /tmp
+# (tempfile's folder is fixed first), and a COLDSNAP_STATE_DIR or TMPDIR set by the caller wins.
+_RUN_FOLDERS: list[str] = []
+
+
+def pytest_configure(config):
+    tempfile.gettempdir()  # pytest's own temporary folders stay where they were
+    for variable, prefix in (("COLDSNAP_STATE_DIR", "coldsnap-test-state-"), ("TMPDIR", "coldsnap-test-tmp-")):
+        if not os.environ.get(variable):
+            os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+            _RUN_FOLDERS.append(variable)
+
+
+def pytest_unconfigure(config):
+    for variable in _RUN_FOLDERS:
+        shutil.rmtree(os.environ.pop(variable), ignore_errors=True)
+    _RUN_FOLDERS.clear()
 
 
 @pytest.fixture(scope="session")
