@@ -45,8 +45,8 @@ class Contract(BaseModel):
         strict=True,
         frozen=True,
         validate_default=True,
-        # Each model's validator is built when it is first used, not at import: a restore uses a few of
-        # the ~70 models, and building them all was most of its start-up before admission.
+        # Each model's validator is built when it is first used, not at import: a restore's launcher uses
+        # a few of the ~70 models, and it imports all of them before it can start CRIU.
         defer_build=True,
     )
 
