@@ -1,4 +1,4 @@
-"""CRIU's restore logs in a replica's state directory: the newest kept, the rest removed."""
+"""CRIU's restore logs in a replica's state directory (the newest kept), and when restores ask CRIU to fill huge pages."""
 
 import os
 
@@ -15,3 +15,24 @@ def test_a_state_directory_keeps_only_the_newest_criu_restore_logs(tmp_path):
     kept = sorted(p.name for p in tmp_path.glob("restore-*.log"))
     assert kept == [f"restore-{i:03d}.log" for i in range(6, KEPT_RESTORE_LOGS + 5)]
     assert (tmp_path / "restore.pid").exists()
+
+
+def _balloon(root, features: str) -> None:
+    device = root / "virtio0"
+    device.mkdir(parents=True)
+    (device / "features").write_text(features + "\n")
+
+
+def test_the_huge_page_fill_is_off_by_default_where_the_balloon_reports_free_pages(tmp_path, monkeypatch):
+    from coldsnap.snapshot.criu import reports_free_pages, thp_fill_wanted
+
+    monkeypatch.delenv("COLDSNAP_CRIU_THP_FILL", raising=False)
+    reporting, plain, none = tmp_path / "reporting", tmp_path / "plain", tmp_path / "none"
+    _balloon(reporting, "0110010100" + "0" * 54)  # bit 5: VIRTIO_BALLOON_F_REPORTING (this CPU machine's)
+    _balloon(plain, "0110000100" + "0" * 54)
+    assert reports_free_pages(reporting) and not reports_free_pages(plain) and not reports_free_pages(none)
+    assert not thp_fill_wanted(reporting) and thp_fill_wanted(plain) and thp_fill_wanted(none)
+    monkeypatch.setenv("COLDSNAP_CRIU_THP_FILL", "1")
+    assert thp_fill_wanted(reporting)
+    monkeypatch.setenv("COLDSNAP_CRIU_THP_FILL", "0")
+    assert not thp_fill_wanted(plain)
