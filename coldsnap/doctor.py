@@ -13,14 +13,14 @@ from coldsnap import __version__
 from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
 from coldsnap.host import host_facts, nvidia_kernel_driver
 from coldsnap.native import probe_cuda
-from coldsnap.snapshot.criu import MINIMUM_VERSION, Criu, CriuError
+from coldsnap.snapshot.criu import THP_FILL_ENV, MINIMUM_VERSION, Criu, CriuError, thp_fill_wanted
 
 __all__ = ["collect_report", "render_table"]
 
 
 def _criu_section() -> dict[str, Any]:
     section: dict[str, Any] = {"path": None, "version": None, "version_ok": False, "fills_huge_pages": False,
-                               "check_ok": False, "detail": ""}
+                               "fill_used_here": False, "check_ok": False, "detail": ""}
     try:
         criu = Criu()
         section["path"] = criu.path
@@ -28,6 +28,7 @@ def _criu_section() -> dict[str, Any]:
         section["version"] = ".".join(str(p) for p in version.numbers)
         section["version_ok"] = version.numbers[:2] >= MINIMUM_VERSION
         section["fills_huge_pages"] = version.fills_huge_pages
+        section["fill_used_here"] = version.fills_huge_pages and thp_fill_wanted()
         if os.geteuid() != 0:
             section["detail"] = "criu check needs root; run doctor as root"
             return section
@@ -87,7 +88,10 @@ def render_table(report: dict[str, Any]) -> str:
     row("host", True, f"{host['arch']}, kernel {host['kernel']}, {'root' if host['root'] else 'not root'}")
     criu = report["criu"]
     if criu["path"]:
-        fill = "fills huge pages" if criu["fills_huge_pages"] else "stock build: no huge-page fill"
+        fill = ("stock build: no huge-page fill" if not criu["fills_huge_pages"] else "fills huge pages" if
+                criu.get("fill_used_here") else "fills huge pages; turned off by COLDSNAP_CRIU_THP_FILL=0" if
+                os.environ.get(THP_FILL_ENV) == "0" else "fills huge pages; not used here: this VM's balloon "
+                "reports free pages (COLDSNAP_CRIU_THP_FILL=1 forces it)")
         row("criu", criu["version_ok"], f"{criu['version']} at {criu['path']} ({fill})")
         row("criu check", criu["check_ok"], criu["detail"].splitlines()[-1] if criu["detail"] else "")
     else:
