@@ -42,8 +42,7 @@ from coldsnap.payload.validation import verify_file, verify_files
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
-from coldsnap.snapshot.criu import (MINIMUM_VERSION, CriuError, CriuSnapshotter, SnapshotOptions, checked_criu,
-                                    thp_fill_wanted)
+from coldsnap.snapshot.criu import MINIMUM_VERSION, CriuError, CriuSnapshotter, SnapshotOptions, checked_criu
 from coldsnap.snapshot.replica import probe_path_sockets, replica_images
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cached_probe_cuda, start_cuda_in_background
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill, thp_mode
@@ -390,7 +389,6 @@ class RestoreSequence:
             self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
             self.warmer.start()
             span["state_dir"] = str(state_dir)
-            span["thp_fill"] = thp_fill_wanted()  # (CRIU fills huge pages where its build and the host's mode allow)
             images = self.replica_images(state_dir)
             options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
             with contextlib.ExitStack() as window:
@@ -401,6 +399,7 @@ class RestoreSequence:
                         raise OperationFailed("admission.host_thp", str(exc)) from None
                 result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True)
             self.restored_pid = span["pid"] = result.pid
+            span["thp_fill"] = result.thp_fill  # (CRIU fills huge pages where its build and the host's mode allow)
             self.host_pids = result.host_pids
         self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
 

@@ -8,7 +8,8 @@ The binary is found through ``COLDSNAP_CRIU`` (a path), else ``criu`` on ``PATH`
 
 The CRIU that script builds carries ``scripts/criu/thp-fill.patch``: with ``CRIU_THP_FILL=1`` (set by
 restores here as :func:`thp_fill_wanted` says) and the host's THP mode ``madvise``, it fills private
-anonymous memory into 2 MiB pages and takes the advice back after; a stock CRIU ignores the variable. ``criu --version`` names the build (GitID ``v4.2.1-coldsnap-thp-fill``).
+anonymous memory into 2 MiB pages and takes the advice back after; a stock CRIU ignores the variable.
+``criu --version`` names the build (GitID ``v4.2.1-coldsnap-thp-fill``).
 """
 
 from __future__ import annotations
@@ -252,6 +253,8 @@ class RestoreResult:
     host_pids: dict[int, int] = field(default_factory=dict)
     """A replica's pids on this host by their captured (namespace) pid; empty when restored with the
     captured pids themselves."""
+    thp_fill: bool = False
+    """CRIU was asked to fill huge pages (:func:`thp_fill_wanted`)."""
 
 
 def _log_tail(path: Path) -> str:
@@ -359,7 +362,8 @@ class CriuSnapshotter:
                 *_log_level()]
         # CRIU_THP_FILL: this project's CRIU fills private memory into huge pages where the host's THP
         # mode is "madvise" (a stock CRIU ignores it).
-        env = {**os.environ, "CRIU_THP_FILL": "1" if thp_fill_wanted() else "0"}
+        thp_fill = thp_fill_wanted()
+        env = {**os.environ, "CRIU_THP_FILL": "1" if thp_fill else "0"}
         started = time.monotonic()
         try:
             if replica:
@@ -370,7 +374,7 @@ class CriuSnapshotter:
         finally:
             for fd in inherited.values():
                 os.close(fd)
-        return RestoreResult(pid=pid, seconds=time.monotonic() - started, host_pids=pids)
+        return RestoreResult(pid=pid, seconds=time.monotonic() - started, host_pids=pids, thp_fill=thp_fill)
 
     def _restore_here(self, args: list[str], log: Path, pidfile: Path, timeout: float,
                       inherited: dict[str, int], env: dict[str, str]) -> int:
