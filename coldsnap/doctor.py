@@ -13,14 +13,15 @@ from coldsnap import __version__
 from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
 from coldsnap.host import host_facts, nvidia_kernel_driver
 from coldsnap.native import probe_cuda
-from coldsnap.snapshot.criu import THP_FILL_ENV, MINIMUM_VERSION, Criu, CriuError, thp_fill_wanted
+from coldsnap.snapshot.criu import (THP_FILL_ENV, MINIMUM_VERSION, Criu, CriuError, fill_threads_wanted,
+                                    thp_fill_wanted)
 
 __all__ = ["collect_report", "render_table"]
 
 
 def _criu_section() -> dict[str, Any]:
     section: dict[str, Any] = {"path": None, "version": None, "version_ok": False, "fills_huge_pages": False,
-                               "fill_used_here": False, "check_ok": False, "detail": ""}
+                               "fill_used_here": False, "fill_threads": 0, "check_ok": False, "detail": ""}
     try:
         criu = Criu()
         section["path"] = criu.path
@@ -29,6 +30,8 @@ def _criu_section() -> dict[str, Any]:
         section["version_ok"] = version.numbers[:2] >= MINIMUM_VERSION
         section["fills_huge_pages"] = version.fills_huge_pages
         section["fill_used_here"] = version.fills_huge_pages and thp_fill_wanted()
+        # helper threads per restored process that this host's restores allow CRIU for its fill
+        section["fill_threads"] = fill_threads_wanted() if version.fills_in_parallel else 0
         if os.geteuid() != 0:
             section["detail"] = "criu check needs root; run doctor as root"
             return section
@@ -92,6 +95,9 @@ def render_table(report: dict[str, Any]) -> str:
                 criu.get("fill_used_here") else "fills huge pages; turned off by COLDSNAP_CRIU_THP_FILL=0" if
                 os.environ.get(THP_FILL_ENV) == "0" else "fills huge pages; not used here: this VM's balloon "
                 "reports free pages (COLDSNAP_CRIU_THP_FILL=1 forces it)")
+        if criu["fills_huge_pages"]:
+            fill += (f"; fills on {criu['fill_threads'] + 1} threads per process" if criu.get("fill_threads") else
+                     "; fills on one thread per process")
         row("criu", criu["version_ok"], f"{criu['version']} at {criu['path']} ({fill})")
         row("criu check", criu["check_ok"], criu["detail"].splitlines()[-1] if criu["detail"] else "")
     else:

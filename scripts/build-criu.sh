@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# build-criu.sh - build coldsnap's CRIU: upstream 4.2.1 plus scripts/criu/thp-fill.patch (huge pages
-# for CRIU's page fill), compiled against the very libraries that install-criu.sh puts in its private
+# build-criu.sh - build coldsnap's CRIU: upstream 4.2.1 plus the patches of scripts/criu/series
+# (thp-fill.patch: huge pages for CRIU's page fill; parallel-fill.patch: that fill on several threads),
+# compiled against the very libraries that install-criu.sh puts in its private
 # prefix, so the binary replaces the prefix's usr/sbin/criu and runs through the prefix's own loader.
 #
 # Usage:
 #   build-criu.sh --debs DIR --out FILE [--work DIR] [--jobs N]
 #     DIR   the runtime .debs install-criu.sh downloaded (criu from sid, libraries from trixie)
-#     FILE  where the stripped binary goes (written atomically), with FILE.source naming the patch's sha256
+#     FILE  where the stripped binary goes (written atomically), with FILE.source naming the patches' sha256
 #
 # How: the criu source tarball comes from Debian's sid index (sha256 checked against it); the -dev
 # packages for the sysroot are only downloaded, with a private throw-away apt setup (trixie, plus sid
@@ -20,10 +21,10 @@ set -euo pipefail
 PROG=build-criu
 VERSION=${COLDSNAP_CRIU_VERSION:-4.2.1}
 MIRROR="${COLDSNAP_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
-PATCH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/criu/thp-fill.patch
+PATCHES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/criu
 MULTIARCH=x86_64-linux-gnu
 # GitID in `criu --version`: how coldsnap tells its CRIU (it fills huge pages) from a stock one.
-GITID="v$VERSION-coldsnap-thp-fill"
+GITID="v$VERSION-coldsnap-thp-fill+parallel"
 DEV_PKGS=(libc6-dev linux-libc-dev libprotobuf-c-dev libnl-3-dev libnet1-dev libcap-dev libnftables-dev
           libgnutls28-dev libbsd-dev uuid-dev)
 HOST_TOOLS=(gcc make pkgconf protobuf-compiler protobuf-c-compiler libprotobuf-dev xz-utils curl)
@@ -47,7 +48,11 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$DEBS" ] && [ -n "$OUT" ] || die "--debs DIR and --out FILE are required (see --help)"
 [ -d "$DEBS" ] || die "no folder $DEBS"
-[ -r "$PATCH" ] || die "missing $PATCH"
+[ -r "$PATCHES/series" ] || die "missing $PATCHES/series"
+mapfile -t SERIES < <(grep -v '^#' "$PATCHES/series" | grep .)
+for p in "${SERIES[@]}"; do [ -r "$PATCHES/$p" ] || die "missing $PATCHES/$p (named in series)"; done
+# What a binary is built from, in its FILE.source: the patches in their order (install-criu.sh the same).
+patches_sha256() { (cd "$PATCHES" && cat "${SERIES[@]}") | sha256sum | cut -d' ' -f1; }
 DEBS=$(realpath -- "$DEBS")
 OUT=$(realpath -m -- "$OUT")
 
@@ -149,16 +154,18 @@ done
 for deb in "$DEBS"/*.deb; do dpkg-deb -x "$deb" "$sysroot"; done  # what the binary runs with, exactly
 
 # --------------------------------------------------------------- build --
-log "building criu $VERSION with $(basename "$PATCH")"
+log "building criu $VERSION with ${SERIES[*]}"
 tar -C "$WORK" -xf "$WORK/$orig"
 src=$WORK/criu-$VERSION
-patch -d "$src" -p1 --quiet --no-backup-if-mismatch <"$PATCH" || die "the patch does not apply to criu $VERSION"
+for p in "${SERIES[@]}"; do
+    patch -d "$src" -p1 --quiet --no-backup-if-mismatch <"$PATCHES/$p" || die "$p does not apply to criu $VERSION"
+done
 export PKG_CONFIG_LIBDIR=$sysroot/usr/lib/$MULTIARCH/pkgconfig:$sysroot/usr/share/pkgconfig
 export PKG_CONFIG_SYSROOT_DIR=$sysroot PKG_CONFIG_PATH=
-# Debian's default hardening flags; SOURCE_DATE_EPOCH (from the patch) keeps KDAT_MAGIC_2, CRIU's
+# Debian's default hardening flags; SOURCE_DATE_EPOCH (from the patches) keeps KDAT_MAGIC_2, CRIU's
 # kernel-facts cache key, the same for every build of one patch.
 export CFLAGS="-fstack-protector-strong -fstack-clash-protection -fcf-protection -Wformat -Werror=format-security"
-export SOURCE_DATE_EPOCH=$((16#$(sha256sum "$PATCH" | cut -c1-7)))
+export SOURCE_DATE_EPOCH=$((16#$(patches_sha256 | cut -c1-7)))
 started=$(date +%s)
 # The target compiler is the host's gcc over the sysroot (-B/-L put its crt*.o and libc.so first);
 # HOSTCC builds compel-host, which runs during the build. descriptor.proto comes from the host's
@@ -172,7 +179,7 @@ log "built in $(( $(date +%s) - started )) s"
 mkdir -p "$(dirname "$OUT")"
 strip --strip-unneeded --remove-section=.comment -o "$OUT.tmp.$$" "$src/criu/criu"
 chmod 755 "$OUT.tmp.$$"
-printf 'patch=%s\n' "$(sha256sum "$PATCH" | cut -d' ' -f1)" >"$OUT.source.tmp.$$"
+printf 'patch=%s\n' "$(patches_sha256)" >"$OUT.source.tmp.$$"
 mv -f "$OUT.tmp.$$" "$OUT"
-mv -f "$OUT.source.tmp.$$" "$OUT.source"  # what it was built from: install-criu.sh rebuilds when the patch changes
+mv -f "$OUT.source.tmp.$$" "$OUT.source"  # what it was built from: install-criu.sh rebuilds when a patch changes
 log "wrote $OUT ($(du -h "$OUT" | cut -f1), sha256 $(sha256sum "$OUT" | cut -c1-16)…)"

@@ -16,8 +16,9 @@
 #     that criu itself executes (iptables, nft, action scripts) run unaffected
 #     with the host's own libraries.
 #   * The criu binary itself is built by scripts/build-criu.sh: upstream 4.2.1 plus
-#     scripts/criu/thp-fill.patch (CRIU_THP_FILL=1 fills a restore's private memory into
-#     huge pages), against exactly the libraries of the prefix. It replaces sid's
+#     scripts/criu/thp-fill.patch and parallel-fill.patch (CRIU_THP_FILL=1 fills a restore's
+#     private memory into huge pages, CRIU_FILL_THREADS=N on N more threads), against exactly
+#     the libraries of the prefix. It replaces sid's
 #     usr/sbin/criu there; --stock keeps sid's binary.
 #   * The downloads use a private, throw-away apt setup (own sources list,
 #     lists, cache, empty status, no host apt.conf.d / preferences / sources.list.d),
@@ -48,9 +49,13 @@ MULTIARCH=x86_64-linux-gnu
 LDSO_NAME=ld-linux-x86-64.so.2
 STAMP_NAME=.coldsnap-criu.stamp
 BUILT_NAME=criu-$EXPECTED_VERSION-coldsnap          # the built binary, beside the .debs
-BUILT_BINARY="coldsnap (thp-fill.patch)" STOCK_BINARY="debian sid"  # the stamp's binary= line
+BUILT_BINARY="coldsnap (thp-fill.patch, parallel-fill.patch)" STOCK_BINARY="debian sid"  # the stamp's binary= line
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-PATCH=$SCRIPT_DIR/criu/thp-fill.patch
+# What the built binary must have been built from (its .source file): the patches of scripts/criu/series
+# in their order, as scripts/build-criu.sh writes it.
+patches_sha256() {
+    (cd "$SCRIPT_DIR/criu" && grep -v '^#' series | grep . | xargs cat) | sha256sum | cut -d' ' -f1
+}
 SUMS_NAME=SHA256SUMS
 
 # ----------------------------------------------------------------- helpers --
@@ -87,8 +92,8 @@ Options:
 What gets installed:
   from Debian sid:    ${SID_PKGS[*]}
   from Debian trixie: ${TRIXIE_PKGS[*]}
-  built here:         usr/sbin/criu = $EXPECTED_VERSION + scripts/criu/thp-fill.patch
-                      (\`criu --version\` names GitID v$EXPECTED_VERSION-coldsnap-thp-fill)
+  built here:         usr/sbin/criu = $EXPECTED_VERSION + scripts/criu/{thp-fill,parallel-fill}.patch
+                      (\`criu --version\` names GitID v$EXPECTED_VERSION-coldsnap-thp-fill+parallel)
   The binary runs via the prefix's own loader, so the host libc is untouched:
     PREFIX/usr/lib/$MULTIARCH/$LDSO_NAME --library-path PREFIX/usr/lib/$MULTIARCH PREFIX/usr/sbin/criu
   A second run with everything in place does nothing heavy and exits 0.
@@ -139,9 +144,9 @@ scan_debs() {
     local dir=$1 pkg
     local -a f
     DEB=(); MISSING=(); DEB_CRIU_VER=""; BUILT=""
-    # The built binary counts only if it was built from this checkout's patch.
+    # The built binary counts only if it was built from this checkout's patches.
     if [ $STOCK -eq 0 ] && [ -f "$dir/$BUILT_NAME" ] &&
-       [ "$(cat "$dir/$BUILT_NAME.source" 2>/dev/null)" = "patch=$(sha256sum "$PATCH" | cut -d' ' -f1)" ]; then
+       [ "$(cat "$dir/$BUILT_NAME.source" 2>/dev/null)" = "patch=$(patches_sha256)" ]; then
         BUILT=$dir/$BUILT_NAME
     fi
     if [ ! -d "$dir" ]; then MISSING=("${ALL_PKGS[@]}"); return 0; fi

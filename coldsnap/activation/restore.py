@@ -400,6 +400,7 @@ class RestoreSequence:
                 result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True)
             self.restored_pid = span["pid"] = result.pid
             span["thp_fill"] = result.thp_fill  # (CRIU fills huge pages where its build and the host's mode allow)
+            span["fill_threads"] = result.fill_threads  # (helpers per process, where CRIU's build has them)
             self.host_pids = result.host_pids
         self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
 

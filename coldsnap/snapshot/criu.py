@@ -8,8 +8,10 @@ The binary is found through ``COLDSNAP_CRIU`` (a path), else ``criu`` on ``PATH`
 
 The CRIU that script builds carries ``scripts/criu/thp-fill.patch``: with ``CRIU_THP_FILL=1`` (set by
 restores here as :func:`thp_fill_wanted` says) and the host's THP mode ``madvise``, it fills private
-anonymous memory into 2 MiB pages and takes the advice back after; a stock CRIU ignores the variable.
-``criu --version`` names the build (GitID ``v4.2.1-coldsnap-thp-fill``).
+anonymous memory into 2 MiB pages and takes the advice back after; and ``parallel-fill.patch``: with
+``CRIU_FILL_THREADS=N`` (:func:`fill_threads_wanted`) each restored process's pages are read by up to N
+helper threads beside it. A stock CRIU ignores both variables. ``criu --version`` names the build (GitID
+``v4.2.1-coldsnap-thp-fill+parallel``).
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ MINIMUM_VERSION = (4, 2)
 THP_FILL_BUILD = "coldsnap-thp-fill"
 """In the GitID of a CRIU built by ``scripts/build-criu.sh``: it fills huge pages (``CRIU_THP_FILL``)."""
 THP_FILL_ENV = "COLDSNAP_CRIU_THP_FILL"
+PARALLEL_FILL_BUILD = "+parallel"
+"""In the GitID of a CRIU built with ``scripts/criu/parallel-fill.patch`` (``CRIU_FILL_THREADS``)."""
+FILL_THREADS_ENV = "COLDSNAP_CRIU_FILL_THREADS"
+FILL_THREADS_MAX = 16  # the patch's FILL_THREADS_MAX: helpers per process
 
 # Printed by every run inside containers with a low hard limit; it does not affect the result.
 _HARMLESS = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self")
@@ -88,6 +94,12 @@ class CriuVersion:
         pages."""
         return THP_FILL_BUILD in self.gitid
 
+    @property
+    def fills_in_parallel(self) -> bool:
+        """Built with ``scripts/criu/parallel-fill.patch``: ``CRIU_FILL_THREADS=N`` reads each process's
+        pages on up to N more threads."""
+        return self.fills_huge_pages and PARALLEL_FILL_BUILD in self.gitid
+
     def __str__(self) -> str:
         return ".".join(map(str, self.numbers)) + (f" ({self.gitid})" if self.gitid else "")
 
@@ -117,6 +129,19 @@ def thp_fill_wanted(balloons: Path = VIRTIO_BALLOONS) -> bool:
     if value in ("0", "1"):
         return value == "1"
     return not reports_free_pages(balloons)
+
+
+def fill_threads_wanted() -> int:
+    """How many helper threads CRIU may start per restored process to read its pages
+    (``CRIU_FILL_THREADS``; one per 64 MiB of pages at most): ``COLDSNAP_CRIU_FILL_THREADS=N`` (0: CRIU's
+    own single-threaded fill), else half this machine's CPUs less one, at least one, at most seven. A
+    restore fills its GPU process and its API server at once while the weights stage beside them, so the
+    helpers get half the CPUs; one thread fills ~2 GB/s of image (the page faults of the destination),
+    and the fill is what most of CRIU's step is for an engine's process."""
+    value = os.environ.get(FILL_THREADS_ENV, "auto")
+    if value.isdigit():
+        return min(int(value), FILL_THREADS_MAX)
+    return min(7, max(1, (os.cpu_count() or 2) // 2 - 1))
 
 
 def _tail(text: str, lines: int = 20) -> str:
@@ -255,6 +280,8 @@ class RestoreResult:
     captured pids themselves."""
     thp_fill: bool = False
     """CRIU was asked to fill huge pages (:func:`thp_fill_wanted`)."""
+    fill_threads: int = 0
+    """Helper threads per process CRIU was allowed for the fill (:func:`fill_threads_wanted`)."""
 
 
 def _log_tail(path: Path) -> str:
@@ -361,9 +388,10 @@ class CriuSnapshotter:
                 *(argument for key, fd in inherited.items() for argument in ("--inherit-fd", f"fd[{fd}]:{key}")),
                 *_log_level()]
         # CRIU_THP_FILL: this project's CRIU fills private memory into huge pages where the host's THP
-        # mode is "madvise" (a stock CRIU ignores it).
-        thp_fill = thp_fill_wanted()
-        env = {**os.environ, "CRIU_THP_FILL": "1" if thp_fill else "0"}
+        # mode is "madvise"; CRIU_FILL_THREADS: on that many more threads per process (a stock CRIU
+        # ignores both).
+        thp_fill, fill_threads = thp_fill_wanted(), fill_threads_wanted()
+        env = {**os.environ, "CRIU_THP_FILL": "1" if thp_fill else "0", "CRIU_FILL_THREADS": str(fill_threads)}
         started = time.monotonic()
         try:
             if replica:
@@ -374,7 +402,8 @@ class CriuSnapshotter:
         finally:
             for fd in inherited.values():
                 os.close(fd)
-        return RestoreResult(pid=pid, seconds=time.monotonic() - started, host_pids=pids, thp_fill=thp_fill)
+        return RestoreResult(pid=pid, seconds=time.monotonic() - started, host_pids=pids, thp_fill=thp_fill,
+                             fill_threads=fill_threads)
 
     def _restore_here(self, args: list[str], log: Path, pidfile: Path, timeout: float,
                       inherited: dict[str, int], env: dict[str, str]) -> int:

@@ -28,7 +28,7 @@ def criu() -> Criu:
 def test_installed_criu_is_the_pinned_version_and_passes_check(criu):
     version = criu.version()
     assert version.numbers[:2] >= (4, 2)
-    assert version.fills_huge_pages, f"{version}: not the CRIU scripts/build-criu.sh builds"
+    assert version.fills_huge_pages and version.fills_in_parallel, f"{version}: not the CRIU scripts/build-criu.sh builds"
     check = criu.check()
     assert check.ok, check.output
 

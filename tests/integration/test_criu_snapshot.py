@@ -305,3 +305,51 @@ def test_huge_page_fill_gives_the_same_memory_and_takes_back_its_advice(tmp_path
     finally:
         for root in roots:
             kill_tree(root)
+
+
+def _namespace_tids(pid: int) -> list[int]:
+    """``pid``'s threads by their ids in its own pid namespace (what a dump records)."""
+    return sorted(namespace_pid(int(tid)) for tid in os.listdir(f"/proc/{pid}/task"))
+
+
+def test_parallel_fill_gives_the_same_memory_threads_and_pids(tmp_path, monkeypatch):
+    """This project's CRIU (parallel-fill.patch) with ``CRIU_FILL_THREADS=3``: a process with 256 MiB of
+    pages and four threads of its own is filled on four threads (CRIU's log says so) in a pid namespace
+    of its own (a replica), on as many as the host's namespace leaves pids free for (a helper whose pid
+    another process holds is not started: its share is read by the process itself), and comes back with
+    the same bytes and the same thread ids both times — the helpers, whose pids lie above the tree's,
+    are gone."""
+    import re
+
+    from coldsnap.snapshot.criu import Criu
+
+    monkeypatch.setenv("COLDSNAP_CRIU_FILL_THREADS", "3")
+    monkeypatch.setenv("COLDSNAP_CRIU_LOG_LEVEL", "3")  # (info: the fill's line)
+    if not Criu().version().fills_in_parallel:
+        pytest.fail("the installed CRIU is not the one scripts/build-criu.sh builds (run scripts/install-criu.sh)")
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "tests.integration.thp_fill_workload", str(port), "512", "4"],
+                               cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
+    roots = [process.pid]
+    try:
+        digest = _digests(port)
+        tids = _namespace_tids(process.pid)
+        assert len(tids) == 5
+        snapshotter = CriuSnapshotter()
+        _dump(snapshotter, process, tmp_path / "images")
+        for replica in (True, False):
+            state = tmp_path / f"state-{'replica' if replica else 'host'}"
+            restored = snapshotter.restore(tmp_path / "images", state, replica=replica)
+            roots.append(restored.pid)
+            assert restored.fill_threads == 3
+            log = "".join(path.read_text() for path in (state / "criu").glob("restore-*.log"))
+            filled = re.findall(r"Parallel fill: (\d+) bytes on (\d) threads", log)
+            assert filled and int(filled[0][0]) >= 256 << 20, log[-2000:]
+            assert filled[0][1] == "4" if replica else 1 <= int(filled[0][1]) <= 4, filled
+            assert _digests(port) == digest
+            assert _namespace_tids(restored.pid) == tids
+            kill_tree(restored.pid)
+    finally:
+        for root in roots:
+            kill_tree(root)

@@ -17,12 +17,12 @@ def _fake_criu(path, calls, verdict="Looks good.", gitid=""):
 
 def test_a_passing_criu_check_is_reused_until_the_executable_changes(tmp_path, monkeypatch):
     criu, calls = tmp_path / "criu", tmp_path / "calls"
-    _fake_criu(criu, calls, gitid="v4.2.1-coldsnap-thp-fill")
+    _fake_criu(criu, calls, gitid="v4.2.1-coldsnap-thp-fill+parallel")
     monkeypatch.setenv("COLDSNAP_CRIU", str(criu))
     version = checked_criu(tmp_path)[0]
-    assert version.numbers == (4, 2, 1) and version.fills_huge_pages
+    assert version.numbers == (4, 2, 1) and version.fills_huge_pages and version.fills_in_parallel
     version, check = checked_criu(tmp_path)  # kept: the build's GitID too
-    assert check.ok and version.fills_huge_pages and str(version) == "4.2.1 (v4.2.1-coldsnap-thp-fill)"
+    assert check.ok and version.fills_in_parallel and str(version) == "4.2.1 (v4.2.1-coldsnap-thp-fill+parallel)"
     assert len(calls.read_text().splitlines()) == 2  # --version and check, once
     os.utime(criu, ns=(1, 1))  # another executable (mtime changed): asked again
     checked_criu(tmp_path)
@@ -35,6 +35,7 @@ def test_a_stock_criu_does_not_fill_huge_pages(tmp_path, monkeypatch):
     monkeypatch.setenv("COLDSNAP_CRIU", str(criu))
     version = checked_criu(tmp_path)[0]
     assert version.numbers == (4, 2, 1) and version.gitid == "" and not version.fills_huge_pages
+    assert not version.fills_in_parallel
 
 
 def test_a_failing_criu_check_is_never_kept(tmp_path, monkeypatch):
