@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, run_steps, serve_load  # noqa: E402
 
-STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-log", "serving", "native", "dropped")
+STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "serving", "native", "dropped")
 SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")
 SGLANG_ENV = {"HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0", "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1",
               "SGLANG_PLUGINS": "coldsnap"}

@@ -18,6 +18,7 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   capture      `coldsnap capture -- vllm serve M --load-format coldsnap` (warm compile cache)
   restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
   restore-4k   the same with ``COLDSNAP_CRIU_THP_FILL=0``: CRIU fills 4 KiB pages, as a stock CRIU does
+  restore-1t   the same with ``COLDSNAP_CRIU_FILL_THREADS=0``: each process's pages read on one thread
   restore-log  one restore with CRIU's timestamped log (``COLDSNAP_CRIU_LOG_LEVEL=3``), copied to
                ``DIR/criu-restore-v3.log``: where CRIU's step of a restore spends its time
   cold-warm    ``--repeat`` cold starts with the warm compile cache
@@ -60,7 +61,7 @@ from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from image_attribution import capsule_attribution, render_capsule  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
-STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-log", "cold-warm", "serving", "native", "sleep",
+STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "cold-warm", "serving", "native", "sleep",
          "dropped")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
@@ -298,6 +299,12 @@ class Bench:
         fill, in the same run)."""
         for _ in range(self.args.repeat):
             self.restore("warm", env={"COLDSNAP_CRIU_THP_FILL": "0"})
+
+    def step_restore_1t(self) -> None:
+        """Restores whose CRIU reads each process's pages on one thread (the comparison for the parallel
+        fill, in the same run)."""
+        for _ in range(self.args.repeat):
+            self.restore("warm", env={"COLDSNAP_CRIU_FILL_THREADS": "0"})
 
     def step_dropped(self) -> None:
         if not drop_caches():
