@@ -35,7 +35,7 @@ from coldsnap.operation import OperationContext, OperationFailed, OperationOutco
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
-from coldsnap.snapshot.process_tree import anonymous_bytes, connected_tcp_sockets, resident_bytes, tree_pids
+from coldsnap.snapshot.process_tree import anonymous_bytes, resident_bytes, tcp_connections, tree_pids
 
 RESTORE_CANARY_TOKENS = 2
 """Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
@@ -217,12 +217,17 @@ class CaptureSequence:
         with self.step("capture.criu_dump", "capture.criu_dump") as span:
             pids = tree_pids(engine.pid)
             # No connected TCP socket (the canary's connection is closed): no --tcp-established and no
-            # network lock, which saves nftables work at dump and at every restore.
-            tcp: Literal["established", "none"] = "established" if connected_tcp_sockets(pids) else "none"
+            # network lock, which saves nftables work at dump and at every restore. Connections whose
+            # peers are all the tree's own (torch.distributed's store at TP 1): no network lock either.
+            connections = tcp_connections(pids)
+            tcp: Literal["established", "none"] = "established" if connections.connected else "none"
+            lock: Literal["nftables", "skip"] = "nftables" if connections.outside else "skip"
             tree_rss = resident_bytes(pids)
-            self.snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp=tcp))
+            self.snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp=tcp, network_lock=lock))
             self.criu_tcp = tcp
             span["tcp"] = tcp
+            if connections.connected:
+                span["network_lock"] = lock
             result = self.snapshotter.dump(engine.pid, self.artifact.images(self.unit.unit_id), owned_root=self.artifact.root)
             self.dumped = True
             engine.process.wait(timeout=30)

@@ -25,7 +25,7 @@ from coldsnap.atomic import write_atomic
 from coldsnap.host import PF_EXITING, stat_fields
 from coldsnap.snapshot.shm import SHM_DIR, copy_sparse, restore_shm
 
-__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "connected_tcp_sockets", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
            "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
@@ -319,9 +319,30 @@ def resident_bytes(pids: list[int]) -> int:
     return _rollup(pids, "Rss:")
 
 
-def connected_tcp_sockets(pids: list[int]) -> int:
-    """TCP sockets of ``pids`` that are not listening (established, closing...): what needs CRIU's
-    ``--tcp-established``. Read from each process's own network namespace view."""
+@dataclass(frozen=True)
+class TcpConnections:
+    """The connected (not listening) TCP sockets a tree holds: what needs CRIU's ``--tcp-established``."""
+
+    connected: int
+    outside: int
+    """Of them, those whose peer is not a socket of the tree (another process, another host): only these
+    need CRIU's network lock while the tree is dumped, since the tree's own peers are frozen with it."""
+
+
+_V4_MAPPED = "0000000000000000FFFF0000"  # ::ffff:a.b.c.d as /proc/net/tcp6 prints it
+
+
+def _endpoint(field: str) -> str:
+    """``/proc/net/tcp{,6}``'s ``ADDR:PORT`` with IPv4-mapped IPv6 addresses as their IPv4 form, so an
+    AF_INET6 socket and its AF_INET peer name each other alike."""
+    address, _, port = field.partition(":")
+    return f"{address[len(_V4_MAPPED):] if address.startswith(_V4_MAPPED) else address}:{port}"
+
+
+def tcp_connections(pids: list[int]) -> TcpConnections:
+    """The connected TCP sockets of ``pids``, and how many of them have their peer outside ``pids``
+    (matched by endpoints in the tree's network namespace: a peer socket whose local end is this one's
+    remote end and the other way round)."""
     inodes: set[str] = set()
     for pid in pids:
         try:
@@ -335,8 +356,9 @@ def connected_tcp_sockets(pids: list[int]) -> int:
         except OSError:
             continue
     if not inodes:
-        return 0
-    connected = set()
+        return TcpConnections(0, 0)
+    connected: dict[str, tuple[str, str]] = {}  # inode -> (local, remote)
+    by_endpoints: dict[tuple[str, str], str] = {}  # (local, remote) -> inode, every socket of the namespace
     for pid in pids[:1]:  # one tree, one network namespace
         for table in ("tcp", "tcp6"):
             try:
@@ -344,8 +366,13 @@ def connected_tcp_sockets(pids: list[int]) -> int:
                     next(handle, None)
                     for row in handle:
                         fields = row.split()
-                        if len(fields) > 9 and fields[3] not in ("0A", "07") and fields[9] in inodes:  # LISTEN, CLOSE
-                            connected.add(fields[9])
+                        if len(fields) <= 9 or fields[3] in ("0A", "07"):  # LISTEN, CLOSE
+                            continue
+                        local, remote = _endpoint(fields[1]), _endpoint(fields[2])
+                        by_endpoints[(local, remote)] = fields[9]
+                        if fields[9] in inodes:
+                            connected[fields[9]] = (local, remote)
             except OSError:
                 continue
-    return len(connected)
+    outside = sum(1 for local, remote in connected.values() if by_endpoints.get((remote, local)) not in inodes)
+    return TcpConnections(len(connected), outside)

@@ -14,7 +14,7 @@ import pytest
 
 from coldsnap.agent.client import Lease
 from coldsnap.agent.protocol import LeaseTaken, Reply, address
-from coldsnap.agent.server import AgentServer, hold_lease
+from coldsnap.agent.server import AGENT_SWITCH_INTERVAL_S, AgentServer, hold_lease
 
 AGENT = """
 import sys, threading, time
@@ -68,6 +68,35 @@ def test_the_agent_hands_the_lease_to_its_own_thread_and_keeps_serving():
     assert not reply.ok and reply.failure.code == "agent.command"
     lease.close()  # the launcher died before the canary
     assert lost.wait(5)
+
+
+def test_the_agent_gets_the_gil_back_promptly_only_while_it_works():
+    """While a lease is held (a restore's resume and canary) the interpreter's switch interval is the
+    agent's 0.1 ms: an engine loop that spins holding the GIL (SGLang's scheduler) then hands it to the
+    agent's thread after at most that, not after CPython's 5 ms at every blocking call. The engine's own
+    interval is back once the lease ends, and after a command served without a lease."""
+    original = sys.getswitchinterval()
+    control = _control()
+    agent = AgentServer(control, memory=None, serving_lock=threading.Lock())
+    agent.on_lease_lost = lambda: None
+    agent.start()
+
+    def interval_back() -> bool:
+        deadline = time.monotonic() + 5
+        while sys.getswitchinterval() != original and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return sys.getswitchinterval() == original
+
+    lease = Lease([control])
+    assert sys.getswitchinterval() == pytest.approx(AGENT_SWITCH_INTERVAL_S)
+    lease.release()
+    assert interval_back()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+        connection.settimeout(5)
+        connection.connect(address(control))
+        connection.sendall(b'{"command": "no-such-command"}\n')
+        assert not Reply.model_validate_json(connection.makefile("rb").readline()).ok
+    assert interval_back()
 
 
 @pytest.mark.parametrize("ending", ["killed", "release"])

@@ -80,21 +80,38 @@ def test_scan_sees_children_and_written_files(tmp_path):
         child.wait()
 
 
-def test_connected_tcp_sockets_counts_connections_not_listeners():
+def test_tcp_connections_counts_connections_not_listeners_and_finds_peers_outside():
     import socket
+    import subprocess
+    import sys
 
-    from coldsnap.snapshot.process_tree import connected_tcp_sockets
+    from coldsnap.snapshot.process_tree import tcp_connections
 
     me = [os.getpid()]
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
-        before = connected_tcp_sockets(me)
+        before = tcp_connections(me)
         with socket.create_connection(listener.getsockname()):
             server, _ = listener.accept()
             with server:
-                assert connected_tcp_sockets(me) == before + 2  # both ends live in this process
-    assert connected_tcp_sockets(me) == before
+                now = tcp_connections(me)
+                # both ends live in this process: connected, none with a peer outside
+                assert (now.connected, now.outside) == (before.connected + 2, before.outside)
+        # an AF_INET6 client (its address ::ffff:127.0.0.1) in another process: one end here, its peer outside
+        client = subprocess.Popen([sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_INET6); "
+                                   f"s.connect(('::ffff:127.0.0.1', {listener.getsockname()[1]})); sys.stdin.read()"],
+                                  stdin=subprocess.PIPE)
+        try:
+            server, _ = listener.accept()
+            with server:
+                now = tcp_connections(me)
+                assert (now.connected, now.outside) == (before.connected + 1, before.outside + 1)
+                both = tcp_connections(me + [client.pid])  # the client's process in the tree too: inside
+                assert (both.connected, both.outside) == (before.connected + 2, before.outside)
+        finally:
+            client.communicate(b"", timeout=10)
+    assert tcp_connections(me) == before
 
 
 def test_copy_sparse_keeps_the_bytes_and_writes_only_data(tmp_path):
