@@ -21,6 +21,7 @@ import os
 import platform
 import stat
 import threading
+import time
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal
 
@@ -506,9 +507,11 @@ class RestoreSequence:
                 resumed_ranks = call_every_rank([(w.rank, functools.partial(resume, w)) for w in self.workers], coordinator)
             finally:
                 bars.finish()
+                released = time.monotonic_ns()
                 self._close_handed_over()
                 for stager in self.stagers.values():
                     stager.release()
+                span["release_staged_ns"] = time.monotonic_ns() - released  # (the launcher's mappings)
             for rank, resumed in enumerate(resumed_ranks):
                 prefix = rank_prefix(rank)
                 hydrated = resumed.hydrate

@@ -357,6 +357,7 @@ class AgentServer:
         if self.state not in ("prepared", "standby"):
             raise CommandFailed("agent.state", f"resume needs state prepared or standby, not {self.state}")
         seconds: dict[str, float] = {}
+        started = time.monotonic()
         self._request_permissions()
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             pinned, self._pinned = self._pinned, None
@@ -384,6 +385,8 @@ class AgentServer:
         self.graphs_released = []
         self.state = "serving"
         self.serving_lock.release()
+        # all of it, the steps above and what lies between them (the launcher's span adds the round trip)
+        seconds["agent_resume"] = time.monotonic() - started
         return ResumeReply(rank=self.rank, hydrate=_hydrated(hydrated), seconds=seconds, graphs_recaptured=recaptured)
 
 
