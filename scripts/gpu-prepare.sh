@@ -7,7 +7,7 @@
 #                       GPU host's image does not have (pydantic and its parts, pyzmq), versions pinned to
 #                       this checkout's .venv where it has them;
 # BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) and the criu binary built from them with
-#                       scripts/criu/thp-fill.patch (1.6 MB), for `install-criu.sh --from-debs`;
+#                       the patches of scripts/criu/series (1.6 MB), for `install-criu.sh --from-debs`;
 # BUNDLE_DIR/bench-wheels  fastsafetensors and instanttensor, comparators of benchmarks/hydrate.py.
 #
 # --vllm, also:

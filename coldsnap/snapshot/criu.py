@@ -10,7 +10,8 @@ The CRIU that script builds carries ``scripts/criu/thp-fill.patch``: with ``CRIU
 restores here as :func:`thp_fill_wanted` says) and the host's THP mode ``madvise``, it fills private
 anonymous memory into 2 MiB pages and takes the advice back after; and ``parallel-fill.patch``: with
 ``CRIU_FILL_THREADS=N`` (:func:`fill_threads_wanted`) each restored process's pages are read by up to N
-helper threads beside it. A stock CRIU ignores both variables. ``criu --version`` names the build (GitID
+helper threads beside it, and the tree's root fills beside the other processes instead of after them.
+A stock CRIU ignores both variables. ``criu --version`` names the build (GitID
 ``v4.2.1-coldsnap-thp-fill+parallel``).
 """
 
