@@ -142,7 +142,11 @@ def fill_threads_wanted() -> int:
     value = os.environ.get(FILL_THREADS_ENV, "auto")
     if value.isdigit():
         return min(int(value), FILL_THREADS_MAX)
-    return min(7, max(1, (os.cpu_count() or 2) // 2 - 1))
+    try:
+        cpus = len(os.sched_getaffinity(0))  # (a container's cpuset, where os.cpu_count() says the host's)
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 2
+    return min(7, max(1, cpus // 2 - 1))
 
 
 def _tail(text: str, lines: int = 20) -> str:

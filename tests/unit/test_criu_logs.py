@@ -36,3 +36,16 @@ def test_the_huge_page_fill_is_off_by_default_where_the_balloon_reports_free_pag
     assert thp_fill_wanted(reporting)
     monkeypatch.setenv("COLDSNAP_CRIU_THP_FILL", "0")
     assert not thp_fill_wanted(plain)
+
+
+def test_the_fill_threads_are_half_the_cpus_less_one_unless_set(monkeypatch):
+    from coldsnap.snapshot import criu
+
+    monkeypatch.delenv(criu.FILL_THREADS_ENV, raising=False)
+    for cpus, helpers in ((1, 1), (2, 1), (4, 1), (8, 3), (16, 7), (128, 7)):
+        monkeypatch.setattr(criu.os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert criu.fill_threads_wanted() == helpers, cpus
+    monkeypatch.setenv(criu.FILL_THREADS_ENV, "0")
+    assert criu.fill_threads_wanted() == 0  # CRIU's own one-thread fill
+    monkeypatch.setenv(criu.FILL_THREADS_ENV, "40")
+    assert criu.fill_threads_wanted() == criu.FILL_THREADS_MAX  # the patch's limit per process
