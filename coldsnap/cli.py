@@ -683,7 +683,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="torch-lm: tensor-parallel ranks (one GPU each with --device cuda; default 1)")
-    p.add_argument("--dir", help="where to keep the artifact and receipts (default: a new temporary directory)")
+    p.add_argument("--dir", help="where to keep the model, artifact and receipts (default: a temporary directory, "
+                   "removed at the end)")
     p.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
     p.add_argument("--verbose", action="store_true", help="show capture and restore progress")
     p.set_defaults(func=_cmd_demo)

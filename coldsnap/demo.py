@@ -206,9 +206,16 @@ def _operation(document: dict[str, Any], receipt_path: Path, quiet: bool) -> dic
 def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = None, quiet: bool = False,
              engine: str = "torch-lm", eager: bool = True, tp: int = 1) -> dict[str, Any]:
     """Measure cold start, capture and restore of ``engine`` serving on this machine (``tp``
-    tensor-parallel ranks); returns the figures."""
-    work = directory or Path(tempfile.mkdtemp(prefix="coldsnap-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
+    tensor-parallel ranks); returns the figures. The model, artifact and receipts stay in ``directory``;
+    without one they go to a temporary directory that is removed at the end (a vLLM demo's is 1.3 GB)."""
+    if directory is not None:
+        directory.mkdir(parents=True, exist_ok=True)
+        return _run_demo(size, device, directory, quiet, engine, eager, tp)
+    with tempfile.TemporaryDirectory(prefix="coldsnap-demo-", ignore_cleanup_errors=True) as work:
+        return {**_run_demo(size, device, Path(work), quiet, engine, eager, tp), "directory": None}
+
+
+def _run_demo(size: str, device: str, work: Path, quiet: bool, engine: str, eager: bool, tp: int) -> dict[str, Any]:
     port = _free_port()
     command, captured_command, env, model = engine_commands(engine, size, device, port, work, eager, tp)
 
@@ -279,5 +286,6 @@ def render_demo(result: dict[str, Any]) -> str:
     for name, seconds in result["capture_phases_s"].items():
         if name != "controller.capture":
             lines.append(f"    {name:<34} {seconds:8.3f} s")
-    lines.append(f"  artifact and receipts in {result['directory']}")
+    lines.append(f"  artifact and receipts in {result['directory']}" if result["directory"] else
+                 "  artifact and receipts removed (--dir DIR keeps them)")
     return "\n".join(lines)
