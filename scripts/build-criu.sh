@@ -8,6 +8,7 @@
 #   build-criu.sh --debs DIR --out FILE [--work DIR] [--jobs N]
 #     DIR   the runtime .debs install-criu.sh downloaded (criu from sid, libraries from trixie)
 #     FILE  where the stripped binary goes (written atomically), with FILE.source naming the patches' sha256
+#   build-criu.sh --patches-sha256    only print that sha256 (install-criu.sh compares it with FILE.source)
 #
 # How: the criu source tarball comes from Debian's sid index (sha256 checked against it); the -dev
 # packages for the sysroot are only downloaded, with a private throw-away apt setup (trixie, plus sid
@@ -34,10 +35,17 @@ die() { printf '%s: ERROR: %s\n' "$PROG" "$*" >&2; exit 1; }
 
 usage() { sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; }
 
+[ -r "$PATCHES/series" ] || die "missing $PATCHES/series"
+mapfile -t SERIES < <(grep -v '^#' "$PATCHES/series" | grep .)
+for p in "${SERIES[@]}"; do [ -r "$PATCHES/$p" ] || die "missing $PATCHES/$p (named in series)"; done
+# What a binary is built from, in its FILE.source: the patches in their order.
+patches_sha256() { (cd "$PATCHES" && cat "${SERIES[@]}") | sha256sum | cut -d' ' -f1; }
+
 DEBS="" OUT="" WORK="" JOBS=$(nproc)
 while [ $# -gt 0 ]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
+        --patches-sha256) patches_sha256; exit 0 ;;
         --debs) [ $# -ge 2 ] || die "--debs needs a DIR"; DEBS=$2; shift ;;
         --out) [ $# -ge 2 ] || die "--out needs a FILE"; OUT=$2; shift ;;
         --work) [ $# -ge 2 ] || die "--work needs a DIR"; WORK=$2; shift ;;
@@ -48,11 +56,6 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$DEBS" ] && [ -n "$OUT" ] || die "--debs DIR and --out FILE are required (see --help)"
 [ -d "$DEBS" ] || die "no folder $DEBS"
-[ -r "$PATCHES/series" ] || die "missing $PATCHES/series"
-mapfile -t SERIES < <(grep -v '^#' "$PATCHES/series" | grep .)
-for p in "${SERIES[@]}"; do [ -r "$PATCHES/$p" ] || die "missing $PATCHES/$p (named in series)"; done
-# What a binary is built from, in its FILE.source: the patches in their order (install-criu.sh the same).
-patches_sha256() { (cd "$PATCHES" && cat "${SERIES[@]}") | sha256sum | cut -d' ' -f1; }
 DEBS=$(realpath -- "$DEBS")
 OUT=$(realpath -m -- "$OUT")
 

@@ -51,11 +51,8 @@ STAMP_NAME=.coldsnap-criu.stamp
 BUILT_NAME=criu-$EXPECTED_VERSION-coldsnap          # the built binary, beside the .debs
 BUILT_BINARY="coldsnap (thp-fill.patch, parallel-fill.patch)" STOCK_BINARY="debian sid"  # the stamp's binary= line
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-# What the built binary must have been built from (its .source file): the patches of scripts/criu/series
-# in their order, as scripts/build-criu.sh writes it.
-patches_sha256() {
-    (cd "$SCRIPT_DIR/criu" && grep -v '^#' series | grep . | xargs cat) | sha256sum | cut -d' ' -f1
-}
+# What the built binary must have been built from (its .source file), as scripts/build-criu.sh writes it.
+patches_sha256() { bash "$SCRIPT_DIR/build-criu.sh" --patches-sha256; }
 SUMS_NAME=SHA256SUMS
 
 # ----------------------------------------------------------------- helpers --
