@@ -69,9 +69,10 @@ class _PromptHandoffs:
     :data:`AGENT_SWITCH_INTERVAL_S` instead of CPython's 5 ms. An engine's main loop may spin holding the
     GIL (SGLang's scheduler polls its sockets without sleeping, and the agent does not pause it), and
     every blocking call of the agent's (a socket read, a CUDA call, a lock) gives the GIL away and waits
-    up to a switch interval to get it back: SGLang's resume after a restore took 0.17–0.86 s for
-    ~0.1 s of work on the H200. Process-wide, so only while the agent works: the first user lowers the
-    interval, the last one puts the engine's own back."""
+    up to a switch interval to get it back (100 such calls beside a spinning thread: 0.56 s against
+    0.02 s). SGLang's resume after a restore varies 0.17–0.86 s for ~0.1 s of timed work on the H200;
+    this did not remove that variance, whose cause is not found yet. Process-wide, so only while the
+    agent works: the first user lowers the interval, the last one puts the engine's own back."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

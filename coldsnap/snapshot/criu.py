@@ -247,8 +247,9 @@ class SnapshotOptions:
     CRIU's default. ``skip`` when every connection's peer is a socket of the tree itself (frozen with it:
     nothing moves on them while CRIU reads them). CRIU keeps the dump's method in the image and uses it
     at restore whatever the restore's flag says: with ``nftables`` every restore deletes the dump's table
-    (a libnftables context and a ``delete table``, 0.11–0.12 s on the H200, failing after the first
-    restore, which already deleted it); with ``skip`` it runs no nftables at all."""
+    (a libnftables context and a ``delete table``, which fails after the first restore, that deleted it,
+    and otherwise leaves the table on the capture host); with ``skip`` it runs no nftables at all. (On
+    the H200 the time saved was within the noise of SGLang's restores.)"""
     external_unix_sockets: bool = True
     """Allow unix sockets connected to peers outside the tree (e.g. a journal or a launcher)."""
     shell_job: bool = False

@@ -102,8 +102,8 @@ def test_connections_inside_the_tree_are_dumped_without_a_network_lock(server, t
     """The tree's TCP link joins two of its own processes (no peer outside), so capture dumps it without a
     network lock (``skip``): CRIU keeps the method in the image and uses it at restore whatever the
     restore's flag says, so restores run no nftables at all (with ``nftables`` each restore deletes the
-    dump's table: 0.11 s on the H200, and a failing command after the first restore) — and the link
-    works after each of two restores."""
+    dump's table: a failing command after the first restore) — and the link works after each of two
+    restores."""
     from coldsnap.snapshot.process_tree import tcp_connections, tree_pids
 
     port, state, process, roots = server
