@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Iterator, Literal
+from typing import IO, Callable, Iterator, Literal, TypeVar
 
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.base import ContractError, decode_document
@@ -48,6 +48,8 @@ __all__ = [
     "step",
     "terminate_as_interrupt",
 ]
+
+T = TypeVar("T")
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -139,6 +141,13 @@ class OperationContext:
     _stderr: IO[str]
     warnings: list[str] = field(default_factory=list)
     """Warnings raised while the body runs; they go into the receipt whether it succeeds or fails."""
+    held: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    """What the body holds until the operation ends (its serving port's lock): released after the body
+    returns or fails, before the receipt is published."""
+
+    def hold(self, resource: contextlib.AbstractContextManager[T]) -> T:
+        """Enter ``resource`` now and exit it when the operation ends (:attr:`held`)."""
+        return self.held.enter_context(resource)
 
     def warn(self, message: str) -> None:
         """A warning for the receipt, shown on stderr at the end with the others."""
@@ -247,6 +256,8 @@ def run_operation(
         error = ErrorRecord(code="interrupted", message="the operation was interrupted (SIGINT/SIGTERM)")
     except Exception as exc:  # a bug, not a user mistake: still a failed receipt, never a lost one
         error = ErrorRecord(code="internal", message=f"{type(exc).__name__}: {exc}")
+    finally:
+        context.held.close()
     state: Literal["succeeded", "failed"] = "failed" if error else "succeeded"
     envelope = timer.envelope()
     timer.complete(state, envelope)

@@ -21,6 +21,7 @@ from typing import Any, ContextManager, Literal
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref, sha256_file
 from coldsnap.activation.engine_process import (Canary, EngineProcess, LaunchError, ServingTree, ask_canary,
                                                 wait_for_agent, wait_for_http)
+from coldsnap.activation.port_lock import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
@@ -29,6 +30,7 @@ from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryRecord, Pinne
 from coldsnap.contracts.capsule import ActivationMetadata, RegionRecord, WorkerActivation
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
+from coldsnap.activation.replica import port_free
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
@@ -57,6 +59,12 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
     artifact = ArtifactDir(Path(request_.artifact))
     if artifact.committed():
         raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
+    # One operation per port: a restore or capture onto it meanwhile loses at its admission.
+    port = request_.units[0].serving_port
+    hold_port(context, port, str(artifact.root), code="capture.port")
+    if not port_free(port):
+        raise OperationFailed("capture.port", f"serving port {port} is taken on this host: stop what listens there "
+                              "or capture onto another port")
     if request_.snapshot_driver == "n580":
         from coldsnap.activation.n580 import TemplateCapture
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager, Literal
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.state import host_cache_dir
 from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.port_lock import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica, gpu_placement, plan_replica, port_free, serving_port
 from coldsnap.snapshot.process_tree import kill_tree
@@ -202,6 +203,8 @@ def admit(context: OperationContext, artifact: ArtifactDir
         if not check.ok:
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
     with timer.span(f"{op}.admission.port") as span:
+        # One operation per port from here on: a concurrent restore, warm or wake of it loses here
+        hold_port(context, serving_port(context, capsule), str(artifact.root))
         replica = plan_replica(context, artifact, capsule)
         span["serving_port"] = replica.serving_port
         if replica.generation.shift:

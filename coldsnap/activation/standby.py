@@ -34,6 +34,7 @@ from typing import Callable, ClassVar, Literal
 from pydantic import Field
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
+from coldsnap.activation.port_lock import hold_port
 from coldsnap.activation.restore import RestoreSequence, admit, gpu_placement, weight_sources
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.state import STANDBY_RECORD, standby_record_file
@@ -195,6 +196,10 @@ def wake(context: OperationContext) -> OperationOutcome:
             capsule = artifact.read_capsule(descriptor.units[0].unit_id)
         except (OSError, ContractError) as exc:
             raise OperationFailed("admission.artifact", f"{artifact.root}: {exc}") from None
+        # A second wake of it loses here; the winner of such a race may have woken it meanwhile.
+        hold_port(context, record.serving_port or capsule.metadata.serving_port, str(artifact.root))
+        if live_standby(artifact) is None:
+            raise OperationFailed("wake.standby", f"the warm standby of {artifact.root} was woken or stopped meanwhile")
     with context.timer.span("wake.admission.payload") as span:
         sources = weight_sources(context, artifact, descriptor.units[0].workers, span)
     sequence = RestoreSequence(context, artifact, descriptor, capsule, sources, None, restored_pid=record.pid,

@@ -19,7 +19,8 @@ ERROR_CODES: dict[str, str] = {
     "internal": "a bug: the message names the exception; nothing the operation started is left running",
     # Capture
     "capture.topology": "the request's workers do not match the engine's ranks, or more than one launch unit",
-    "capture.port": "the unit has no serving port for the canary",
+    "capture.port": "the unit has no serving port for the canary, or the port is taken or locked by another "
+                    "operation (the message names its operation id and pid)",
     "capture.exists": "the output directory already holds a committed artifact",
     "capture.launch": "the serving command could not be started, or exited before its agents answered",
     "capture.ready": "the engine's agents or HTTP server did not become ready within the timeout",
@@ -54,7 +55,9 @@ ERROR_CODES: dict[str, str] = {
     "admission.payload": "a native pack is missing or its bytes do not match the descriptor (and no recovery "
                          "source may stand in: weights.mode native, or none recorded or verified)",
     "admission.recovery": "weights.mode recovery, and a pinned safetensors file is not recorded, missing or changed",
-    "admission.port": "the serving port is taken",
+    "admission.port": "the serving port, or another port the restored tree binds (moved by the port generation), is "
+                      "taken; or another restore, warm, wake or capture of the port is in flight (the message names "
+                      "its operation id and pid; the loser touched nothing)",
     "admission.placement": "the placement cannot be given: the template speaks another placement ABI (or an ABI-1 "
                            "template under another NVIDIA driver), a malformed placement value, or another port "
                            "for an n610 image",

@@ -7,6 +7,7 @@ started."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -103,3 +104,38 @@ def test_a_requested_port_that_is_taken_is_refused_at_admission(captured):
     assert done.returncode == 1 and receipt["error"]["code"] == "admission.port", done.stderr[-2000:]
     assert f"tcp 127.0.0.1:{port}" in receipt["error"]["message"] and "Traceback" not in done.stderr
     assert "restore.criu_restore" not in _spans(receipt) and replica_members(artifact) == []  # nothing started
+
+
+def test_restores_racing_for_one_port_give_one_winner(captured):
+    """Two, then three, restores of one capsule onto one port at once, ten times: exactly one serves the
+    cold start's tokens; every other fails at admission with ``admission.port`` — the port's lock, naming
+    the winner's operation id and launcher pid, or, when it came after the winner was done, the port
+    taken — and ran nothing past admission."""
+    artifact, _, tokens = captured
+    try:
+        for round_ in range(10):
+            for racers in (2, 3):
+                [port] = _free_ports(1)
+                launchers = [subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", "--receipt-json", "-",
+                                               str(artifact), "--port", str(port)],
+                                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             for _ in range(racers)]
+                outcomes = [(launcher.pid, *launcher.communicate(timeout=300), launcher.returncode)
+                            for launcher in launchers]
+                receipts = [json.loads(out) for _, out, _, _ in outcomes]
+                won = [i for i, r in enumerate(receipts) if r["state"] == "succeeded"]
+                assert len(won) == 1, [(r["state"], r.get("error")) for r in receipts]
+                winner_pid, winner_id = outcomes[won[0]][0], receipts[won[0]]["operation_id"]
+                for (_, _, err, status), receipt in zip(outcomes, receipts):
+                    if receipt["state"] == "succeeded":
+                        continue
+                    assert status == 1 and receipt["error"]["code"] == "admission.port", err[-2000:]
+                    message = receipt["error"]["message"]
+                    assert (f"restore {winner_id}" in message and f"pid {winner_pid})" in message
+                            or f"tcp 127.0.0.1:{port}" in message), message
+                    assert not [s for s in _spans(receipt) if ".admission." not in s and s != "controller.restore"]
+                    assert "Traceback" not in err
+                assert ask_canary(port, CHECK_PROMPT, 8).token_ids == tokens, f"round {round_}, {racers} racers"
+                assert len(replica_members(artifact)) >= 1 and kill_replicas(artifact) == []
+    finally:
+        kill_replicas(artifact)

@@ -1,0 +1,65 @@
+"""The serving port's lock: one holder per port, the loser told who holds it, released however the
+holder ends."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from coldsnap.activation.port_lock import PortHeld, PortLock, holder_of
+
+PORT = 1  # the lock is a name, not a bind of the port: any number works, a privileged one collides with nothing
+
+
+def test_a_second_lock_of_the_port_names_the_holder():
+    with PortLock(PORT, "restore", "restore-a", "/artifacts/a"):
+        with pytest.raises(PortHeld) as held:
+            PortLock(PORT, "warm", "warm-b", "/artifacts/a").acquire()
+        holder = held.value.holder
+        assert (holder.pid, holder.operation, holder.operation_id, holder.artifact) == (
+            os.getpid(), "restore", "restore-a", "/artifacts/a")
+        assert "restore restore-a of /artifacts/a (pid" in str(held.value)
+        with PortLock(PORT + 1, "restore", "restore-c", None):  # another port is another lock
+            pass
+    with PortLock(PORT, "warm", "warm-b", None):  # released: the next one takes it
+        assert holder_of(PORT).operation_id == "warm-b"
+    assert holder_of(PORT).pid is None
+
+
+def test_a_killed_holder_leaves_no_lock():
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                               "from coldsnap.activation.port_lock import PortLock\n"
+                               f"PortLock({PORT}, 'restore', 'restore-k', None).acquire()\n"
+                               "print('held', flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        assert holder_of(PORT).pid == holder.pid
+    finally:
+        holder.kill()
+        holder.wait()
+    with PortLock(PORT, "restore", "restore-after", None):
+        pass
+
+
+def test_capture_onto_a_busy_or_locked_port_launches_nothing(tmp_path):
+    from tests.helpers import coldsnap_receipt
+
+    marker = tmp_path / "launched"
+    command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done, receipt = coldsnap_receipt("capture", "--out", str(tmp_path / "a"), "--port", str(port), *command)
+    assert done.returncode == 1 and receipt["error"]["code"] == "capture.port", done.stderr[-2000:]
+    assert f"serving port {port} is taken" in receipt["error"]["message"]
+    with PortLock(port, "restore", "restore-x", "/elsewhere"):
+        done, receipt = coldsnap_receipt("capture", "--out", str(tmp_path / "b"), "--port", str(port), *command)
+    assert done.returncode == 1 and receipt["error"]["code"] == "capture.port", done.stderr[-2000:]
+    assert f"restore restore-x of /elsewhere (pid {os.getpid()})" in receipt["error"]["message"]
+    assert not marker.exists() and not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
