@@ -37,6 +37,7 @@ from coldsnap.operation import OperationContext, OperationFailed, OperationOutco
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
+from coldsnap.snapshot.host_files import read_only_mtimes
 from coldsnap.snapshot.process_tree import anonymous_bytes, resident_bytes, tcp_connections, tree_pids
 
 RESTORE_CANARY_TOKENS = 2
@@ -281,6 +282,7 @@ class CaptureSequence:
                      for w, c, s, p in zip(self.workers, self.controls, self.statuses, self.prepared)],
             criu_options=snapshotter.options.args(), criu_tcp=self.criu_tcp,
             gpu_pids=self.gpu_pids, gpu_uuids=[d["uuid"] for d in self.gpus],
+            host_file_mtimes_ns=read_only_mtimes(self.artifact.images(self.unit.unit_id)),
         )
 
     def commit(self) -> None:

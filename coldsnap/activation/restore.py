@@ -45,6 +45,8 @@ from coldsnap.activation.qualification import check_driver_floor, require_implem
 from coldsnap.activation.staging import WeightStager
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.snapshot.criu import MINIMUM_VERSION, CriuError, CriuSnapshotter, SnapshotOptions, checked_criu
+from coldsnap.snapshot.criu_images import ImageFormatError
+from coldsnap.snapshot.host_files import changed_host_files
 from coldsnap.snapshot.replica import probe_path_sockets, replica_images
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cached_probe_cuda, start_cuda_in_background
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill, thp_mode
@@ -142,6 +144,16 @@ def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: UnitR
         if recorded != sorted(w.rank for w in unit.workers):
             raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id} records ranks {recorded}, the "
                                   f"artifact {sorted(w.rank for w in unit.workers)}")
+    with timer.span(f"{op}.admission.files") as span:
+        try:
+            changed = changed_host_files(images, capsule.metadata.host_file_mtimes_ns)
+        except (OSError, ImageFormatError) as exc:
+            raise OperationFailed("admission.capsule", f"capsule of {unit.unit_id}: files.img: {exc}") from None
+        if changed:
+            raise OperationFailed("admission.files", f"{len(changed)} host file(s) the captured tree maps or holds open "
+                                  f"changed since capture: {'; '.join(changed[:20])}"
+                                  f"{f' (and {len(changed) - 20} more)' if len(changed) > 20 else ''} — restore "
+                                  "where they are as at capture, or capture again")
     with timer.span(f"{op}.admission.payload") as span:
         sources = weight_sources(context, artifact, unit.workers, span)
     return capsule, sources

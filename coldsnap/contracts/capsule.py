@@ -105,6 +105,9 @@ class ActivationMetadata(Contract):
     """Processes of the tree that held CUDA state (CUDA-restored after CRIU); empty on CPU."""
     gpu_uuids: list[str]
     """The capture host's GPU UUIDs by ordinal, remapped onto this host's at restore."""
+    host_file_mtimes_ns: dict[str, int] = Field(default_factory=dict)
+    """Modification time (ns) at capture of each regular host file the image opens read-only by path:
+    restore admission names any that changed (``admission.files``) before CRIU runs."""
     template: TemplateRecord | None = None
     """n580: the image is this template, not the serving process (``workers`` then describe the
     capture's run of the engine, from which its packs were written)."""

@@ -52,6 +52,9 @@ ERROR_CODES: dict[str, str] = {
     "admission.host_thp": "--host-thp (COLDSNAP_HOST_THP=always) was asked, and the host's transparent-huge-page "
                           "mode cannot be read or set (needs root and a kernel with THP)",
     "admission.capsule": "the capsule manifest or an image is missing, changed, or from a coldsnap that cannot read it",
+    "admission.files": "a host file the captured tree maps or holds open (a library, the interpreter, a mapped "
+                       "model file) is missing, or its size, mode or modification time changed since capture "
+                       "(named by path)",
     "admission.payload": "a native pack is missing or its bytes do not match the descriptor (and no recovery "
                          "source may stand in: weights.mode native, or none recorded or verified)",
     "admission.recovery": "weights.mode recovery, and a pinned safetensors file is not recorded, missing or changed",

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["ImageFormatError", "InetSocket", "UnixSocket", "FILES_IMAGE", "ghost_file_ids", "read_sockets",
-           "rewrite_sockets"]
+__all__ = ["ImageFormatError", "InetSocket", "UnixSocket", "RegularFile", "FILES_IMAGE", "ghost_file_ids",
+           "read_regular_files", "read_sockets", "rewrite_sockets"]
 
 FILES_IMAGE = "files.img"
 REMAP_IMAGE = "remap-fpath.img"
@@ -27,7 +27,7 @@ REMAP_IMAGE = "remap-fpath.img"
 _FILE_TYPE, _FILE_REG, _FILE_ISK, _FILE_USK = 1, 3, 4, 16
 _REG, _INETSK, _UNIXSK = 1, 4, 5
 # reg_file_entry fields (images/regfile.proto); remap_file_path_entry fields and remap_type (images/remap-file-path.proto)
-_REG_ID, _REG_NAME = 1, 6
+_REG_ID, _REG_FLAGS, _REG_NAME, _REG_SIZE, _REG_EXT, _REG_MODE = 1, 2, 6, 8, 9, 10
 _REMAP_ORIG_ID, _REMAP_TYPE, _REMAP_GHOST = 1, 3, 1
 # inet_sk_entry fields (images/sk-inet.proto)
 _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_STATE, _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR = 2, 3, 4, 6, 7, 8, 11
@@ -215,6 +215,46 @@ def ghost_file_ids(images: Path) -> set[int]:
         if _first(fields, _REMAP_TYPE) == _REMAP_GHOST:
             found.add(int(_first(fields, _REMAP_ORIG_ID)))
     return found
+
+
+@dataclass(frozen=True)
+class RegularFile:
+    """A file of the host the image opens by path at restore (an open descriptor or a mapping): what CRIU
+    checks there — its ``size`` (recorded unless it was open write-only for appending) and ``mode``."""
+
+    name: str
+    flags: int
+    size: int | None
+    mode: int | None
+
+
+def read_regular_files(images: Path) -> list[RegularFile]:
+    """The regular-file entries of ``images/files.img`` that CRIU opens on the host at restore: not the
+    ones it re-creates or links from the image (ghosts and other remapped files, ``remap-fpath.img``) and
+    not external ones (``ext``: handed in by the caller)."""
+    path = images / FILES_IMAGE
+    remapped = _remapped_ids(images)
+    found = []
+    for entry in _read_entries(path)[1]:
+        fields = _decode(entry)
+        if _first(fields, _FILE_TYPE) != _REG:
+            continue
+        reg = _decode(_nested(fields, _FILE_REG, path))
+        name = _first(reg, _REG_NAME, b"")
+        if int(_first(reg, _REG_ID)) in remapped or _first(reg, _REG_EXT) or not isinstance(name, bytes):
+            continue
+        numbers = {n for n, _, _ in reg}
+        found.append(RegularFile(name.decode(errors="surrogateescape"), int(_first(reg, _REG_FLAGS)),
+                                 int(_first(reg, _REG_SIZE)) if _REG_SIZE in numbers else None,
+                                 int(_first(reg, _REG_MODE)) if _REG_MODE in numbers else None))
+    return found
+
+
+def _remapped_ids(images: Path) -> set[int]:
+    path = images / REMAP_IMAGE
+    if not path.is_file():
+        return set()
+    return {int(_first(_decode(entry), _REMAP_ORIG_ID)) for entry in _read_entries(path)[1]}
 
 
 def rewrite_sockets(source: Path, target: Path, ports: Callable[[InetSocket], tuple[int | None, int | None]],

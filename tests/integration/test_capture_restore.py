@@ -473,3 +473,31 @@ def test_a_launcher_killed_mid_restore_leaves_nothing_running(captured, tmp_path
         assert (artifact / "artifact.json").read_bytes() == before
     finally:
         kill_replicas(artifact)
+
+
+def test_a_changed_host_file_the_tree_holds_is_refused_by_name(tmp_path):
+    """The captured tree holds a file of the host open (read-only): touched, or grown, after the capture, a
+    restore names it at admission (``admission.files``) and starts nothing; as captured again, it admits."""
+    held = tmp_path / "held-open.bin"
+    held.write_bytes(b"x" * 4096)
+    port = _free_port()
+    command = ["sh", "-c", f'exec 9<"{held}"; exec "$@"', "sh", *workload(port)]  # fd 9 stays open in the server
+    artifact = tmp_path / "artifact"
+    done = coldsnap("capture", "--engine", "torch-lm", "--port", str(port), "--out", str(artifact), "--", *command)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    captured = held.stat()
+    try:
+        for change, expected in ((lambda: os.utime(held, ns=(captured.st_atime_ns, captured.st_mtime_ns + 10**9)),
+                                  "(modified since capture)"),
+                                 (lambda: held.write_bytes(b"x" * 8192), "(size 8192, captured 4096)")):
+            change()
+            done = coldsnap("restore", "--prepare-only", "--receipt-json", "-", str(artifact))
+            receipt = json.loads(done.stdout)
+            assert done.returncode == 1 and receipt["error"]["code"] == "admission.files", done.stderr.decode()[-2000:]
+            assert f"{held} {expected}" in receipt["error"]["message"]
+        held.write_bytes(b"x" * 4096)
+        os.utime(held, ns=(captured.st_atime_ns, captured.st_mtime_ns))
+        done = coldsnap("restore", "--prepare-only", "--receipt-json", "-", str(artifact))
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+    finally:
+        kill_replicas(artifact)
