@@ -27,7 +27,7 @@ from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
 from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryRecord, PinnedFile, PlatformRecord, UnitRecord,
                                         WorkerRecord)
-from coldsnap.contracts.capsule import ActivationMetadata, RegionRecord, WorkerActivation
+from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.activation.replica import port_free
@@ -38,6 +38,7 @@ from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.host_files import read_only_mtimes
+from coldsnap.snapshot.nvml import NvmlError, process_memory
 from coldsnap.snapshot.process_tree import anonymous_bytes, resident_bytes, tcp_connections, tree_pids
 
 RESTORE_CANARY_TOKENS = 2
@@ -97,6 +98,8 @@ class CaptureSequence:
         self.gpus: list[dict[str, Any]] = []
         self.snapshotter: CriuSnapshotter | None = None
         self.criu_tcp: Literal["established", "none"] = "none"
+        self.serving_gpu_bytes: dict[str, dict[int, int]] = {}  # GPU UUID → pid → bytes while serving
+        self.gpu_memory: list[GpuProcessMemory] = []
 
     @property
     def port(self) -> int:
@@ -178,6 +181,7 @@ class CaptureSequence:
         # `auto` and `native` restores need it.
         native = not (weights.mode == "recovery" and weights.native_generation == "off")
         graph_policy = self.request.policy.graphs.mode or "retain"
+        self.serving_gpu_bytes = self._gpu_use()
         with self.step("capture.prepare", "capture.prepare") as span, ActivationCoordinator(len(self.workers)) as coordinator:
             bars = PhaseProgress(f"coldsnap capture [{self.request.engine}/{self.request.snapshot_driver}]: ")
             command = Prepare(pack_dir=str(self.artifact.payload_dir), native=native, graph_policy=graph_policy,
@@ -211,12 +215,29 @@ class CaptureSequence:
         self.gpus = cuda_devices()
         anonymous_before_checkpoint = anonymous_bytes(pids)
         check_driver_floor(self.context, self.request.snapshot_driver, nvidia_kernel_driver() or "0", "capture.driver_floor")
+        checkpointed = self._gpu_use()
+        self.gpu_memory = [GpuProcessMemory(pid=pid, gpu_uuid=uuid, serving_bytes=serving,
+                                            checkpointed_bytes=checkpointed.get(uuid, {}).get(pid, 0))
+                           for uuid, used in sorted(self.serving_gpu_bytes.items()) for pid, serving in sorted(used.items())]
         with self.step("capture.cuda_checkpoint", "capture.cuda_checkpoint") as span:
             TreeCheckpoint().checkpoint(self.gpu_pids)
             span["processes"] = len(self.gpu_pids)
             # What the checkpoint moved from the GPU into the process image (contexts, graph pools).
             span["anonymous_bytes_before"] = anonymous_before_checkpoint
             span["anonymous_bytes_after"] = anonymous_bytes(pids)
+
+    def _gpu_use(self) -> dict[str, dict[int, int]]:
+        """GPU UUID → pid → bytes, of the tree's processes (NVML); empty without a GPU. Where NVML cannot
+        tell, a warning: restores of this capsule are then not admitted by GPU memory."""
+        assert self.engine is not None
+        if not gpu_processes(tree_pids(self.engine.pid)):
+            return {}
+        try:
+            return process_memory(set(tree_pids(self.engine.pid)))
+        except NvmlError as exc:
+            self.context.warn(f"the GPU memory the tree uses could not be recorded ({exc}); restores of this "
+                              "capsule are not checked for room on their GPUs")
+            return {}
 
     def dump(self) -> None:
         engine = self.engine
@@ -282,7 +303,7 @@ class CaptureSequence:
                      for w, c, s, p in zip(self.workers, self.controls, self.statuses, self.prepared)],
             criu_options=snapshotter.options.args(), criu_tcp=self.criu_tcp,
             gpu_pids=self.gpu_pids, gpu_uuids=[d["uuid"] for d in self.gpus],
-            host_file_mtimes_ns=read_only_mtimes(self.artifact.images(self.unit.unit_id)),
+            host_file_mtimes_ns=read_only_mtimes(self.artifact.images(self.unit.unit_id)), gpu_memory=self.gpu_memory,
         )
 
     def commit(self) -> None:

@@ -28,6 +28,7 @@ from typing import Any, Callable, ContextManager, Literal
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.state import host_cache_dir
 from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.gpu_memory import admit_gpu_memory
 from coldsnap.activation.port_lock import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica, gpu_placement, plan_replica, port_free, serving_port
@@ -299,12 +300,22 @@ def restore(context: OperationContext) -> OperationOutcome:
     else:
         with context.timer.span("restore.admission.gpus"):
             gpus = gpu_placement(context, artifact, capsule)
+        with context.timer.span("restore.admission.gpu_memory") as span:
+            admit_gpu_memory(context, capsule, gpus, launcher_stages(descriptor, capsule, sources), span)
     if context.request.prepare_only:
         context.progress("admission passed; --prepare-only: nothing started")
         return OperationOutcome(artifact=str(artifact.root))
     if placement is not None:
         return TemplateRestore(context, artifact, descriptor, capsule, sources, replica, placement).run()
     return RestoreSequence(context, artifact, descriptor, capsule, sources, replica, gpus=gpus).run()
+
+
+def launcher_stages(descriptor: ArtifactDescriptor, capsule: CapsuleManifest, sources: dict[int, "WeightSource"]) -> bool:
+    """Whether a restore's launcher will hydrate some rank's weights itself (a CUDA context of its own on
+    that GPU): a native source and regions it can stage (:meth:`RestoreSequence.restore_tree`)."""
+    regions = {record.rank: record.regions for record in capsule.metadata.workers}
+    return any(sources.get(w.rank) == "native" and w.payload is not None and WeightStager.stageable(regions[w.rank])
+               for w in descriptor.units[0].workers)
 
 
 class RestoreSequence:

@@ -34,6 +34,7 @@ from typing import Callable, ClassVar, Literal
 from pydantic import Field
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
+from coldsnap.activation.gpu_memory import admit_gpu_memory
 from coldsnap.activation.port_lock import hold_port
 from coldsnap.activation.restore import RestoreSequence, admit, gpu_placement, weight_sources
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
@@ -133,6 +134,8 @@ def warm(context: OperationContext) -> OperationOutcome:
     descriptor, capsule, sources, replica = admit(context, artifact)
     ttl_s = context.request.standby_ttl_s or DEFAULT_TTL_S
     gpus = gpu_placement(context, artifact, capsule)
+    with context.timer.span("warm.admission.gpu_memory") as span:
+        admit_gpu_memory(context, capsule, gpus, False, span)  # (a standby's agents hydrate at wake)
     return RestoreSequence(context, artifact, descriptor, capsule, sources, replica, gpus=gpus).run_warm(
         lambda sequence: _park(sequence, ttl_s))
 

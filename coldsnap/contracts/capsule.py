@@ -16,8 +16,8 @@ from pydantic import Field
 from coldsnap.contracts.artifact import RelativePath
 from coldsnap.contracts.base import Contract, Identifier, Sha256Hex
 
-__all__ = ["CAPSULE_FORMAT", "ActivationMetadata", "CapsuleFile", "CapsuleManifest", "RegionRecord", "TemplateRecord",
-           "WorkerActivation"]
+__all__ = ["CAPSULE_FORMAT", "ActivationMetadata", "CapsuleFile", "CapsuleManifest", "GpuProcessMemory", "RegionRecord",
+           "TemplateRecord", "WorkerActivation"]
 
 CAPSULE_FORMAT: Final = 1
 
@@ -86,6 +86,21 @@ class TemplateRecord(Contract):
     """The capture host's NVIDIA driver (an ABI-1 template restores only under this version)."""
 
 
+class GpuProcessMemory(Contract):
+    """What one process of the tree used on one GPU (NVML), recorded at capture: restore admission
+    checks the GPU it goes to has room for it before anything starts (``admission.gpu_memory``)."""
+
+    pid: int = Field(gt=0)
+    """The process (its captured pid)."""
+    gpu_uuid: str = Field(min_length=1)
+    """The capture host's GPU."""
+    serving_bytes: int = Field(ge=0)
+    """While it served, before capture released anything: weights, KV cache, graphs, contexts — what it
+    needs there again once restored."""
+    checkpointed_bytes: int = Field(ge=0)
+    """At the CUDA checkpoint, weights and KV released: what the driver's restore allocates."""
+
+
 class ActivationMetadata(Contract):
     """What the launcher needs to activate the unit's images."""
 
@@ -105,6 +120,8 @@ class ActivationMetadata(Contract):
     """Processes of the tree that held CUDA state (CUDA-restored after CRIU); empty on CPU."""
     gpu_uuids: list[str]
     """The capture host's GPU UUIDs by ordinal, remapped onto this host's at restore."""
+    gpu_memory: list[GpuProcessMemory] = Field(default_factory=list)
+    """Each GPU process's use of each GPU at capture (empty on CPU, or where NVML could not tell)."""
     host_file_mtimes_ns: dict[str, int] = Field(default_factory=dict)
     """Modification time (ns) at capture of each regular host file the image opens read-only by path:
     restore admission names any that changed (``admission.files``) before CRIU runs."""

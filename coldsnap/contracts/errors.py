@@ -48,6 +48,8 @@ ERROR_CODES: dict[str, str] = {
     "admission.cuda": "the artifact needs a GPU and the CUDA checkpoint API, which this host lacks",
     "admission.driver_floor": "the NVIDIA driver is below the snapshot driver's floor or the captured one",
     "admission.gpu": "another GPU model or compute capability than the capture's",
+    "admission.gpu_memory": "a GPU the restore goes to has less free memory than the capsule's processes used there "
+                            "while serving (needed vs free, per GPU)",
     "admission.criu": "CRIU is missing, too old, or `criu check` fails",
     "admission.host_thp": "--host-thp (COLDSNAP_HOST_THP=always) was asked, and the host's transparent-huge-page "
                           "mode cannot be read or set (needs root and a kernel with THP)",

@@ -139,3 +139,26 @@ def test_restores_racing_for_one_port_give_one_winner(captured):
                 assert len(replica_members(artifact)) >= 1 and kill_replicas(artifact) == []
     finally:
         kill_replicas(artifact)
+
+
+def test_a_gpu_without_room_is_refused_at_admission_standin(captured):
+    """GPU memory admission, on a machine without a GPU: COLDSNAP_STANDIN_GPU_FREE_BYTES makes the capsule's
+    host-backed regions a stand-in GPU's needs. Too little free: prepare-only and restore both refuse
+    with ``admission.gpu_memory`` (needed vs free) and start nothing; enough: prepare-only admits."""
+    artifact, _, _ = captured
+    capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())
+    needed = sum(r["high_water"] for w in capsule["metadata"]["workers"] for r in w["regions"].values())
+    assert needed > 0
+    for free, prepare_only in ((needed - 1, True), (needed - 1, False), (needed, True)):
+        [port] = _free_ports(1)
+        env = {**os.environ, "COLDSNAP_STANDIN_GPU_FREE_BYTES": str(free)}
+        done, receipt = coldsnap_receipt("restore", str(artifact), "--port", str(port),
+                                         *(["--prepare-only"] if prepare_only else []), env=env)
+        if free < needed:
+            assert done.returncode == 1 and receipt["error"]["code"] == "admission.gpu_memory", done.stderr[-2000:]
+            assert receipt["error"]["message"].startswith("not enough GPU memory: stand-in GPU (host memory) needs")
+            assert "restore.criu_restore" not in _spans(receipt) and replica_members(artifact) == []
+        else:
+            assert done.returncode == 0, done.stderr[-2000:]
+            assert _spans(receipt)["restore.admission.gpu_memory"] == {
+                "stand-in GPU (host memory).need_bytes": needed, "stand-in GPU (host memory).free_bytes": needed}
