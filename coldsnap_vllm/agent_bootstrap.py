@@ -30,7 +30,8 @@ def attach_agent() -> None:
 
     rank, world = distributed_rank()
     # Recovery needs the files vLLM loaded and its loaders to refill them; a start from a pack has neither.
-    hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery)
+    hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
+                       recovery_plan=lambda: ProcessState.recovery_plan)
     if ProcessState.runner is not None:
         graphs = VllmGraphs(ProcessState.runner, world)
         hooks.release_graphs, hooks.recapture_graphs = graphs.release_graphs, graphs.recapture_graphs

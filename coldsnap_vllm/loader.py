@@ -35,7 +35,8 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from coldsnap.agent.placement import MODES, fitting_pack, place_weights, split_load_config
+from coldsnap.agent.placement import MODES, PlacedModel, fitting_pack, place_weights, split_load_config, storage_offsets
+from coldsnap.agent.weight_copies import WeightCopyRecorder
 from coldsnap.payload import NativePack
 from coldsnap_vllm import compat
 from coldsnap_vllm.process import ProcessState
@@ -75,6 +76,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def __init__(self, load_config: Any):
         self.mode, self.pack, inner = split_load_config(load_config, OPTION, "safetensors")
         self.weight_files: list[str] = []
+        self.copies: WeightCopyRecorder | None = None  # while a recovery load records its plan
         super().__init__(inner)
 
     def _prepare_weights(self, *args: Any, **kwargs: Any) -> Any:
@@ -83,6 +85,11 @@ class ColdsnapModelLoader(DefaultModelLoader):
         if prepared[2]:
             self.weight_files = [str(Path(f).resolve()) for f in prepared[1]]
         return prepared
+
+    def get_all_weights(self, model_config: Any, model: torch.nn.Module) -> Any:
+        """vLLM's, watched by the recorder while a recovery load records its plan."""
+        weights = super().get_all_weights(model_config, model)
+        return self.copies.weights(weights) if self.copies is not None else weights
 
     def replay(self, model: torch.nn.Module, model_config: Any, pinned: list[str]) -> int:
         """Recovery after a restore: the pinned safetensors through vLLM's own weight loaders into the
@@ -126,7 +133,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
         if compat.online_quantized_before_build(vllm_config):  # 0.33: quantized while loading: vLLM's own path
             with _plain_cpu_linear():
                 model = super().load_model(vllm_config, model_config, prefix)
-            return self._place(model, None)
+            self._place(model, None)
+            return model
         load_device = vllm_config.device_config.device if self.load_config.device is None else self.load_config.device
         target_device = torch.device(load_device)
         with set_default_torch_dtype(model_config.dtype):
@@ -135,7 +143,13 @@ class ColdsnapModelLoader(DefaultModelLoader):
             online = compat.online_quantized_model(model)  # 0.26 tells it from the built model
             pack = None if online else self._fitting_pack(model)
             if pack is None:
-                self._recover(model, model_config)
+                self.copies = WeightCopyRecorder()
+                try:
+                    with self.copies.recording():
+                        self._recover(model, model_config)
+                except BaseException:
+                    self.copies = None
+                    raise
                 if compat.available(compat.SET_CURRENT_CONFIG, compat.PREPARE_WEIGHTS):  # else restores need the pack
                     ProcessState.recovery_files = list(self.weight_files)
                     ProcessState.recovery = functools.partial(self.replay, model, model_config)
@@ -143,14 +157,26 @@ class ColdsnapModelLoader(DefaultModelLoader):
                 compat.finalize_online_quantization(model, model_config)
             with _plain_cpu_linear():
                 process_weights_after_loading(model, model_config, target_device)
-        return self._place(model, pack).eval()
+        offsets = storage_offsets(model) if self.copies is not None else {}
+        placed = self._place(model, pack)
+        if self.copies is not None and ProcessState.recovery_files:
+            copies, self.copies = self.copies, None
+            try:
+                ProcessState.recovery_plan = copies.plan(ProcessState.recovery_files, offsets, placed.region)
+                log.info("coldsnap: recovery plan: %d byte ranges of the safetensors land unchanged in the weights "
+                         "region (%d bytes)", len(ProcessState.recovery_plan.copies),
+                         sum(c.length for c in ProcessState.recovery_plan.copies))
+            except Exception as exc:  # noqa: BLE001 - without a plan, recovery replays through vLLM's loaders
+                log.warning("coldsnap: no recovery plan (%s); recovery restores replay through vLLM's loaders", exc)
+        self.copies = None
+        return model.eval()
 
     def _fitting_pack(self, model: torch.nn.Module) -> NativePack | None:
         return fitting_pack(self.pack, self.mode, model, "vLLM", log)
 
-    def _place(self, model: torch.nn.Module, pack: NativePack | None) -> torch.nn.Module:
+    def _place(self, model: torch.nn.Module, pack: NativePack | None) -> PlacedModel:
         placed = place_weights(model, pack, self.mode, log)
         ProcessState.placed = placed
-        return model
+        return placed
 
 

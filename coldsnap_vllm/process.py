@@ -11,6 +11,7 @@ from coldsnap_vllm.placement import PlacedModel
 
 if TYPE_CHECKING:
     from coldsnap.agent.server import AgentServer
+    from coldsnap.hydrate.recovery_plan import RecoveryPlan
 
 __all__ = ["ProcessState", "distributed_rank", "process_memory"]
 
@@ -25,6 +26,7 @@ class ProcessState:
     runner: Any = None  # the model runner whose KV cache was placed (its graphs are the agent's to release)
     recovery: "Callable[[list[str]], int] | None" = None  # refills the weights region through vLLM's loaders
     recovery_files: list[str] = []  # the safetensors vLLM loaded the weights from (none: started from a pack)
+    recovery_plan: "RecoveryPlan | None" = None  # where their bytes landed unchanged (coldsnap.agent.weight_copies)
 
 
 def process_memory() -> ModelMemory | None:

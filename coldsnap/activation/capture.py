@@ -320,7 +320,11 @@ class CaptureSequence:
                     worker_id=w.worker_id, rank=w.rank, layout_digest=p.layout_digest,
                     residual=file_ref(artifact, Path(p.residual.path), p.residual.sha256),
                     payload=file_ref(artifact, Path(p.payload.path), p.payload.sha256) if p.payload else None,
-                    recovery=self.pin_recovery(w.rank, p)))
+                    recovery=(pinned := self.pin_recovery(w.rank, p)),
+                    recovery_plan=(file_ref(artifact, Path(p.recovery_plan.path), p.recovery_plan.sha256)
+                                   if pinned and p.recovery_plan and p.recovery_gap else None),
+                    recovery_gap=(file_ref(artifact, Path(p.recovery_gap.path), p.recovery_gap.sha256)
+                                  if pinned and p.recovery_plan and p.recovery_gap else None)))
             artifact.request_path.write_bytes(canonical_json(request_.to_json_value()) + b"\n")
             driver = nvidia_kernel_driver()
             descriptor = ArtifactDescriptor(

@@ -513,10 +513,29 @@ class RestoreSequence:
             return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), adopted=adopted,
                           staged=stats)
         if self.sources[w.rank] == "recovery":
+            plan = self._recovery_plan(w)
             return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
-                          safetensors=[pinned.path for pinned in w.recovery or []], residual=str(self.pack(w.residual)))
+                          safetensors=[pinned.path for pinned in w.recovery or []], residual=str(self.pack(w.residual)),
+                          recovery_plan=plan[0] if plan else None, recovery_gap=plan[1] if plan else None)
         return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
                       payload=str(self.pack(w.payload)) if w.payload else None, residual=str(self.pack(w.residual)))
+
+    def _recovery_plan(self, w: WorkerRecord) -> tuple[str, str] | None:
+        """The rank's recovery plan and gap pack, verified (stat-bound records: no hashing when unchanged);
+        None — the engine's loaders replay the safetensors, with a warning — when it has none or they fail."""
+        if w.recovery_plan is None or w.recovery_gap is None:
+            return None
+        paths = []
+        try:
+            for ref in (w.recovery_plan, w.recovery_gap):
+                path = self.artifact.root / ref.path
+                verify_file(path, ref.sha256, self.artifact.record_dir(path))
+                paths.append(str(path))
+        except (PackError, OSError) as exc:
+            self.context.warn(f"rank {w.rank}: the recovery plan is unusable ({exc}); its engine's loaders replay "
+                              "the safetensors instead (slower)")
+            return None
+        return paths[0], paths[1]
 
     def resume_ranks(self) -> None:
         """Every rank at once: map and fill its regions, zero the KV cache, rebuild NCCL, recapture graphs."""

@@ -19,6 +19,7 @@ from coldsnap.timing import timed
 
 if TYPE_CHECKING:
     from coldsnap.hydrate import PinnedPack
+    from coldsnap.hydrate.recovery_plan import RecoveryPlan
 
 __all__ = ["ModelMemory", "ModelMemoryError"]
 
@@ -77,7 +78,8 @@ class ModelMemory:
                 region.unmap()
 
     def release(self, seconds: dict[str, float], pack_dir: Path | None = None, progress: Progress | None = None,
-                before_unmap: Callable[[], None] | None = None, write_payload: bool = True) -> dict[str, Any]:
+                before_unmap: Callable[[], None] | None = None, write_payload: bool = True,
+                recovery_plan: "RecoveryPlan | None" = None) -> dict[str, Any]:
         """Write the payload (unless not ``write_payload``: recovery will replay the model's tensors) and residual
         packs into ``pack_dir`` (when given), then unmap every region."""
         from coldsnap.hydrate import payload_extents, write_pack_from_regions
@@ -95,6 +97,8 @@ class ModelMemory:
             residual = timed(seconds, "residual_write", lambda: write_pack_from_regions(
                 pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=residual_plan))
             result["residual"] = {"path": str(residual.path), "sha256": residual.sha256, "size_bytes": residual.size_bytes}
+            if recovery_plan is not None and recovery_plan.copies:
+                result.update(timed(seconds, "recovery_plan_write", lambda: self._write_recovery_plan(pack_dir, recovery_plan)))
         if before_unmap is not None:
             before_unmap()
         for region in self.regions.values():
@@ -102,8 +106,30 @@ class ModelMemory:
         native().release_pinned()
         return result
 
+    def _write_recovery_plan(self, pack_dir: Path, recorded: "RecoveryPlan") -> dict[str, Any]:
+        """The plan, bound to this layout, and its gap pack: the payload's bytes the plan leaves out."""
+        import hashlib
+
+        from coldsnap.atomic import write_atomic
+        from coldsnap.hydrate import payload_extents, write_pack_from_regions
+        from coldsnap.hydrate.recovery_plan import RecoveryPlan, subtract_extents
+        from coldsnap.payload import PackKind, PlannedExtent
+
+        planned = recorded.extents()
+        gap = [PlannedExtent(region=extent.region, region_offset=offset, length=length)
+               for extent in payload_extents(self.layout)
+               for offset, length in subtract_extents([(extent.region_offset, extent.length)], planned.get(extent.region, []))]
+        gap_pack = write_pack_from_regions(pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=gap)
+        document = RecoveryPlan(self.layout.digest(), recorded.copies).to_json()
+        sha256 = hashlib.sha256(document).hexdigest()
+        path = pack_dir / f"{sha256}.recovery.json"
+        write_atomic(path, document)
+        return {"recovery_plan": {"path": str(path), "sha256": sha256, "size_bytes": len(document)},
+                "recovery_gap": {"path": str(gap_pack.path), "sha256": gap_pack.sha256, "size_bytes": gap_pack.size_bytes}}
+
     def restore(self, seconds: dict[str, float], *, layout_digest: str | None = None, payload: str | None = None,
                 residual: str | None = None, safetensors: list[str] | None = None,
+                recovery_plan: str | None = None, recovery_gap: str | None = None,
                 replay: Callable[[list[str]], int] | None = None, adopted: dict[str, int] | None = None,
                 fds: Sequence[int] = (), staged: dict[str, Any] | None = None, progress: Progress | None = None,
                 tags: Iterable[str] | None = None, pinned: "PinnedPack | None" = None,
@@ -154,12 +180,21 @@ class ModelMemory:
                         "gb_per_s": round(stats.gb_per_s, 3), "direct": stats.direct, "cached_fraction": stats.cached_fraction}
         else:  # safetensors: a restore with no source was refused before mapping
             assert safetensors
-            if replay is not None:
+            if recovery_plan is not None and recovery_gap is not None:  # the files' bytes straight into the layout
+                from coldsnap.hydrate.recovery_plan import RecoveryPlan
+
+                plan = RecoveryPlan.read(recovery_plan)
+                if plan.layout_digest != digest:
+                    raise ModelMemoryError(f"recovery plan {recovery_plan} is for layout {plan.layout_digest[:12]}…")
+                read = sum(s.bytes for s in timed(seconds, "hydrate", lambda: plan.apply(weights, safetensors)))
+                timed(seconds, "recovery_gap", lambda: hydrate_pack(recovery_gap, weights, layout_digest=digest))
+            elif replay is not None:
                 read = timed(seconds, "hydrate", lambda: replay(list(safetensors)))
             else:
                 read = sum(s.bytes for s in timed(seconds, "hydrate",
                                                   lambda: replay_safetensors(safetensors, self.layout, weights)))
-            hydrated = {"source": "recovery", "bytes": read, "seconds": seconds["hydrate"]}
+            hydrated = {"source": "recovery", "bytes": read, "seconds": seconds["hydrate"],
+                        "planned": recovery_plan is not None and recovery_gap is not None}
         if residual and weights and not staged_elsewhere:  # the bytes around the tensors, whichever filled them
             timed(seconds, "residual", lambda: hydrate_pack(residual, weights, layout_digest=digest))
         for tag in DISCARDED_TAGS:

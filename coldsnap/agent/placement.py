@@ -27,7 +27,7 @@ from coldsnap.payload.errors import PackError
 
 __all__ = ["ALIGN", "MODES", "OPTION_KEYS", "PackDoesNotFit", "PlacedModel", "check_pack_fits", "layout_for", "load_options",
            "open_fitting_pack", "place_model_in_region", "placed_extents", "planned_extents", "fitting_pack",
-           "place_weights", "split_load_config"]
+           "place_weights", "split_load_config", "storage_offsets"]
 
 ALIGN = 4096
 
@@ -77,6 +77,12 @@ def _storages(model: Any) -> tuple[list[tuple[Any, int]], dict[int, dict[str, An
 def planned_extents(model: Any) -> set[tuple[int, int]]:
     """(offset, length) of every storage as :func:`place_model_in_region` would lay it out."""
     return {(entry["offset"], entry["nbytes"]) for entry in _storages(model)[1].values()}
+
+
+def storage_offsets(model: Any) -> dict[int, int]:
+    """Each parameter storage's address now → its offset in the region :func:`place_model_in_region`
+    would lay it out in (ask before placing: placement moves the storages)."""
+    return {key: entry["offset"] for key, entry in _storages(model)[1].items()}
 
 
 def place_model_in_region(model: Any, tag: str = "weights") -> PlacedModel:

@@ -96,6 +96,9 @@ class Resume(Message):
     payload: str | None = None
     residual: str | None = None
     safetensors: list[str] | None = None
+    recovery_plan: str | None = None
+    """With ``safetensors``: the plan that streams them into the layout, and its gap pack (both or neither)."""
+    recovery_gap: str | None = None
     adopted: dict[str, int] | None = None
     staged: dict[str, int | float | bool | str] | None = None
     """What the launcher's staging measured, reported back in :class:`Hydrated`."""
@@ -176,6 +179,10 @@ class PrepareReply(Message):
     graphs_released: list[str]
     recovery_files: list[str] = []
     """The safetensors files the engine loaded its weights from (absolute paths; empty: none to pin)."""
+    recovery_plan: PackRef | None = None
+    """Where those files' bytes land unchanged in the layout (:mod:`coldsnap.hydrate.recovery_plan`)."""
+    recovery_gap: PackRef | None = None
+    """The payload's bytes the plan does not cover (residual format)."""
 
 
 class Hydrated(Message):

@@ -50,6 +50,7 @@ from coldsnap.host import stat_fields
 from coldsnap.timing import timed
 
 if TYPE_CHECKING:
+    from coldsnap.hydrate.recovery_plan import RecoveryPlan
     from coldsnap.collective.group import DistributedState, Rendezvous
     from coldsnap.hydrate import PinnedPack
 
@@ -137,6 +138,9 @@ class AgentHooks:
     recovery_files: list[str] = field(default_factory=list)
     """The safetensors files the engine loaded its weights from (absolute paths): the recovery source a
     capture pins. Empty: this engine has none, and restores need the native pack."""
+    recovery_plan: Callable[[], "RecoveryPlan | None"] | None = None
+    """The recovery plan the engine's load recorded (:mod:`coldsnap.agent.weight_copies`), asked for at
+    prepare; written beside the packs with its gap pack, so recovery restores skip ``replay_weights``."""
     replay_weights: Callable[[list[str]], int] | None = None
     """Recovery: fill the mapped ``weights`` region from these safetensors files the engine's own way
     (e.g. through its weight loaders, when its tensors are not the files' tensors by name); returns the
@@ -271,8 +275,9 @@ class AgentServer:
                 if self.collectives is not None:
                     assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                     self.collectives.teardown(rendezvous, seconds)
+                plan = self.hooks.recovery_plan() if self.hooks.recovery_plan is not None else None
                 packs = self.memory.release(seconds, pack_dir, progress.phase("writing the native pack"),
-                                            self._before_release, write_payload=command.native)
+                                            self._before_release, write_payload=command.native, recovery_plan=plan)
             except BaseException:
                 self.serving_lock.release()
                 raise
@@ -289,7 +294,9 @@ class AgentServer:
             layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=_rss_bytes(),
             device_bytes=_torch_device_bytes(), device_bytes_before_empty=reserved_before_empty,
             device_bytes_allocated=_torch_device_bytes(allocated=True), regions=self._regions(), graphs_released=list(self.graphs_released),
-            recovery_files=list(self.hooks.recovery_files))
+            recovery_files=list(self.hooks.recovery_files),
+            recovery_plan=PackRef(**packs["recovery_plan"]) if "recovery_plan" in packs else None,
+            recovery_gap=PackRef(**packs["recovery_gap"]) if "recovery_gap" in packs else None)
 
     def _drain(self, rendezvous: "Rendezvous | None", seconds: dict[str, float]) -> None:
         """Stop serving. Ranks > 0 only follow rank 0's requests, and one may be waiting in a collective
@@ -367,7 +374,8 @@ class AgentServer:
                 prefilled = self._take_prefill(usable, seconds)
                 hydrated = self.memory.restore(
                     seconds, layout_digest=command.layout_digest, payload=command.payload, residual=command.residual,
-                    safetensors=command.safetensors, replay=self.hooks.replay_weights, adopted=command.adopted, fds=fds,
+                    safetensors=command.safetensors, recovery_plan=command.recovery_plan, recovery_gap=command.recovery_gap,
+                    replay=self.hooks.replay_weights, adopted=command.adopted, fds=fds,
                     staged=command.staged, pinned=usable, prefilled=prefilled,
                     progress=progress.phase("hydrating weights"))
             finally:

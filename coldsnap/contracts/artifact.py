@@ -122,6 +122,13 @@ class WorkerRecord(Contract):
     """The safetensors the engine loaded the weights from, replayed into the captured layout (plus the
     residual) when the payload is missing, fails verification or ``weights.mode`` is ``recovery``;
     ``None`` when the engine reported none."""
+    recovery_plan: FileRef | None = None
+    """Which byte ranges of ``recovery`` land unchanged where in the captured layout, recorded while the
+    engine loaded them (:mod:`coldsnap.hydrate.recovery_plan`): a recovery restore streams them through
+    the hydration engine instead of the engine's loaders. ``None``: the engine's loaders replay them."""
+    recovery_gap: FileRef | None = None
+    """With ``recovery_plan``: the payload's bytes the plan does not cover (transformed weights, padding),
+    a residual-format pack; plan + gap cover the payload's extents exactly."""
 
 
 class UnitRecord(Contract):
