@@ -163,8 +163,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
             copies, self.copies = self.copies, None
             try:
                 ProcessState.recovery_plan = copies.plan(ProcessState.recovery_files, offsets, placed.region)
-                log.info("coldsnap: recovery plan: %d byte ranges of the safetensors land unchanged in the weights "
-                         "region (%d bytes)", len(ProcessState.recovery_plan.copies),
+                log.info("coldsnap: recovery plan: %d of the %d copies vLLM's loaders made land unchanged in the "
+                         "weights region (%d bytes)", len(ProcessState.recovery_plan.copies), copies.recorded,
                          sum(c.length for c in ProcessState.recovery_plan.copies))
             except Exception as exc:  # noqa: BLE001 - without a plan, recovery replays through vLLM's loaders
                 log.warning("coldsnap: no recovery plan (%s); recovery restores replay through vLLM's loaders", exc)

@@ -562,6 +562,8 @@ class RestoreSequence:
                 hydrated = resumed.hydrate
                 span.update({f"{prefix}bytes": hydrated.bytes, f"{prefix}source": hydrated.source,
                              f"{prefix}staged": hydrated.staged, f"{prefix}pinned": hydrated.stats.get("pinned") is True})
+                if hydrated.source == "recovery":  # by the recovery plan, or through the engine's loaders
+                    span[f"{prefix}planned"] = hydrated.stats.get("planned") is True
                 span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.seconds.items()})
                 if resumed.graphs_recaptured:
                     span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)

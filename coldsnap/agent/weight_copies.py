@@ -49,6 +49,10 @@ class WeightCopyRecorder:
                 self._yielded.append((tensor.data_ptr(), tensor.nbytes, name))
             yield name, tensor
 
+    @property
+    def recorded(self) -> int:
+        return len(self._copies)
+
     def _note(self, destination: Any, source: Any) -> None:
         if (source.device.type != "cpu" or destination.dtype != source.dtype or destination.nbytes != source.nbytes
                 or not destination.is_contiguous() or not source.is_contiguous() or not source.nbytes):

@@ -7,7 +7,7 @@ For tests, ``coldsnap demo --engine vllm|sglang`` and the engine benchmarks on m
 chat-free ``tokenizer_config.json``. The same seed gives the same files (the tokenizer's merges are
 learned from a fixed text).
 
-``--shape tiny`` (default): 2 layers, hidden 128, float32, one ``model.safetensors``.
+``--shape tiny`` (default): 2 layers, hidden 128, float32 (``--dtype bfloat16``: bfloat16), one ``model.safetensors``.
 ``--shape 8b``: Llama-3-8B's geometry (hidden 4096, 32 layers, 32 heads / 8 KV heads, intermediate
 14336, vocab 128256), bf16, ~16 GB in 5 GB shards with ``model.safetensors.index.json``; the weights
 are drawn on ``--device`` (default cuda when there is one: the 8 billion draws take seconds there) and
@@ -72,7 +72,7 @@ def _tokenizer(directory: Path, vocab_size: int, model_vocab_size: int | None = 
     return fast
 
 
-def build_tiny_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
+def build_tiny_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512, dtype: str = "float32") -> Path:
     """Write the model into ``directory`` (created); returns it. Idempotent for the same seed."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -85,9 +85,9 @@ def build_tiny_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512,
                          bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-                         tie_word_embeddings=False, torch_dtype="float32")
+                         tie_word_embeddings=False, torch_dtype=dtype)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(getattr(torch, dtype))  # (drawn in float32 either way: same values, rounded)
     model.save_pretrained(directory, safe_serialization=True)
     (directory / "coldsnap-tiny-model.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab_size}) + "\n")
     return directory
@@ -164,11 +164,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--shape", choices=SHAPES, default="tiny", help="tiny (default) or 8b (Llama-3-8B geometry)")
     parser.add_argument("--device", help="8b: where the weights are drawn (default cuda when there is one)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="tiny: the checkpoint's dtype (bfloat16: what vLLM runs it in, so its loaders copy the "
+                             "files' bytes unchanged; 8b is always bfloat16)")
     args = parser.parse_args(argv)
     if args.shape == "8b":
         print(build_llama_8b_shape(args.directory, args.seed, args.device))
     else:
-        print(build_tiny_llama(args.directory, args.seed))
+        print(build_tiny_llama(args.directory, args.seed, dtype=args.dtype))
     return 0
 
 

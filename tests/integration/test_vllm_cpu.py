@@ -118,7 +118,9 @@ def served(command: list[str], port: int, log: Path, env: dict | None = None):
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run([str(VENV / "bin" / "python"), "-m", "coldsnap.workloads.tiny_llama", str(directory)], check=True,
+    # bfloat16, as vLLM runs it: its loaders then copy the files' bytes unchanged (a recovery plan covers them)
+    subprocess.run([str(VENV / "bin" / "python"), "-m", "coldsnap.workloads.tiny_llama", str(directory), "--dtype",
+                    "bfloat16"], check=True,
                    capture_output=True, timeout=300)
     return directory
 
@@ -379,15 +381,19 @@ def test_a_warm_standby_wakes_to_vllms_default_loader_answers(captured, referenc
 
 
 def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, reference, tmp_path):
-    """The capture pinned the safetensors vLLM loaded; `--weights recovery` refills the weights region
-    through vLLM's own weight loaders in the restored worker, and `auto` does so when the pack is gone."""
+    """The capture pinned the safetensors vLLM loaded and recorded where their bytes landed: `--weights
+    recovery` streams them into the weights region by that plan (plus its gap pack), `auto` does so when
+    the pack is gone, and without a usable plan vLLM's own weight loaders refill the region."""
     artifact, port, root = captured
     worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
     assert [p["path"] for p in worker["recovery"]] == [str((model / "model.safetensors").resolve())]
-    copy = tmp_path / "artifact"
+    assert worker["recovery_plan"] and worker["recovery_gap"]
+    copy, unplanned = tmp_path / "artifact", tmp_path / "unplanned"
     shutil.copytree(artifact, copy)
     next((copy / "payload").glob("*.pack")).unlink()
-    for directory, flags in ((artifact, ("--weights", "recovery")), (copy, ())):
+    shutil.copytree(artifact, unplanned)
+    (unplanned / worker["recovery_plan"]["path"]).unlink()
+    for directory, flags in ((artifact, ("--weights", "recovery")), (copy, ()), (unplanned, ("--weights", "recovery"))):
         receipt_path = tmp_path / f"{directory.name}-{len(flags)}.json"
         result = coldsnap("restore", str(directory), *flags, "--receipt-json", str(receipt_path))
         try:
@@ -396,7 +402,8 @@ def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, ref
             receipt = json.loads(receipt_path.read_text())
             spans = {s["name"]: s["attributes"] for s in receipt["timing"]["spans"]}
             assert spans["restore.resume"]["source"] == "recovery", spans["restore.resume"]
-            assert bool(receipt["warnings"]) == (directory == copy)  # auto says it fell back
+            assert spans["restore.resume"]["planned"] is (directory != unplanned)
+            assert bool(receipt["warnings"]) == (directory != artifact)  # auto fell back; the plan was unusable
         finally:
             stop_restored(artifact, port)
 
