@@ -236,7 +236,7 @@ def test_capture_refuses_a_directory_with_an_artifact(captured):
 def test_failed_capture_commits_nothing(tmp_path):
     port = _free_port()
     out = tmp_path / "artifact"
-    result = coldsnap("capture", "--out", str(out), "--receipt-json", "-", "--",
+    result = coldsnap("capture", "--engine", "torch-lm", "--out", str(out), "--receipt-json", "-", "--",
                       sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "capture.launch"
@@ -245,7 +245,7 @@ def test_failed_capture_commits_nothing(tmp_path):
     kept = tmp_path / "existing"
     kept.mkdir()
     (kept / "notes.txt").write_text("the operator's")
-    result = coldsnap("capture", "--out", str(kept), "--receipt-json", "-", "--",
+    result = coldsnap("capture", "--engine", "torch-lm", "--out", str(kept), "--receipt-json", "-", "--",
                       sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
     assert result.returncode == 1
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # only what it created is removed
@@ -278,7 +278,7 @@ def test_friendly_usage_errors():
     no_port = coldsnap("capture", "--out", "/tmp/x", "--", "true")
     assert no_port.returncode == 2 and b"serving port" in no_port.stderr
     missing = coldsnap("restore", "/nonexistent/artifact")
-    assert missing.returncode == 2 and b"not a coldsnap artifact directory" in missing.stderr
+    assert missing.returncode == 2 and missing.stderr == b"coldsnap restore: /nonexistent/artifact does not exist\n"
 
 
 def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):
