@@ -46,7 +46,9 @@ ERROR_CODES: dict[str, str] = {
     "admission.kernel": "another kernel release, with compatibility.kernel=exact",
     "admission.cuda": "the artifact needs a GPU and the CUDA checkpoint API, which this host lacks",
     "admission.driver_floor": "the NVIDIA driver is below the snapshot driver's floor or the captured one",
-    "admission.gpu": "another GPU model or compute capability than the capture's",
+    "admission.gpu": "another GPU model or compute capability than the capture's; the GPUs asked for (`--gpu`) are "
+                     "not on this host, or fewer than the image's ranks; or `--gpu` for an artifact captured "
+                     "without a GPU",
     "admission.criu": "CRIU is missing, too old, or `criu check` fails",
     "admission.host_thp": "--host-thp (COLDSNAP_HOST_THP=always) was asked, and the host's transparent-huge-page "
                           "mode cannot be read or set (needs root and a kernel with THP)",

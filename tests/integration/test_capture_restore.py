@@ -159,6 +159,18 @@ def test_prepare_only_detects_a_taken_port_and_starts_nothing(captured):
     assert replica_members(artifact) == []
 
 
+def test_gpu_is_refused_for_an_artifact_captured_without_one(captured):
+    """A CPU capture restores on the CPU: ``--gpu 3`` would be silently ignored, so admission refuses it."""
+    artifact, _, _, _ = captured
+    result = coldsnap("restore", str(artifact), "--prepare-only", "--gpu", "3", "--receipt-json", "-")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["error"] == {
+        "code": "admission.gpu", "message": f"GPU 3 asked for (--gpu), but {artifact.resolve()} was captured without "
+                                            "a GPU: it restores on the CPU, as captured; restore it without --gpu"}
+    assert replica_members(artifact) == []
+    assert coldsnap("restore", str(artifact), "--prepare-only").returncode == 0  # without --gpu it is admitted
+
+
 def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
     artifact, port, _, _ = captured
     copy = tmp_path / "artifact"
