@@ -19,12 +19,18 @@ ERROR_CODES: dict[str, str] = {
     "internal": "a bug: the message names the exception; nothing the operation started is left running",
     # Capture
     "capture.topology": "the request's workers do not match the engine's ranks, or more than one launch unit",
-    "capture.port": "the unit has no serving port for the canary",
+    "capture.port": "the unit has no serving port for the canary, or something already listens on it",
     "capture.exists": "the output directory already holds a committed artifact",
-    "capture.launch": "the serving command could not be started, or exited before its agents answered",
+    "capture.launch": "the serving command could not be started, or exited before it was ready (the message has "
+                      "its exit status or signal and the last lines of its log)",
     "capture.ready": "the engine's agents or HTTP server did not become ready within the timeout",
+    "capture.agent": "the engine's HTTP port answers but no coldsnap agent did within 60 s of it: the engine runs "
+                     "without coldsnap (vLLM / SGLang without `--load-format coldsnap`, or coldsnap not installed "
+                     "in the engine's Python environment)",
     "capture.canary": "the engine did not answer the canary prompt",
     "capture.prepare": "a rank's agent could not drain, release its graphs and memory, tear down NCCL or write its packs",
+    "capture.connections": "the serving tree holds TCP connections to peers outside it (each named), which no "
+                           "restore could take up again; nothing was checkpointed",
     "capture.driver_floor": "the NVIDIA driver is below the snapshot driver's floor",
     "capture.template": "n580: the template launcher exited or did not reach its pre-CUDA boundary (a preloaded "
                         "module failed to import?)",

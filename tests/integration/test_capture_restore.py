@@ -251,7 +251,8 @@ def test_failed_capture_commits_nothing(tmp_path):
     result = coldsnap("capture", "--engine", "torch-lm", "--out", str(out), "--receipt-json", "-", "--",
                       sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
     assert result.returncode == 1
-    assert json.loads(result.stdout)["error"]["code"] == "capture.launch"
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "capture.launch" and "exited with status 3" in error["message"]
     assert not out.exists()  # nothing of the failed capture left: it created the directory, it removed it
 
     kept = tmp_path / "existing"

@@ -17,7 +17,7 @@ def test_sigterm_during_capture(tmp_path):
         stderr=subprocess.PIPE,
     )
     line = launcher.stderr.readline()
-    while b"waiting for it to be ready" not in line:
+    while b"waiting for its coldsnap agent" not in line:
         assert line, "capture ended before it waited for the command"
         line = launcher.stderr.readline()
     launcher.send_signal(signal.SIGTERM)
