@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, get_args
+from typing import Any, Callable, NoReturn, get_args
 
 from coldsnap import __version__
 from coldsnap.contracts.base import ContractError, decode_document, parse_strict_json
@@ -202,13 +202,20 @@ file, a name that is not <sha256>.pack/.residual without --expected, a malformed
 """
 
 
-def _infer_engine(command: list[str]) -> str:
+# What a serving command's first words say about its engine (`vllm serve`, `python -m vllm...`,
+# `python -m sglang.launch_server`, `python -m coldsnap.workloads.torch_lm`); anything else needs --engine.
+ENGINE_MARKERS: tuple[tuple[str, str], ...] = (
+    ("vllm", "vllm"),
+    ("sglang", "sglang"),
+    ("coldsnap.workloads.torch_lm", "torch-lm"),
+    ("coldsnap/workloads/torch_lm", "torch-lm"),
+)
+
+
+def _infer_engine(command: list[str]) -> str | None:
+    """The engine ``command`` runs, when its first words name one this build knows; else None."""
     text = " ".join(command[:4])
-    if "vllm" in text:
-        return "vllm"
-    if "sglang" in text:
-        return "sglang"
-    return "torch-lm"
+    return next((engine for marker, engine in ENGINE_MARKERS if marker in text), None)
 
 
 def _served_model(command: list[str]) -> str | None:
@@ -245,7 +252,6 @@ def _capture_request(args: argparse.Namespace) -> dict:
     port = args.port or _option_value(command, "--port")
     if port is None:
         raise UsageError("cannot tell the serving port: pass --port P (or give the command a --port option)")
-    engine = args.engine or _infer_engine(command)
     ranks = args.ranks
     if ranks is None:
         given = next((v for v in (_option_value(command, o) for o in TP_OPTIONS) if v is not None), "1")
@@ -255,6 +261,10 @@ def _capture_request(args: argparse.Namespace) -> dict:
             raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
     if ranks < 1:
         raise UsageError("--ranks must be at least 1")
+    engine = args.engine or _infer_engine(command)
+    if engine is None:  # the request names its engine, and a wrong one would mislabel every progress line
+        raise UsageError(f"cannot tell the engine of `{' '.join(command[:4])}`: pass --engine, one of the engines "
+                         f"this build knows: {', '.join(sorted(ENGINE_ADAPTERS))}")
     model = args.model or _option_value(command, "--model") or _option_value(command, "--model-path") or _served_model(command)
     if model is None and engine == "torch-lm":
         model = f"coldsnap-torch-lm-{_option_value(command, '--size') or 'tiny'}"
@@ -279,13 +289,29 @@ def capture_request(arguments: list[str]) -> dict:
     return _capture_request(build_parser().parse_args(["capture", *arguments]))
 
 
+def _captured_request(directory: Path) -> dict:
+    """The artifact's ``request.json`` (what its capture ran), or a :class:`UsageError` saying in plain
+    words why ``directory`` is not an artifact. Admission checks the rest (``admission.artifact``)."""
+    if not directory.exists():
+        raise UsageError(f"{directory} does not exist")
+    if not directory.is_dir():
+        raise UsageError(f"{directory} is not a directory: give the artifact directory `coldsnap capture --out` wrote")
+    try:
+        return json.loads((directory / "request.json").read_text())
+    except OSError as exc:
+        if not (directory / "artifact.json").exists():
+            raise UsageError(f"{directory} is not a coldsnap artifact (no artifact.json): capture one with "
+                             f"`coldsnap capture --out {directory} -- CMD ...`") from None
+        raise UsageError(f"{directory} is a damaged artifact: its request.json cannot be read "
+                         f"({exc.strerror or exc}); capture it again") from None
+    except ValueError:
+        raise UsageError(f"{directory} is a damaged artifact: its request.json is not JSON; capture it again") from None
+
+
 def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
     """The request of ``operation`` (restore, warm, wake) on an artifact: its capture's, re-aimed."""
     directory = Path(args.artifact).resolve()
-    try:
-        captured = json.loads((directory / "request.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"{directory}: not a coldsnap artifact directory (request.json: {exc})") from None
+    captured = _captured_request(directory)
     captured.update(operation=operation, operation_id=args.operation_id or time.strftime(f"{operation}-%Y%m%dT%H%M%S"),
                     artifact=str(directory))
     if operation == "restore":
@@ -324,10 +350,10 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
         else:
             source, data = "flags", json.dumps(build(args)).encode()
     except UsageError as exc:
-        print(f"coldsnap: {exc}", file=sys.stderr)
+        print(f"coldsnap {operation}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"coldsnap: {args.request_json}: cannot read: {exc.strerror or exc}", file=sys.stderr)
+        print(f"coldsnap {operation}: {args.request_json}: cannot read: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
 
     def body(context):
@@ -484,8 +510,17 @@ def _add_state_dir_flag(p: argparse.ArgumentParser) -> None:
                    "$XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or /tmp/coldsnap-<uid>")
 
 
+class CommandParser(argparse.ArgumentParser):
+    """argparse with a bad argument reported in one line and a pointer to ``--help``, not the whole usage
+    block before it; exit status 2 as argparse's own. Subcommands' parsers are of this class too
+    (``add_subparsers`` makes them of the parent's class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\nsee {self.prog} --help\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="coldsnap", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=f"coldsnap {__version__}")
@@ -567,8 +602,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="artifact directory (must not hold a committed artifact)")
     p.add_argument("--port", type=int, help="serving port (default: the command's --port)")
     # The contract's names stay choices, so that one this build lacks is refused by name (request.unsupported).
-    p.add_argument("--engine", choices=get_args(EngineName), help="engine adapter (default: from the command; "
-                   f"implemented in this build: {', '.join(sorted(ENGINE_ADAPTERS))})")
+    p.add_argument("--engine", choices=get_args(EngineName), help="engine adapter (default: from the command when it "
+                   "runs vllm, sglang or coldsnap.workloads.torch_lm; needed otherwise; implemented in this build: "
+                   f"{', '.join(sorted(ENGINE_ADAPTERS))})")
     p.add_argument("--driver", choices=get_args(SnapshotDriverName), default="n610",
                    help="snapshot driver: n610 (default) captures the initialized serving process, CUDA state "
                    "included (NVIDIA driver 610+); n580 captures a template launcher stopped before the engine "

@@ -12,15 +12,17 @@ Each step is a method of :class:`CaptureSequence` with its own span and error co
 
 from __future__ import annotations
 
+import errno
 import functools
 import platform
+import socket
 import time
 from pathlib import Path
 from typing import Any, ContextManager, Literal
 
 from coldsnap.activation.artifact_dir import ArtifactDir, file_ref, sha256_file
-from coldsnap.activation.engine_process import (Canary, EngineProcess, LaunchError, ServingTree, ask_canary,
-                                                wait_for_agent, wait_for_http)
+from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
+                                                ask_canary, wait_for_agent, wait_for_http)
 from coldsnap.activation.port_lock import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
@@ -30,7 +32,6 @@ from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryRecord, Pinne
 from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.layout import SemanticManifest
-from coldsnap.activation.replica import port_free
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
@@ -45,9 +46,24 @@ RESTORE_CANARY_TOKENS = 2
 """Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
 one decode step (KV cache read back, the decode CUDA graph replayed)."""
 
-__all__ = ["capture", "READY_TIMEOUT_S"]
+__all__ = ["capture", "READY_TIMEOUT_S", "AGENT_AFTER_HTTP_S"]
 
 READY_TIMEOUT_S = 900.0
+
+AGENT_AFTER_HTTP_S = 60.0
+"""How long a capture waits for the coldsnap agent once the engine's HTTP port answers (``capture.agent``
+after that). An engine starts its agent while it loads the model, before its HTTP server comes up, so
+an HTTP server without an agent is an engine running without coldsnap, and no wait would bring one."""
+
+# Why an engine of each kind runs without its coldsnap agent, and what to do about it.
+AGENT_MISSING_CAUSES: dict[str, str] = {
+    "vllm": "vLLM runs without coldsnap: start it with `--load-format coldsnap`, and install coldsnap in vLLM's own "
+            "Python environment (its plugin coldsnap_vllm loads through the `vllm.general_plugins` entry point)",
+    "sglang": "SGLang runs without coldsnap: start it with `--load-format coldsnap`, and install coldsnap in SGLang's "
+              "own Python environment (its plugin coldsnap_sglang loads through the `sglang.srt.plugins` entry point)",
+    "torch-lm": "the command does not start coldsnap's agent: the reference workload (`python -m "
+                "coldsnap.workloads.torch_lm`) does, through `coldsnap.agent.attach`; for vLLM or SGLang pass --engine",
+}
 
 
 def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
@@ -64,14 +80,26 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
     # One operation per port: a restore or capture onto it meanwhile loses at its admission.
     port = request_.units[0].serving_port
     hold_port(context, port, str(artifact.root), code="capture.port")
-    if not port_free(port):
-        raise OperationFailed("capture.port", f"serving port {port} is taken on this host: stop what listens there "
-                              "or capture onto another port")
+    if _port_taken(port):  # the canary would ask whatever holds it
+        raise OperationFailed("capture.port", f"serving port {port} is taken: stop what listens there, or serve on "
+                              "another port")
     if request_.snapshot_driver == "n580":
         from coldsnap.activation.n580 import TemplateCapture
 
         return TemplateCapture(context, artifact, ready_timeout).run()
     return CaptureSequence(context, artifact, ready_timeout).run()
+
+
+def _port_taken(port: int) -> bool:
+    """Whether a socket is bound to ``port`` on the loopback address now (a privileged port this user may
+    not bind is not taken: the engine's own bind says so)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 class CaptureSequence:
@@ -87,6 +115,7 @@ class CaptureSequence:
         self.unit = self.request.units[0]
         self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
         self.ready_timeout = ready_timeout
+        self.agent_after_http = AGENT_AFTER_HTTP_S
         self.before: set[str] | None = None  # the output directory's entries before (None: it did not exist)
         self.engine: ServingTree | None = None
         self.dumped = False
@@ -118,6 +147,7 @@ class CaptureSequence:
             self.wait_until_ready()
             self.record_canary()
             self.prepare_ranks()
+            self.refuse_outside_connections()
             self.checkpoint_cuda()
             self.dump()
             self.commit()
@@ -137,31 +167,46 @@ class CaptureSequence:
             artifact.clear_uncommitted([unit.unit_id])
             self.engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), dict(unit.env))
             span["pid"] = self.engine.pid
-        self.context.progress(f"started {unit.command[0]} (pid {self.engine.pid}); waiting for it to be ready")
+        self.context.progress(f"started {unit.command[0]} (pid {self.engine.pid}); waiting for its coldsnap agent "
+                              f"and for HTTP on port {self.port}")
 
     def wait_until_ready(self) -> None:
-        """Every rank's agent answers (the engine runs as many ranks as the request lists), then HTTP."""
+        """Rank 0's agent, with the HTTP port polled meanwhile (answering while no agent has for
+        :data:`AGENT_AFTER_HTTP_S`: ``capture.agent``), then every other rank's agent (the engine runs as
+        many ranks as the request lists), then HTTP ``/health``."""
         engine, world = self.engine, len(self.workers)
         assert engine is not None
         with self.step("capture.ready", "capture.ready") as span:
             self.controls = [rank_control(engine.control, w.rank) for w in self.workers]
             try:
-                status = wait_for_agent(engine.control, engine.alive, self.ready_timeout)
+                status = wait_for_agent(engine.control, engine.alive, self.ready_timeout, http_port=self.port,
+                                        agent_after_http=self.agent_after_http, on_http=lambda: self.context.progress(
+                                            f"HTTP answers on port {self.port}; waiting for the coldsnap agent (at "
+                                            f"most {self.agent_after_http:.0f} s more)"))
                 if status.world_size != world:
                     raise OperationFailed("capture.topology", f"the engine runs {status.world_size} rank(s), the "
                                           f"request lists {world} worker(s): capture with one worker per rank "
                                           "(coldsnap capture --ranks N)")
                 self.statuses = [status] + [wait_for_agent(control, engine.alive, self.ready_timeout)
                                             for control in self.controls[1:]]
+                self.context.progress(f"coldsnap agent answered ({world} rank(s)); waiting for HTTP /health on "
+                                      f"port {self.port}")
                 wait_for_http(self.port, engine.alive, self.ready_timeout)
+            except AgentMissing as exc:
+                raise OperationFailed("capture.agent", f"{exc}: {AGENT_MISSING_CAUSES[self.request.engine]}") from None
             except LaunchError as exc:
-                code = "capture.ready" if engine.alive() else "capture.launch"  # timed out, or the engine died
-                raise OperationFailed(code, f"{exc}{self._last_log_line()}") from None
+                if engine.alive():  # timed out
+                    raise OperationFailed("capture.ready", f"{exc}{self._last_log_line()}") from None
+                ended = engine.ended() if isinstance(engine, EngineProcess) else None
+                raise OperationFailed("capture.launch", f"{exc}{f': the command {ended}' if ended else ''}"
+                                      f"{self._last_log_line(3)}") from None
             span["ranks"] = world
 
-    def _last_log_line(self) -> str:
-        tail = self.engine.log_tail() if self.engine is not None else ""
-        return f" | engine log: {tail.splitlines()[-1]}" if tail else ""
+    def _last_log_line(self, lines: int = 1) -> str:
+        """The engine log's last ``lines`` non-blank lines, for a receipt's message."""
+        tail = self.engine.log_tail(lines + 10) if self.engine is not None else ""
+        last = [line.strip() for line in tail.splitlines() if line.strip()][-lines:]
+        return f" | engine log: {' | '.join(last)}" if last else ""
 
     def record_canary(self) -> None:
         """The canary's answer, and where the engine gives them, its prefill's top-1 predictions at every
@@ -203,6 +248,21 @@ class CaptureSequence:
                              f"{prefix}rss_bytes": prepared.rss_bytes})
                 if prepared.graphs_released:
                     span[f"{prefix}graphs_released"] = ",".join(prepared.graphs_released)
+
+    def refuse_outside_connections(self) -> None:
+        """No TCP connection to a peer outside the tree: a restore could not take it up again (the peer
+        moved on, and every replica would hold the same connection). Refused while the tree still runs,
+        before the CUDA checkpoint and the dump, so the unwind only kills it. Connections between the
+        tree's own processes are dumped with it (see :meth:`dump`)."""
+        assert self.engine is not None
+        with self.step("capture.connections", "capture.connections") as span:
+            connections = tcp_connections(tree_pids(self.engine.pid))
+            span["connected"] = connections.connected
+            if connections.outside:
+                raise OperationFailed("capture.connections", f"the serving tree holds {len(connections.outside)} TCP "
+                                      "connection(s) to peers outside it, which no restore could take up again: "
+                                      f"{'; '.join(map(str, connections.outside))}; close them before the capture "
+                                      "(open them after a restore instead)")
 
     def checkpoint_cuda(self) -> None:
         """n610: the initialized CUDA state goes into the image; weights and KV were released, so only
@@ -249,6 +309,7 @@ class CaptureSequence:
             # No connected TCP socket (the canary's connection is closed): no --tcp-established and no
             # network lock, which saves nftables work at dump and at every restore. Connections whose
             # peers are all the tree's own (torch.distributed's store at TP 1): no network lock either.
+            # (Outside peers were refused before the checkpoint; one opened since gets the lock.)
             connections = tcp_connections(pids)
             tcp: Literal["established", "none"] = "established" if connections.connected else "none"
             lock: Literal["nftables", "skip"] = "nftables" if connections.outside else "skip"

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,11 +20,16 @@ from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import CONTROL_ENV, StatusReply
 from coldsnap.snapshot.process_tree import kill_tree
 
-__all__ = ["EngineProcess", "ServingTree", "LaunchError", "Canary", "ask_canary", "wait_for_agent", "new_control_name"]
+__all__ = ["EngineProcess", "ServingTree", "LaunchError", "AgentMissing", "Canary", "ask_canary", "wait_for_agent",
+           "wait_for_http", "http_status", "new_control_name"]
 
 
 class LaunchError(RuntimeError):
     """The serving process did not come up (exited, or not ready in time)."""
+
+
+class AgentMissing(LaunchError):
+    """The serving process answers HTTP, but no coldsnap agent answered: it runs without coldsnap."""
 
 
 def new_control_name() -> str:
@@ -30,16 +37,29 @@ def new_control_name() -> str:
     return f"@coldsnap-agent-{uuid.uuid4().hex[:16]}"
 
 
-def wait_for_agent(control: str, alive: Callable[[], bool], timeout: float) -> StatusReply:
-    """Poll the agent's status until it answers (or the process dies, or time runs out)."""
+def wait_for_agent(control: str, alive: Callable[[], bool], timeout: float, http_port: int | None = None,
+                   agent_after_http: float = 60.0, on_http: Callable[[], None] | None = None) -> StatusReply:
+    """Poll the agent's status until it answers (or the process dies, or time runs out). With ``http_port``,
+    poll that port too: an engine starts its agent while it loads the model, before its HTTP server, so a
+    port that answers HTTP while no agent has for ``agent_after_http`` seconds is an engine running
+    without coldsnap (:class:`AgentMissing`); ``on_http`` is called once, when the port first answers."""
     deadline = time.monotonic() + timeout
+    http_since: float | None = None
     while True:
         try:
             return AgentClient(control, timeout=30).status()
         except (OSError, AgentError):
             if not alive():
                 raise LaunchError("the serving process exited before its coldsnap agent answered") from None
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if http_port is not None and http_since is None and http_status(http_port) is not None:
+                http_since = now
+                if on_http is not None:
+                    on_http()
+            if http_since is not None and now - http_since > agent_after_http:
+                raise AgentMissing(f"port {http_port} answers HTTP, but no coldsnap agent answered at {control} "
+                                   f"within {agent_after_http:.0f} s of it") from None
+            if now > deadline:
                 raise LaunchError(f"no coldsnap agent answered at {control} within {timeout:.0f} s "
                                   "(is the engine started with coldsnap's plugin / COLDSNAP_CONTROL?)") from None
             time.sleep(0.1)
@@ -100,15 +120,23 @@ def post_empty(port: int, path: str, timeout: float = 600.0) -> tuple[float, dic
         return seconds, {"body": body.decode(errors="replace")}
 
 
+def http_status(port: int, timeout: float = 5.0) -> int | None:
+    """The HTTP status ``GET /health`` gets on the local ``port`` (an error status too); None when nothing
+    answers HTTP there."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:  # an answer all the same (http.server's 404)
+        return int(exc.code)
+    except (OSError, http.client.HTTPException):  # URLError is an OSError; a reply that is not HTTP
+        return None
+
+
 def wait_for_http(port: int, alive: Callable[[], bool], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (OSError, urllib.error.URLError):
-            pass
+        if http_status(port) == 200:
+            return
         if not alive():
             raise LaunchError("the serving process exited before it answered /health")
         if time.monotonic() > deadline:
@@ -159,6 +187,20 @@ class EngineProcess:
 
     def alive(self) -> bool:
         return self.process.poll() is None
+
+    def ended(self) -> str | None:
+        """How the command ended, in words (``exited with status 3``, ``was killed by signal 9 (SIGKILL)``);
+        None while it runs."""
+        status = self.process.poll()
+        if status is None:
+            return None
+        if status < 0:
+            try:
+                name = f" ({signal.Signals(-status).name})"
+            except ValueError:
+                name = ""
+            return f"was killed by signal {-status}{name}"
+        return f"exited with status {status}"
 
     def log_tail(self, lines: int = 15) -> str:
         try:

@@ -19,7 +19,8 @@ from coldsnap.snapshot.cuda_checkpoint import cuda_devices
 from coldsnap.snapshot.replica import (PortGeneration, tree_sockets, namespace_socket_names, path_socket_names,
                                        port_generation, probe_abstract_names, probe_binds, probe_path_sockets)
 
-__all__ = ["Replica", "plan_replica", "GpuPlacement", "gpu_placement", "gpu_remap", "port_free", "serving_port"]
+__all__ = ["Replica", "plan_replica", "GpuPlacement", "gpu_placement", "gpu_remap", "captured_visible_devices",
+           "refuse_gpus_for_a_cpu_artifact", "port_free", "serving_port"]
 
 
 def port_free(port: int) -> bool:
@@ -170,6 +171,25 @@ def gpu_remap(captured: list[str], captured_visible: str | None, current: list[s
     return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(gpu) for i, gpu in enumerate(target)})
 
 
+def captured_visible_devices(artifact: ArtifactDir) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` the capture gave the engine (None: unset, or no readable request)."""
+    try:
+        captured_request = json.loads(artifact.request_path.read_text())
+        return (captured_request.get("units") or [{}])[0].get("env", {}).get("CUDA_VISIBLE_DEVICES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def refuse_gpus_for_a_cpu_artifact(context: OperationContext, artifact: ArtifactDir, gpu_model: str | None) -> None:
+    """``admission.gpu`` when the request places the engine on GPUs (``--gpu``: a ``CUDA_VISIBLE_DEVICES``
+    other than the capture's) and the artifact was captured without a GPU (no ``gpu_model`` recorded):
+    nothing of it would run there, so admitting it would promise what the restore does not do."""
+    asked = context.request.units[0].env.get("CUDA_VISIBLE_DEVICES")
+    if gpu_model is None and asked is not None and asked != captured_visible_devices(artifact):
+        raise OperationFailed("admission.gpu", f"GPU {asked} asked for (--gpu), but {artifact.root} was captured "
+                              "without a GPU: it restores on the CPU, as captured; restore it without --gpu")
+
+
 def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> GpuPlacement:
     """This restore's :class:`GpuPlacement` (``admission.gpu`` when the request's GPUs are not there):
     the request's ``CUDA_VISIBLE_DEVICES`` (``--gpu``) against the capture's."""
@@ -177,12 +197,8 @@ def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: Cap
     if not metadata.gpu_pids:
         return GpuPlacement(pairs=[], launcher_ordinals={})
     try:
-        captured_request = json.loads(artifact.request_path.read_text())
-        captured_visible = (captured_request.get("units") or [{}])[0].get("env", {}).get("CUDA_VISIBLE_DEVICES")
-    except (OSError, ValueError, AttributeError):
-        captured_visible = None
-    try:
-        return gpu_remap(metadata.gpu_uuids, captured_visible, [d["uuid"] for d in cuda_devices(host_cache_dir())],
+        return gpu_remap(metadata.gpu_uuids, captured_visible_devices(artifact),
+                         [d["uuid"] for d in cuda_devices(host_cache_dir())],
                          context.request.units[0].env.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         raise OperationFailed("admission.gpu", str(exc)) from None

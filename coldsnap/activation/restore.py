@@ -31,7 +31,8 @@ from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.gpu_memory import admit_gpu_memory
 from coldsnap.activation.port_lock import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.activation.replica import GpuPlacement, Replica, gpu_placement, plan_replica, port_free, serving_port
+from coldsnap.activation.replica import (GpuPlacement, Replica, gpu_placement, plan_replica, port_free,
+                                        refuse_gpus_for_a_cpu_artifact, serving_port)
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
@@ -178,6 +179,7 @@ def admit(context: OperationContext, artifact: ArtifactDir
                                   f"request asks {context.request.engine}/{context.request.snapshot_driver}")
         if len(descriptor.units) != 1:
             raise OperationFailed("admission.topology", "this build restores one launch unit")
+        refuse_gpus_for_a_cpu_artifact(context, artifact, descriptor.platform.gpu_model)
     # `criu check` (~0.1 s) and the CUDA probe (~0.15 s: driver init) run in threads while the capsule's
     # images are checked; their spans are the waits, in the order their failures are reported.
     cache_dir = host_cache_dir()

@@ -22,10 +22,16 @@ ERROR_CODES: dict[str, str] = {
     "capture.port": "the unit has no serving port for the canary, or the port is taken or locked by another "
                     "operation (the message names its operation id and pid)",
     "capture.exists": "the output directory already holds a committed artifact",
-    "capture.launch": "the serving command could not be started, or exited before its agents answered",
+    "capture.launch": "the serving command could not be started, or exited before it was ready (the message has "
+                      "its exit status or signal and the last lines of its log)",
     "capture.ready": "the engine's agents or HTTP server did not become ready within the timeout",
+    "capture.agent": "the engine's HTTP port answers but no coldsnap agent did within 60 s of it: the engine runs "
+                     "without coldsnap (vLLM / SGLang without `--load-format coldsnap`, or coldsnap not installed "
+                     "in the engine's Python environment)",
     "capture.canary": "the engine did not answer the canary prompt",
     "capture.prepare": "a rank's agent could not drain, release its graphs and memory, tear down NCCL or write its packs",
+    "capture.connections": "the serving tree holds TCP connections to peers outside it (each named), which no "
+                           "restore could take up again; nothing was checkpointed",
     "capture.driver_floor": "the NVIDIA driver is below the snapshot driver's floor",
     "capture.template": "n580: the template launcher exited or did not reach its pre-CUDA boundary (a preloaded "
                         "module failed to import?)",
@@ -47,7 +53,9 @@ ERROR_CODES: dict[str, str] = {
     "admission.kernel": "another kernel release, with compatibility.kernel=exact",
     "admission.cuda": "the artifact needs a GPU and the CUDA checkpoint API, which this host lacks",
     "admission.driver_floor": "the NVIDIA driver is below the snapshot driver's floor or the captured one",
-    "admission.gpu": "another GPU model or compute capability than the capture's",
+    "admission.gpu": "another GPU model or compute capability than the capture's; the GPUs asked for (`--gpu`) are "
+                     "not on this host, or fewer than the image's ranks; or `--gpu` for an artifact captured "
+                     "without a GPU",
     "admission.gpu_memory": "a GPU the restore goes to has less free memory than the capsule's processes used there "
                             "while serving (needed vs free, per GPU)",
     "admission.criu": "CRIU is missing, too old, or `criu check` fails",

@@ -15,7 +15,9 @@ import json
 import os
 import shutil
 import signal
+import socket
 import stat
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +27,7 @@ from coldsnap.atomic import write_atomic
 from coldsnap.host import PF_EXITING, stat_fields
 from coldsnap.snapshot.shm import SHM_DIR, copy_sparse, restore_shm
 
-__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
            "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
@@ -320,11 +322,25 @@ def resident_bytes(pids: list[int]) -> int:
 
 
 @dataclass(frozen=True)
+class TcpConnection:
+    """One connected TCP socket of a tree: a process holding it, and its two ends."""
+
+    pid: int
+    """The first process of the tree (parents first) found holding the socket."""
+    local: str
+    """``address:port`` (an IPv6 address in brackets; an IPv4-mapped one as IPv4)."""
+    remote: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} holds {self.local} -> {self.remote}"
+
+
+@dataclass(frozen=True)
 class TcpConnections:
     """The connected (not listening) TCP sockets a tree holds: what needs CRIU's ``--tcp-established``."""
 
     connected: int
-    outside: int
+    outside: tuple[TcpConnection, ...]
     """Of them, those whose peer is not a socket of the tree (another process, another host): only these
     need CRIU's network lock while the tree is dumped, since the tree's own peers are frozen with it."""
 
@@ -339,11 +355,21 @@ def _endpoint(field: str) -> str:
     return f"{address[len(_V4_MAPPED):] if address.startswith(_V4_MAPPED) else address}:{port}"
 
 
+def _readable(endpoint: str) -> str:
+    """An :func:`_endpoint` as people write it: ``127.0.0.1:40000``, ``[::1]:40000``. The table prints
+    each 32-bit word of the address in the host's byte order."""
+    address, _, port = endpoint.partition(":")
+    packed = b"".join(int(address[i:i + 8], 16).to_bytes(4, sys.byteorder) for i in range(0, len(address), 8))
+    if len(packed) == 4:
+        return f"{socket.inet_ntop(socket.AF_INET, packed)}:{int(port, 16)}"
+    return f"[{socket.inet_ntop(socket.AF_INET6, packed)}]:{int(port, 16)}"
+
+
 def tcp_connections(pids: list[int]) -> TcpConnections:
-    """The connected TCP sockets of ``pids``, and how many of them have their peer outside ``pids``
+    """How many connected TCP sockets ``pids`` hold, and those of them whose peer is outside ``pids``
     (matched by endpoints in the tree's network namespace: a peer socket whose local end is this one's
     remote end and the other way round)."""
-    inodes: set[str] = set()
+    inodes: dict[str, int] = {}  # socket inode -> the first pid holding it
     for pid in pids:
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -352,11 +378,11 @@ def tcp_connections(pids: list[int]) -> TcpConnections:
                 except OSError:
                     continue
                 if target.startswith("socket:["):
-                    inodes.add(target[8:-1])
+                    inodes.setdefault(target[8:-1], pid)
         except OSError:
             continue
     if not inodes:
-        return TcpConnections(0, 0)
+        return TcpConnections(0, ())
     connected: dict[str, tuple[str, str]] = {}  # inode -> (local, remote)
     by_endpoints: dict[tuple[str, str], str] = {}  # (local, remote) -> inode, every socket of the namespace
     for pid in pids[:1]:  # one tree, one network namespace
@@ -374,5 +400,6 @@ def tcp_connections(pids: list[int]) -> TcpConnections:
                             connected[fields[9]] = (local, remote)
             except OSError:
                 continue
-    outside = sum(1 for local, remote in connected.values() if by_endpoints.get((remote, local)) not in inodes)
+    outside = tuple(TcpConnection(inodes[inode], _readable(local), _readable(remote))
+                    for inode, (local, remote) in connected.items() if by_endpoints.get((remote, local)) not in inodes)
     return TcpConnections(len(connected), outside)

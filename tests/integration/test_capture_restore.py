@@ -159,6 +159,18 @@ def test_prepare_only_detects_a_taken_port_and_starts_nothing(captured):
     assert replica_members(artifact) == []
 
 
+def test_gpu_is_refused_for_an_artifact_captured_without_one(captured):
+    """A CPU capture restores on the CPU: ``--gpu 3`` would be silently ignored, so admission refuses it."""
+    artifact, _, _, _ = captured
+    result = coldsnap("restore", str(artifact), "--prepare-only", "--gpu", "3", "--receipt-json", "-")
+    assert result.returncode == 1
+    assert json.loads(result.stdout)["error"] == {
+        "code": "admission.gpu", "message": f"GPU 3 asked for (--gpu), but {artifact.resolve()} was captured without "
+                                            "a GPU: it restores on the CPU, as captured; restore it without --gpu"}
+    assert replica_members(artifact) == []
+    assert coldsnap("restore", str(artifact), "--prepare-only").returncode == 0  # without --gpu it is admitted
+
+
 def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
     artifact, port, _, _ = captured
     copy = tmp_path / "artifact"
@@ -236,16 +248,17 @@ def test_capture_refuses_a_directory_with_an_artifact(captured):
 def test_failed_capture_commits_nothing(tmp_path):
     port = _free_port()
     out = tmp_path / "artifact"
-    result = coldsnap("capture", "--out", str(out), "--receipt-json", "-", "--",
+    result = coldsnap("capture", "--engine", "torch-lm", "--out", str(out), "--receipt-json", "-", "--",
                       sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
     assert result.returncode == 1
-    assert json.loads(result.stdout)["error"]["code"] == "capture.launch"
+    error = json.loads(result.stdout)["error"]
+    assert error["code"] == "capture.launch" and "exited with status 3" in error["message"]
     assert not out.exists()  # nothing of the failed capture left: it created the directory, it removed it
 
     kept = tmp_path / "existing"
     kept.mkdir()
     (kept / "notes.txt").write_text("the operator's")
-    result = coldsnap("capture", "--out", str(kept), "--receipt-json", "-", "--",
+    result = coldsnap("capture", "--engine", "torch-lm", "--out", str(kept), "--receipt-json", "-", "--",
                       sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
     assert result.returncode == 1
     assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # only what it created is removed
@@ -278,7 +291,7 @@ def test_friendly_usage_errors():
     no_port = coldsnap("capture", "--out", "/tmp/x", "--", "true")
     assert no_port.returncode == 2 and b"serving port" in no_port.stderr
     missing = coldsnap("restore", "/nonexistent/artifact")
-    assert missing.returncode == 2 and b"not a coldsnap artifact directory" in missing.stderr
+    assert missing.returncode == 2 and missing.stderr == b"coldsnap restore: /nonexistent/artifact does not exist\n"
 
 
 def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):

@@ -12,12 +12,12 @@ from tests.processes import group_members, launched_pid
 def test_sigterm_during_capture(tmp_path):
     receipt = tmp_path / "receipt.json"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "coldsnap", "capture", "--out", str(tmp_path / "artifact"), "--port", "1",
-         "--receipt-json", str(receipt), "--", sys.executable, "-c", "import time; time.sleep(120)"],
+        [sys.executable, "-m", "coldsnap", "capture", "--engine", "torch-lm", "--out", str(tmp_path / "artifact"),
+         "--port", "1", "--receipt-json", str(receipt), "--", sys.executable, "-c", "import time; time.sleep(120)"],
         stderr=subprocess.PIPE,
     )
     line = launcher.stderr.readline()
-    while b"waiting for it to be ready" not in line:
+    while b"waiting for its coldsnap agent" not in line:
         assert line, "capture ended before it waited for the command"
         line = launcher.stderr.readline()
     launcher.send_signal(signal.SIGTERM)

@@ -172,3 +172,75 @@ def test_validate_request_names_what_this_build_does_not_implement(tmp_path):
     assert result.returncode == 2 and result.stdout == b""
     assert result.stderr.decode().splitlines() == [
         f"{path}: operation: sleep is not implemented in this build (implemented: capture, restore, warm, wake)"]
+
+
+def _capture_args(command: list[str], engine: str | None = None):
+    import argparse
+
+    return argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=engine, model=None, ranks=None,
+                              preload=None, placement_abi=None, operation_id="op", driver="n610")
+
+
+@pytest.mark.parametrize("command, engine", [
+    (["python", "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--port", "8000"], "torch-lm"),
+    (["/usr/bin/python3", "/src/coldsnap/workloads/torch_lm/__main__.py", "--port", "8000"], "torch-lm"),
+    (["vllm", "serve", "m", "--port", "8000"], "vllm"),
+    (["/opt/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--port", "8000"], "vllm"),
+    (["python3", "-m", "sglang.launch_server", "--port", "8000"], "sglang"),
+])
+def test_capture_names_the_engine_its_command_runs(command, engine):
+    from coldsnap.cli import _capture_request
+
+    assert _capture_request(_capture_args(command))["engine"] == engine
+
+
+def test_a_command_of_no_known_engine_needs_engine_and_is_not_labelled_torch_lm(tmp_path):
+    from coldsnap.cli import _capture_request
+
+    result = coldsnap("capture", "--out", str(tmp_path / "a"), "--port", "8000", "--", "python3", "-m", "http.server", "8000")
+    assert result.returncode == 2 and result.stdout == b"" and not (tmp_path / "a").exists()
+    assert result.stderr.decode().splitlines() == [
+        "coldsnap capture: cannot tell the engine of `python3 -m http.server 8000`: pass --engine, one of the engines "
+        "this build knows: sglang, torch-lm, vllm"]
+    # named, it is the engine asked for
+    assert _capture_request(_capture_args(["python3", "-m", "http.server", "--port", "8000"], "vllm"))["engine"] == "vllm"
+
+
+def test_restore_of_what_is_not_an_artifact_says_so_in_plain_words(tmp_path):
+    missing = tmp_path / "missing"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "artifact.json").write_text("{}")
+    expected = {
+        missing: f"{missing} does not exist",
+        empty: f"{empty} is not a coldsnap artifact (no artifact.json): capture one with "
+               f"`coldsnap capture --out {empty} -- CMD ...`",
+        a_file: f"{a_file} is not a directory: give the artifact directory `coldsnap capture --out` wrote",
+        damaged: f"{damaged} is a damaged artifact: its request.json cannot be read (No such file or directory); "
+                 "capture it again",
+    }
+    for path, message in expected.items():
+        for command in ("restore", "warm"):
+            result = coldsnap(command, str(path))
+            assert result.returncode == 2 and result.stdout == b""
+            assert result.stderr.decode().splitlines() == [f"coldsnap {command}: {message}"]
+            assert b"Errno" not in result.stderr
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["restore", "--port", "x", "DIR"], "coldsnap restore: error: argument --port: invalid int value: 'x'"),
+    (["capture", "--driver", "n999"], "coldsnap capture: error: argument --driver: invalid choice: 'n999' "
+                                      "(choose from 'n580', 'n610')"),
+    (["payload", "verify"], "coldsnap payload verify: error: the following arguments are required: FILE"),
+    (["restore", "--no-such-flag"], "coldsnap: error: unrecognized arguments: --no-such-flag"),
+    ([], "coldsnap: error: the following arguments are required: COMMAND"),
+])
+def test_a_bad_argument_is_one_line_and_a_pointer_to_help(argv, line):
+    result = coldsnap(*argv)
+    assert result.returncode == 2 and result.stdout == b""
+    prog = line.split(": error:")[0]
+    assert result.stderr.decode().splitlines() == [line, f"see {prog} --help"]

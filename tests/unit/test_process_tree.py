@@ -80,17 +80,18 @@ def test_scan_sees_children_and_written_files(tmp_path):
         child.wait()
 
 
-def test_tcp_connections_counts_connections_not_listeners_and_finds_peers_outside():
+def test_tcp_connections_counts_connections_not_listeners_and_names_those_with_peers_outside():
     import socket
     import subprocess
     import sys
 
-    from coldsnap.snapshot.process_tree import tcp_connections
+    from coldsnap.snapshot.process_tree import TcpConnection, tcp_connections
 
     me = [os.getpid()]
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen(1)
+        port = listener.getsockname()[1]
         before = tcp_connections(me)
         with socket.create_connection(listener.getsockname()):
             server, _ = listener.accept()
@@ -100,18 +101,44 @@ def test_tcp_connections_counts_connections_not_listeners_and_finds_peers_outsid
                 assert (now.connected, now.outside) == (before.connected + 2, before.outside)
         # an AF_INET6 client (its address ::ffff:127.0.0.1) in another process: one end here, its peer outside
         client = subprocess.Popen([sys.executable, "-c", "import socket, sys; s = socket.socket(socket.AF_INET6); "
-                                   f"s.connect(('::ffff:127.0.0.1', {listener.getsockname()[1]})); sys.stdin.read()"],
-                                  stdin=subprocess.PIPE)
+                                   f"s.connect(('::ffff:127.0.0.1', {port})); print(s.getsockname()[1], flush=True); "
+                                   "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
+            client_port = int(client.stdout.readline())
             server, _ = listener.accept()
             with server:
                 now = tcp_connections(me)
-                assert (now.connected, now.outside) == (before.connected + 1, before.outside + 1)
+                # named as people write it: the holder, this end, the peer (the mapped address as IPv4)
+                assert now.connected == before.connected + 1
+                assert now.outside == (*before.outside, TcpConnection(os.getpid(), f"127.0.0.1:{port}",
+                                                                      f"127.0.0.1:{client_port}"))
+                assert str(now.outside[-1]) == f"pid {os.getpid()} holds 127.0.0.1:{port} -> 127.0.0.1:{client_port}"
                 both = tcp_connections(me + [client.pid])  # the client's process in the tree too: inside
                 assert (both.connected, both.outside) == (before.connected + 2, before.outside)
         finally:
-            client.communicate(b"", timeout=10)
+            client.communicate("", timeout=10)
     assert tcp_connections(me) == before
+
+
+def test_tcp_connections_names_ipv6_ends_in_brackets():
+    import socket
+
+    from coldsnap.snapshot.process_tree import tcp_connections
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 here")
+    with socket.socket(socket.AF_INET6) as listener:
+        try:
+            listener.bind(("::1", 0))
+        except OSError as exc:
+            pytest.skip(f"no IPv6 loopback here: {exc}")
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        before = tcp_connections([os.getpid()])
+        with socket.create_connection(("::1", port)) as client:
+            # the accepted end is still in the listener's queue, held by no process: the peer is outside
+            outside = set(tcp_connections([os.getpid()]).outside) - set(before.outside)
+            assert [str(c) for c in outside] == [f"pid {os.getpid()} holds [::1]:{client.getsockname()[1]} -> [::1]:{port}"]
 
 
 def test_copy_sparse_keeps_the_bytes_and_writes_only_data(tmp_path):
