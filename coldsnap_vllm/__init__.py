@@ -45,6 +45,10 @@ def _install() -> None:
         log.warning("coldsnap: vLLM %s is outside the supported range (%s); its hooks were found and are used",
                     version, supported)
     after_import(compat.WORKER_MODULE, compat.keep_coldsnap_loads_out_of_sleep_pools)  # in worker processes
+    # vLLM's own snapshot (0.31+) of a coldsnap-loaded engine: refused unless coldsnap's sleep backend is chosen
+    after_import(compat.SNAPSHOT_CLI_MODULE, compat.guard_vllm_snapshot_create)
+    after_import(compat.SNAPSHOT_SERVER_MODULE, compat.guard_vllm_snapshot_server)
+    after_import("__main__", compat.guard_vllm_snapshot_server)  # `python -m vllm.snapshot.server`
 
     try:
         factory = compat.lookup(compat.SLEEP_FACTORY)
@@ -58,8 +62,11 @@ def _install() -> None:
 
 def _select_sleep_backend(factory: Any) -> None:
     """``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` makes vLLM's sleep mode use coldsnap's backend on a
-    vLLM without ``--sleep-mode-backend`` (0.26): its factory creates that backend whatever
-    ``model_config.sleep_mode_backend`` says."""
+    vLLM without ``--sleep-mode-backend`` (before 0.33): its factory creates that backend whatever
+    ``model_config.sleep_mode_backend`` says, for a model coldsnap's loader placed. Any other model
+    keeps the configured backend (vLLM's ``cumem`` by default): coldsnap's has nothing of it to release,
+    and an exported variable must not break vLLM's own sleep. The worker creates its backend at its
+    first sleep, after loading."""
     from coldsnap_vllm import compat
 
     chosen = compat.sleep_backend_override()
@@ -70,6 +77,13 @@ def _select_sleep_backend(factory: Any) -> None:
     def create_backend(cls: type, model_config: object) -> object:
         import copy
 
+        from coldsnap_vllm.process import ProcessState
+
+        if ProcessState.placed is None:  # not loaded with --load-format coldsnap
+            configured = getattr(model_config, "sleep_mode_backend", "cumem")
+            log.info("coldsnap: %s=%s ignored: this model was not loaded with --load-format coldsnap; vLLM's %r "
+                     "sleep backend is used", compat.SLEEP_BACKEND_ENV, chosen, configured)
+            return original(cls, model_config)
         overridden = copy.copy(model_config)
         object.__setattr__(overridden, "sleep_mode_backend", chosen)
         return original(cls, overridden)

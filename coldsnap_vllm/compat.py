@@ -8,23 +8,30 @@ warning naming the vLLM version, and never fails to start: a plugin must not bre
 What is looked up (``PROBED`` names every dotted symbol; ``probe`` reports which exist):
 
 - **KV cache allocation** (:data:`KV_ALLOCATION_SITES`): the functions in which vLLM makes its KV cache
-  backing buffers with ``torch.zeros(size, dtype=int8)``. 0.27+ (0.32's CPU build, 0.33): one
-  ``vllm.v1.worker.utils.allocate_kv_cache``, also bound by name in ``gpu_model_runner``; 0.26 V1:
-  ``GPUModelRunner._allocate_kv_cache_tensors``; 0.26 Model Runner V2 (the default for dense models on
+  backing buffers with ``torch.zeros(size, dtype=int8)``. 0.29+ (0.32's CPU build, 0.33): one
+  ``vllm.v1.worker.utils.allocate_kv_cache``, also bound by name in ``gpu_model_runner``; 0.26–0.28 V1:
+  ``GPUModelRunner._allocate_kv_cache_tensors``; 0.26–0.28 Model Runner V2 (the default for dense models on
   Hopper): ``vllm.v1.worker.gpu.attn_utils._allocate_kv_cache``, called by global name (0.33's MRV2
   imports ``worker.utils.allocate_kv_cache`` by name). 0.26 makes one buffer per layer, 0.33 shares one: the loader
   serves every such buffer from one ``kv_cache`` region (see ``placement.KvRegionZeros``).
-- **building the model**: ``BaseModelLoader.create_model`` (0.33) or
-  ``model_loader.utils.initialize_model`` (0.26);
-- **online quantization**: known from the config before building (0.33,
-  ``base_loader._get_online_quantization_config``) or from the built model (0.26,
+- **building the model**: ``BaseModelLoader.create_model`` (0.30+) or
+  ``model_loader.utils.initialize_model`` (0.26–0.29);
+- **online quantization**: known from the config before building (0.32+,
+  ``base_loader._get_online_quantization_config``) or from the built model (0.26–0.31,
   ``base_loader._has_online_quant`` + ``reload.finalize_layerwise_processing``);
-- **NCCL rebuild** (TP > 1): ``PyNcclCommunicator.from_unique_id_bytes`` (0.33) or the constructor on
-  the group's gloo group, which mints and broadcasts the id itself (0.26);
+- **NCCL rebuild** (TP > 1): ``PyNcclCommunicator.from_unique_id_bytes`` (0.30+) or the constructor on
+  the group's gloo group, which mints and broadcasts the id itself (0.26–0.29);
 - **distributed checkpoint hooks** ``parallel_state.checkpoint_{prepare,restore}_distributed_state``
-  (0.33 only; dense TP on 0.26 has no FlashInfer/all2all workspace to prepare);
+  (0.27+, also ``Worker``/``AsyncLLM.checkpoint_{prepare,restore}``; dense TP on 0.26 has no
+  FlashInfer/all2all workspace to prepare);
 - **sleep backends** (``SleepModeBackendFactory``, 0.25.1+); the ``--sleep-mode-backend`` flag exists
-  only in newer releases: ``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` selects coldsnap's backend on any.
+  from 0.33 (``ModelConfig.sleep_mode_backend`` before it, unreachable from the CLI):
+  ``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` selects coldsnap's backend on any, for models coldsnap loaded.
+- **vLLM's own snapshot** (``vllm snapshot create``, 0.31+: CRIU + cuda-checkpoint of an engine put to
+  sleep at level 2): refused for a ``--load-format coldsnap`` model unless coldsnap's sleep backend is
+  selected (:func:`refuse_vllm_snapshot_of_coldsnap_regions`).
+- **HiSparse** (0.30+; ``vllm.v1.hisparse.binding`` imports ``allocate_kv_cache`` by name and keeps a
+  host-resident KV pool): refused by coldsnap's loader (:func:`refuse_hisparse`).
 - **the worker's sleep-mode memory pools** (``Worker._maybe_get_memory_pool_context``, 0.26 and 0.33):
   see :func:`keep_coldsnap_loads_out_of_sleep_pools`.
 
@@ -50,7 +57,8 @@ __all__ = ["SUPPORTED", "KV_ALLOCATION_SITES", "PROBED", "KvAllocationSite", "vl
            "probe", "lookup", "disabled", "create_model", "online_quantized_before_build",
            "online_quantized_model", "finalize_online_quantization", "release_model_runner_v2_graphs", "sleep_backend_override", "SLEEP_BACKEND_ENV",
            "WORKER_MODULE", "keep_coldsnap_loads_out_of_sleep_pools",
-           "clear_every_graph_wrapper"]
+           "clear_every_graph_wrapper", "refuse_vllm_snapshot_of_coldsnap_regions", "guard_vllm_snapshot_create",
+           "guard_vllm_snapshot_server", "refuse_hisparse"]
 
 log = logging.getLogger("vllm.coldsnap")
 
@@ -69,7 +77,7 @@ class KvAllocationSite:
 
     symbol: str
     also_bound: tuple[str, ...] = ()
-    shared_backing: bool = False  # every KVCacheTensor in one allocation of the common size (0.27+)
+    shared_backing: bool = False  # every KVCacheTensor in one allocation of the common size (0.29+)
 
     @property
     def module(self) -> str:
@@ -81,11 +89,11 @@ class KvAllocationSite:
 
 
 KV_ALLOCATION_SITES = (
-    # 0.27+ (0.32's CPU build, 0.33): one function, imported by name by both model runners
+    # 0.29+ (0.32's CPU build, 0.33): one function, imported by name by both model runners
     KvAllocationSite("vllm.v1.worker.utils:allocate_kv_cache",
                      ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu.attn_utils"), True),
-    KvAllocationSite("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors"),  # ≤ 0.26 V1
-    KvAllocationSite("vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache"),  # 0.26 Model Runner V2 (by global name)
+    KvAllocationSite("vllm.v1.worker.gpu_model_runner:GPUModelRunner._allocate_kv_cache_tensors"),  # ≤ 0.28 V1
+    KvAllocationSite("vllm.v1.worker.gpu.attn_utils:_allocate_kv_cache"),  # ≤ 0.28 Model Runner V2 (by global name)
 )
 
 CREATE_MODEL = "vllm.model_executor.model_loader.base_loader:BaseModelLoader.create_model"
@@ -97,6 +105,11 @@ SLEEP_FACTORY = "vllm.device_allocator.sleep_mode_backend:SleepModeBackendFactor
 PYNCCL_FROM_ID = "vllm.distributed.device_communicators.pynccl:PyNcclCommunicator.from_unique_id_bytes"
 CHECKPOINT_PREPARE = "vllm.distributed.parallel_state:checkpoint_prepare_distributed_state"
 CHECKPOINT_RESTORE = "vllm.distributed.parallel_state:checkpoint_restore_distributed_state"
+SNAPSHOT_CLI_MODULE = "vllm.entrypoints.cli.snapshot"
+SNAPSHOT_CREATE_CHECK = f"{SNAPSHOT_CLI_MODULE}:validate_create_args"  # `vllm snapshot create`'s own checks
+SNAPSHOT_SERVER_MODULE = "vllm.snapshot.server"  # the engine child it launches (`python -m`: runs as __main__)
+SNAPSHOT_CHILD = f"{SNAPSHOT_SERVER_MODULE}:run_vllm_snapshot_child"
+HISPARSE_KV_BINDING = "vllm.v1.hisparse.binding:allocate_kv_cache"
 LOADER_REGISTRY = "vllm.model_executor.model_loader:register_model_loader"
 DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader"
 SET_CURRENT_CONFIG = "vllm.config:set_current_vllm_config"
@@ -106,7 +119,8 @@ WORKER_MEMORY_POOL = f"{WORKER_MODULE}:Worker._maybe_get_memory_pool_context"
 
 PROBED = (*(s.symbol for s in KV_ALLOCATION_SITES), CREATE_MODEL, INITIALIZE_MODEL, ONLINE_QUANT_CONFIG,
           HAS_ONLINE_QUANT, FINALIZE_LAYERWISE, SLEEP_FACTORY, PYNCCL_FROM_ID, CHECKPOINT_PREPARE, CHECKPOINT_RESTORE,
-          LOADER_REGISTRY, DEFAULT_LOADER, WORKER_MEMORY_POOL, SET_CURRENT_CONFIG, PREPARE_WEIGHTS)
+          LOADER_REGISTRY, DEFAULT_LOADER, WORKER_MEMORY_POOL, SET_CURRENT_CONFIG, PREPARE_WEIGHTS,
+          SNAPSHOT_CREATE_CHECK, SNAPSHOT_CHILD, HISPARSE_KV_BINDING)
 """Every symbol looked up here; ``scripts/vllm-api-surface.py`` records which exist in a vLLM wheel."""
 
 
@@ -149,6 +163,8 @@ def probe(exists: Callable[[str], bool] = _exists) -> dict[str, Any]:
         "load_format": exists(LOADER_REGISTRY) and exists(DEFAULT_LOADER),
         "sleep_pools": exists(WORKER_MEMORY_POOL),
         "recovery_replay": exists(SET_CURRENT_CONFIG) and exists(PREPARE_WEIGHTS),
+        "vllm_snapshot_guard": [s for s in (SNAPSHOT_CREATE_CHECK, SNAPSHOT_CHILD) if exists(s)],
+        "hisparse_kv_binding": exists(HISPARSE_KV_BINDING),
     }
 
 
@@ -238,6 +254,91 @@ def keep_coldsnap_loads_out_of_sleep_pools(worker_module: Any) -> None:
     memory_pool_context.__coldsnap__ = True  # type: ignore[attr-defined]
     memory_pool_context.__wrapped__ = original  # type: ignore[attr-defined]
     worker._maybe_get_memory_pool_context = memory_pool_context
+
+
+def refuse_vllm_snapshot_of_coldsnap_regions(args: Any) -> None:
+    """ValueError when vLLM's own snapshot would capture a ``--load-format coldsnap`` engine whose sleep
+    backend is not coldsnap's.
+
+    ``vllm snapshot create`` (0.31+) starts the engine with ``--enable-sleep-mode``, puts it to sleep at
+    level 2 (``vllm.snapshot.server._release_reloadable_state``) and dumps it with CRIU and cuda-checkpoint,
+    trusting that sleep to have released the weights and the KV cache. coldsnap's weights and KV cache
+    live in its own regions, outside vLLM's CuMem pools (:func:`keep_coldsnap_loads_out_of_sleep_pools`),
+    which only coldsnap's sleep backend releases: with any other, all of them would go into the CUDA image."""
+    if getattr(args, "load_format", None) != "coldsnap":
+        return
+    backend = _selected_sleep_backend(args)  # 0.31/0.32 have no --sleep-mode-backend: "cumem" unless the env says
+    if backend == "coldsnap":
+        return
+    raise ValueError(
+        f"vllm snapshot of a model loaded with --load-format coldsnap needs coldsnap's sleep backend: vLLM's "
+        f"{backend!r} backend does not release coldsnap's weights and KV cache regions, so the weights and the whole "
+        f"KV cache would go into the CUDA checkpoint image. Add --sleep-mode-backend coldsnap (vLLM 0.33+) or set "
+        f"{SLEEP_BACKEND_ENV}=coldsnap, or capture with `coldsnap capture -- vllm serve ...` instead")
+
+
+def _as_coldsnap_wrapper(wrapper: Callable[..., Any], original: Callable[..., Any]) -> Callable[..., Any]:
+    wrapper.__coldsnap__ = True  # type: ignore[attr-defined]
+    wrapper.__wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def guard_vllm_snapshot_create(cli_module: Any) -> None:
+    """``vllm snapshot create`` checks its arguments in ``validate_create_args`` (called by global name from
+    ``run_create``) before it launches anything: coldsnap's refusal joins vLLM's own checks there.
+    The plugin is loaded by then (the ``create`` parser is vLLM's engine parser, which loads plugins)."""
+    original = getattr(cli_module, "validate_create_args", None)
+    if original is None:
+        disabled("refusing `vllm snapshot create` of a coldsnap-loaded model", f"no {SNAPSHOT_CREATE_CHECK}")
+        return
+    if getattr(original, "__coldsnap__", False):
+        return
+
+    def validate_create_args(args: Any) -> None:
+        original(args)
+        refuse_vllm_snapshot_of_coldsnap_regions(args)
+
+    cli_module.validate_create_args = _as_coldsnap_wrapper(validate_create_args, original)
+
+
+def guard_vllm_snapshot_server(module: Any) -> None:
+    """The engine child of ``vllm snapshot create``, ``python -m vllm.snapshot.server`` (so it runs as
+    ``__main__``; hooked under either name): its ``main`` parses the engine's arguments, which loads the
+    plugins, then calls ``run_vllm_snapshot_child`` by global name; the check runs there, before the engine
+    starts, whoever launched the server."""
+    if getattr(getattr(module, "__spec__", None), "name", None) != SNAPSHOT_SERVER_MODULE:
+        return  # some other __main__
+    original = getattr(module, "run_vllm_snapshot_child", None)
+    if original is None:
+        disabled("refusing vLLM's snapshot of a coldsnap-loaded model", f"no {SNAPSHOT_CHILD}")
+        return
+    if getattr(original, "__coldsnap__", False):
+        return
+
+    async def run_vllm_snapshot_child(control: Any, args: Any) -> Any:
+        refuse_vllm_snapshot_of_coldsnap_regions(args)
+        return await original(control, args)
+
+    module.run_vllm_snapshot_child = _as_coldsnap_wrapper(run_vllm_snapshot_child, original)
+
+
+def refuse_hisparse(vllm_config: Any) -> None:
+    """RuntimeError for an engine configured for vLLM's HiSparse (0.30+: ``attention_config.hisparse_config``,
+    also set by the ``HiSparseConnector``), which coldsnap's loader cannot serve.
+
+    ``vllm.v1.hisparse.binding`` imports ``allocate_kv_cache`` by name, so coldsnap's KV hook never sees its
+    allocation: the model memory never completes, the agent never attaches, and a capture would wait for
+    it until its timeout. Hooking that binding too would not do: HiSparse keeps the host-resident part of
+    its KV cache in a pinned pool registered with CUDA (or a shared offload region) and binds its runtime
+    (residency tables, hot cache) to both parts; a restore that zeroed the device part only would leave
+    that state stale, and the pool would stay in the process image."""
+    if getattr(getattr(vllm_config, "attention_config", None), "hisparse_config", None) is None:
+        return
+    raise RuntimeError(
+        "hisparse KV binding is not supported by coldsnap: vLLM's HiSparse (attention_config.hisparse_config) "
+        f"allocates its KV cache in {HISPARSE_KV_BINDING.split(':')[0]}, which imported allocate_kv_cache by name "
+        "(out of coldsnap's KV hook's reach), and keeps part of it in a host-resident pool; serve this model without "
+        "HiSparse, or without --load-format coldsnap")
 
 
 GRAPH_WRAPPERS = ("vllm.compilation.cuda_graph:CUDAGraphWrapper",

@@ -17,13 +17,13 @@ compiled custom ops do not know (ENGINE-API-FACTS risk 4), so coldsnap keeps eve
 and its gloo ``cpu_group``, and replaces only the NCCL communicator inside it:
 
 - ``teardown`` (agent ``prepare``, after the CUDA graphs were released): FlashInfer / all2all
-  workspaces through vLLM's own ``checkpoint_prepare_distributed_state`` (0.33); symmetric memory and
+  workspaces through vLLM's own ``checkpoint_prepare_distributed_state`` (0.27+); symmetric memory and
   custom all-reduce closed; every pynccl communicator and torch NCCL group aborted (details below).
 - ``rebuild`` (agent ``resume``): torch's NCCL groups made again; per group, in name order, a new pynccl
   communicator: on 0.33 the group's rank 0 mints a unique id and publishes it through the activation's
   coordinator and every member builds ``PyNcclCommunicator.from_unique_id_bytes``, on 0.26 vLLM's
   constructor does the same over the gloo group (symmetric-memory ops registered again when enabled);
-  symmetric memory and custom all-reduce made anew; then ``checkpoint_restore_distributed_state`` (0.33).
+  symmetric memory and custom all-reduce made anew; then ``checkpoint_restore_distributed_state`` (0.27+).
 - graphs: ``release_graphs`` drops vLLM's CUDA graphs as elastic EP does (they hold NCCL kernels of
   the communicator being destroyed, and ``ncclCommAbort`` can wait for graphs that captured it);
   ``recapture_graphs`` runs the model runner's ``capture_model`` on the rebuilt communicators.
@@ -55,7 +55,7 @@ shows on bare torch processes. vLLM's workers hold all three, and the teardown e
 
 Graphs recaptured after the rebuild go to a fresh pool (:func:`coldsnap_vllm.compat.move_graphs_to_a_fresh_pool`).
 With all of it, capture and two restores at TP 2 gave vLLM's own TP 2 tokens. Not handled: FlashInfer
-all-reduce workspaces (0.33 releases them through ``checkpoint_prepare_distributed_state``; on 0.26 they
+all-reduce workspaces (0.27+ release them through ``checkpoint_prepare_distributed_state``; on 0.26 they
 exist only with the all-reduce fusion, which the H200 pair needs off), pipeline parallelism across hosts.
 """
 
@@ -255,7 +255,7 @@ class VllmCollectives:
             torch_nccl = [g for g in groups if _nccl_process_group(g) is not None]
             if not live and not torch_nccl:
                 return  # vLLM's CPU build: gloo and shared memory, which the snapshot carries
-            _call_if_present(self._parallel_state(), "checkpoint_prepare_distributed_state")  # 0.33 only
+            _call_if_present(self._parallel_state(), "checkpoint_prepare_distributed_state")  # 0.27+
             released = self._release_symmetric_memory(groups)
             for group in live:
                 communicator = group.device_communicator
@@ -299,7 +299,7 @@ class VllmCollectives:
                 closed = self.custom_all_reduce.pop(group.unique_name, None)
                 if closed is not None:
                     group.device_communicator.ca_comm = _reopen_custom_all_reduce(closed, group.device_communicator)
-            _call_if_present(self._parallel_state(), "checkpoint_restore_distributed_state")  # 0.33 only
+            _call_if_present(self._parallel_state(), "checkpoint_restore_distributed_state")  # 0.27+
             self.torn_down = []
 
         between_barriers(rendezvous, seconds, "rebuild", ("vllm.rebuild", "vllm.rebuilt"), timeout, connect)

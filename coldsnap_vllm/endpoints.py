@@ -3,6 +3,8 @@
     VLLM_PLUGINS=coldsnap VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --load-format coldsnap \\
         --enable-sleep-mode --sleep-mode-backend coldsnap
 
+(``--sleep-mode-backend`` exists from vLLM 0.33; before it, ``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap``.)
+
 vLLM's ``/sleep`` and ``/wake_up`` (dev mode only) are replaced by the same routes with one addition:
 before the first sleep the server answers the canary (``Reply with exactly: coldsnap-cuda-snapshot-ok``,
 greedy) and remembers the tokens; a ``/wake_up`` that leaves the engine fully awake asks again, and

@@ -129,6 +129,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
         """vLLM's BaseModelLoader.load_model with one fork: when a native pack fits the freshly built
         model, its weights come from the pack (after placement) instead of the checkpoint. The model
         is built once either way (vLLM refuses to register its attention layers twice)."""
+        compat.refuse_hisparse(vllm_config)  # its KV cache would escape coldsnap's region: a reason, not a timeout
         self.vllm_config = vllm_config
         if compat.online_quantized_before_build(vllm_config):  # 0.33: quantized while loading: vLLM's own path
             with _plain_cpu_linear():

@@ -48,7 +48,7 @@ class KvRegionZeros:
 
 def kv_capacity(kv_cache_config: Any, shared_backing: bool) -> int:
     """Bytes the ``kv_cache`` region must hold for ``kv_cache_config``: one backing of the (common)
-    tensor size where vLLM shares one allocation (0.27+), else every tensor's own, 4 KiB-aligned, with
+    tensor size where vLLM shares one allocation (0.29+), else every tensor's own, 4 KiB-aligned, with
     packed tensors (``block_stride > 0``) sharing one (0.26)."""
     tensors = list(kv_cache_config.kv_cache_tensors)
     aligned = [-(-int(t.size) // ALIGN) * ALIGN for t in tensors]

@@ -1,4 +1,5 @@
-"""vLLM sleep-mode backend ``coldsnap``: ``--enable-sleep-mode --sleep-mode-backend coldsnap``.
+"""vLLM sleep-mode backend ``coldsnap``: ``--enable-sleep-mode --sleep-mode-backend coldsnap`` (the flag exists
+from vLLM 0.33; ``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap`` selects it on any, for a model coldsnap loaded).
 
 vLLM's ``/sleep`` ends in ``Worker.sleep(level)`` → ``suspend(level)``; ``/wake_up`` in
 ``Worker.wake_up(tags)`` → ``resume(tags)``. With the ``coldsnap`` load format the model's weights and

@@ -5,7 +5,8 @@
 #
 # BUNDLE_DIR/wheels     Python 3.12 manylinux x86_64 wheels of coldsnap's runtime dependencies that the
 #                       GPU host's image does not have (pydantic and its parts, pyzmq), versions pinned to
-#                       this checkout's .venv where it has them;
+#                       this checkout's .venv where it has them; none of a distribution the host has at an
+#                       equal or newer version (scripts/gpu-bundle-wheels.py, scripts/h200-host-packages.txt);
 # BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) and the criu binary built from them with
 #                       the patches of scripts/criu/series (1.6 MB), for `install-criu.sh --from-debs`;
 # BUNDLE_DIR/bench-wheels  fastsafetensors and instanttensor, comparators of benchmarks/hydrate.py.
@@ -54,6 +55,10 @@ log "downloading benchmark comparators: fastsafetensors, instanttensor"
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     -d "$bundle/bench-wheels" fastsafetensors instanttensor typer click shellingham rich markdown-it-py mdurl \
     2> >(grep -v "^WARNING: Location" >&2) || log "comparator wheels unavailable; the benchmark will say so"
+
+# The host's packages come after the bundle's on PYTHONPATH: an older copy here would shadow a newer one there
+# (the bundle's typing_extensions 4.15 once broke every vLLM start on the host).
+"$python" scripts/gpu-bundle-wheels.py prune "$bundle/wheels" "$bundle/bench-wheels"
 
 bash scripts/install-criu.sh --download-only "$bundle/criu-debs"
 for engine in "${engines[@]}"; do

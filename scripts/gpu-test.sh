@@ -20,9 +20,15 @@ mkdir -p "$logs"
 [ -d "$bundle/wheels" ] && [ -d "$bundle/criu-debs" ] || { log "no bundle at $bundle: run scripts/gpu-prepare.sh on a connected machine"; exit 2; }
 
 site=/tmp/coldsnap-site
-log "installing brought wheels into $site"
-"$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
-    "$bundle"/wheels/*.whl $(ls "$bundle"/bench-wheels/*.whl 2>/dev/null)
+# The site goes first on PYTHONPATH, so a wheel of a distribution this python3 already has at an equal or newer
+# version would shadow it (the bundle's typing_extensions 4.15 once broke every vLLM start): only the others go
+# in, into a fresh site (no earlier bundle's copy stays behind).
+wheels=($(env -u PYTHONPATH "$python" scripts/gpu-bundle-wheels.py select \
+    "$bundle"/wheels/*.whl $(ls "$bundle"/bench-wheels/*.whl 2>/dev/null)))
+log "installing ${#wheels[@]} brought wheels into $site"
+rm -rf "$site" && mkdir -p "$site"
+[ ${#wheels[@]} -eq 0 ] || "$python" -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target "$site" "${wheels[@]}"
 export PYTHONPATH="$site:$repo${PYTHONPATH:+:$PYTHONPATH}"
 # The checkout is used in place (no pip install: the host is offline and builds _C below), so record a
 # `coldsnap` distribution with pyproject's entry points in the site: engines find their plugins by them.

@@ -203,8 +203,14 @@ from coldsnap_vllm.endpoints import replace_routes, router
 from vllm.device_allocator.sleep_mode_backend import SleepModeBackendFactory
 
 register()
-# vLLM 0.26 has no --sleep-mode-backend: COLDSNAP_VLLM_SLEEP_BACKEND picks coldsnap's whatever the config says
+# vLLM before 0.33 has no --sleep-mode-backend: COLDSNAP_VLLM_SLEEP_BACKEND picks coldsnap's whatever the config
+# says, for a model coldsnap's loader placed; any other keeps vLLM's own sleep
 config = types.SimpleNamespace(sleep_mode_backend="cumem")
+assert type(SleepModeBackendFactory.create_backend(config)).__name__ == "CuMemBackend"
+import torch
+from coldsnap_vllm import placement
+from coldsnap_vllm.process import ProcessState
+ProcessState.placed = placement.place_model_in_region(torch.nn.Linear(8, 8))
 assert type(SleepModeBackendFactory.create_backend(config)).__name__ == "ColdsnapSleepBackend"
 assert config.sleep_mode_backend == "cumem"  # the engine's own config is left as it was
 
@@ -226,6 +232,57 @@ def test_sleep_backend_chosen_by_environment_and_routes_replaced():
     result = subprocess.run([str(VENV / "bin" / "python"), "-c", OVERRIDE_AND_ROUTES_SCRIPT], capture_output=True,
                             text=True, timeout=300, env={**ENV, "COLDSNAP_VLLM_SLEEP_BACKEND": "coldsnap"})
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+HISPARSE_SCRIPT = """
+import types
+from coldsnap_vllm import register
+register()
+import vllm.v1.hisparse.binding as binding
+import vllm.v1.worker.utils as worker_utils
+from vllm.config import LoadConfig
+from vllm.config.attention import AttentionConfig, HiSparseConfig
+from coldsnap_vllm.loader import ColdsnapModelLoader
+
+# why: HiSparse's binding holds vLLM's own function, which coldsnap's KV hook never sees
+assert worker_utils.allocate_kv_cache.__coldsnap_kv__ and binding.allocate_kv_cache is worker_utils.allocate_kv_cache.__wrapped__
+config = types.SimpleNamespace(attention_config=AttentionConfig(hisparse_config=HiSparseConfig()))
+try:
+    ColdsnapModelLoader(LoadConfig(load_format="coldsnap")).load_model(config, None)
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+def test_hisparse_is_refused_by_the_loader_with_a_reason():
+    result = subprocess.run([str(VENV / "bin" / "python"), "-c", HISPARSE_SCRIPT], capture_output=True, text=True,
+                            timeout=300, env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("hisparse KV binding is not supported by coldsnap"), result.stdout
+
+
+REVISION = "0123456789abcdef" * 2 + "01234567"  # `vllm snapshot create` wants a remote model at a pinned revision
+
+
+def test_vllms_own_snapshot_of_a_coldsnap_model_is_refused_unless_coldsnap_sleeps_it(tmp_path):
+    """vLLM's `snapshot create` and its engine child (`python -m vllm.snapshot.server`), 0.31+: both stop
+    before anything starts. With coldsnap's sleep backend selected the create goes on to vLLM's own checks
+    (here: no cuda-checkpoint)."""
+    env = {**ENV, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}  # this checkout's plugin; nothing is fetched
+    env.pop("COLDSNAP_VLLM_SLEEP_BACKEND", None)
+    create = [str(VLLM), "snapshot", "create", "org/model", "--revision", REVISION, "--load-format", "coldsnap",
+              "--snapshot-dir", str(tmp_path / "snapshot")]
+    refused = subprocess.run(create, capture_output=True, text=True, timeout=300, env=env)
+    assert refused.returncode != 0 and "needs coldsnap's sleep backend" in refused.stderr, refused.stderr[-3000:]
+    assert not (tmp_path / "snapshot").exists()
+    allowed = subprocess.run(create, capture_output=True, text=True, timeout=300,
+                             env={**env, "COLDSNAP_VLLM_SLEEP_BACKEND": "coldsnap"})
+    assert allowed.returncode != 0 and "needs coldsnap's sleep backend" not in allowed.stderr
+    assert "snapshot dependency not found" in allowed.stderr, allowed.stderr[-3000:]
+    child = [str(VENV / "bin" / "python"), "-m", "vllm.snapshot.server", "--ready-file", str(tmp_path / "ready.json"),
+             "--release-file", str(tmp_path / "release.json"), "--", "org/model", "--load-format", "coldsnap"]
+    refused = subprocess.run(child, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert refused.returncode != 0 and "needs coldsnap's sleep backend" in refused.stderr, refused.stderr[-3000:]
 
 
 PARTIAL_SLEEP_SCRIPT = """

