@@ -365,6 +365,10 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
+    if args.no_verify:
+        from coldsnap.activation.capture import VERIFY_ENV
+
+        os.environ[VERIFY_ENV] = "0"
     return _run_lifecycle(args, _capture_request, "capture")
 
 
@@ -591,8 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="start a serving command, validate it, and capture it into an artifact directory",
         description="Start CMD (without io_uring, in its own session, output to DIR/logs), wait for coldsnap's "
         "in-process agent and the HTTP port, record the canary (greedy, through POST /v1/completions), let the "
-        "agent write the native packs and release model memory, CRIU-dump the process tree, and commit "
-        "DIR/artifact.json atomically. A tensor-parallel command (--ranks N, or its own --tp / "
+        "agent write the native packs and release model memory, CRIU-dump the process tree, restore it once "
+        "(as `coldsnap restore DIR` would) and check the canary again, then commit DIR/artifact.json atomically: a "
+        "capsule that cannot restore is never committed. A tensor-parallel command (--ranks N, or its own --tp / "
         "--tensor-parallel-size) is captured with one agent per rank; their NCCL communicators are torn "
         "down through a coordinator before the dump and rebuilt at restore. With --driver n580 the image is instead "
         "CMD's launcher stopped before the engine starts (a pre-CUDA template); the capture then restores and places it "
@@ -622,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ranks", type=int, metavar="N",
                    help="tensor-parallel ranks, one worker each (default: the command's --tp / "
                    "--tensor-parallel-size / --tp-size, else 1)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="commit without the capture's own restore of the capsule (COLDSNAP_CAPTURE_VERIFY=0); saves "
+                   "one restore's time, and a capsule that cannot restore is then found out by its first restore")
     _add_operation_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the serving command")
     p.set_defaults(func=_cmd_capture)

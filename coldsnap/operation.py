@@ -153,6 +153,11 @@ class OperationContext:
         """A warning for the receipt, shown on stderr at the end with the others."""
         self.warnings.append(message)
 
+    def nested(self, request: OperationRequest) -> "OperationContext":
+        """The context of an operation this one runs inside itself (a capture's check restore): its own
+        timer and warnings, this one's progress stream."""
+        return OperationContext(request, request.canonical_sha256(), OperationTimer(None), self._stderr)
+
     def progress(self, message: str) -> None:
         """One progress line on stderr, always naming the operation and the snapshot driver."""
         r = self.request

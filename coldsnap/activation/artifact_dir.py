@@ -29,6 +29,7 @@ of ``artifact.json`` (the same for a moved or copied artifact).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 from pathlib import Path
 
@@ -52,12 +53,27 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+DESCRIPTOR = "artifact.json"
+PENDING_DESCRIPTOR = "artifact.pending.json"
+"""A capture's descriptor while the capture's own restore checks it (:meth:`ArtifactDir.pending`)."""
+
+
 class ArtifactDir:
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, descriptor: str = DESCRIPTOR):
         self.root = root
+        self._descriptor = descriptor
         self._state_dir: Path | None = None
 
-    descriptor_path = property(lambda self: self.root / "artifact.json")
+    descriptor_path = property(lambda self: self.root / self._descriptor)
+
+    def pending(self) -> "ArtifactDir":
+        """This directory seen through its pending descriptor: an artifact only the capture's check
+        restores (same bytes, same artifact id); :meth:`promote` commits it."""
+        return ArtifactDir(self.root, PENDING_DESCRIPTOR)
+
+    def promote(self, pending: "ArtifactDir") -> None:
+        """Commit the checked pending descriptor: one rename, atomic."""
+        os.replace(pending.descriptor_path, self.descriptor_path)
     request_path = property(lambda self: self.root / "request.json")
     payload_dir = property(lambda self: self.root / "payload")
 
@@ -76,7 +92,7 @@ class ArtifactDir:
     def state_dir(self) -> Path:
         """This artifact's state directory (created once): where its restores write."""
         if self._state_dir is None:
-            path = state_root() / artifact_id(self.root)
+            path = state_root() / artifact_id(self.root, self._descriptor)
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._state_dir = path
         return self._state_dir

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import os
 import platform
 import socket
 import time
@@ -30,7 +31,10 @@ from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_con
 from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryRecord, PinnedFile, PlatformRecord, UnitRecord,
                                         WorkerRecord)
 from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
+from coldsnap.contracts.base import decode_document
 from coldsnap.contracts.canonical import canonical_json
+from coldsnap.contracts.profiles import resolve_request
+from coldsnap.contracts.request import OperationRequest
 from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.host import nvidia_kernel_driver
@@ -40,7 +44,7 @@ from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.host_files import read_only_mtimes
 from coldsnap.snapshot.nvml import NvmlError, process_memory
-from coldsnap.snapshot.process_tree import anonymous_bytes, resident_bytes, tcp_connections, tree_pids
+from coldsnap.snapshot.process_tree import anonymous_bytes, kill_tree, resident_bytes, tcp_connections, tree_pids
 
 RESTORE_CANARY_TOKENS = 2
 """Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
@@ -49,6 +53,13 @@ one decode step (KV cache read back, the decode CUDA graph replayed)."""
 __all__ = ["capture", "READY_TIMEOUT_S", "AGENT_AFTER_HTTP_S"]
 
 READY_TIMEOUT_S = 900.0
+
+VERIFY_ENV = "COLDSNAP_CAPTURE_VERIFY"
+
+
+def verify_at_capture() -> bool:
+    """Whether a capture restores its capsule once before committing it (default yes; ``0``: no)."""
+    return os.environ.get(VERIFY_ENV, "1") != "0"
 
 AGENT_AFTER_HTTP_S = 60.0
 """How long a capture waits for the coldsnap agent once the engine's HTTP port answers (``capture.agent``
@@ -150,7 +161,7 @@ class CaptureSequence:
             self.refuse_outside_connections()
             self.checkpoint_cuda()
             self.dump()
-            self.commit()
+            self.commit(verify=verify_at_capture())
         except BaseException:
             self.unwind()
             raise
@@ -367,8 +378,10 @@ class CaptureSequence:
             host_file_mtimes_ns=read_only_mtimes(self.artifact.images(self.unit.unit_id)), gpu_memory=self.gpu_memory,
         )
 
-    def commit(self) -> None:
-        """The capsule manifest, the resolved request, then the descriptor, written atomically last."""
+    def commit(self, verify: bool = False) -> None:
+        """The capsule manifest, the resolved request, then the descriptor, written atomically last; with
+        ``verify``, as a pending descriptor first, committed by one rename once the capture's own restore
+        of it served the canary's tokens (:meth:`verify`)."""
         artifact, request_, engine, canary, snapshotter = self.artifact, self.request, self.engine, self.canary, self.snapshotter
         assert engine is not None and canary is not None and snapshotter is not None
         with self.step("capture.commit", "capture.commit"):
@@ -411,7 +424,36 @@ class CaptureSequence:
                                                     if canary.prompt_argmax and canary.token_ids else None)),
                 units=[UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records)],
             )
-            artifact.commit(descriptor)
+            target = artifact.pending() if verify else artifact
+            target.commit(descriptor)
+        if verify:
+            self.verify(target)
+            artifact.promote(target)
+
+    def verify(self, pending: ArtifactDir) -> None:
+        """Restore the capsule once, as ``coldsnap restore`` of it would (same request, same weights policy,
+        the captured port), prove it with the canary, then stop it: a capsule that cannot restore is never
+        committed (``capture.verify``). ``COLDSNAP_CAPTURE_VERIFY=0`` (``capture --no-verify``) skips it."""
+        from coldsnap.activation.restore import restore
+
+        document = self.request.to_json_value()
+        document.update(operation="restore", operation_id=f"{self.request.operation_id}-check", prepare_only=False)
+        request = resolve_request(decode_document(OperationRequest, canonical_json(document), "the capture's check"))
+        check = self.context.nested(request)
+        with self.timer.span("capture.verify") as span:
+            try:
+                with check.held:
+                    restore(check, pending)
+            except OperationFailed as exc:
+                raise OperationFailed("capture.verify", f"the capsule did not restore: {exc.code}: {exc.message}") from None
+            finally:
+                restored = [s.attributes.get("pid") for s in check.timer.envelope().spans if s.name.endswith(".criu_restore")]
+                if restored and isinstance(restored[0], int):
+                    kill_tree(restored[0])
+                self.context.warnings.extend(f"capture's check restore: {w}" for w in check.warnings)
+            span.update({f"restore.{s.name.split('.', 1)[1]}_ns": s.duration_ns for s in check.timer.envelope().spans
+                         if s.name.count(".") == 1 and s.duration_ns is not None})
+        self.context.progress("the capture's own restore served the captured canary; committing")
 
     def unwind(self) -> None:
         """After any failure (an interrupt included): the engine never keeps running, and nothing the

@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 __all__ = ["PortHeld", "PortHolder", "PortLock", "hold_port", "holder_of", "lock_name"]
 
 
+_held_here: dict[int, "PortLock"] = {}
+"""The ports this process holds the lock of."""
+
+
 def lock_name(port: int) -> bytes:
     return f"\0coldsnap-port-{port}".encode()
 
@@ -75,6 +79,7 @@ class PortLock:
             raise PortHeld(self.port, holder_of(self.port)) from None
         listener.listen(8)
         self._socket = listener
+        _held_here[self.port] = self
         self._thread = threading.Thread(target=self._answer_losers, name=f"coldsnap-port-lock-{self.port}", daemon=True)
         self._thread.start()
         return self
@@ -98,6 +103,7 @@ class PortLock:
         listener, self._socket = self._socket, None
         if listener is None:
             return
+        _held_here.pop(self.port, None)
         try:
             listener.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept()
         except OSError:
@@ -148,6 +154,8 @@ def hold_port(context: "OperationContext", port: int, artifact: str | None, code
     from coldsnap.operation import OperationFailed
 
     request = context.request
+    if port in _held_here:  # this process holds it already: a capture's check restore of its own capsule
+        return _held_here[port]
     try:
         return context.hold(PortLock(port, request.operation, request.operation_id, artifact))
     except PortHeld as exc:

@@ -290,8 +290,9 @@ class _Unusable(Exception):
     """A weight source file that is missing, unreadable or not the bytes recorded."""
 
 
-def restore(context: OperationContext) -> OperationOutcome:
-    artifact = ArtifactDir(Path(context.request.artifact))
+def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> OperationOutcome:
+    """``artifact``: the request's by default; a capture's check restore passes its pending one."""
+    artifact = artifact or ArtifactDir(Path(context.request.artifact))
     descriptor, capsule, sources, replica = admit(context, artifact)
     placement = None
     if descriptor.snapshot_driver == "n580":  # what the template will be handed, checked before anything starts

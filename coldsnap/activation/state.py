@@ -40,9 +40,10 @@ def host_cache_dir() -> Path | None:
         return None
 
 
-def artifact_id(root: Path) -> str:
-    """The id of the artifact committed in ``root`` (OSError when it has none)."""
-    return hashlib.sha256((root / "artifact.json").read_bytes()).hexdigest()[:16]
+def artifact_id(root: Path, descriptor: str = "artifact.json") -> str:
+    """The id of the artifact committed in ``root`` (OSError when it has none); ``descriptor``: the
+    descriptor's name there (a capture's check restore reads the pending one, the same bytes)."""
+    return hashlib.sha256((root / descriptor).read_bytes()).hexdigest()[:16]
 
 
 def standby_record_file(target: str, root: Path | None = None) -> Path:

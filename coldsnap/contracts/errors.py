@@ -44,6 +44,8 @@ ERROR_CODES: dict[str, str] = {
     "capture.residual": "a rank wrote no residual pack",
     "capture.recovery": "weights.mode recovery, but a rank's engine loaded its weights from no safetensors file to pin, "
                         "or one could not be read",
+    "capture.verify": "the capture's own restore of its capsule failed or did not serve the captured canary; nothing "
+                      "committed (the message names the restore's error code)",
     "capture.commit": "the capsule manifest or descriptor could not be written (e.g. the disk is full); nothing committed",
     # Restore admission: nothing has started
     "admission.artifact": "no committed artifact at the path, or its descriptor does not decode",

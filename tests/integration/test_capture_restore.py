@@ -514,3 +514,31 @@ def test_a_changed_host_file_the_tree_holds_is_refused_by_name(tmp_path):
         assert done.returncode == 0, done.stderr.decode()[-2000:]
     finally:
         kill_replicas(artifact)
+
+
+def test_a_capsule_that_cannot_restore_is_never_committed(tmp_path):
+    """The capture restores its capsule once before committing it: here its restore is refused (a stand-in
+    GPU with no room, COLDSNAP_STANDIN_GPU_FREE_BYTES=1), so the capture fails with ``capture.verify``
+    naming the restore's error and commits nothing; with the check's restore passing, the receipt times it."""
+    port = _free_port()
+    artifact = tmp_path / "artifact"
+    done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--receipt-json", "-", "--out", str(artifact),
+                           "--", *workload(port)], capture_output=True, timeout=300,
+                          env={**os.environ, "COLDSNAP_STANDIN_GPU_FREE_BYTES": "1"})
+    receipt = json.loads(done.stdout)
+    assert done.returncode == 1 and receipt["error"]["code"] == "capture.verify", done.stderr.decode()[-2000:]
+    assert receipt["error"]["message"].startswith("the capsule did not restore: admission.gpu_memory: ")
+    assert not artifact.exists() and not port_taken_now(port)
+    done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--receipt-json", "-", "--out", str(artifact),
+                           "--", *workload(port)], capture_output=True, timeout=300)
+    receipt = json.loads(done.stdout)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    verify = next(s for s in receipt["timing"]["spans"] if s["name"] == "capture.verify")
+    assert verify["attributes"]["restore.criu_restore_ns"] > 0 and verify["attributes"]["restore.canary_ns"] > 0
+    assert (artifact / "artifact.json").exists() and not (artifact / "artifact.pending.json").exists()
+    assert not port_taken_now(port)  # the check's restored server was stopped
+
+
+def port_taken_now(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
