@@ -19,6 +19,13 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
   restore-4k   the same with ``COLDSNAP_CRIU_THP_FILL=0``: CRIU fills 4 KiB pages, as a stock CRIU does
   restore-1t   the same with ``COLDSNAP_CRIU_FILL_THREADS=0``: each process's pages read on one thread
+  restore-recovery  ``--repeat`` restores with ``--weights recovery``: the weights from the pinned safetensors
+               (by the capture's recovery plan where it recorded one), as when the pack is missing or corrupt
+  race         ``--repeat`` rounds of two ``coldsnap restore`` of the capsule onto its port at once: which won,
+               how the other failed (``admission.port``, naming the winner) and how fast
+  gpu-short    another process holds the GPU's memory but half of what the capsule needs: ``restore
+               --prepare-only`` and ``restore`` must both be refused at admission (``admission.gpu_memory``);
+               then one restore with the GPU free, the launcher's own GPU use sampled (nvidia-smi)
   restore-log  one restore with CRIU's timestamped log (``COLDSNAP_CRIU_LOG_LEVEL=3``), copied to
                ``DIR/criu-restore-v3.log``: where CRIU's step of a restore spends its time
   cold-warm    ``--repeat`` cold starts with the warm compile cache
@@ -61,8 +68,8 @@ from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from image_attribution import capsule_attribution, render_capsule  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
-STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "cold-warm", "serving", "native", "sleep",
-         "dropped")
+STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-recovery", "restore-log", "race",
+         "gpu-short", "cold-warm", "serving", "native", "sleep", "dropped")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -251,15 +258,15 @@ class Bench:
         print(render_capsule(attribution), flush=True)
         self.save()
 
-    def restore(self, cache: str, env: dict[str, str] | None = None) -> None:
+    def restore(self, cache: str, env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> None:
         """One ``coldsnap restore`` timed from its exec to the canary's match; ``env`` (e.g. the 4 KiB
-        fill) is named in the run's kind."""
+        fill) and ``flags`` are named in the run's kind."""
         index = len(self.state["runs"])
         receipt_path = self.work / f"restore-{index}.json"
         exec_ns = time.time_ns()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
-                               str(receipt_path), *self.args.restore_args], env={**os.environ, **self.env(), **(env or {})},
-                              capture_output=True, text=True)
+                               str(receipt_path), *self.args.restore_args, *flags],
+                              env={**os.environ, **self.env(), **(env or {})}, capture_output=True, text=True)
         exit_ns = time.time_ns()
         receipt = json.loads(receipt_path.read_text())
         try:
@@ -274,7 +281,7 @@ class Bench:
         phases = receipt_timeline(receipt, exec_ns, exit_ns)
         seconds = phases.pop("exec → canary matched")  # the restore as the user sees it
         expected = self.expected()
-        kind = " ".join(["restore", *self.args.restore_args, *(f"{k}={v}" for k, v in (env or {}).items())])
+        kind = " ".join(["restore", *self.args.restore_args, *flags, *(f"{k}={v}" for k, v in (env or {}).items())])
         self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
                     same_tokens=expected is None or answer == expected, image_bytes=self.image_bytes())
 
@@ -305,6 +312,92 @@ class Bench:
         fill, in the same run)."""
         for _ in range(self.args.repeat):
             self.restore("warm", env={"COLDSNAP_CRIU_FILL_THREADS": "0"})
+
+    def step_restore_recovery(self) -> None:
+        """Restores whose weights come from the pinned safetensors (``--weights recovery``), beside the
+        native ones of the same run."""
+        for _ in range(self.args.repeat):
+            self.restore("warm", flags=("--weights", "recovery"))
+
+    def _launch_restore(self, *flags: str) -> tuple[subprocess.Popen, Path, int]:
+        receipt = self.work / f"restore-{len(self.state['runs'])}-{time.monotonic_ns()}.json"
+        exec_ns = time.time_ns()
+        launcher = subprocess.Popen([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
+                                     str(receipt), *flags], env={**os.environ, **self.env()},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        return launcher, receipt, exec_ns
+
+    def step_race(self) -> None:
+        """Two restores of the capsule onto its port at once, ``--repeat`` rounds: exactly one may serve."""
+        for _ in range(self.args.repeat):
+            racers = [self._launch_restore() for _ in range(2)]
+            outcomes = []
+            for launcher, receipt_path, exec_ns in racers:
+                _, err = launcher.communicate(timeout=600)
+                receipt = json.loads(receipt_path.read_text()) if receipt_path.exists() else {}
+                outcomes.append({"exit": launcher.returncode, "state": receipt.get("state"), "error": receipt.get("error"),
+                                 "seconds": round((time.time_ns() - exec_ns) / 1e9, 3), "pid": launcher.pid,
+                                 "restored_pid": restored_pid(receipt) if receipt else None})
+            winners = [o for o in outcomes if o["state"] == "succeeded"]
+            answer = tokens(self.port) if winners else None
+            for outcome in outcomes:
+                if outcome["restored_pid"] is not None:
+                    kill_tree(outcome["restored_pid"])
+            time.sleep(0.5)
+            expected = self.expected()
+            self.state.setdefault("race", []).append({
+                "winners": len(winners), "outcomes": outcomes,
+                "same_tokens": answer is not None and (expected is None or answer == expected)})
+            print(json.dumps(self.state["race"][-1]), flush=True)
+            self.save()
+
+    def step_gpu_short(self) -> None:
+        """A process holds the GPU's memory but half of what the capsule needs: prepare-only and restore must
+        be refused at admission; then one restore with the GPU free, the launcher's GPU use sampled."""
+        capsule = json.loads(next((self.artifact / "units").glob("*/capsule.json")).read_text())
+        need = sum(p["serving_bytes"] for p in capsule["metadata"].get("gpu_memory", []))
+        free = int(subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+                                  capture_output=True, text=True, check=True).stdout.split()[0]) << 20
+        hold = max(0, free - need // 2)
+        holder = subprocess.Popen([sys.executable, "-c", "import sys, time, torch\n"
+                                   f"x = torch.empty({hold}, dtype=torch.uint8, device='cuda')\n"
+                                   "print('held', flush=True)\ntime.sleep(600)"],
+                                  stdout=subprocess.PIPE, text=True, env={**os.environ, **self.env()})
+        result: dict = {"need_bytes": need, "free_before_bytes": free, "held_bytes": hold}
+        try:
+            assert holder.stdout is not None
+            result["holder"] = holder.stdout.readline().strip()
+            for flags in (("--prepare-only",), ()):
+                launcher, receipt_path, exec_ns = self._launch_restore(*flags)
+                _, err = launcher.communicate(timeout=600)
+                receipt = json.loads(receipt_path.read_text()) if receipt_path.exists() else {}
+                spans = {s["name"] for s in receipt.get("timing", {}).get("spans", [])}
+                result["prepare-only" if flags else "restore"] = {
+                    "exit": launcher.returncode, "error": receipt.get("error"),
+                    "seconds": round((time.time_ns() - exec_ns) / 1e9, 3), "criu_ran": "restore.criu_restore" in spans}
+                if restored_pid(receipt) is not None:
+                    kill_tree(restored_pid(receipt))
+        finally:
+            holder.kill()
+            holder.wait()
+        # The launcher's own GPU use (its CUDA context: staging), sampled while a restore runs with room
+        launcher, receipt_path, exec_ns = self._launch_restore()
+        peak = 0
+        while launcher.poll() is None:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True).stdout
+            for line in apps.splitlines():
+                pid, _, used = line.partition(",")
+                if pid.strip() == str(launcher.pid):
+                    peak = max(peak, int(used.strip()) << 20)
+            time.sleep(0.05)
+        receipt = json.loads(receipt_path.read_text()) if receipt_path.exists() else {}
+        if restored_pid(receipt) is not None:
+            kill_tree(restored_pid(receipt))
+        result["with_room"] = {"exit": launcher.returncode, "launcher_gpu_peak_bytes": peak}
+        self.state["gpu_short"] = result
+        print(json.dumps(result), flush=True)
+        self.save()
 
     def step_dropped(self) -> None:
         if not drop_caches():
