@@ -20,6 +20,8 @@ be copied: what a restore writes lives in its state directory (:func:`state_dir`
     STATE/<artifact id>/standby.json               the artifact's warm standby, if any
     STATE/<artifact id>/records/...                validation records of the artifact's files, where the
                                                    artifact's own no longer match (a moved or copied artifact)
+    STATE/records/external/<folder id>/            validation records of pinned files outside artifacts (recovery
+                                                   safetensors), written by the capture that pinned them
 
 where STATE is ``--state-dir`` / ``COLDSNAP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/coldsnap``, else
 ``/run/coldsnap`` (root), else ``/tmp/coldsnap-<uid>``, and the artifact id is the start of the SHA-256
@@ -41,7 +43,7 @@ from coldsnap.contracts.capsule import CAPSULE_FORMAT, ActivationMetadata, Capsu
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record
 
-__all__ = ["ArtifactDir", "STATE_DIR_ENV", "file_ref", "sha256_file", "state_root"]
+__all__ = ["ArtifactDir", "STATE_DIR_ENV", "external_record_dir", "file_ref", "sha256_file", "state_root"]
 
 
 
@@ -144,9 +146,9 @@ class ArtifactDir:
                 pass  # something appeared there meanwhile: not ours to remove
 
     def external_record_dir(self, path: Path) -> Path | None:
-        """Where a restore keeps the validation record of ``path``, a file outside the artifact (a pinned
-        recovery safetensors), or None when the state directory cannot be made."""
-        return self._records(f"external/{hashlib.sha256(str(path.parent).encode()).hexdigest()[:16]}")
+        """Where restores keep the validation record of ``path``, a file outside the artifact (a pinned
+        recovery safetensors): :func:`external_record_dir`."""
+        return external_record_dir(path)
 
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))
@@ -176,6 +178,19 @@ class ArtifactDir:
 
     def load(self) -> ArtifactDescriptor:
         return load_document(ArtifactDescriptor, self.descriptor_path)
+
+
+def external_record_dir(path: Path) -> Path | None:
+    """Where this host keeps the validation record of ``path``, a file outside any artifact (a pinned
+    recovery safetensors): ``STATE/records/external/<its folder's id>/``, shared by every artifact that pins
+    it — the capture that pinned it records its hash there, so a restore's first recovery does not hash
+    the model again (15.7 s for the 8B shape's 15 GB on the H200). None when it cannot be made."""
+    try:
+        directory = state_root() / "records" / "external" / hashlib.sha256(str(path.parent).encode()).hexdigest()[:16]
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
+    except OSError:
+        return None
 
 
 def file_ref(artifact: ArtifactDir, path: Path, sha256: str | None = None) -> FileRef:

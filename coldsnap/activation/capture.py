@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, ContextManager, Literal
 
-from coldsnap.activation.artifact_dir import ArtifactDir, file_ref, sha256_file
+from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
 from coldsnap.activation.port_lock import hold_port
@@ -38,6 +38,7 @@ from coldsnap.contracts.request import OperationRequest
 from coldsnap.contracts.layout import SemanticManifest
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.host import nvidia_kernel_driver
+from coldsnap.payload.validation import hash_and_record
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
@@ -359,7 +360,9 @@ class CaptureSequence:
             return None
         try:
             files = [Path(f).resolve() for f in prepared.recovery_files]
-            return [PinnedFile(path=str(f), sha256=sha256_file(f), size_bytes=f.stat().st_size) for f in files]
+            # Recorded where restores look (a first recovery then hashes nothing while the files are unchanged)
+            return [PinnedFile(path=str(f), sha256=hash_and_record(f, external_record_dir(f)), size_bytes=f.stat().st_size)
+                    for f in files]
         except OSError as exc:
             raise OperationFailed("capture.recovery", f"rank {rank}'s recovery safetensors: {exc}") from None
 

@@ -272,9 +272,9 @@ def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: li
             raise OperationFailed("admission.recovery", f"weights.mode {mode}, but the capture pinned no safetensors "
                                   f"for rank {worker.rank} (its engine reported none)")
         try:
-            for pinned in worker.recovery:
-                file = Path(pinned.path)
-                check(file, pinned.sha256, artifact.external_record_dir(file))
+            span[f"{prefix}recovery_verified_by"] = ",".join(
+                check(Path(pinned.path), pinned.sha256, artifact.external_record_dir(Path(pinned.path)))
+                for pinned in worker.recovery)
         except _Unusable as exc:
             if native_problem:  # auto: neither source is usable
                 raise OperationFailed("admission.payload", f"{native_problem}; and the recovery safetensors: {exc}") from None

@@ -254,17 +254,18 @@ def _record_hash(path: Path, hashed: _Hashed, directory: Path | None = None) -> 
         _update_record(directory or path.parent, path.name, _entry(hashed.sha256, hashed.identity, hashed.started_ns))
 
 
-def hash_and_record(path: str | Path) -> str:
+def hash_and_record(path: str | Path, record_dir: Path | None = None) -> str:
     """Hash every byte of ``path`` and record the verdict as a full verification would (so a later
     :func:`verify_file` against this digest trusts the record while the file is unchanged); returns the
     SHA-256. For files whose digest is listed elsewhere (a capsule's CRIU images) rather than named by
     them. Raises OSError when the file cannot be read. A file changed within the racy window is
     hashed once the window has passed (at most :data:`RACY_WINDOW_NS` of waiting), so its record is
-    trusted: a capsule's images are hashed right after CRIU wrote them."""
+    trusted: a capsule's images are hashed right after CRIU wrote them. ``record_dir``: record there
+    instead of in the file's own directory (as :func:`verify_file`'s)."""
     path = Path(path)
     _wait_out_racy_window(_identity(os.stat(path)))
     hashed = _hash_file(path)
-    _record_hash(path, hashed)
+    _record_hash(path, hashed, record_dir)
     return hashed.sha256
 
 

@@ -460,6 +460,8 @@ def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, ref
             spans = {s["name"]: s["attributes"] for s in receipt["timing"]["spans"]}
             assert spans["restore.resume"]["source"] == "recovery", spans["restore.resume"]
             assert spans["restore.resume"]["planned"] is (directory != unplanned)
+            # the capture recorded the safetensors' hash where restores look: not one of them hashes it
+            assert spans["restore.admission.payload"]["recovery_verified_by"] == "record"
             assert bool(receipt["warnings"]) == (directory != artifact)  # auto fell back; the plan was unusable
         finally:
             stop_restored(artifact, port)
