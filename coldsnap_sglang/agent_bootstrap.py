@@ -92,7 +92,7 @@ def _attach(runner: Any) -> None:
     ProcessState.runner = runner
     graphs = SglangGraphs(runner)
     hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
-                       release_graphs=graphs.release_graphs, recapture_graphs=graphs.recapture_graphs,
+                       recovery_plan=lambda: ProcessState.recovery_plan, release_graphs=graphs.release_graphs, recapture_graphs=graphs.recapture_graphs,
                        before_release=[flush_scheduler_cache])
     ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=0, world=1, hooks=hooks)
     if ProcessState.agent is not None:

@@ -27,7 +27,8 @@ from sglang.srt.configs.load_config import LoadFormat
 from sglang.srt.model_loader.loader import DefaultModelLoader, _get_quantization_config, _initialize_model
 from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-from coldsnap.agent.placement import fitting_pack, place_weights, split_load_config
+from coldsnap.agent.placement import PlacedModel, fitting_pack, place_weights, split_load_config, storage_offsets
+from coldsnap.agent.weight_copies import WeightCopyRecorder, recovery_plan_or_none
 from coldsnap.payload import NativePack
 from coldsnap_sglang.process import ProcessState
 
@@ -74,12 +75,22 @@ class ColdsnapModelLoader(DefaultModelLoader):
             pack = self._fitting_pack(model)
             # A fitting pack skips SGLang's weight loading but not its post-processing (quantized
             # methods' process_weights_after_loading), which the pack's layout was written after.
-            weights = iter(()) if pack is not None else self._recovery_weights(model_config, model)
-            self.load_weights_and_postprocess(model, weights, target_device)
+            copies = WeightCopyRecorder() if pack is None else None  # where the files' bytes land: the recovery plan
+            if copies is None:
+                self.load_weights_and_postprocess(model, iter(()), target_device)
+            else:
+                with copies.recording():
+                    self.load_weights_and_postprocess(model, copies.weights(self._recovery_weights(model_config, model)),
+                                                      target_device)
         if pack is None:
             ProcessState.recovery_files = list(self.weight_files)
             ProcessState.recovery = functools.partial(self.replay, model, model_config)
-        return self._place(model, pack).eval()
+        offsets = storage_offsets(model) if copies is not None else {}
+        placed = self._place(model, pack)
+        if copies is not None and ProcessState.recovery_files:
+            ProcessState.recovery_plan = recovery_plan_or_none(copies, ProcessState.recovery_files, offsets, placed.region,
+                                                               log, "SGLang")
+        return model.eval()
 
     def _recovery_weights(self, model_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         try:
@@ -105,7 +116,7 @@ class ColdsnapModelLoader(DefaultModelLoader):
     def _fitting_pack(self, model: torch.nn.Module) -> NativePack | None:
         return fitting_pack(self.pack, self.mode, model, "SGLang", log)
 
-    def _place(self, model: torch.nn.Module, pack: NativePack | None) -> torch.nn.Module:
+    def _place(self, model: torch.nn.Module, pack: NativePack | None) -> PlacedModel:
         placed = place_weights(model, pack, self.mode, log)
         ProcessState.placed = placed
-        return model
+        return placed

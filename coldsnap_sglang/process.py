@@ -11,6 +11,7 @@ from coldsnap.agent.placement import PlacedModel
 
 if TYPE_CHECKING:
     from coldsnap.agent.server import AgentServer
+    from coldsnap.hydrate.recovery_plan import RecoveryPlan
 
 __all__ = ["ProcessState"]
 
@@ -25,3 +26,4 @@ class ProcessState:
     runner: Any = None  # the target ModelRunner whose graphs the agent may release and recapture
     recovery: "Callable[[list[str]], int] | None" = None  # refills the weights region through SGLang's loaders
     recovery_files: list[str] = []  # the safetensors SGLang loaded the weights from (none: started from a pack)
+    recovery_plan: "RecoveryPlan | None" = None  # where their bytes landed unchanged (coldsnap.agent.weight_copies)

@@ -36,7 +36,7 @@ from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from coldsnap.agent.placement import MODES, PlacedModel, fitting_pack, place_weights, split_load_config, storage_offsets
-from coldsnap.agent.weight_copies import WeightCopyRecorder
+from coldsnap.agent.weight_copies import WeightCopyRecorder, recovery_plan_or_none
 from coldsnap.payload import NativePack
 from coldsnap_vllm import compat
 from coldsnap_vllm.process import ProcessState
@@ -161,14 +161,8 @@ class ColdsnapModelLoader(DefaultModelLoader):
         offsets = storage_offsets(model) if self.copies is not None else {}
         placed = self._place(model, pack)
         if self.copies is not None and ProcessState.recovery_files:
-            copies, self.copies = self.copies, None
-            try:
-                ProcessState.recovery_plan = copies.plan(ProcessState.recovery_files, offsets, placed.region)
-                log.info("coldsnap: recovery plan: %d of the %d copies vLLM's loaders made land unchanged in the "
-                         "weights region (%d bytes)", len(ProcessState.recovery_plan.copies), copies.recorded,
-                         sum(c.length for c in ProcessState.recovery_plan.copies))
-            except Exception as exc:  # noqa: BLE001 - without a plan, recovery replays through vLLM's loaders
-                log.warning("coldsnap: no recovery plan (%s); recovery restores replay through vLLM's loaders", exc)
+            ProcessState.recovery_plan = recovery_plan_or_none(self.copies, ProcessState.recovery_files, offsets,
+                                                               placed.region, log, "vLLM")
         self.copies = None
         return model.eval()
 

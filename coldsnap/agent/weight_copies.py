@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 from coldsnap.hydrate.recovery_plan import PlannedCopy, RecoveryPlan
 from coldsnap.hydrate.replay import SafetensorsIndex
 
-__all__ = ["WeightCopyRecorder"]
+__all__ = ["WeightCopyRecorder", "recovery_plan_or_none"]
 
 _SAMPLE_BYTES = 64 << 10
 
@@ -105,6 +105,20 @@ class WeightCopyRecorder:
             if planned.region_offset + planned.length <= region.mapped_bytes and _same_bytes(planned, region):
                 kept.append(planned)
         return RecoveryPlan(layout_digest=layout_digest, copies=kept)
+
+
+def recovery_plan_or_none(copies: WeightCopyRecorder, files: list[str], offsets: dict[int, int], region: Any,
+                          log: Any, engine: str) -> RecoveryPlan | None:
+    """:meth:`WeightCopyRecorder.plan`, logged in the engine's log; None (recovery restores then replay
+    through the engine's loaders) when it cannot be made."""
+    try:
+        plan = copies.plan(files, offsets, region)
+    except Exception as exc:  # noqa: BLE001 - without a plan, recovery replays through the engine's loaders
+        log.warning("coldsnap: no recovery plan (%s); recovery restores replay through %s's loaders", exc, engine)
+        return None
+    log.info("coldsnap: recovery plan: %d of the %d copies %s's loaders made land unchanged in the weights region "
+             "(%d bytes)", len(plan.copies), copies.recorded, engine, sum(c.length for c in plan.copies))
+    return plan
 
 
 def _same_bytes(planned: PlannedCopy, region: Any) -> bool:
