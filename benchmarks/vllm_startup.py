@@ -335,8 +335,9 @@ class Bench:
             for launcher, receipt_path, exec_ns in racers:
                 _, err = launcher.communicate(timeout=600)
                 receipt = json.loads(receipt_path.read_text()) if receipt_path.exists() else {}
+                finished_ns = receipt.get("finished_unix_ns", time.time_ns())  # (waited for in turn: the receipt's)
                 outcomes.append({"exit": launcher.returncode, "state": receipt.get("state"), "error": receipt.get("error"),
-                                 "seconds": round((time.time_ns() - exec_ns) / 1e9, 3), "pid": launcher.pid,
+                                 "seconds": round((finished_ns - exec_ns) / 1e9, 3), "pid": launcher.pid,
                                  "restored_pid": restored_pid(receipt) if receipt else None})
             winners = [o for o in outcomes if o["state"] == "succeeded"]
             answer = tokens(self.port) if winners else None
