@@ -332,8 +332,8 @@ def _free_port() -> int:
 
 def capture_restore_on_gpu() -> None:
     """The n610 sequence end to end on this GPU: capture (CUDA checkpoint + CRIU dump) of the CUDA-graph
-    workload, restore twice with the same greedy tokens as a cold start, the driver floor, and a CUDA
-    restore that fails (no GPU memory left) cleaning up after itself."""
+    workload, restore twice with the same greedy tokens as a cold start, the driver floor, and a restore
+    onto a GPU without room refused at admission (``admission.gpu_memory``), nothing started."""
     import subprocess
     import time
 
@@ -384,14 +384,17 @@ def capture_restore_on_gpu() -> None:
             assert complete(port) == expected  # same greedy tokens as a cold start, through the CUDA graph
             kill_replicas(artifact)
 
-        # CUDA restore failing: another process holds all GPU memory, so the restored context cannot come back
+        # Another process holds all GPU memory: admission refuses (the capsule records what the tree used on
+        # the GPU), before CRIU or the CUDA restore runs, prepare-only included
         filler = subprocess.Popen([sys.executable, "-c", GPU_FILLER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             print("filler:", filler.stdout.readline().strip())
-            status, receipt, err = coldsnap("restore", artifact, env=allowed)
-            print(err[-2000:])
-            assert status == 1 and receipt["error"]["code"] in ("restore.cuda", "restore.resume"), receipt
-            print("CUDA restore without GPU memory failed with", receipt["error"])
+            for flags in (("--prepare-only",), ()):
+                status, receipt, err = coldsnap("restore", artifact, *flags, env=allowed)
+                print(err[-2000:])
+                assert status == 1 and receipt["error"]["code"] == "admission.gpu_memory", receipt
+                assert not [s for s in receipt["timing"]["spans"] if s["name"] == "restore.criu_restore"], receipt
+            print("restore without GPU memory refused with", receipt["error"])
         finally:
             filler.kill()
             filler.wait()
