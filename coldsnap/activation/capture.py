@@ -24,7 +24,7 @@ from typing import Any, ContextManager, Literal
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
-from coldsnap.activation.port_lock import hold_port
+from coldsnap.activation.operation_locks import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control

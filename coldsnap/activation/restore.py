@@ -29,7 +29,7 @@ from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_r
 from coldsnap.activation.state import host_cache_dir
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.gpu_memory import admit_gpu_memory
-from coldsnap.activation.port_lock import hold_port
+from coldsnap.activation.operation_locks import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import (GpuPlacement, Replica, gpu_placement, plan_replica, port_free,
                                         refuse_gpus_for_a_cpu_artifact, serving_port)

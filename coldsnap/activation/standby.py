@@ -35,10 +35,10 @@ from pydantic import Field
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
 from coldsnap.activation.gpu_memory import admit_gpu_memory
-from coldsnap.activation.port_lock import hold_port
+from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.restore import RestoreSequence, admit, gpu_placement, weight_sources
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.activation.state import STANDBY_RECORD, standby_record_file
+from coldsnap.activation.state import STANDBY_RECORD, artifact_id, standby_record_file
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Standby, StandbyReply
 from coldsnap.atomic import write_atomic
@@ -125,6 +125,8 @@ def list_standbys() -> list[tuple[StandbyRecord, str]]:
 
 def warm(context: OperationContext) -> OperationOutcome:
     artifact = ArtifactDir(Path(context.request.artifact))
+    if artifact.committed():  # one standby per artifact: a second warm of it meanwhile, on any port, loses here
+        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
     existing = live_standby(artifact) if artifact.committed() else None
     if existing is not None:  # convergent: the standby asked for is there
         context.progress(f"already warm: pid {existing.pid}, port {existing.serving_port} (warmed by "
@@ -200,6 +202,7 @@ def wake(context: OperationContext) -> OperationOutcome:
         except (OSError, ContractError) as exc:
             raise OperationFailed("admission.artifact", f"{artifact.root}: {exc}") from None
         # A second wake of it loses here; the winner of such a race may have woken it meanwhile.
+        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
         hold_port(context, record.serving_port or capsule.metadata.serving_port, str(artifact.root))
         if live_standby(artifact) is None:
             raise OperationFailed("wake.standby", f"the warm standby of {artifact.root} was woken or stopped meanwhile")

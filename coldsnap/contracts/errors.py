@@ -73,6 +73,8 @@ ERROR_CODES: dict[str, str] = {
     "admission.port": "the serving port, or another port the restored tree binds (moved by the port generation), is "
                       "taken; or another restore, warm, wake or capture of the port is in flight (the message names "
                       "its operation id and pid; the loser touched nothing)",
+    "admission.standby": "another warm or wake of the artifact's standby is in flight (one standby per artifact; "
+                         "the message names its operation id and pid)",
     "admission.placement": "the placement cannot be given: the template speaks another placement ABI (or an ABI-1 "
                            "template under another NVIDIA driver), a malformed placement value, or another port "
                            "for an n610 image",

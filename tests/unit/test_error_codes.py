@@ -10,7 +10,7 @@ from coldsnap.contracts.errors import ERROR_CODES
 from coldsnap.operation import OperationFailed
 
 ROOT = Path(__file__).resolve().parents[2]
-RAISERS = {"OperationFailed", "ErrorRecord", "check_driver_floor", "step"}  # step(span, code)
+RAISERS = {"OperationFailed", "ErrorRecord", "check_driver_floor", "step", "hold_port", "hold_standby"}  # step(span, code)
 
 
 def _codes_in_source() -> dict[str, str]:

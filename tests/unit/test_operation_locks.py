@@ -10,14 +10,14 @@ import sys
 
 import pytest
 
-from coldsnap.activation.port_lock import PortHeld, PortLock, holder_of
+from coldsnap.activation.operation_locks import LockHeld, PortLock, holder_of
 
 PORT = 1  # the lock is a name, not a bind of the port: any number works, a privileged one collides with nothing
 
 
 def test_a_second_lock_of_the_port_names_the_holder():
     with PortLock(PORT, "restore", "restore-a", "/artifacts/a"):
-        with pytest.raises(PortHeld) as held:
+        with pytest.raises(LockHeld) as held:
             PortLock(PORT, "warm", "warm-b", "/artifacts/a").acquire()
         holder = held.value.holder
         assert (holder.pid, holder.operation, holder.operation_id, holder.artifact) == (
@@ -30,9 +30,19 @@ def test_a_second_lock_of_the_port_names_the_holder():
     assert holder_of(PORT).pid is None
 
 
+def test_the_standby_lock_is_one_per_artifact_and_not_a_port():
+    from coldsnap.activation.operation_locks import OperationLock
+
+    with OperationLock("standby-0123456789abcdef", "the warm standby of /a", "warm", "warm-1", "/a"):
+        with pytest.raises(LockHeld, match=r"^the warm standby of /a is being set up by warm warm-1 of /a \(pid "):
+            OperationLock("standby-0123456789abcdef", "the warm standby of /a", "wake", "wake-2", "/a").acquire()
+        with PortLock(PORT, "restore", "restore-a", "/a"):  # a port's lock is another lock
+            pass
+
+
 def test_a_killed_holder_leaves_no_lock():
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
-                               "from coldsnap.activation.port_lock import PortLock\n"
+                               "from coldsnap.activation.operation_locks import PortLock\n"
                                f"PortLock({PORT}, 'restore', 'restore-k', None).acquire()\n"
                                "print('held', flush=True)\ntime.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
