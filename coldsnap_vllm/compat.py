@@ -283,15 +283,23 @@ def _as_coldsnap_wrapper(wrapper: Callable[..., Any], original: Callable[..., An
     return wrapper
 
 
+def _unwrapped_hook(module: Any, name: str, feature: str, target: str) -> Callable[..., Any] | None:
+    """``module.name`` to wrap: None when it is missing (``feature`` disabled, one warning) or coldsnap's
+    wrapper already."""
+    original = getattr(module, name, None)
+    if original is None:
+        disabled(feature, f"no {target}")
+        return None
+    return None if getattr(original, "__coldsnap__", False) else original
+
+
 def guard_vllm_snapshot_create(cli_module: Any) -> None:
     """``vllm snapshot create`` checks its arguments in ``validate_create_args`` (called by global name from
     ``run_create``) before it launches anything: coldsnap's refusal joins vLLM's own checks there.
     The plugin is loaded by then (the ``create`` parser is vLLM's engine parser, which loads plugins)."""
-    original = getattr(cli_module, "validate_create_args", None)
+    original = _unwrapped_hook(cli_module, "validate_create_args",
+                               "refusing `vllm snapshot create` of a coldsnap-loaded model", SNAPSHOT_CREATE_CHECK)
     if original is None:
-        disabled("refusing `vllm snapshot create` of a coldsnap-loaded model", f"no {SNAPSHOT_CREATE_CHECK}")
-        return
-    if getattr(original, "__coldsnap__", False):
         return
 
     def validate_create_args(args: Any) -> None:
@@ -308,11 +316,9 @@ def guard_vllm_snapshot_server(module: Any) -> None:
     starts, whoever launched the server."""
     if getattr(getattr(module, "__spec__", None), "name", None) != SNAPSHOT_SERVER_MODULE:
         return  # some other __main__
-    original = getattr(module, "run_vllm_snapshot_child", None)
+    original = _unwrapped_hook(module, "run_vllm_snapshot_child", "refusing vLLM's snapshot of a coldsnap-loaded model",
+                               SNAPSHOT_CHILD)
     if original is None:
-        disabled("refusing vLLM's snapshot of a coldsnap-loaded model", f"no {SNAPSHOT_CHILD}")
-        return
-    if getattr(original, "__coldsnap__", False):
         return
 
     async def run_vllm_snapshot_child(control: Any, args: Any) -> Any:
