@@ -271,7 +271,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
     return {
         "format": 4,
         "operation": "capture",
-        "operation_id": args.operation_id or time.strftime("capture-%Y%m%dT%H%M%S"),
+        "operation_id": args.operation_id or new_operation_id("capture"),
         "engine": engine,
         "snapshot_driver": args.driver,
         "model": {"name": model or command[0], "revision": None},
@@ -281,6 +281,12 @@ def _capture_request(args: argparse.Namespace) -> dict:
                    "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
         "artifact": str(Path(args.out).resolve()),
     }
+
+
+def new_operation_id(operation: str) -> str:
+    """``OPERATION-<local time>-<pid>``: two operations started in the same second (a race, a retry loop)
+    still have ids of their own."""
+    return f"{time.strftime(f'{operation}-%Y%m%dT%H%M%S')}-{os.getpid()}"
 
 
 def capture_request(arguments: list[str]) -> dict:
@@ -312,7 +318,7 @@ def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
     """The request of ``operation`` (restore, warm, wake) on an artifact: its capture's, re-aimed."""
     directory = Path(args.artifact).resolve()
     captured = _captured_request(directory)
-    captured.update(operation=operation, operation_id=args.operation_id or time.strftime(f"{operation}-%Y%m%dT%H%M%S"),
+    captured.update(operation=operation, operation_id=args.operation_id or new_operation_id(operation),
                     artifact=str(directory))
     if operation == "restore":
         captured["prepare_only"] = args.prepare_only
@@ -489,7 +495,7 @@ def _add_operation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-json", metavar="PATH|-", help="strict request (format 4) instead of the friendly flags; - for stdin")
     p.add_argument("--receipt-json", metavar="PATH|-", help="write the one receipt (format 2) here; - for stdout (progress stays on stderr)")
     p.add_argument("--timing-events", metavar="PATH|-", help="live NDJSON timing events (needs --receipt-json); a new absolute path or -")
-    p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: capture-/restore-<time>)")
+    p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: OPERATION-<local time>-<pid>, e.g. restore-20261202T090450-3850)")
 
 
 def _add_weights_flag(p: argparse.ArgumentParser) -> None:
