@@ -495,7 +495,8 @@ def _add_operation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--request-json", metavar="PATH|-", help="strict request (format 4) instead of the friendly flags; - for stdin")
     p.add_argument("--receipt-json", metavar="PATH|-", help="write the one receipt (format 2) here; - for stdout (progress stays on stderr)")
     p.add_argument("--timing-events", metavar="PATH|-", help="live NDJSON timing events (needs --receipt-json); a new absolute path or -")
-    p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: OPERATION-<local time>-<pid>, e.g. restore-20261202T090450-3850)")
+    p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: "
+                   "OPERATION-<local time>-<pid>, e.g. restore-20261202T090450-3850)")
 
 
 def _add_weights_flag(p: argparse.ArgumentParser) -> None:
