@@ -644,8 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser(
         "restore",
         help="restore a captured artifact: admission, CRIU restore, hydration, canary",
-        description="Admit the artifact (descriptor, platform, CRIU check, capsule, native packs, serving port) and, "
-        "unless --prepare-only, restore the process tree while the payload is prefetched, let the agent map and "
+        description="Admit the artifact (descriptor, platform, CRIU check, capsule, the host files the tree maps, "
+        "native packs, the serving port and its lock — a concurrent restore, warm, wake or capture of the port "
+        "is refused naming it —, room on every GPU it goes to) and, unless --prepare-only, restore the process tree while the payload is prefetched, let the agent map and "
         "hydrate the weights and zero the KV cache, and require the canary to give the captured tokens exactly. "
         "On failure everything restored is killed. A restore writes nothing inside DIR (it may be read-only, "
         "moved or a copy): the restored server's log, CRIU's files and validation records go to the state "
