@@ -340,13 +340,13 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
 
     perform: Callable[[Any], Any]
     if operation == "capture":
-        from coldsnap.activation.capture import capture as perform
+        from coldsnap.activation.lifecycle import capture as perform
     elif operation == "restore":
-        from coldsnap.activation.restore import restore as perform
+        from coldsnap.activation.lifecycle import restore as perform
     elif operation == "warm":
-        from coldsnap.activation.standby import warm as perform
+        from coldsnap.activation.lifecycle import warm as perform
     else:
-        from coldsnap.activation.standby import wake as perform
+        from coldsnap.activation.lifecycle import wake as perform
 
     terminate_as_interrupt()
     try:
@@ -372,7 +372,7 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
 
 def _cmd_capture(args: argparse.Namespace) -> int:
     if args.no_verify:
-        from coldsnap.activation.capture import VERIFY_ENV
+        from coldsnap.activation.capture_steps import VERIFY_ENV
 
         os.environ[VERIFY_ENV] = "0"
     return _run_lifecycle(args, _capture_request, "capture")

@@ -187,9 +187,9 @@ def _spans(receipt: dict[str, Any]) -> dict[str, float]:
 def _operation(document: dict[str, Any], receipt_path: Path, quiet: bool) -> dict[str, Any]:
     body: Callable[[Any], Any]
     if document["operation"] == "capture":
-        from coldsnap.activation.capture import capture as body
+        from coldsnap.activation.lifecycle import capture as body
     else:
-        from coldsnap.activation.restore import restore as body
+        from coldsnap.activation.lifecycle import restore as body
     stderr = open(os.devnull, "w") if quiet else sys.stderr
     try:
         status = run_operation(json.dumps(document).encode(), "demo", body, str(receipt_path), stderr=stderr)

@@ -30,11 +30,12 @@ import time
 from pathlib import Path
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
-from coldsnap.activation.capture import READY_TIMEOUT_S, CaptureSequence
+from coldsnap.activation.admission import Admitted, WeightSource
+from coldsnap.activation.capture_steps import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.activation.replica import Replica, serving_port
-from coldsnap.activation.restore import RestoreSequence, WeightSource
+from coldsnap.activation.restore_steps import RestoreSequence
 from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor
@@ -124,30 +125,14 @@ class TemplateCapture(CaptureSequence):
         self.capture_state: Path | None = None  # the capture's own restore of the template writes here
         self.template_link: TemplateLink | None = None
 
-    def run(self) -> OperationOutcome:
-        try:
-            self.launch()
-            self.wait_for_boundary()
-            self.check_no_nvidia_state()
-            self.dump()
-            self.start_from_image()
-            self.wait_until_ready()
-            self.record_canary()
-            self.prepare_ranks()
-            self.note_gpus()
-            self.commit()
-        except BaseException:
-            self.unwind()
-            self._close_link()
-            self._remove_capture_state()
-            raise
+    def finish(self) -> None:
         if self.engine is not None:
             self.engine.kill()  # the template's engine served the capture; the capsule is the template
             self.keep_engine_log()
+
+    def release(self) -> None:
         self._close_link()
         self._remove_capture_state()
-        self.context.progress(f"committed {self.artifact.descriptor_path}")
-        return OperationOutcome(artifact=str(self.artifact.root))
 
     def launch(self) -> None:
         """The unit's command under the template launcher."""
@@ -316,12 +301,9 @@ class TemplateRestore(RestoreSequence):
         self.tree: RestoredTree | None = None
         self.link: TemplateLink | None = None  # until the agent's lease holds the engine
 
-    def run(self) -> OperationOutcome:
-        try:
-            return self._run(self.restore_tree, self.place, self.wait_for_engine, self.check_canary)
-        finally:
-            if self.link is not None:
-                self.link.close()
+    def release(self) -> None:
+        if self.link is not None:
+            self.link.close()
 
     def restore_tree(self) -> None:
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
@@ -362,3 +344,28 @@ class TemplateRestore(RestoreSequence):
                 tail = tree.log_tail(1)
                 raise OperationFailed("restore.engine_start", f"{exc}{f' | engine log: {tail}' if tail else ''}") from None
             span["ranks"] = status.world_size
+
+
+# The n580 driver: its steps, in order (the registry: :mod:`coldsnap.activation.drivers`).
+CAPTURE_STEPS = ("launch", "wait_for_boundary", "check_no_nvidia_state", "dump", "start_from_image", "wait_until_ready",
+                 "record_canary", "prepare_ranks", "note_gpus", "commit")
+"""The template dumped before any of the engine runs; then restored and placed once to prove it, record the
+canary and write the native pack (the commit is not checked again: the capture restored it already)."""
+RESTORE_STEPS = ("restore_tree", "place", "wait_for_engine", "check_canary")
+
+
+def capture(context: OperationContext, artifact: ArtifactDir, ready_timeout: float, check_restore: object) -> OperationOutcome:
+    return TemplateCapture(context, artifact, ready_timeout).run(CAPTURE_STEPS)
+
+
+def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: Admitted) -> PlacementRecord:
+    """What the template will be handed, checked before anything starts (``admission.placement``)."""
+    with context.timer.span("restore.admission.placement"):
+        return template_placement(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources,
+                                  admitted.replica.controls[0])
+
+
+def restore(context: OperationContext, artifact: ArtifactDir, admitted: Admitted, placement: PlacementRecord
+            ) -> OperationOutcome:
+    return TemplateRestore(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources, admitted.replica,
+                           placement).run(RESTORE_STEPS)

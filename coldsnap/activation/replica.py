@@ -1,6 +1,6 @@
 """One restore's place on this host: the replica it is (serving port, port generation, control sockets,
 state directory) and the GPUs its ranks go to. Decided at admission, before anything starts; the restore
-sequences (:mod:`coldsnap.activation.restore`, :mod:`coldsnap.activation.n580`) carry it out."""
+sequences (:mod:`coldsnap.activation.restore_steps`, :mod:`coldsnap.activation.n580`) carry it out."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import re
 import socket
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.state import host_cache_dir
@@ -73,9 +74,12 @@ def _replica_control(control: str, token: str) -> str:
     return _CONTROL_ID.sub(lambda match: match.group(1) + token, control)
 
 
-def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest) -> Replica:
+def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest,
+                 standby_pid: Callable[[], int | None] = lambda: None) -> Replica:
     """This restore's :class:`Replica`; ``admission.port`` when a port it needs is taken. Every port the
-    tree will bind is probed: the serving port itself, and the generation's move of each other."""
+    tree will bind is probed: the serving port itself, and the generation's move of each other.
+    ``standby_pid``: the pid of the artifact's live warm standby, if any (asked only when the captured
+    port is taken, to say so)."""
     metadata = capsule.metadata
     port = serving_port(context, capsule)
     sockets, tree_names = tree_sockets(artifact.images(capsule.unit_id))
@@ -90,12 +94,10 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
         taken.append(f"tcp 127.0.0.1:{port}")
     if taken:
         if port == metadata.serving_port:
-            from coldsnap.activation.standby import live_standby
-
-            standby = live_standby(artifact)
-            if standby is not None:
+            pid = standby_pid()
+            if pid is not None:
                 raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this "
-                                      f"artifact (pid {standby.pid}): `coldsnap wake {artifact.root}` makes it serve")
+                                      f"artifact (pid {pid}): `coldsnap wake {artifact.root}` makes it serve")
         moved = "" if generation.shift == 0 else f" (the capture's ports moved by {generation.shift:+d})"
         raise OperationFailed("admission.port", f"serving port {port}: the tree's port(s) {', '.join(taken)} are "
                               f"taken{moved}")

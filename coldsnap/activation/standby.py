@@ -1,4 +1,7 @@
-"""Warm standby: an artifact restored ahead of demand into a process that does not serve yet.
+"""The warm standbys' registry: their records, the live one of an artifact, the list ``coldsnap status``
+shows. (The warm and wake pipelines are the snapshot driver's: :mod:`coldsnap.activation.n610`.)
+
+A warm standby is an artifact restored ahead of demand into a process that does not serve yet.
 
 ``coldsnap warm DIR`` runs restore's admission and its steps through the CUDA restore (UUIDs remapped
 onto this host's GPUs), then parks every rank (:class:`~coldsnap.agent.protocol.Standby`): the
@@ -34,11 +37,7 @@ from typing import Callable, ClassVar, Literal
 from pydantic import Field
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
-from coldsnap.activation.gpu_memory import admit_gpu_memory
-from coldsnap.activation.operation_locks import hold_port, hold_standby
-from coldsnap.activation.restore import RestoreSequence, admit, gpu_placement, weight_sources
-from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.activation.state import STANDBY_RECORD, artifact_id, standby_record_file
+from coldsnap.activation.state import STANDBY_RECORD, standby_record_file
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Standby, StandbyReply
 from coldsnap.atomic import write_atomic
@@ -47,7 +46,7 @@ from coldsnap.contracts.base import Contract, ContractError, load_document
 from coldsnap.host import live_start_ticks
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 
-__all__ = ["DEFAULT_TTL_S", "StandbyRecord", "list_standbys", "live_standby", "record_path", "warm", "wake"]
+__all__ = ["DEFAULT_TTL_S", "StandbyRecord", "list_standbys", "live_standby", "record_path", "standby_artifact"]
 
 DEFAULT_TTL_S = 3600
 
@@ -121,101 +120,6 @@ def list_standbys() -> list[tuple[StandbyRecord, str]]:
             state = f"unreachable ({exc})"
         found.append((record, state))
     return found
-
-
-def warm(context: OperationContext) -> OperationOutcome:
-    artifact = ArtifactDir(Path(context.request.artifact))
-    if artifact.committed():  # one standby per artifact: a second warm of it meanwhile, on any port, loses here
-        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
-    existing = live_standby(artifact) if artifact.committed() else None
-    if existing is not None:  # convergent: the standby asked for is there
-        context.progress(f"already warm: pid {existing.pid}, port {existing.serving_port} (warmed by "
-                         f"{existing.operation_id})")
-        return OperationOutcome(artifact=str(artifact.root), warnings=[
-            f"a warm standby of this artifact already runs (pid {existing.pid}); no second one was started"])
-    descriptor, capsule, sources, replica = admit(context, artifact)
-    ttl_s = context.request.standby_ttl_s or DEFAULT_TTL_S
-    gpus = gpu_placement(context, artifact, capsule)
-    with context.timer.span("warm.admission.gpu_memory") as span:
-        admit_gpu_memory(context, capsule, gpus, False, span)  # (a standby's agents hydrate at wake)
-    return RestoreSequence(context, artifact, descriptor, capsule, sources, replica, gpus=gpus).run_warm(
-        lambda sequence: _park(sequence, ttl_s))
-
-
-def _park(sequence: RestoreSequence, ttl_s: int) -> None:
-    """Every rank parks (collectives rebuilt together), then the standby is recorded."""
-    assert sequence.restored_pid is not None
-    path = record_path(sequence.artifact)
-    controls = [sequence.controls[w.rank] for w in sequence.workers]
-    with sequence.step("warm.standby", "warm.standby") as span, \
-            ActivationCoordinator(len(sequence.workers)) as coordinator:
-        calls: list[tuple[int, Callable[[], StandbyReply]]] = [(w.rank, functools.partial(AgentClient(control).standby, Standby(
-                    ttl_s=ttl_s, record=str(path), coordinator=coordinator.command_field(),
-                    pin_payload=_pinnable_payload(sequence, w))))
-                 for w, control in zip(sequence.workers, controls)]
-        for reply in call_every_rank(calls, coordinator):
-            prefix = rank_prefix(reply.rank)
-            span.update({f"{prefix}{name}_ns": int(seconds * 1e9) for name, seconds in reply.seconds.items()})
-            span[f"{prefix}pinned_bytes"] = reply.pinned_bytes
-            if reply.graphs_recaptured:
-                span[f"{prefix}graphs_recaptured"] = ",".join(reply.graphs_recaptured)
-            if reply.pin_error:
-                sequence.context.warn(f"rank {reply.rank}: the payload pack could not be pinned ({reply.pin_error}); "
-                                      "its wake hydrates through the staging ring")
-        start_ticks = live_start_ticks(sequence.restored_pid)
-        if start_ticks is None:
-            raise OperationFailed("warm.standby", f"the standby (pid {sequence.restored_pid}) exited while parking")
-        record = StandbyRecord(format=1, standby_id=path.parent.name, artifact=str(sequence.artifact.root),
-                               operation_id=sequence.context.request.operation_id, pid=sequence.restored_pid,
-                               start_ticks=start_ticks, controls=controls,
-                               serving_port=sequence.serving_port, warmed_unix_ns=time.time_ns(), ttl_s=ttl_s)
-        write_atomic(path, record.canonical_json() + b"\n")
-        span["standby_id"] = record.standby_id
-        span["ttl_s"] = ttl_s
-    sequence.context.progress(f"standby {record.standby_id} parked; `coldsnap wake {sequence.artifact.root}` "
-                              f"makes it serve (it stops itself after {ttl_s} s)")
-
-
-def _pinnable_payload(sequence: RestoreSequence, worker: WorkerRecord) -> str | None:
-    """The rank's payload pack when its wake will hydrate GPU weights from it (and pinning is not
-    switched off with ``COLDSNAP_STANDBY_PIN_PACK=0``): the standby pins it ahead of the wake."""
-    weights = sequence.records[worker.rank].regions.get("weights")
-    if (os.environ.get("COLDSNAP_STANDBY_PIN_PACK", "1") == "0" or worker.payload is None
-            or sequence.sources[worker.rank] != "native" or weights is None or weights.backend != "cuda"):
-        return None
-    return str(sequence.artifact.root / worker.payload.path)
-
-
-def wake(context: OperationContext) -> OperationOutcome:
-    artifact = ArtifactDir(Path(context.request.artifact))
-    with context.timer.span("wake.admission.standby") as span:
-        if not artifact.committed():
-            raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")
-        record = live_standby(artifact)
-        if record is None:
-            raise OperationFailed("wake.standby", f"no live warm standby of {artifact.root} (`coldsnap warm` it first; "
-                                  "`coldsnap status` lists the standbys)")
-        span["pid"] = record.pid
-        try:
-            descriptor = artifact.load()
-            capsule = artifact.read_capsule(descriptor.units[0].unit_id)
-        except (OSError, ContractError) as exc:
-            raise OperationFailed("admission.artifact", f"{artifact.root}: {exc}") from None
-        # A second wake of it loses here; the winner of such a race may have woken it meanwhile.
-        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
-        hold_port(context, record.serving_port or capsule.metadata.serving_port, str(artifact.root))
-        if live_standby(artifact) is None:
-            raise OperationFailed("wake.standby", f"the warm standby of {artifact.root} was woken or stopped meanwhile")
-    with context.timer.span("wake.admission.payload") as span:
-        sources = weight_sources(context, artifact, descriptor.units[0].workers, span)
-    sequence = RestoreSequence(context, artifact, descriptor, capsule, sources, None, restored_pid=record.pid,
-                               controls=record.controls)
-    sequence.serving_port = record.serving_port or capsule.metadata.serving_port
-    try:
-        outcome = sequence.run_wake()
-    finally:  # served or stopped: either way no longer a standby
-        record_path(artifact).unlink(missing_ok=True)
-    return outcome
 
 
 def standby_artifact(target: str) -> Path:

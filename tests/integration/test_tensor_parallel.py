@@ -137,7 +137,7 @@ def test_one_rank_failing_its_resume_fails_both_at_once(tp_captured, tmp_path, m
     """Rank 1's agent refuses its resume (wrong layout digest): the launcher aborts the coordinator, so
     rank 0 — hydrated and waiting to rebuild NCCL — fails at once too; the receipt names rank 1, nothing
     is left running, the artifact is untouched."""
-    restore_module = importlib.import_module("coldsnap.activation.restore")
+    restore_module = importlib.import_module("coldsnap.activation.restore_steps")
 
     artifact, port, _, _ = tp_captured
     class Rank1Refused(restore_module.AgentClient):
@@ -159,7 +159,7 @@ def test_one_rank_failing_its_resume_fails_both_at_once(tp_captured, tmp_path, m
 
 
 def test_one_rank_failing_its_prepare_commits_nothing(tmp_path, monkeypatch):
-    capture_module = importlib.import_module("coldsnap.activation.capture")
+    capture_module = importlib.import_module("coldsnap.activation.capture_steps")
 
     port = _free_port()
     class Rank1CannotWrite(capture_module.AgentClient):

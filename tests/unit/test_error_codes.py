@@ -57,8 +57,8 @@ def test_a_step_reports_what_fails_in_it_with_its_own_code(sequence):
     """An OSError while CRIU restores is ``restore.criu``, not the ``restore.resume`` it used to become."""
     from types import SimpleNamespace
 
-    from coldsnap.activation.capture import CaptureSequence
-    from coldsnap.activation.restore import RestoreSequence
+    from coldsnap.activation.capture_steps import CaptureSequence
+    from coldsnap.activation.restore_steps import RestoreSequence
     from coldsnap.snapshot.criu import CriuError
     from coldsnap.timing import OperationTimer
 

@@ -20,7 +20,10 @@ A part is ``coldsnap/<part>/`` or ``coldsnap/<part>.py``; the plugins are ``cold
   ``contracts`` and the shared leaf modules (:data:`SHARED`). The activation's arrow is not (the
   launcher also stages memory, verifies payloads, runs the doctor's probes and the operation runner);
 - no engine (vLLM, SGLang) in core: ``import coldsnap`` imports no engine, and the reference workload
-  is torch, not an engine; contracts import no torch either.
+  is torch, not an engine; contracts import no torch either;
+- no circle: no module imports one that imports it back, directly or through others (every import
+  counts, as above; ``from a.b import c`` is an edge to the module ``a.b.c`` where that is one, else to
+  ``a.b``).
 
 A rule broken on purpose goes into :data:`ALLOWED` with its reason; an entry that no longer matches an
 import fails the test, so the list cannot go stale.
@@ -260,3 +263,63 @@ def test_allow_list_entry_covers_a_prefix():
     imports = imports_of("from coldsnap.agent.memory import timed\n", "coldsnap.collective.group", False)
     left, used = check(imports, {("coldsnap.collective.group", "coldsnap.agent.memory"): "reason"})
     assert left == [] and used == {("coldsnap.collective.group", "coldsnap.agent.memory")}
+
+
+def import_graph(imports: list[Import], modules: set[str]) -> dict[str, set[str]]:
+    """Module → the project modules it imports (a name of a module is an edge to that module)."""
+    graph: dict[str, set[str]] = {module: set() for module in modules}
+    for imp in imports:
+        target = imp.target
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != imp.module:
+            graph[imp.module].add(target)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for successor in sorted(graph[node]):
+            if successor not in index:
+                visit(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in on_stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_back():
+    modules = {module_name(path, ROOT)[0] for package in PACKAGES for path in (ROOT / package).rglob("*.py")}
+    found = circles(import_graph(project_imports(), modules))
+    assert not found, "import circles (each group imports itself back): " + "; ".join(" ↔ ".join(c) for c in found)
+
+
+def test_the_circle_check_finds_a_circle_through_a_function_level_import():
+    imports = (imports_of("from coldsnap.activation.b import run\n", "coldsnap.activation.a", False)
+               + imports_of("def f():\n    from coldsnap.activation import a\n", "coldsnap.activation.b", False))
+    graph = import_graph(imports, {"coldsnap.activation", "coldsnap.activation.a", "coldsnap.activation.b"})
+    assert circles(graph) == [["coldsnap.activation.a", "coldsnap.activation.b"]]

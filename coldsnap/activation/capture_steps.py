@@ -1,13 +1,14 @@
-"""Capture: start the serving command, prove it right, release its model memory, dump it, commit.
+"""The capture steps (:class:`CaptureSequence`): start the serving command, prove it right, release its
+model memory, dump it, commit — shared by the snapshot drivers (the order each runs them in is the
+driver's: :mod:`coldsnap.activation.n610`, :mod:`coldsnap.activation.n580`).
 
-Sequence (one launch unit, snapshot driver n610 semantics: the initialized process is captured):
-launch → every rank's agent + HTTP ready → canary recorded → ``prepare`` on every rank at once (drain,
-graphs the policy drops, NCCL teardown between coordinator barriers, native packs written, weights
-and KV released) → CUDA checkpoint of the tree's GPU processes → CRIU dump of the whole tree →
-capsule manifest → artifact descriptor committed atomically.
-Each step is a method of :class:`CaptureSequence` with its own span and error code
-(:mod:`coldsnap.contracts.errors`). A failure at any step kills what was started and commits nothing
-(one unwind); an earlier artifact is never touched.
+n610's order (the initialized process is captured): launch → every rank's agent + HTTP ready → canary
+recorded → ``prepare`` on every rank at once (drain, graphs the policy drops, NCCL teardown between
+coordinator barriers, native packs written, weights and KV released) → no TCP connection to a peer
+outside the tree → CUDA checkpoint of the tree's GPU processes → CRIU dump of the whole tree → capsule
+manifest → the capsule restored once and proven by the canary → artifact descriptor committed atomically.
+Each step is a method with its own span and error code (:mod:`coldsnap.contracts.errors`). A failure at
+any step kills what was started and commits nothing (one unwind); an earlier artifact is never touched.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import platform
 import socket
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Literal
+from typing import Any, Callable, ContextManager, Literal, Sequence
 
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
@@ -51,7 +52,11 @@ RESTORE_CANARY_TOKENS = 2
 """Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
 one decode step (KV cache read back, the decode CUDA graph replayed)."""
 
-__all__ = ["capture", "READY_TIMEOUT_S", "AGENT_AFTER_HTTP_S"]
+__all__ = ["AGENT_AFTER_HTTP_S", "CaptureSequence", "CheckRestore", "READY_TIMEOUT_S", "VERIFY_ENV", "port_taken",
+           "verify_at_capture"]
+
+CheckRestore = Callable[[OperationContext, ArtifactDir], OperationOutcome]
+"""Restore an artifact (seen through its pending descriptor) as ``coldsnap restore`` would."""
 
 READY_TIMEOUT_S = 900.0
 
@@ -78,31 +83,7 @@ AGENT_MISSING_CAUSES: dict[str, str] = {
 }
 
 
-def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
-    """Capture by the request's snapshot driver: n610 (this module's sequence) or n580 (:mod:`coldsnap.activation.n580`)."""
-    request_ = context.request
-    require_implemented_driver(request_.snapshot_driver)
-    if len(request_.units) != 1:
-        raise OperationFailed("capture.topology", "this build captures one launch unit (one process tree)")
-    if request_.units[0].serving_port is None:
-        raise OperationFailed("capture.port", "the unit has no serving_port: the canary needs the engine's HTTP port")
-    artifact = ArtifactDir(Path(request_.artifact))
-    if artifact.committed():
-        raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
-    # One operation per port: a restore or capture onto it meanwhile loses at its admission.
-    port = request_.units[0].serving_port
-    hold_port(context, port, str(artifact.root), code="capture.port")
-    if _port_taken(port):  # the canary would ask whatever holds it
-        raise OperationFailed("capture.port", f"serving port {port} is taken: stop what listens there, or serve on "
-                              "another port")
-    if request_.snapshot_driver == "n580":
-        from coldsnap.activation.n580 import TemplateCapture
-
-        return TemplateCapture(context, artifact, ready_timeout).run()
-    return CaptureSequence(context, artifact, ready_timeout).run()
-
-
-def _port_taken(port: int) -> bool:
+def port_taken(port: int) -> bool:
     """Whether a socket is bound to ``port`` on the loopback address now (a privileged port this user may
     not bind is not taken: the engine's own bind says so)."""
     with socket.socket() as probe:
@@ -119,7 +100,11 @@ class CaptureSequence:
     :meth:`unwind` for every failure: the engine killed, everything the capture created in the output
     directory removed (a full disk must not stay full), the engine's last lines shown."""
 
-    def __init__(self, context: OperationContext, artifact: ArtifactDir, ready_timeout: float):
+    def __init__(self, context: OperationContext, artifact: ArtifactDir, ready_timeout: float,
+                 check_restore: "CheckRestore | None" = None):
+        """``check_restore``: how the capture restores its own capsule before committing it (the lifecycle's
+        restore, passed in: this module does not import it back)."""
+        self.check_restore = check_restore
         self.context = context
         self.request = context.request
         self.timer = context.timer
@@ -153,23 +138,34 @@ class CaptureSequence:
         return step(self.timer, span, code, (LaunchError, AgentError, CriuError, CudaCheckpointError, OSError, ValueError),
                     lambda exc: f"{exc}{self._last_log_line()}")
 
-    def run(self) -> OperationOutcome:
+    def run(self, steps: Sequence[str]) -> OperationOutcome:
+        """The named steps (methods of this sequence), in order, as the snapshot driver lists them; any
+        failure: :meth:`unwind`; either way: :meth:`release`; on success :meth:`finish` first."""
         try:
-            self.launch()
-            self.wait_until_ready()
-            self.record_canary()
-            self.prepare_ranks()
-            self.refuse_outside_connections()
-            self.checkpoint_cuda()
-            self.dump()
-            self.commit(verify=verify_at_capture())
+            for name in steps:
+                getattr(self, name)()
+            self.finish()
         except BaseException:
             self.unwind()
             raise
-        if self.engine is not None and self.engine.alive():  # CRIU's dump ends the tree; never leave it running
-            self.engine.kill()
+        finally:
+            self.release()
         self.context.progress(f"committed {self.artifact.descriptor_path}")
         return OperationOutcome(artifact=str(self.artifact.root))
+
+    def finish(self) -> None:
+        """After the commit: nothing of the command keeps running (CRIU's dump ended the tree already)."""
+        if self.engine is not None and self.engine.alive():
+            self.engine.kill()
+
+    def release(self) -> None:
+        """What the sequence holds besides the engine, let go after success or failure (n580's template link
+        and state)."""
+
+    def commit_checked(self) -> None:
+        """:meth:`commit`, with the capsule restored once first unless that is switched off
+        (:func:`verify_at_capture`)."""
+        self.commit(verify=verify_at_capture())
 
     def launch(self) -> None:
         artifact, unit = self.artifact, self.unit
@@ -437,8 +433,7 @@ class CaptureSequence:
         """Restore the capsule once, as ``coldsnap restore`` of it would (same request, same weights policy,
         the captured port), prove it with the canary, then stop it: a capsule that cannot restore is never
         committed (``capture.verify``). ``COLDSNAP_CAPTURE_VERIFY=0`` (``capture --no-verify``) skips it."""
-        from coldsnap.activation.restore import restore
-
+        assert self.check_restore is not None, "a verified commit needs the lifecycle's restore"
         document = self.request.to_json_value()
         document.update(operation="restore", operation_id=f"{self.request.operation_id}-check", prepare_only=False)
         request = resolve_request(decode_document(OperationRequest, canonical_json(document), "the capture's check"))
@@ -446,7 +441,7 @@ class CaptureSequence:
         with self.timer.span("capture.verify") as span:
             try:
                 with check.held:
-                    restore(check, pending)
+                    self.check_restore(check, pending)
             except OperationFailed as exc:
                 raise OperationFailed("capture.verify", f"the capsule did not restore: {exc.code}: {exc.message}") from None
             finally:

@@ -1,0 +1,46 @@
+"""The snapshot drivers, by the name a request gives (``snapshot_driver``): what each runs for capture,
+restore, warm and wake. One module per driver declares its pipelines as ordered lists of named steps
+(:mod:`coldsnap.activation.n610`, :mod:`coldsnap.activation.n580`); :mod:`coldsnap.activation.lifecycle`
+looks the driver up here and runs them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from coldsnap.activation import n580, n610
+from coldsnap.activation.admission import Admitted
+from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.capture_steps import CheckRestore
+from coldsnap.activation.qualification import require_implemented_driver
+from coldsnap.operation import OperationContext, OperationOutcome
+
+__all__ = ["SnapshotDriver", "driver_for"]
+
+
+@dataclass(frozen=True)
+class SnapshotDriver:
+    """A driver's pipelines. ``admit_placement`` is what it admits on top of the common admission (n610:
+    the GPUs and their room; n580: the template's placement); its answer goes to ``restore`` (and
+    ``warm``). ``warm`` and ``wake`` exist where the driver has a warm boundary (n610; the request
+    profiles refuse them for n580)."""
+
+    name: str
+    capture: Callable[[OperationContext, ArtifactDir, float, CheckRestore], OperationOutcome]
+    admit_placement: Callable[[OperationContext, ArtifactDir, Admitted], Any]
+    restore: Callable[[OperationContext, ArtifactDir, Admitted, Any], OperationOutcome]
+    warm: Callable[..., OperationOutcome] | None = None
+    wake: Callable[..., OperationOutcome] | None = None
+
+
+_DRIVERS = {
+    "n610": SnapshotDriver("n610", n610.capture, n610.admit_placement, n610.restore, n610.warm, n610.wake),
+    "n580": SnapshotDriver("n580", n580.capture, n580.admit_placement, n580.restore),
+}
+
+
+def driver_for(name: str) -> SnapshotDriver:
+    """The driver a request names (one this build implements: ``request.unsupported`` otherwise)."""
+    require_implemented_driver(name)
+    return _DRIVERS[name]

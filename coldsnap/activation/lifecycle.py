@@ -1,0 +1,104 @@
+"""The lifecycle operations — capture, restore, warm, wake — as ``coldsnap CMD`` runs them inside the
+operation envelope (:mod:`coldsnap.operation`): each checks what is common to every snapshot driver,
+looks the request's driver up (:mod:`coldsnap.activation.drivers`) and runs its pipeline.
+
+    capture: the unit's port free and locked → the driver's capture steps (n610's commit restores the
+             capsule once through :func:`restore`, handed down: ``capture.verify``)
+    restore: admission (:mod:`coldsnap.activation.admission`) → the driver's own admission (n610: GPUs
+             and their room; n580: the placement) → ``--prepare-only`` stops → the driver's restore steps
+    warm:    one standby per artifact (a live one: converged) → admission → the driver's warm steps
+    wake:    the live standby, its locks, its weight sources → the driver's wake steps
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coldsnap.activation.admission import admit, weight_sources
+from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.capture_steps import READY_TIMEOUT_S, port_taken
+from coldsnap.activation.drivers import driver_for
+from coldsnap.activation.operation_locks import hold_port, hold_standby
+from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
+from coldsnap.activation.state import artifact_id
+from coldsnap.contracts.base import ContractError
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+
+__all__ = ["capture", "restore", "warm", "wake"]
+
+
+def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
+    request_ = context.request
+    driver = driver_for(request_.snapshot_driver)
+    if len(request_.units) != 1:
+        raise OperationFailed("capture.topology", "this build captures one launch unit (one process tree)")
+    port = request_.units[0].serving_port
+    if port is None:
+        raise OperationFailed("capture.port", "the unit has no serving_port: the canary needs the engine's HTTP port")
+    artifact = ArtifactDir(Path(request_.artifact))
+    if artifact.committed():
+        raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
+    # One operation per port: a restore or capture onto it meanwhile loses at its admission.
+    hold_port(context, port, str(artifact.root), code="capture.port")
+    if port_taken(port):  # the canary would ask whatever holds it
+        raise OperationFailed("capture.port", f"serving port {port} is taken: stop what listens there, or serve on "
+                              "another port")
+    return driver.capture(context, artifact, ready_timeout, restore)
+
+
+def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> OperationOutcome:
+    """``artifact``: the request's by default; a capture's check restore passes its pending one."""
+    artifact = artifact or ArtifactDir(Path(context.request.artifact))
+    admitted = admit(context, artifact)
+    driver = driver_for(admitted.descriptor.snapshot_driver)
+    placement = driver.admit_placement(context, artifact, admitted)
+    if context.request.prepare_only:
+        context.progress("admission passed; --prepare-only: nothing started")
+        return OperationOutcome(artifact=str(artifact.root))
+    return driver.restore(context, artifact, admitted, placement)
+
+
+def warm(context: OperationContext) -> OperationOutcome:
+    artifact = ArtifactDir(Path(context.request.artifact))
+    driver = driver_for(context.request.snapshot_driver)
+    if driver.warm is None:  # (the request profiles refuse this before it gets here)
+        raise OperationFailed("request.unsupported", f"snapshot driver {driver.name} has no warm standby")
+    if artifact.committed():  # one standby per artifact: a second warm of it meanwhile, on any port, loses here
+        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
+    existing = live_standby(artifact) if artifact.committed() else None
+    if existing is not None:  # convergent: the standby asked for is there
+        context.progress(f"already warm: pid {existing.pid}, port {existing.serving_port} (warmed by "
+                         f"{existing.operation_id})")
+        return OperationOutcome(artifact=str(artifact.root), warnings=[
+            f"a warm standby of this artifact already runs (pid {existing.pid}); no second one was started"])
+    admitted = admit(context, artifact)
+    placement = driver.admit_placement(context, artifact, admitted)
+    return driver.warm(context, artifact, admitted, placement, context.request.standby_ttl_s or DEFAULT_TTL_S)
+
+
+def wake(context: OperationContext) -> OperationOutcome:
+    artifact = ArtifactDir(Path(context.request.artifact))
+    driver = driver_for(context.request.snapshot_driver)
+    if driver.wake is None:
+        raise OperationFailed("request.unsupported", f"snapshot driver {driver.name} has no warm standby")
+    with context.timer.span("wake.admission.standby") as span:
+        if not artifact.committed():
+            raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")
+        record = live_standby(artifact)
+        if record is None:
+            raise OperationFailed("wake.standby", f"no live warm standby of {artifact.root} (`coldsnap warm` it first; "
+                                  "`coldsnap status` lists the standbys)")
+        span["pid"] = record.pid
+        try:
+            descriptor = artifact.load()
+            capsule = artifact.read_capsule(descriptor.units[0].unit_id)
+        except (OSError, ContractError) as exc:
+            raise OperationFailed("admission.artifact", f"{artifact.root}: {exc}") from None
+        # A second wake of it loses here; the winner of such a race may have woken it meanwhile.
+        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
+        hold_port(context, record.serving_port or capsule.metadata.serving_port, str(artifact.root))
+        if live_standby(artifact) is None:
+            raise OperationFailed("wake.standby", f"the warm standby of {artifact.root} was woken or stopped meanwhile")
+    with context.timer.span("wake.admission.payload") as span:
+        sources = weight_sources(context, artifact, descriptor.units[0].workers, span)
+    return driver.wake(context, artifact, descriptor, capsule, sources, record)

@@ -1,0 +1,140 @@
+"""Snapshot driver n610: the initialized serving process is captured, CUDA state included (NVIDIA driver
+610+, seeds), and restored as it was: no engine start at restore.
+
+This module declares the driver's pipelines as ordered lists of named steps over the shared step
+implementations — capture: :class:`~coldsnap.activation.capture_steps.CaptureSequence`; restore, warm,
+wake: :class:`~coldsnap.activation.restore_steps.RestoreSequence` — and what n610 admits on top of the
+common admission (:mod:`coldsnap.activation.admission`): the GPUs the request places the ranks on and
+their free memory. Warm parks the restored ranks as a standby (:func:`park`); wake takes it from there.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Callable
+
+from coldsnap.activation.admission import Admitted, WeightSource, launcher_stages
+from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.capture_steps import CaptureSequence, CheckRestore
+from coldsnap.activation.gpu_memory import admit_gpu_memory
+from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
+from coldsnap.activation.replica import GpuPlacement, gpu_placement
+from coldsnap.activation.restore_steps import RestoreSequence
+from coldsnap.activation.standby import StandbyRecord, record_path
+from coldsnap.agent.client import AgentClient
+from coldsnap.agent.protocol import Standby, StandbyReply
+from coldsnap.atomic import write_atomic
+from coldsnap.contracts.artifact import ArtifactDescriptor, WorkerRecord
+from coldsnap.contracts.capsule import CapsuleManifest
+from coldsnap.host import live_start_ticks
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+
+__all__ = ["CAPTURE_STEPS", "RESTORE_STEPS", "WAKE_STEPS", "WARM_STEPS", "capture", "restore", "warm", "wake"]
+
+CAPTURE_STEPS = ("launch", "wait_until_ready", "record_canary", "prepare_ranks", "refuse_outside_connections",
+                 "checkpoint_cuda", "dump", "commit_checked")
+RESTORE_STEPS = ("restore_tree", "take_lease", "restore_cuda", "collect_staged_weights", "resume_ranks", "check_canary")
+WARM_STEPS = ("restore_tree", "take_lease", "restore_cuda", "collect_staged_weights", "park")
+"""Restored (CUDA included) and parked, not serving; the weights' pack read into the page cache for the wake."""
+WAKE_STEPS = ("take_lease", "resume_ranks", "check_canary")
+"""A parked standby hydrated, resumed and proven by the canary."""
+
+
+def capture(context: OperationContext, artifact: ArtifactDir, ready_timeout: float,
+            check_restore: CheckRestore) -> OperationOutcome:
+    return CaptureSequence(context, artifact, ready_timeout, check_restore).run(CAPTURE_STEPS)
+
+
+def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: Admitted) -> GpuPlacement:
+    """The GPUs the ranks go to (``admission.gpu``) and their room (``admission.gpu_memory``)."""
+    op = context.request.operation
+    with context.timer.span(f"{op}.admission.gpus"):
+        gpus = gpu_placement(context, artifact, admitted.capsule)
+    with context.timer.span(f"{op}.admission.gpu_memory") as span:
+        # (a standby's agents hydrate at its wake: the launcher stages nothing for a warm)
+        staging = op == "restore" and launcher_stages(admitted.descriptor, admitted.capsule, admitted.sources)
+        admit_gpu_memory(context, admitted.capsule, gpus, staging, span)
+    return gpus
+
+
+def restore(context: OperationContext, artifact: ArtifactDir, admitted: Admitted, gpus: GpuPlacement) -> OperationOutcome:
+    return RestoreSequence(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources, admitted.replica,
+                           gpus=gpus).run(RESTORE_STEPS)
+
+
+class StandbySequence(RestoreSequence):
+    """Warm's restore, whose last step parks the ranks for ``ttl_s`` seconds."""
+
+    ttl_s: int = 0
+
+    def park(self) -> None:
+        park(self)
+
+
+def warm(context: OperationContext, artifact: ArtifactDir, admitted: Admitted, gpus: GpuPlacement,
+         ttl_s: int) -> OperationOutcome:
+    sequence = StandbySequence(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources,
+                               admitted.replica, gpus=gpus)
+    sequence.ttl_s = ttl_s
+    return sequence.run(WARM_STEPS)
+
+
+def wake(context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor, capsule: CapsuleManifest,
+         sources: dict[int, WeightSource], record: StandbyRecord) -> OperationOutcome:
+    """No replica is planned: the parked tree's pid, agents and port come from its record."""
+    sequence = RestoreSequence(context, artifact, descriptor, capsule, sources, None, restored_pid=record.pid,
+                               controls=record.controls)
+    sequence.serving_port = record.serving_port or capsule.metadata.serving_port
+    try:
+        return sequence.run(WAKE_STEPS)
+    finally:  # served or stopped: either way no longer a standby
+        record_path(artifact).unlink(missing_ok=True)
+
+
+def park(sequence: "StandbySequence") -> None:
+    """Every rank parks (collectives rebuilt together), then the standby is recorded."""
+    ttl_s = sequence.ttl_s
+    assert sequence.restored_pid is not None
+    path = record_path(sequence.artifact)
+    controls = [sequence.controls[w.rank] for w in sequence.workers]
+    with sequence.step("warm.standby", "warm.standby") as span, \
+            ActivationCoordinator(len(sequence.workers)) as coordinator:
+        calls: list[tuple[int, Callable[[], StandbyReply]]] = [(w.rank, functools.partial(AgentClient(control).standby, Standby(
+                    ttl_s=ttl_s, record=str(path), coordinator=coordinator.command_field(),
+                    pin_payload=_pinnable_payload(sequence, w))))
+                 for w, control in zip(sequence.workers, controls)]
+        for reply in call_every_rank(calls, coordinator):
+            prefix = rank_prefix(reply.rank)
+            span.update({f"{prefix}{name}_ns": int(seconds * 1e9) for name, seconds in reply.seconds.items()})
+            span[f"{prefix}pinned_bytes"] = reply.pinned_bytes
+            if reply.graphs_recaptured:
+                span[f"{prefix}graphs_recaptured"] = ",".join(reply.graphs_recaptured)
+            if reply.pin_error:
+                sequence.context.warn(f"rank {reply.rank}: the payload pack could not be pinned ({reply.pin_error}); "
+                                      "its wake hydrates through the staging ring")
+        start_ticks = live_start_ticks(sequence.restored_pid)
+        if start_ticks is None:
+            raise OperationFailed("warm.standby", f"the standby (pid {sequence.restored_pid}) exited while parking")
+        record = StandbyRecord(format=1, standby_id=path.parent.name, artifact=str(sequence.artifact.root),
+                               operation_id=sequence.context.request.operation_id, pid=sequence.restored_pid,
+                               start_ticks=start_ticks, controls=controls,
+                               serving_port=sequence.serving_port, warmed_unix_ns=time.time_ns(), ttl_s=ttl_s)
+        write_atomic(path, record.canonical_json() + b"\n")
+        span["standby_id"] = record.standby_id
+        span["ttl_s"] = ttl_s
+    sequence.context.progress(f"standby {record.standby_id} parked; `coldsnap wake {sequence.artifact.root}` "
+                              f"makes it serve (it stops itself after {ttl_s} s)")
+
+
+def _pinnable_payload(sequence: RestoreSequence, worker: WorkerRecord) -> str | None:
+    """The rank's payload pack when its wake will hydrate GPU weights from it (and pinning is not
+    switched off with ``COLDSNAP_STANDBY_PIN_PACK=0``): the standby pins it ahead of the wake."""
+    weights = sequence.records[worker.rank].regions.get("weights")
+    if (os.environ.get("COLDSNAP_STANDBY_PIN_PACK", "1") == "0" or worker.payload is None
+            or sequence.sources[worker.rank] != "native" or weights is None or weights.backend != "cuda"):
+        return None
+    return str(sequence.artifact.root / worker.payload.path)
+
+

@@ -1,0 +1,332 @@
+"""The restore steps an admitted restore runs (:class:`RestoreSequence`), shared by the snapshot
+drivers that restore a CRIU image of the serving tree (n610: :mod:`coldsnap.activation.n610`; n580's
+template restore reuses the unwind and the canary, :mod:`coldsnap.activation.n580`).
+
+Each rank's GPU weights are hydrated by the launcher into shareable chunks (or its payload prefetched
+into the page cache) *while* CRIU restores the tree; GPU processes are CUDA-restored (captured GPU UUIDs
+remapped onto this host's) and unlocked; every rank's agent then maps its regions at their captured
+addresses, fills them and zeroes the KV cache, and the ranks rebuild their NCCL communicators together
+through the activation's coordinator; the canary must give the captured tokens exactly. Each step is a
+method with its own span and error code (:mod:`coldsnap.contracts.errors`); a driver names the steps it
+runs, in order (:meth:`RestoreSequence.run`). Any failure — of any rank, at any step, an interrupt
+included — goes through the one :meth:`RestoreSequence.unwind`, which kills what was restored and
+leaves the artifact as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any, ContextManager, Sequence
+
+from coldsnap.activation.admission import WeightSource
+from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
+from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
+from coldsnap.activation.replica import GpuPlacement, Replica
+from coldsnap.activation.staging import WeightStager
+from coldsnap.agent.client import AgentClient, AgentError, Lease
+from coldsnap.agent.protocol import Resume, ResumeReply
+from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, WorkerRecord
+from coldsnap.contracts.base import ContractError
+from coldsnap.contracts.capsule import CapsuleManifest
+from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
+from coldsnap.payload.errors import PackError
+from coldsnap.payload.validation import verify_file
+from coldsnap.progress import PhaseProgress
+from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, start_cuda_in_background
+from coldsnap.snapshot.process_tree import kill_tree
+from coldsnap.snapshot.replica import probe_path_sockets, replica_images
+from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill
+
+__all__ = ["RestoreSequence"]
+
+
+class RestoreSequence:
+    """The steps of one admitted restore, each its own method, span and error code (:meth:`step`), and
+    one :meth:`unwind` for every failure: staging cancelled, handed-over memory closed, whatever CRIU
+    restored killed, the lease dropped. The artifact is only read.
+
+    A warm standby runs the same steps in two operations (:mod:`coldsnap.activation.standby`):
+    ``warm`` up to the CUDA restore, then parks the ranks (:class:`coldsnap.activation.n610.StandbySequence`);
+    ``wake`` takes the parked tree from there (n610's ``WAKE_STEPS``). Spans are named after the operation (``warm.criu_restore``);
+    error codes after the step (``restore.criu``)."""
+
+    def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
+                 capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica | None,
+                 restored_pid: int | None = None, controls: list[str] | None = None,
+                 gpus: GpuPlacement | None = None):
+        """``replica``: this restore's place (admission's); a standby's wake has none — it is handed the
+        parked tree's ``restored_pid`` and agent ``controls`` instead."""
+        self.context = context
+        self.op = context.request.operation
+        self.timer = context.timer
+        self.artifact = artifact
+        self.descriptor = descriptor
+        self.unit = descriptor.units[0]
+        self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
+        self.metadata = capsule.metadata
+        self.replica = replica
+        self.serving_port = replica.serving_port if replica is not None else capsule.metadata.serving_port
+        self.records = {record.rank: record for record in self.metadata.workers}
+        self.controls = (dict(enumerate(controls)) if controls is not None else replica.controls if replica is not None
+                         else {rank: record.control for rank, record in self.records.items()})
+        self.gpus = gpus
+        self.host_pids: dict[int, int] = {}  # captured pid → its pid on this host (a replica's namespace)
+        self.sources = sources  # rank → where admission found its weights
+        self.stagers: dict[int, WeightStager] = {}
+        self.prefetch_errors: list[BaseException] = []
+        self.warmer: threading.Thread | None = None
+        self.restored_pid = restored_pid  # what unwind kills: set once CRIU restored it (a standby's from the start)
+        self.lease: Lease | None = None
+        self.handed_over: list[int] = []  # descriptors of staged memory, closed once sent (or on failure)
+        self.staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}  # rank → (adopted chunks, staging stats)
+        self.fds_by_rank: dict[int, list[int]] = {}
+
+    def step(self, span: str, code: str) -> ContextManager[dict[str, str | int | bool]]:
+        """One step (:func:`coldsnap.operation.step`): a failure of what it calls (CRIU, CUDA, an agent,
+        the OS) is reported with its code, the exception's type first."""
+        return step(self.timer, span, code, (CriuError, CudaCheckpointError, AgentError, OSError, ContractError),
+                    lambda exc: f"{type(exc).__name__}: {exc}")
+
+    def run(self, steps: Sequence[str]) -> OperationOutcome:
+        """The named steps (methods of this sequence), in order, as the snapshot driver lists them
+        (:mod:`coldsnap.activation.n610`, :mod:`coldsnap.activation.n580`); then the lease is released and
+        the process is on its own. Any failure: :meth:`unwind`. Either way: :meth:`release`."""
+        try:
+            for name in steps:
+                getattr(self, name)()
+            assert self.lease is not None
+            self.lease.release()  # the process is on its own now
+        except BaseException:
+            self.unwind()
+            raise
+        finally:
+            self.release()
+        warnings = [f"prefetch failed: {e}" for e in self.prefetch_errors]
+        self.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {self.restored_pid}, port "
+                              f"{self.serving_port}{'' if self.op == 'warm' else ', canary matched'}")
+        return OperationOutcome(artifact=str(self.artifact.root), warnings=warnings)
+
+    def release(self) -> None:
+        """What the sequence holds besides the restored tree, let go after success or failure (n580: the
+        template's link)."""
+
+    def pack(self, ref: FileRef | None) -> Path | None:
+        return self.artifact.root / ref.path if ref is not None else None
+
+    def restore_tree(self) -> None:
+        """CRIU restores the tree; meanwhile each rank's GPU weights are hydrated by this launcher into
+        shareable chunks (handed over at resume), or else its payload is read into the page cache."""
+        # (a standby's weights are hydrated at wake, by its own agents: only its pack is read ahead)
+        for w in self.workers if self.op == "restore" else []:
+            regions = self.records[w.rank].regions
+            if self.sources[w.rank] == "native" and w.payload is not None and WeightStager.stageable(regions):
+                self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
+                                                    w.layout_digest, self.timer.now_ns,
+                                                    self.gpus.launcher_ordinals if self.gpus is not None else {})
+        with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
+            state_dir = self.state_dir()
+            if self.metadata.gpu_pids:  # the checkpoint API ready when the tree is (admission used a cached probe)
+                start_cuda_in_background()
+            for stager in self.stagers.values():
+                stager.start()
+            self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
+            self.warmer.start()
+            span["state_dir"] = str(state_dir)
+            images = self.replica_images(state_dir)
+            options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
+            with contextlib.ExitStack() as window:
+                if host_thp_requested():  # the operator's choice (--host-thp), checked at admission
+                    try:
+                        span["host_thp_before"] = window.enter_context(huge_pages_for_the_fill(state_root()))
+                    except ThpError as exc:
+                        raise OperationFailed("admission.host_thp", str(exc)) from None
+                result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True)
+            self.restored_pid = span["pid"] = result.pid
+            span["thp_fill"] = result.thp_fill  # (CRIU fills huge pages where its build and the host's mode allow)
+            span["fill_threads"] = result.fill_threads  # (helpers per process, where CRIU's build has them)
+            self.host_pids = result.host_pids
+        self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
+
+    def replica_images(self, state_dir: Path) -> Path:
+        """The images CRIU restores this replica from: the capture's, with ``files.img`` rewritten for its
+        ports and sockets in ``state_dir`` (the artifact is only read)."""
+        assert self.replica is not None
+        # A previous incarnation's socket files at this replica's paths (nothing listens: admission checked)
+        for stale in probe_path_sockets([n for n in self.replica.unix_names.values() if n.startswith(b"/")])[1]:
+            stale.unlink(missing_ok=True)
+        return replica_images(self.artifact.images(self.unit.unit_id), state_dir / "images",
+                              self.replica.generation, self.replica.unix_names,
+                              f".{self.replica.name}".encode())
+
+    def state_dir(self) -> Path:
+        """This replica's state directory under the artifact's, made if needed (``restore.state_dir`` when
+        it cannot be): restores on other ports share nothing in it."""
+        assert self.replica is not None
+        try:
+            path = self.artifact.state_dir() / self.replica.name
+            path.mkdir(exist_ok=True, mode=0o700)
+            return path
+        except OSError as exc:
+            raise OperationFailed("restore.state_dir", f"cannot make the state directory under {state_root()}: "
+                                  f"{exc} (choose one with --state-dir or {STATE_DIR_ENV})") from None
+
+    def _prefetch(self) -> None:
+        from coldsnap.hydrate import prefetch_file
+
+        try:
+            for w in self.workers:
+                if self.sources[w.rank] == "native" and w.payload is not None and w.rank not in self.stagers:
+                    prefetch_file(self.artifact.root / w.payload.path)
+                elif self.sources[w.rank] == "recovery" and w.recovery:
+                    for pinned in w.recovery:
+                        prefetch_file(Path(pinned.path))
+        except BaseException as exc:  # only a hint: hydration still reads the file itself
+            self.prefetch_errors.append(exc)
+
+    def take_lease(self) -> None:
+        """Until the canary matches, the restored tree dies with this launcher."""
+        with self.step(f"{self.op}.lease", "restore.lease"):
+            self.lease = Lease([self.controls[w.rank] for w in self.workers])
+
+    def restore_cuda(self) -> None:
+        gpu_pids = list(self.metadata.gpu_pids)
+        if not gpu_pids:
+            return
+        with self.step(f"{self.op}.cuda_restore", "restore.cuda") as span:
+            # The placed GPUs, by UUID; a replica's processes by their pids on this host.
+            pairs = self.gpus.pairs if self.gpus is not None else []
+            TreeCheckpoint().restore([self.host_pid(pid) for pid in gpu_pids], pairs)
+            span["processes"] = len(gpu_pids)
+            if pairs:
+                span["gpus_remapped"] = ",".join(f"{old}->{new}" for old, new in pairs)
+
+    def host_pid(self, captured: int) -> int:
+        return self.host_pids.get(captured, captured)
+
+    def collect_staged_weights(self) -> None:
+        """The chunks each stager hydrated, exported for its rank's resume. A failed staging is a warning:
+        that rank's agent hydrates from the pack itself."""
+        if self.stagers:
+            with self.timer.span(f"{self.op}.stage_wait"):
+                staged = {rank: stager.join() for rank, stager in self.stagers.items()}
+            for rank, stager in self.stagers.items():
+                self.timer.add_timeline_span(f"{self.op}.stage_weights" + (f".rank{rank}" if rank else ""),
+                                             stager.started_ns, stager.finished_ns,
+                                             **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
+                if staged[rank]:
+                    adopted, self.fds_by_rank[rank] = stager.export()
+                    self.handed_over += self.fds_by_rank[rank]
+                    self.staged[rank] = (adopted, stager.stats)
+                else:
+                    self.context.warn(f"rank {rank}: staging the weights failed ({stager.error}); "
+                                      "the process hydrates them itself")
+        if self.warmer is not None:
+            self.warmer.join()
+
+    def _resume_command(self, w: Any, coordinator: ActivationCoordinator) -> Resume:
+        if w.rank in self.staged:  # the memory rides along with the command
+            adopted, stats = self.staged[w.rank]
+            return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), adopted=adopted,
+                          staged=stats)
+        if self.sources[w.rank] == "recovery":
+            plan = self._recovery_plan(w)
+            return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
+                          safetensors=[pinned.path for pinned in w.recovery or []], residual=str(self.pack(w.residual)),
+                          recovery_plan=plan[0] if plan else None, recovery_gap=plan[1] if plan else None)
+        return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
+                      payload=str(self.pack(w.payload)) if w.payload else None, residual=str(self.pack(w.residual)))
+
+    def _recovery_plan(self, w: WorkerRecord) -> tuple[str, str] | None:
+        """The rank's recovery plan and gap pack, verified (stat-bound records: no hashing when unchanged);
+        None — the engine's loaders replay the safetensors, with a warning — when it has none or they fail."""
+        if w.recovery_plan is None or w.recovery_gap is None:
+            return None
+        paths = []
+        try:
+            for ref in (w.recovery_plan, w.recovery_gap):
+                path = self.artifact.root / ref.path
+                verify_file(path, ref.sha256, self.artifact.record_dir(path))
+                paths.append(str(path))
+        except (PackError, OSError) as exc:
+            self.context.warn(f"rank {w.rank}: the recovery plan is unusable ({exc}); its engine's loaders replay "
+                              "the safetensors instead (slower)")
+            return None
+        return paths[0], paths[1]
+
+    def resume_ranks(self) -> None:
+        """Every rank at once: map and fill its regions, zero the KV cache, rebuild NCCL, recapture graphs."""
+        with self.step(f"{self.op}.resume", "restore.resume") as span, \
+                ActivationCoordinator(len(self.workers)) as coordinator:
+            bars = PhaseProgress(f"coldsnap {self.op} [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")
+
+            def resume(w: Any) -> ResumeReply:
+                return AgentClient(self.controls[w.rank]).resume(
+                    self._resume_command(w, coordinator), on_progress=bars if w.rank == 0 else None,
+                    fds=self.fds_by_rank.get(w.rank, []))
+
+            try:
+                resumed_ranks = call_every_rank([(w.rank, functools.partial(resume, w)) for w in self.workers], coordinator)
+            finally:
+                bars.finish()
+                released = time.monotonic_ns()
+                self._close_handed_over()
+                for stager in self.stagers.values():
+                    stager.release()
+                span["release_staged_ns"] = time.monotonic_ns() - released  # (the launcher's mappings)
+            for rank, resumed in enumerate(resumed_ranks):
+                prefix = rank_prefix(rank)
+                hydrated = resumed.hydrate
+                span.update({f"{prefix}bytes": hydrated.bytes, f"{prefix}source": hydrated.source,
+                             f"{prefix}staged": hydrated.staged, f"{prefix}pinned": hydrated.stats.get("pinned") is True})
+                if hydrated.source == "recovery":  # by the recovery plan, or through the engine's loaders
+                    span[f"{prefix}planned"] = hydrated.stats.get("planned") is True
+                span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.seconds.items()})
+                if resumed.graphs_recaptured:
+                    span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)
+
+    def check_canary(self) -> None:
+        """The restored server must answer as the captured one did. Where capture recorded the prefill's
+        predictions, one prefill checks them at every prompt position plus the first generated tokens;
+        else every token and the text."""
+        record = self.descriptor.canary
+        quick_tokens = record.restore_tokens if record.prompt_argmax is not None else None
+        quick = quick_tokens is not None
+        tokens = quick_tokens or len(record.token_ids) or 16
+        with self.step(f"{self.op}.canary", "restore.canary") as span:
+            # HTTP errors are OSErrors: the restored server did not answer right
+            canary = ask_canary(self.serving_port, record.prompt, tokens, prompt_argmax=quick)
+            span["tokens"] = len(canary.token_ids)
+            span["checked"] = (f"prompt argmax at {len(record.prompt_argmax or [])} positions + {tokens} tokens" if quick
+                               else f"{tokens} tokens and the text")
+        if quick:
+            if canary.prompt_argmax != record.prompt_argmax or canary.token_ids != record.token_ids[:tokens]:
+                raise OperationFailed("restore.canary", f"canary predicted {canary.prompt_argmax} over the prompt and "
+                                      f"generated {canary.token_ids}; captured {record.prompt_argmax} and "
+                                      f"{record.token_ids[:tokens]}")
+        elif canary.token_ids != record.token_ids or canary.text != record.expected_response:
+            raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {record.expected_response!r}")
+
+    def _close_handed_over(self) -> None:
+        for fd in self.handed_over:
+            os.close(fd)
+        self.handed_over.clear()
+
+    def unwind(self) -> None:
+        """After any failure (an interrupt included): nothing this restore started survives it."""
+        for stager in self.stagers.values():
+            stager.cancel()
+        for stager in self.stagers.values():
+            stager.join()
+            stager.release()
+        self._close_handed_over()
+        if self.restored_pid is not None:
+            kill_tree(self.restored_pid)
+        if self.lease is not None:
+            self.lease.close()
