@@ -516,9 +516,9 @@ def _add_host_thp_flag(p: argparse.ArgumentParser) -> None:
 
 def _add_state_dir_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--state-dir", metavar="STATE",
-                   help="where restores write (STATE/<artifact id>/logs/<unit>.log is the restored server's log, "
-                   "STATE/<artifact id>/standby.json a warm standby's record); default $COLDSNAP_STATE_DIR, else "
-                   "$XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or /tmp/coldsnap-<uid>")
+                   help="where restores write (STATE/<artifact id>/port-<P>/logs/<unit>.log is the log of the "
+                   "server restored on port P, STATE/<artifact id>/standby.json a warm standby's record); default "
+                   "$COLDSNAP_STATE_DIR, else $XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or /tmp/coldsnap-<uid>")
 
 
 class CommandParser(argparse.ArgumentParser):
