@@ -4,7 +4,7 @@ A code names the step that failed (admission checks before anything starts; then
 capture or restore sequence), never the exception type that surfaced. The receipt's ``error.code``
 is one of these; a manager can branch on it (retry, recapture, page someone) without parsing the
 message. ``tests/unit/test_error_codes.py`` checks that every code the code base raises is listed here
-and the README's table matches.
+and docs/contracts.md's table matches.
 """
 
 from __future__ import annotations
