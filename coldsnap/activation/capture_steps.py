@@ -25,7 +25,6 @@ from typing import Any, Callable, ContextManager, Literal, Sequence
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
-from coldsnap.activation.operation_locks import hold_port
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
@@ -37,7 +36,7 @@ from coldsnap.contracts.canonical import canonical_json
 from coldsnap.contracts.profiles import resolve_request
 from coldsnap.contracts.request import OperationRequest
 from coldsnap.contracts.layout import SemanticManifest
-from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
+from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.payload.validation import hash_and_record
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step

@@ -27,24 +27,17 @@ reads the registry removes it.
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import time
 from pathlib import Path
-from typing import Callable, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from coldsnap.activation.artifact_dir import ArtifactDir, state_root
 from coldsnap.activation.state import STANDBY_RECORD, standby_record_file
 from coldsnap.agent.client import AgentClient, AgentError
-from coldsnap.agent.protocol import Standby, StandbyReply
-from coldsnap.atomic import write_atomic
-from coldsnap.contracts.artifact import WorkerRecord
 from coldsnap.contracts.base import Contract, ContractError, load_document
 from coldsnap.host import live_start_ticks
-from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 
 __all__ = ["DEFAULT_TTL_S", "StandbyRecord", "list_standbys", "live_standby", "record_path", "standby_artifact"]
 
