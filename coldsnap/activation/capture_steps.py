@@ -233,7 +233,9 @@ class CaptureSequence:
         # `auto` and `native` restores need it.
         native = not (weights.mode == "recovery" and weights.native_generation == "off")
         graph_policy = self.request.policy.graphs.mode or "retain"
-        self.serving_gpu_bytes = self._gpu_use()
+        assert self.engine is not None
+        pids = tree_pids(self.engine.pid)
+        self.serving_gpu_bytes = self._gpu_use(pids) if gpu_processes(pids) else {}
         with self.step("capture.prepare", "capture.prepare") as span, ActivationCoordinator(len(self.workers)) as coordinator:
             bars = PhaseProgress(f"coldsnap capture [{self.request.engine}/{self.request.snapshot_driver}]: ")
             command = Prepare(pack_dir=str(self.artifact.payload_dir), native=native, graph_policy=graph_policy,
@@ -282,7 +284,8 @@ class CaptureSequence:
         self.gpus = cuda_devices()
         anonymous_before_checkpoint = anonymous_bytes(pids)
         check_driver_floor(self.context, self.request.snapshot_driver, nvidia_kernel_driver() or "0", "capture.driver_floor")
-        checkpointed = self._gpu_use()
+        # (NVML asked again only where it answered while serving: one warning at most)
+        checkpointed = self._gpu_use(pids) if self.serving_gpu_bytes else {}
         self.gpu_memory = [GpuProcessMemory(pid=pid, gpu_uuid=uuid, serving_bytes=serving,
                                             checkpointed_bytes=checkpointed.get(uuid, {}).get(pid, 0))
                            for uuid, used in sorted(self.serving_gpu_bytes.items()) for pid, serving in sorted(used.items())]
@@ -293,14 +296,11 @@ class CaptureSequence:
             span["anonymous_bytes_before"] = anonymous_before_checkpoint
             span["anonymous_bytes_after"] = anonymous_bytes(pids)
 
-    def _gpu_use(self) -> dict[str, dict[int, int]]:
-        """GPU UUID → pid → bytes, of the tree's processes (NVML); empty without a GPU. Where NVML cannot
-        tell, a warning: restores of this capsule are then not admitted by GPU memory."""
-        assert self.engine is not None
-        if not gpu_processes(tree_pids(self.engine.pid)):
-            return {}
+    def _gpu_use(self, pids: list[int]) -> dict[str, dict[int, int]]:
+        """GPU UUID → pid → bytes, of the tree's processes ``pids`` (NVML). Where NVML cannot tell, a
+        warning: restores of this capsule are then not admitted by GPU memory."""
         try:
-            return process_memory(set(tree_pids(self.engine.pid)))
+            return process_memory(set(pids))
         except NvmlError as exc:
             self.context.warn(f"the GPU memory the tree uses could not be recorded ({exc}); restores of this "
                               "capsule are not checked for room on their GPUs")

@@ -12,7 +12,7 @@ free — for tests of the refusal path only; it never applies to a capsule that 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from coldsnap.activation.replica import GpuPlacement
 from coldsnap.contracts.capsule import CapsuleManifest
@@ -33,7 +33,7 @@ class GpuNeed:
     """What a restore needs on one GPU of this host, and of what."""
 
     serving_bytes: int = 0
-    region_bytes: dict[str, int] | None = None
+    region_bytes: dict[str, int] = field(default_factory=dict)
     launcher_bytes: int = 0
 
     @property
@@ -41,8 +41,8 @@ class GpuNeed:
         return self.serving_bytes + self.launcher_bytes
 
     def describe(self) -> str:
-        parts = [f"{tag} {size / 2**30:.1f} GiB" for tag, size in sorted((self.region_bytes or {}).items()) if size]
-        rest = self.serving_bytes - sum((self.region_bytes or {}).values())
+        parts = [f"{tag} {size / 2**30:.1f} GiB" for tag, size in sorted(self.region_bytes.items()) if size]
+        rest = self.serving_bytes - sum(self.region_bytes.values())
         if rest > 0:
             parts.append(f"graphs, contexts and other device state {rest / 2**30:.1f} GiB")
         if self.launcher_bytes:
@@ -58,10 +58,9 @@ def gpu_needs(capsule: CapsuleManifest, gpus: GpuPlacement | None, staging: bool
     ranks = {worker.pid: worker for worker in metadata.workers}
     needs: dict[str, GpuNeed] = {}
     for used in metadata.gpu_memory:
-        need = needs.setdefault(moved.get(used.gpu_uuid, used.gpu_uuid), GpuNeed(region_bytes={}))
+        need = needs.setdefault(moved.get(used.gpu_uuid, used.gpu_uuid), GpuNeed())
         need.serving_bytes += used.serving_bytes
         worker = ranks.get(used.pid)
-        assert need.region_bytes is not None
         for tag, region in (worker.regions.items() if worker is not None else ()):
             if region.backend == "cuda":
                 need.region_bytes[tag] = need.region_bytes.get(tag, 0) + region.high_water

@@ -23,6 +23,11 @@ if TYPE_CHECKING:
 
 __all__ = ["ModelMemory", "ModelMemoryError"]
 
+
+def _pack_ref(pack: Any) -> dict[str, Any]:
+    """A written pack as the agent reports it (:class:`coldsnap.agent.protocol.PackRef`'s fields)."""
+    return {"path": str(pack.path), "sha256": pack.sha256, "size_bytes": pack.size_bytes}
+
 Progress = Callable[[int, int], None]
 
 
@@ -91,12 +96,12 @@ class ModelMemory:
             if write_payload:
                 payload = timed(seconds, "payload_write", lambda: write_pack_from_regions(
                     pack_dir, self.layout, self.regions, progress=progress))
-                result["payload"] = {"path": str(payload.path), "sha256": payload.sha256, "size_bytes": payload.size_bytes}
+                result["payload"] = _pack_ref(payload)
             # Planned against the tensors the payload holds, or would: the same residual either way.
             residual_plan = plan_residual(self.allocations(), payload.table if write_payload else payload_extents(self.layout))
             residual = timed(seconds, "residual_write", lambda: write_pack_from_regions(
                 pack_dir, self.layout, self.regions, kind=PackKind.RESIDUAL, extents=residual_plan))
-            result["residual"] = {"path": str(residual.path), "sha256": residual.sha256, "size_bytes": residual.size_bytes}
+            result["residual"] = _pack_ref(residual)
             if recovery_plan is not None and recovery_plan.copies:
                 result.update(timed(seconds, "recovery_plan_write", lambda: self._write_recovery_plan(pack_dir, recovery_plan)))
         if before_unmap is not None:
@@ -125,7 +130,7 @@ class ModelMemory:
         path = pack_dir / f"{sha256}.recovery.json"
         write_atomic(path, document)
         return {"recovery_plan": {"path": str(path), "sha256": sha256, "size_bytes": len(document)},
-                "recovery_gap": {"path": str(gap_pack.path), "sha256": gap_pack.sha256, "size_bytes": gap_pack.size_bytes}}
+                "recovery_gap": _pack_ref(gap_pack)}
 
     def restore(self, seconds: dict[str, float], *, layout_digest: str | None = None, payload: str | None = None,
                 residual: str | None = None, safetensors: list[str] | None = None,
