@@ -395,6 +395,18 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
         from coldsnap.snapshot.thp import HOST_THP_ENV
 
         os.environ[HOST_THP_ENV] = "always"
+    if args.artifact and args.artifact.startswith("oci://") and not args.request_json:
+        if args.operation == "wake":
+            print("coldsnap wake: wake takes the artifact directory or standby id a warm used, not oci://", file=sys.stderr)
+            return EXIT_USAGE
+        from coldsnap.activation.artifact_dir import state_root
+        from coldsnap.registry.commands import OciPullFailed, pull_into_cache
+
+        try:  # before anything of the host is touched: a failed pull changes nothing but the cache
+            args.artifact = str(pull_into_cache(args.artifact, state_root() / "oci", args.operation))
+        except OciPullFailed as exc:
+            print(f"coldsnap {args.operation}: {exc}", file=sys.stderr)
+            return EXIT_USAGE if exc.usage else EXIT_FAILED
     if args.operation == "wake" and args.artifact and not args.request_json:
         from coldsnap.activation.standby import standby_artifact
 
@@ -404,6 +416,18 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
             print(f"coldsnap wake: {exc}", file=sys.stderr)
             return EXIT_USAGE
     return _run_lifecycle(args, lambda a: _artifact_request(a, args.operation), args.operation)
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    from coldsnap.registry.commands import run_publish
+
+    return run_publish(args.artifact, args.reference, args.json)
+
+
+def _cmd_pull(args: argparse.Namespace) -> int:
+    from coldsnap.registry.commands import run_pull
+
+    return run_pull(args.reference, args.directory, args.json)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -657,7 +681,8 @@ def build_parser() -> argparse.ArgumentParser:
         "engine's own startup runs in it before the canary. Exit 0 when serving, 1 on a failed restore, 2 for bad "
         "input.",
     )
-    p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
+    p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture, or "
+                   "oci://REF: pulled (verified) into STATE/oci/ first, before anything else")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
     p.add_argument("--port", type=int, metavar="P", help="serve on port P (default: the captured port); the "
                    "tree's other bound ports move by the same shift")
@@ -679,7 +704,8 @@ def build_parser() -> argparse.ArgumentParser:
         "nothing behind, when no wake came within --ttl. One standby per artifact: warming a warm artifact "
         "succeeds without a second one. Exit 0 when parked, 1 on failure (nothing is left running), 2 for bad input.",
     )
-    p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture")
+    p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture, or "
+                   "oci://REF: pulled (verified) into STATE/oci/ first")
     p.add_argument("--ttl", type=int, metavar="SECONDS",
                    help="how long the standby waits for a wake before it stops itself (default 3600)")
     _add_weights_flag(p)
@@ -740,6 +766,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="the figures as JSON on stdout")
     p.add_argument("--verbose", action="store_true", help="show capture and restore progress")
     p.set_defaults(func=_cmd_demo)
+
+    p = commands.add_parser(
+        "publish",
+        help="push an artifact to an OCI registry: capsules, packs and descriptor, each by digest",
+        description="Push the artifact in DIR to REF (REGISTRY/REPOSITORY[:TAG]) as OCI artifacts: each worker's "
+        "native pack as its own artifact (blob digest = the pack's SHA-256, so one pack serves every capture that "
+        "uses it), each unit's capsule (config capsule.json, the CRIU images as layers, digests bound to the "
+        "capsule), the descriptor (artifact.json, request.json, logs), and one image index over them, tagged TAG. "
+        "Every file is checked against its bound digest first; blobs and manifests the registry has are not sent "
+        "again (a second publish sends only the index); blobs go up in parallel. Prints the pinned reference "
+        "REGISTRY/REPOSITORY[:TAG]@sha256:DIGEST (what `pull` and `restore oci://` take). Credentials: "
+        "$REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, ~/.config/containers/auth.json, "
+        "~/.docker/config.json (credHelpers, credsStore); TLS CAs: /etc/containers/certs.d/REGISTRY/*.crt or "
+        "$SSL_CERT_FILE; plain HTTP only for registries in $COLDSNAP_PLAIN_HTTP_REGISTRIES. Exit 0 published, "
+        "1 failed (registry, credentials, a damaged artifact), 2 bad input.",
+    )
+    p.add_argument("artifact", metavar="DIR", help="artifact directory written by coldsnap capture")
+    p.add_argument("reference", metavar="REF", help="REGISTRY/REPOSITORY[:TAG] (oci:// optional)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout: reference, digest, what was sent")
+    p.set_defaults(func=_cmd_publish)
+
+    p = commands.add_parser(
+        "pull",
+        help="fetch a published artifact into a directory, every blob verified, atomically, resumable",
+        description="Fetch the artifact REF names (REGISTRY/REPOSITORY:TAG or @sha256:DIGEST, oci:// optional) into "
+        "DIR: the index, then every manifest and blob by digest, each blob's SHA-256 checked while it streams, "
+        "large blobs in parallel byte ranges. Files land in .DIR.coldsnap-pull beside DIR and are renamed to DIR "
+        "only when all match and the descriptor binds exactly them; an interrupted pull run again fetches only "
+        "what is missing. Validation records are written as files arrive, so the first restore does not hash the "
+        "pack again. A DIR that already holds the same artifact is left as it is. `coldsnap restore oci://REF` "
+        "and `warm oci://REF` pull into STATE/oci/ the same way first. Credentials and TLS as for publish. Exit 0 "
+        "pulled, 1 failed, 2 bad input (a bad reference, DIR holding something else).",
+    )
+    p.add_argument("reference", metavar="REF", help="REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST] (oci:// optional)")
+    p.add_argument("directory", metavar="DIR", help="where the artifact goes (must not exist, or hold the same one)")
+    p.add_argument("--json", action="store_true", help="one JSON object on stdout: directory, digest, what was fetched")
+    p.set_defaults(func=_cmd_pull)
 
     p = commands.add_parser(
         "coordinator",

@@ -1,0 +1,18 @@
+"""Artifacts through an OCI registry: ``coldsnap publish DIR REF`` and ``coldsnap pull REF DIR``.
+
+An artifact travels as OCI artifacts in one repository, bound together by one image index (the
+*descriptor artifact*) whose digest pins everything:
+
+- per worker native pack: an artifact whose one layer is the pack, so its blob digest is the pack's own
+  SHA-256 (the pack's file name): one pack serves every capture that uses it, and a registry that has it
+  is not sent it again;
+- per launch unit, the capsule: config = ``capsule.json`` (which names every CRIU image by SHA-256), layers
+  = the images and the unit's residual/recovery files, each blob digest = the digest the capsule or the
+  descriptor binds;
+- the descriptor manifest: config = ``artifact.json``, layers = ``request.json`` and the captured logs.
+
+The client speaks the OCI distribution API itself (:mod:`.client`, standard library only) rather than
+through ``oras``: it streams each blob from and to disk while hashing it, fetches large blobs in parallel
+ranges, resumes an interrupted pull, and reads the standard container auth files — without a dependency
+that would have to travel into every serving image.
+"""

@@ -1,0 +1,140 @@
+"""The ``publish`` and ``pull`` commands, and the pull behind ``restore``/``warm`` of an ``oci://`` reference.
+
+Progress goes to stderr; ``publish`` prints the pinned reference (``REGISTRY/REPO[:TAG]@sha256:…``) on stdout,
+``pull`` the directory. A user mistake (a bad reference, a taken directory) exits 2, a registry or
+transfer failure 1, each with one line naming what to do; nothing secret is ever printed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from coldsnap.contracts.base import ContractError
+from coldsnap.payload.errors import PackError
+from coldsnap.progress import ProgressBar
+from coldsnap.registry.client import RegistryError, client_for
+from coldsnap.registry.credentials import CredentialsError
+from coldsnap.registry.layout import LayoutError
+from coldsnap.registry.pull import PullError, PullResult, pull
+from coldsnap.registry.publish import publish
+from coldsnap.registry.reference import OCI_SCHEME, ReferenceError, parse_reference
+
+__all__ = ["OCI_SCHEME", "OciPullFailed", "is_oci_reference", "pull_into_cache", "run_publish", "run_pull"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def _say(command: str, text: str) -> None:
+    print(f"coldsnap {command}: {text}", file=sys.stderr)
+
+
+def is_oci_reference(text: str | None) -> bool:
+    return bool(text) and text.startswith(OCI_SCHEME)  # type: ignore[union-attr]
+
+
+def run_publish(directory: str, reference_text: str, as_json: bool = False) -> int:
+    root = Path(directory)
+    if not (root / "artifact.json").is_file():
+        _say("publish", f"{directory} is not a coldsnap artifact (no artifact.json)")
+        return EXIT_USAGE
+    try:
+        reference = parse_reference(reference_text)
+        if reference.digest:
+            raise ReferenceError(f"{reference_text!r}: publish to a tag (or just REGISTRY/REPO); the digest is what "
+                                 "publish prints")
+    except ReferenceError as exc:
+        _say("publish", str(exc))
+        return EXIT_USAGE
+    bar = ProgressBar("coldsnap publish: sending")
+    try:
+        client = client_for(reference, push=True)
+        result = publish(root, reference, client, on_progress=bar.update, log=lambda text: _say("publish", text))
+    except (ContractError, PackError, ValueError) as exc:
+        bar.finish()
+        _say("publish", f"{directory} cannot be published: {exc}")
+        return EXIT_FAILED
+    except (RegistryError, CredentialsError) as exc:
+        bar.finish()
+        _say("publish", str(exc))
+        return EXIT_FAILED
+    bar.finish()
+    _say("publish", f"{result.blobs_sent} of {result.blobs} blobs and {result.manifests_sent} manifests sent, "
+         f"{result.bytes_sent / 1e9:.2f} of {result.bytes_total / 1e9:.2f} GB, in {result.seconds:.2f} s")
+    if as_json:
+        sys.stdout.write(json.dumps({"reference": str(result.reference), "digest": result.digest, "blobs": result.blobs,
+                                     "blobs_sent": result.blobs_sent, "bytes_total": result.bytes_total,
+                                     "bytes_sent": result.bytes_sent, "manifests_sent": result.manifests_sent,
+                                     "seconds": round(result.seconds, 3)}, sort_keys=True) + "\n")
+    else:
+        print(result.reference)
+    return EXIT_OK
+
+
+class OciPullFailed(Exception):
+    """The pull behind an ``oci://`` restore failed; ``usage`` when the caller must fix the input."""
+
+    def __init__(self, message: str, usage: bool = False):
+        super().__init__(message)
+        self.usage = usage
+
+
+def _pull(reference_text: str, destination: Path, command: str) -> PullResult:
+    try:
+        reference = parse_reference(reference_text)
+    except ReferenceError as exc:
+        raise OciPullFailed(str(exc), usage=True) from None
+    bar = ProgressBar(f"coldsnap {command}: pulling")
+    try:
+        return pull(reference, destination, client_for(reference), on_progress=bar.update,
+                    log=lambda text: _say(command, text))
+    except (RegistryError, CredentialsError, LayoutError, PullError) as exc:
+        raise OciPullFailed(str(exc)) from None
+    except OSError as exc:
+        raise OciPullFailed(f"writing {destination}: {exc.strerror or exc}") from None
+    finally:
+        bar.finish()
+
+
+def run_pull(reference_text: str, directory: str, as_json: bool = False) -> int:
+    destination = Path(directory).absolute()
+    try:
+        result = _pull(reference_text, destination, "pull")
+    except OciPullFailed as exc:
+        _say("pull", str(exc))
+        return EXIT_USAGE if exc.usage else EXIT_FAILED
+    if result.already_there:
+        _say("pull", f"{destination} already holds {result.digest}")
+    else:
+        _say("pull", f"{result.blobs_fetched} of {result.blobs} files, {result.bytes_fetched / 1e9:.2f} GB, "
+             f"in {result.seconds:.2f} s ({result.bytes_fetched / max(result.seconds, 1e-9) / 1e9:.2f} GB/s), verified")
+    if as_json:
+        sys.stdout.write(json.dumps({"directory": str(destination), "digest": result.digest, "blobs": result.blobs,
+                                     "blobs_fetched": result.blobs_fetched, "bytes_fetched": result.bytes_fetched,
+                                     "already_there": result.already_there, "seconds": round(result.seconds, 3)},
+                                    sort_keys=True) + "\n")
+    else:
+        print(destination)
+    return EXIT_OK
+
+
+def pull_into_cache(reference_text: str, cache_root: Path, command: str) -> Path:
+    """The artifact ``oci://REF`` names, pulled (or found) under ``cache_root`` (``STATE/oci``) in a folder named by
+    its index digest: a pinned reference restores from disk after its first pull; a tag is asked again
+    each time and pulled anew when it moved."""
+    try:
+        reference = parse_reference(reference_text)
+        if reference.digest is None:
+            _, _, digest = client_for(reference).get_manifest(reference.pinned)
+            reference = reference.with_digest(digest)
+    except ReferenceError as exc:
+        raise OciPullFailed(str(exc), usage=True) from None
+    except (RegistryError, CredentialsError) as exc:
+        raise OciPullFailed(str(exc)) from None
+    cache_root.mkdir(parents=True, exist_ok=True)
+    destination = cache_root / reference.digest.removeprefix("sha256:")[:32]  # type: ignore[union-attr]
+    result = _pull(OCI_SCHEME + str(reference), destination, command)
+    if result.already_there:
+        _say(command, f"{reference_text} is already on this host ({destination})")
+    return destination

@@ -1,0 +1,158 @@
+"""How an artifact directory maps onto OCI manifests (the shapes :mod:`.publish` writes and :mod:`.pull`
+reads), and the strict reading of what a registry hands back."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+
+from coldsnap.contracts.artifact import RelativePath
+from coldsnap.registry.client import sha256_digest
+
+__all__ = [
+    "ARTIFACT_TYPE",
+    "DESCRIPTOR_TYPE",
+    "CAPSULE_TYPE",
+    "PACK_TYPE",
+    "INDEX_MEDIA_TYPE",
+    "MANIFEST_MEDIA_TYPE",
+    "EMPTY_CONFIG",
+    "Blob",
+    "LayoutError",
+    "manifest_bytes",
+    "index_bytes",
+    "read_index",
+    "read_manifest",
+]
+
+INDEX_MEDIA_TYPE = "application/vnd.oci.image.index.v1+json"
+MANIFEST_MEDIA_TYPE = "application/vnd.oci.image.manifest.v1+json"
+ARTIFACT_TYPE = "application/vnd.coldsnap.artifact.v1"
+"""The image index that binds one artifact: its digest is what ``coldsnap publish`` prints."""
+DESCRIPTOR_TYPE = "application/vnd.coldsnap.descriptor.v1"
+CAPSULE_TYPE = "application/vnd.coldsnap.capsule.v1"
+PACK_TYPE = "application/vnd.coldsnap.pack.v1"
+DESCRIPTOR_CONFIG_TYPE = "application/vnd.coldsnap.artifact-descriptor.v9+json"
+CAPSULE_CONFIG_TYPE = "application/vnd.coldsnap.capsule-manifest.v1+json"
+FILE_TYPE = "application/vnd.coldsnap.file.v1"
+EMPTY_CONFIG_TYPE = "application/vnd.oci.empty.v1+json"
+EMPTY_CONFIG = b"{}"
+TITLE = "org.opencontainers.image.title"
+MODE = "vnd.coldsnap.file.mode"
+
+_relative_path: TypeAdapter[str] = TypeAdapter(RelativePath)
+
+
+class LayoutError(ValueError):
+    """A manifest that is not one coldsnap published; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Blob:
+    """One file of the artifact as a blob: where it goes, its digest (``sha256:<hex>``), size, mode."""
+
+    path: str
+    digest: str
+    size: int
+    mode: int = 0o644
+    media_type: str = FILE_TYPE
+
+    def descriptor(self) -> dict[str, Any]:
+        return {"mediaType": self.media_type, "digest": self.digest, "size": self.size,
+                "annotations": {TITLE: self.path, MODE: f"{self.mode:04o}"}}
+
+
+def _canonical(value: Any) -> bytes:
+    """Deterministic bytes: the same artifact publishes the same manifests (a second publish finds
+    them all present)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def manifest_bytes(artifact_type: str, config: Blob | None, layers: list[Blob], annotations: dict[str, str]) -> bytes:
+    config_descriptor = (config.descriptor() if config is not None else
+                         {"mediaType": EMPTY_CONFIG_TYPE, "digest": _empty_digest(), "size": len(EMPTY_CONFIG)})
+    return _canonical({"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE, "artifactType": artifact_type,
+                       "config": config_descriptor, "layers": [layer.descriptor() for layer in layers],
+                       "annotations": annotations})
+
+
+def index_bytes(manifests: list[tuple[bytes, str, dict[str, str]]], annotations: dict[str, str]) -> bytes:
+    """The image index over (manifest bytes, artifact type, annotations)."""
+    return _canonical({"schemaVersion": 2, "mediaType": INDEX_MEDIA_TYPE, "artifactType": ARTIFACT_TYPE,
+                       "manifests": [{"mediaType": MANIFEST_MEDIA_TYPE, "artifactType": kind, "digest": sha256_digest(data),
+                                      "size": len(data), "annotations": notes} for data, kind, notes in manifests],
+                       "annotations": annotations})
+
+
+def _empty_digest() -> str:
+    return sha256_digest(EMPTY_CONFIG)
+
+
+def _json(data: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        raise LayoutError(f"{what} is not JSON") from None
+    if not isinstance(value, dict):
+        raise LayoutError(f"{what} is not a JSON object")
+    return value
+
+
+def _descriptor(value: Any, what: str) -> tuple[str, int]:
+    if not isinstance(value, dict):
+        raise LayoutError(f"{what}: not an OCI descriptor")
+    digest, size = value.get("digest"), value.get("size")
+    if not isinstance(digest, str) or not digest.startswith("sha256:") or len(digest) != 71 \
+            or not isinstance(size, int) or size < 0:
+        raise LayoutError(f"{what}: needs a sha256 digest and a size")
+    return digest, size
+
+
+def read_index(data: bytes, what: str) -> list[tuple[str, int, str]]:
+    """The (digest, size, artifact type) of every manifest of a coldsnap artifact index."""
+    index = _json(data, what)
+    if index.get("artifactType") != ARTIFACT_TYPE:
+        raise LayoutError(f"{what} is not a coldsnap artifact (artifactType {index.get('artifactType')!r}, "
+                          f"expected {ARTIFACT_TYPE}); publish one with `coldsnap publish DIR REF`")
+    manifests = index.get("manifests")
+    if not isinstance(manifests, list) or not manifests:
+        raise LayoutError(f"{what}: lists no manifests")
+    entries = []
+    for n, entry in enumerate(manifests):
+        digest, size = _descriptor(entry, f"{what} manifest {n}")
+        kind = entry.get("artifactType")
+        if kind not in (DESCRIPTOR_TYPE, CAPSULE_TYPE, PACK_TYPE):
+            raise LayoutError(f"{what} manifest {n}: unknown artifactType {kind!r}")
+        entries.append((digest, size, kind))
+    if sum(kind == DESCRIPTOR_TYPE for _, _, kind in entries) != 1:
+        raise LayoutError(f"{what}: needs exactly one descriptor manifest")
+    return entries
+
+
+def read_manifest(data: bytes, kind: str, what: str) -> list[Blob]:
+    """Every file a coldsnap manifest carries (its config too, unless it is the empty config)."""
+    manifest = _json(data, what)
+    if manifest.get("artifactType") != kind:
+        raise LayoutError(f"{what}: artifactType {manifest.get('artifactType')!r}, expected {kind}")
+    layers = manifest.get("layers")
+    if not isinstance(layers, list):
+        raise LayoutError(f"{what}: no layers")
+    described = [manifest.get("config")] + layers
+    blobs = []
+    for n, entry in enumerate(described):
+        digest, size = _descriptor(entry, f"{what} {'config' if n == 0 else f'layer {n - 1}'}")
+        if n == 0 and entry.get("mediaType") == EMPTY_CONFIG_TYPE:
+            continue
+        notes = entry.get("annotations") or {}
+        try:
+            path = _relative_path.validate_python(notes.get(TITLE))
+            mode = int(notes.get(MODE, "0644"), 8)
+        except (ValidationError, TypeError, ValueError):
+            raise LayoutError(f"{what}: entry {n} has no valid {TITLE} (a relative path) or {MODE}") from None
+        if mode & ~0o777:
+            raise LayoutError(f"{what}: {path} has mode {mode:o}: only permission bits travel")
+        blobs.append(Blob(path, digest, size, mode, entry.get("mediaType") or FILE_TYPE))
+    return blobs
