@@ -7,7 +7,8 @@
 #
 # Installs: a virtual environment .venv with coldsnap and its dev extras (the native extension
 # coldsnap._C is compiled here, against no CUDA library), and CRIU 4.2.1 through
-# scripts/install-criu.sh (needs root; skipped with a warning otherwise). Every step is idempotent:
+# scripts/install-criu.sh, and the registry tests' server through scripts/install-registry.sh (root
+# only; skipped with a warning otherwise). Every step is idempotent:
 # a second run only checks.
 set -euo pipefail
 
@@ -50,6 +51,7 @@ fi
 # 2. CRIU (root only: it installs into /opt/coldsnap/criu and links /usr/local/bin/criu).
 if [ "$(id -u)" = 0 ]; then
     bash scripts/install-criu.sh
+    bash scripts/install-registry.sh  # the registry tests' server (publish/pull): Debian's docker-registry
 else
     log "not root: skipping CRIU (run 'sudo bash scripts/install-criu.sh'; capture and restore need root anyway)"
 fi

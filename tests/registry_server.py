@@ -103,8 +103,10 @@ def local_registry(folder: Path, tls: bool = True, auth: bool = True) -> Iterato
         {"auths": {registry.address: {"auth": base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()}}}))
     (folder / "config.yml").write_text(json.dumps(config))  # YAML is a superset of JSON
     log = open(folder / "registry.log", "wb")
+    # the registry reads REGISTRY_* variables as configuration (REGISTRY_AUTH_FILE of a client would be its `auth`)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
     server = subprocess.Popen(["docker-registry", "serve", str(folder / "config.yml")], stdout=log, stderr=log,
-                              start_new_session=True)
+                              start_new_session=True, env=env)
     try:
         _wait_ready(registry, server)
         yield registry

@@ -17,7 +17,7 @@ from coldsnap.progress import ProgressBar
 from coldsnap.registry.client import RegistryError, client_for
 from coldsnap.registry.credentials import CredentialsError
 from coldsnap.registry.layout import LayoutError
-from coldsnap.registry.pull import PullError, PullResult, pull
+from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, pull
 from coldsnap.registry.publish import publish
 from coldsnap.registry.reference import OCI_SCHEME, ReferenceError, parse_reference
 
@@ -89,6 +89,8 @@ def _pull(reference_text: str, destination: Path, command: str) -> PullResult:
     try:
         return pull(reference, destination, client_for(reference), on_progress=bar.update,
                     log=lambda text: _say(command, text))
+    except DestinationTaken as exc:
+        raise OciPullFailed(str(exc), usage=True) from None
     except (RegistryError, CredentialsError, LayoutError, PullError) as exc:
         raise OciPullFailed(str(exc)) from None
     except OSError as exc:

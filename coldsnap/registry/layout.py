@@ -140,10 +140,11 @@ def read_manifest(data: bytes, kind: str, what: str) -> list[Blob]:
     layers = manifest.get("layers")
     if not isinstance(layers, list):
         raise LayoutError(f"{what}: no layers")
-    described = [manifest.get("config")] + layers
+    described: list[Any] = [manifest.get("config"), *layers]
     blobs = []
     for n, entry in enumerate(described):
         digest, size = _descriptor(entry, f"{what} {'config' if n == 0 else f'layer {n - 1}'}")
+        assert isinstance(entry, dict)  # _descriptor checked it
         if n == 0 and entry.get("mediaType") == EMPTY_CONFIG_TYPE:
             continue
         notes = entry.get("annotations") or {}

@@ -127,8 +127,8 @@ def publish(root: Path, reference: Reference, client: RegistryClient,
     descriptor_config, *descriptor_layers = plan.descriptor
     manifests.append((manifest_bytes(DESCRIPTOR_TYPE, descriptor_config, descriptor_layers,
                                      {"vnd.coldsnap.artifact.id": artifact_id}), DESCRIPTOR_TYPE, {}))
-    for unit_id, blobs in plan.capsules.items():
-        manifests.append((manifest_bytes(CAPSULE_TYPE, blobs[0], blobs[1:], {"vnd.coldsnap.unit.id": unit_id}),
+    for unit_id, unit_blobs in plan.capsules.items():
+        manifests.append((manifest_bytes(CAPSULE_TYPE, unit_blobs[0], unit_blobs[1:], {"vnd.coldsnap.unit.id": unit_id}),
                           CAPSULE_TYPE, {"vnd.coldsnap.unit.id": unit_id}))
     for pack in plan.packs:
         manifests.append((manifest_bytes(PACK_TYPE, None, [pack], {}), PACK_TYPE, {"vnd.coldsnap.pack.sha256": pack.digest[7:]}))

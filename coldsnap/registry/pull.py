@@ -32,7 +32,7 @@ from coldsnap.registry.client import RANGE_BYTES, RegistryClient, sha256_digest
 from coldsnap.registry.layout import DESCRIPTOR_TYPE, Blob, LayoutError, read_index, read_manifest
 from coldsnap.registry.reference import Reference
 
-__all__ = ["PullError", "PullResult", "pull"]
+__all__ = ["DestinationTaken", "PullError", "PullResult", "pull", "staging_dir"]
 
 PARALLEL_BLOBS = 4
 _STATE = ".coldsnap-pull.json"
@@ -40,7 +40,11 @@ _LOCK = ".coldsnap-pull.lock"
 
 
 class PullError(Exception):
-    """A pull that cannot go on (DIR taken, a published artifact that does not hold together)."""
+    """A pull that cannot go on: a published artifact that does not hold together."""
+
+
+class DestinationTaken(PullError):
+    """DIR exists and holds something other than this artifact (the caller's to fix)."""
 
 
 @dataclass
@@ -86,7 +90,7 @@ def pull(reference: Reference, destination: Path, client: RegistryClient,
         if _same_artifact(destination, blobs[0]):
             result.already_there, result.seconds = True, time.monotonic() - started
             return result
-        raise PullError(f"{destination} already exists and is not this artifact: pull into a new directory")
+        raise DestinationTaken(f"{destination} already exists and is not this artifact: pull into a new directory")
     staging = staging_dir(destination)
     staging.mkdir(parents=True, exist_ok=True)
     with _locked(staging, log):

@@ -1,0 +1,196 @@
+"""coldsnap publish / pull / restore oci://: a captured artifact through a real registry (Debian's docker-registry
+with TLS and basic auth on localhost), restored from the registry alone under a second state root."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coldsnap.payload.validation import VALIDATION_RECORD_NAME, verify_file
+from coldsnap.registry import client as registry_client
+from coldsnap.registry.client import DigestMismatch, client_for
+from coldsnap.registry.pull import PullError, pull, staging_dir
+from coldsnap.registry.reference import parse_reference
+from tests.integration.test_capture_restore import PROMPT_2, _free_port, cold_start_tokens, complete, workload
+from tests.processes import kill_replicas
+from tests.registry_server import local_registry, missing_tools
+
+pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root"),
+    pytest.mark.skipif(bool(missing_tools()), reason=f"needs {', '.join(missing_tools())} (scripts/install-registry.sh)"),
+]
+
+
+def coldsnap(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "coldsnap", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **env})
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory):
+    with local_registry(tmp_path_factory.mktemp("registry") / "server") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory, registry):
+    """A capture of the reference workload, published: (artifact, pinned reference, port, cold-start tokens)."""
+    root = tmp_path_factory.mktemp("published")
+    port = _free_port()
+    expected = cold_start_tokens(workload(port), port)
+    artifact = root / "artifact"
+    env = {"COLDSNAP_STATE_DIR": str(root / "capture-state")}
+    done = coldsnap("capture", "--out", str(artifact), "--", *workload(port), env=env)
+    assert done.returncode == 0, done.stderr
+    done = coldsnap("publish", str(artifact), f"{registry.address}/team/tiny-lm:v1", "--json", env=registry.client_env())
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["blobs_sent"] == report["blobs"] and report["bytes_sent"] == report["bytes_total"] > 0
+    yield artifact, report["reference"], port, expected
+    kill_replicas(artifact)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and not p.name.startswith(VALIDATION_RECORD_NAME)}
+
+
+def test_a_second_publish_sends_only_the_index(published, registry):
+    artifact, reference, _, _ = published
+    done = coldsnap("publish", str(artifact), f"{registry.address}/team/tiny-lm:v1", "--json", env=registry.client_env())
+    assert done.returncode == 0, done.stderr
+    again = json.loads(done.stdout)
+    assert again["reference"] == reference  # same bytes, same digest
+    assert again["blobs_sent"] == 0 and again["bytes_sent"] == 0 and again["manifests_sent"] == 0
+
+
+def test_pull_gives_the_same_files_with_records_a_restore_trusts(published, registry, tmp_path):
+    artifact, reference, _, _ = published
+    done = coldsnap("pull", reference, str(tmp_path / "pulled"), env=registry.client_env())
+    assert done.returncode == 0, done.stderr
+    pulled = tmp_path / "pulled"
+    assert _files(pulled) == _files(artifact)
+    pack = next((pulled / "payload").glob("*.pack"))
+    assert verify_file(pack).method == "record"  # the pull's streamed hash, not a second pass
+    assert not staging_dir(pulled).exists()
+    # pulling again into the same directory: nothing fetched
+    done = coldsnap("pull", reference, str(pulled), "--json", env=registry.client_env())
+    assert done.returncode == 0 and json.loads(done.stdout)["already_there"]
+
+
+def test_restore_from_the_registry_alone_under_another_state_root(published, registry, tmp_path):
+    """The second host: its own state root, no access to the capture's directory; the same tokens."""
+    artifact, reference, port, expected = published
+    env = {**registry.client_env(), "COLDSNAP_STATE_DIR": str(tmp_path / "host-2")}
+    done = coldsnap("restore", f"oci://{reference}", "--prepare-only", env=env)
+    assert done.returncode == 0, done.stderr
+    cached = list((tmp_path / "host-2" / "oci").iterdir())
+    assert len(cached) == 1
+    moved = artifact.with_name("artifact-away")
+    artifact.rename(moved)  # the capture's directory is not what the restore reads
+    try:
+        done = coldsnap("restore", f"oci://{reference}", "--receipt-json", "-", env=env)
+        assert done.returncode == 0, done.stderr
+        assert "already on this host" in done.stderr
+        receipt = json.loads(done.stdout)
+        assert receipt["state"] == "succeeded" and receipt["artifact"] == str(cached[0])
+        assert complete(port, PROMPT_2) == expected
+        kill_replicas(cached[0])
+    finally:
+        moved.rename(artifact)
+
+
+def test_an_interrupted_pull_resumes_with_what_arrived(published, registry, tmp_path, monkeypatch):
+    _, reference, _, _ = published
+    monkeypatch.setattr(registry_client, "RANGE_BYTES", 8 << 20)  # the images' pages file: many ranges
+    for name, value in registry.client_env().items():
+        monkeypatch.setenv(name, value)
+    ref = parse_reference(reference)
+    client = client_for(ref)
+    real = client._blob_response
+    calls = {"n": 0}
+
+    def flaky(digest, headers):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise registry_client.RegistryUnreachable("the network went away (test)")
+        return real(digest, headers)
+
+    monkeypatch.setattr(client, "_blob_response", flaky)
+    destination = tmp_path / "pulled"
+    with pytest.raises(registry_client.RegistryUnreachable):
+        pull(ref, destination, client)
+    assert not destination.exists() and staging_dir(destination).is_dir()
+    calls["n"] = -10**6  # the network is back
+    result = pull(ref, destination, client)
+    assert 0 < result.blobs_fetched < result.blobs and result.bytes_fetched < result.bytes_total
+    assert destination.is_dir() and not staging_dir(destination).exists()
+
+
+def test_a_blob_damaged_in_the_registry_is_refused_and_nothing_is_written(published, registry, tmp_path):
+    artifact, reference, _, _ = published
+    capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())
+    image = max(capsule["files"], key=lambda f: f["size_bytes"])
+    data = registry.storage / "docker/registry/v2/blobs/sha256" / image["sha256"][:2] / image["sha256"] / "data"
+    original = data.read_bytes()
+    data.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    try:
+        done = coldsnap("pull", reference, str(tmp_path / "pulled"), env=registry.client_env())
+        assert done.returncode == 1 and image["sha256"] in done.stderr, done.stderr
+        assert not (tmp_path / "pulled").exists()
+    finally:
+        data.write_bytes(original)
+
+
+def test_wrong_credentials_are_named_and_nothing_secret_is_printed(published, registry, tmp_path):
+    _, reference, _, _ = published
+    auth = tmp_path / "auth.json"
+    auth.write_text(json.dumps({"auths": {registry.address: {"auth": "Y29sZHNuYXA6d3JvbmctcGFzc3dvcmQ="}}}))
+    done = coldsnap("pull", reference, str(tmp_path / "pulled"), env={**registry.client_env(), "REGISTRY_AUTH_FILE": str(auth)})
+    assert done.returncode == 1 and str(auth) in done.stderr, done.stderr
+    assert "wrong-password" not in done.stderr + done.stdout and "Y29sZHNu" not in done.stderr + done.stdout
+    done = coldsnap("restore", f"oci://{reference}", "--prepare-only", env={**registry.client_env(), "REGISTRY_AUTH_FILE": str(auth),
+                                                                            "COLDSNAP_STATE_DIR": str(tmp_path / "s")})
+    assert done.returncode == 1 and "refused" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_damaged_artifact_is_not_published(published, registry, tmp_path):
+    artifact, _, _, _ = published
+    copy = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(artifact), str(copy)], check=True)
+    pack = next((copy / "payload").glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    data[-1] ^= 1
+    pack.write_bytes(bytes(data))
+    done = coldsnap("publish", str(copy), f"{registry.address}/team/damaged:v1", env=registry.client_env())
+    assert done.returncode == 1 and pack.name in done.stderr, done.stderr
+
+
+def test_bad_references_are_usage_errors(registry, tmp_path):
+    for command in (["pull", "no-registry-here", str(tmp_path / "x")], ["publish", str(tmp_path), "r.io/x:y"],
+                    ["restore", "oci://Bad_Host/UPPER:tag"]):
+        done = coldsnap(*command, env=registry.client_env())
+        assert done.returncode == 2 and "Traceback" not in done.stderr, (command, done.stderr)
+
+
+def test_pull_refuses_a_directory_holding_something_else(published, registry, tmp_path):
+    _, reference, _, _ = published
+    (tmp_path / "taken").mkdir()
+    done = coldsnap("pull", reference, str(tmp_path / "taken"), env=registry.client_env())
+    assert done.returncode == 2 and "already exists" in done.stderr
+
+
+def test_a_digest_that_does_not_match_is_refused_before_any_file(published, registry, tmp_path, monkeypatch):
+    _, reference, _, _ = published
+    for name, value in registry.client_env().items():
+        monkeypatch.setenv(name, value)
+    ref = parse_reference(reference)
+    wrong = ref.with_digest("sha256:" + "0" * 64)
+    with pytest.raises((registry_client.RegistryNotFound, DigestMismatch, PullError)):
+        pull(wrong, tmp_path / "pulled", client_for(wrong))
+    assert not (tmp_path / "pulled").exists()
