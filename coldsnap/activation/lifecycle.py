@@ -42,13 +42,13 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
     artifact = ArtifactDir(Path(request_.artifact))
     if artifact.committed():
         raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
-    artifact.claim(context.hand_over)
-    claim_state(context.hand_over)  # (the pinned safetensors' records; the check restore claims its own)
     # One operation per port: a restore or capture onto it meanwhile loses at its admission.
     hold_port(context, port, str(artifact.root), code="capture.port")
     if port_taken(port):  # the canary would ask whatever holds it
         raise OperationFailed("capture.port", f"serving port {port} is taken: stop what listens there, or serve on "
                               "another port")
+    artifact.claim(context.hand_over)
+    claim_state(context.hand_over)  # (the pinned safetensors' records; the check restore claims its own)
     return driver.capture(context, artifact, ready_timeout, restore)
 
 
