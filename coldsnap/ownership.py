@@ -120,8 +120,8 @@ class HandOverReport:
                          f"{self.failed[0]}{more}")
         if self.linked:
             more = f" (and {len(self.linked) - 1} more)" if len(self.linked) > 1 else ""
-            found.append(f"left {len(self.linked)} file(s) with more than one hard link to root, not {self.owner} "
-                         f"(a link elsewhere would change owner too): {self.linked[0]}{more}")
+            found.append(f"left {len(self.linked)} file(s) with more than one hard link as they were, not given to "
+                         f"{self.owner} (a link elsewhere would change owner too): {self.linked[0]}{more}")
         return found
 
 
