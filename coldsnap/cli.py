@@ -320,6 +320,7 @@ def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
     captured = _captured_request(directory)
     captured.update(operation=operation, operation_id=args.operation_id or new_operation_id(operation),
                     artifact=str(directory))
+    captured.pop("owner", None)  # the capture's caller's: this operation's owner is its own caller's
     if operation == "restore":
         captured["prepare_only"] = args.prepare_only
         unit = (captured.get("units") or [{}])[0]
@@ -367,10 +368,25 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
             raise OperationFailed("request.operation", f"`coldsnap {operation}` got a {context.request.operation} request")
         return perform(context)
 
-    return run_operation(data, source, body, args.receipt_json, args.timing_events)
+    return run_operation(data, source, body, args.receipt_json, args.timing_events, owner=args.owner)
+
+
+def _parse_owner_flag(args: argparse.Namespace, command: str) -> bool:
+    """``--owner UID:GID`` parsed in place (:func:`coldsnap.ownership.parse_owner`); False, with the one line
+    saying why, when it is malformed."""
+    from coldsnap.ownership import OwnerError, parse_owner
+
+    try:
+        args.owner = parse_owner(args.owner) if args.owner is not None else None
+    except OwnerError as exc:
+        print(f"coldsnap {command}: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _cmd_capture(args: argparse.Namespace) -> int:
+    if not _parse_owner_flag(args, "capture"):
+        return EXIT_USAGE
     if args.no_verify:
         from coldsnap.activation.capture_steps import VERIFY_ENV
 
@@ -387,6 +403,8 @@ def _use_state_dir(args: argparse.Namespace) -> None:
 
 def _cmd_artifact_operation(args: argparse.Namespace) -> int:
     """restore, warm and wake: an artifact directory (wake: or a standby id), or a strict request."""
+    if not _parse_owner_flag(args, args.operation):
+        return EXIT_USAGE
     if not args.request_json and not args.artifact:
         print("coldsnap: give the artifact directory (or --request-json)", file=sys.stderr)
         return EXIT_USAGE
@@ -521,6 +539,15 @@ def _add_operation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timing-events", metavar="PATH|-", help="live NDJSON timing events (needs --receipt-json); a new absolute path or -")
     p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: "
                    "OPERATION-<local time>-<pid>, e.g. restore-20261202T090450-3850)")
+    _add_owner_flag(p)
+
+
+def _add_owner_flag(p: argparse.ArgumentParser) -> None:
+    """``--owner UID:GID`` (a command that writes artifacts or state as root: the lifecycle operations,
+    publish, pull); :func:`coldsnap.ownership.resolve_owner` takes its value."""
+    p.add_argument("--owner", metavar="UID:GID", help="who gets every file and directory this writes under the "
+                   "artifact directory and the state directory, modes kept, failures included (default: the "
+                   "request's owner, else SUDO_UID:SUDO_GID under sudo, else they stay root's)")
 
 
 def _add_weights_flag(p: argparse.ArgumentParser) -> None:

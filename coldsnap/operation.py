@@ -13,7 +13,9 @@ It owns the operator contract's rules, so that no operation can get them slightl
 - ``--timing-events`` (a new absolute path, or ``-`` when the receipt is not on stdout) mirrors the
   spans live; its failures are warnings only;
 - the exit status is 0 exactly when the receipt says ``succeeded``; 2 for input the caller must fix
-  (a malformed request, a refused receipt path), which gets no receipt.
+  (a malformed request, a refused receipt path, an owner that cannot be given), which gets no receipt;
+- what the operation wrote under an artifact directory or a state root goes to its owner when it ends,
+  however it ends (:mod:`coldsnap.ownership`: ``--owner``, the request's ``owner``, sudo's caller).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from coldsnap.contracts.errors import ERROR_CODES
 from coldsnap.contracts.profiles import OPERATIONS, UnsupportedRequest, resolve_request
 from coldsnap.contracts.receipt import ErrorRecord, OperationReceipt
 from coldsnap.contracts.request import OperationRequest
+from coldsnap.ownership import HandOver, Owner, OwnerError, resolve_owner
 from coldsnap.timing import OperationTimer, TimingEventStream
 
 __all__ = [
@@ -145,6 +148,10 @@ class OperationContext:
     """What the body holds until the operation ends (its serving port's lock): released after the body
     returns or fails, before the receipt is published."""
 
+    hand_over: HandOver = field(default_factory=lambda: HandOver(None))
+    """What the body writes under an artifact directory or a state root, claimed as it goes and handed to
+    the operation's owner when the operation ends (after :attr:`held`, before the receipt)."""
+
     def hold(self, resource: contextlib.AbstractContextManager[T]) -> T:
         """Enter ``resource`` now and exit it when the operation ends (:attr:`held`)."""
         return self.held.enter_context(resource)
@@ -156,7 +163,8 @@ class OperationContext:
     def nested(self, request: OperationRequest) -> "OperationContext":
         """The context of an operation this one runs inside itself (a capture's check restore): its own
         timer and warnings, this one's progress stream."""
-        return OperationContext(request, request.canonical_sha256(), OperationTimer(None), self._stderr)
+        return OperationContext(request, request.canonical_sha256(), OperationTimer(None), self._stderr,
+                                hand_over=self.hand_over)
 
     def progress(self, message: str) -> None:
         """One progress line on stderr, always naming the operation and the snapshot driver."""
@@ -210,6 +218,16 @@ def _open_events(spec: str | None, receipt: ReceiptDestination, stdout: IO[bytes
         raise UsageError(f"--timing-events {spec}: cannot create ({exc.strerror})") from None
 
 
+def _hand_over(context: OperationContext) -> None:
+    """Give what the operation wrote to its owner; a shortfall is a warning (the operation's own result
+    stands: a serving restore is not undone for a file that kept root as its owner)."""
+    report = context.hand_over.apply()
+    if report is None:
+        return
+    context.warnings.extend(report.warnings())
+    context.progress(f"handed {report.changed} path(s) it wrote to {report.owner} ({report.owner.source})")
+
+
 def run_operation(
     request_bytes: bytes,
     request_source: str,
@@ -218,8 +236,10 @@ def run_operation(
     events_spec: str | None = None,
     stdout: IO[bytes] | None = None,
     stderr: IO[str] | None = None,
+    owner: Owner | str | None = None,
 ) -> int:
-    """Run ``body`` inside the operation envelope; returns the process exit status."""
+    """Run ``body`` inside the operation envelope; returns the process exit status. ``owner``: ``--owner``
+    (else the request's, else sudo's caller: :func:`coldsnap.ownership.resolve_owner`)."""
     stdout = stdout if stdout is not None else sys.stdout.buffer
     stderr = stderr if stderr is not None else sys.stderr
     events_handle = None
@@ -231,6 +251,8 @@ def run_operation(
         except UnsupportedRequest as exc:
             refusal = exc  # well-formed: it gets a receipt (bound to the request as sent), not a usage error
         request_sha256 = request.canonical_sha256()
+        given = request.owner
+        resolved_owner = resolve_owner(owner, (given.uid, given.gid) if given is not None else None)
         receipt_dest = ReceiptDestination(receipt_spec, stdout)
         receipt_dest.claim(request_sha256)
         events_handle = _open_events(events_spec, receipt_dest, stdout)
@@ -238,13 +260,13 @@ def run_operation(
         for line in str(exc).splitlines():
             stderr.write(f"coldsnap: {line}\n")
         return EXIT_USAGE
-    except UsageError as exc:
+    except (UsageError, OwnerError) as exc:
         stderr.write(f"coldsnap: {exc}\n")
         return EXIT_USAGE
 
     events = TimingEventStream(events_handle, request.operation_id, request_sha256) if events_handle else None
     timer = OperationTimer(events)
-    context = OperationContext(request, request_sha256, timer, stderr)
+    context = OperationContext(request, request_sha256, timer, stderr, hand_over=HandOver(resolved_owner))
     started = timer.unix_origin_ns
     outcome = OperationOutcome()
     error: ErrorRecord | None = None
@@ -263,6 +285,7 @@ def run_operation(
         error = ErrorRecord(code="internal", message=f"{type(exc).__name__}: {exc}")
     finally:
         context.held.close()
+        _hand_over(context)
     state: Literal["succeeded", "failed"] = "failed" if error else "succeeded"
     envelope = timer.envelope()
     timer.complete(state, envelope)

@@ -272,7 +272,7 @@ def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: li
                                   f"for rank {worker.rank} (its engine reported none)")
         try:
             span[f"{prefix}recovery_verified_by"] = ",".join(
-                check(Path(pinned.path), pinned.sha256, artifact.external_record_dir(Path(pinned.path)))
+                check(Path(pinned.path), pinned.sha256, artifact.external_record_dir(Path(pinned.path), context.hand_over))
                 for pinned in worker.recovery)
         except _Unusable as exc:
             if native_problem:  # auto: neither source is usable

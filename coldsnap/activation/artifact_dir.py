@@ -26,6 +26,10 @@ be copied: what a restore writes lives in its state directory (:func:`state_dir`
 where STATE is ``--state-dir`` / ``COLDSNAP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/coldsnap``, else
 ``/run/coldsnap`` (root), else ``/tmp/coldsnap-<uid>``, and the artifact id is the start of the SHA-256
 of ``artifact.json`` (the same for a moved or copied artifact).
+
+With an owner (:mod:`coldsnap.ownership`), a capture claims its directory (:meth:`ArtifactDir.claim`) and
+every operation what it writes under STATE (:func:`claim_state`, a replica's folder where it is made): the
+operation hands them over when it ends.
 """
 
 from __future__ import annotations
@@ -35,15 +39,20 @@ import os
 import shutil
 from pathlib import Path
 
-from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root
+from coldsnap.activation.state import STANDBY_RECORD, STATE_DIR_ENV, artifact_id, state_root
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
 from coldsnap.contracts.capsule import CAPSULE_FORMAT, ActivationMetadata, CapsuleFile, CapsuleManifest
 from coldsnap.contracts.canonical import canonical_json
+from coldsnap.ownership import HandOver
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record
+from coldsnap.snapshot.criu import CHECK_CACHE
+from coldsnap.snapshot.cuda_checkpoint import PROBE_CACHE
+from coldsnap.snapshot.thp import RECORD_FILES as THP_RECORD_FILES
 
-__all__ = ["ArtifactDir", "STATE_DIR_ENV", "external_record_dir", "file_ref", "sha256_file", "state_root"]
+__all__ = ["ArtifactDir", "STATE_DIR_ENV", "claim_state", "external_record_dir", "file_ref", "sha256_file",
+           "state_root"]
 
 
 
@@ -91,10 +100,22 @@ class ArtifactDir:
     def log_path(self, unit_id: str) -> Path:
         return self.root / "logs" / f"{unit_id}.log"
 
+    def claim(self, hand_over: HandOver) -> None:
+        """What a capture writes here, for its owner: the directory with everything in it when the capture
+        makes it (and the folders above it it makes), else exactly the layout's paths above — a directory
+        it found may hold what is not the capture's to give away. Never for a committed artifact."""
+        hand_over.claim_new(self.root)
+        for name in (DESCRIPTOR, PENDING_DESCRIPTOR, "request.json", "payload", "units", "logs"):
+            hand_over.claim(self.root / name)
+
+    def state_path(self) -> Path:
+        """Where :meth:`state_dir` is (OSError when no descriptor is committed); nothing is made."""
+        return self._state_dir or state_root() / artifact_id(self.root, self._descriptor)
+
     def state_dir(self) -> Path:
         """This artifact's state directory (created once): where its restores write."""
         if self._state_dir is None:
-            path = state_root() / artifact_id(self.root, self._descriptor)
+            path = self.state_path()
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._state_dir = path
         return self._state_dir
@@ -145,10 +166,10 @@ class ArtifactDir:
             except OSError:
                 pass  # something appeared there meanwhile: not ours to remove
 
-    def external_record_dir(self, path: Path) -> Path | None:
+    def external_record_dir(self, path: Path, hand_over: HandOver | None = None) -> Path | None:
         """Where restores keep the validation record of ``path``, a file outside the artifact (a pinned
         recovery safetensors): :func:`external_record_dir`."""
-        return external_record_dir(path)
+        return external_record_dir(path, hand_over)
 
     def relative(self, path: Path) -> str:
         return str(path.resolve().relative_to(self.root.resolve()))
@@ -180,13 +201,17 @@ class ArtifactDir:
         return load_document(ArtifactDescriptor, self.descriptor_path)
 
 
-def external_record_dir(path: Path) -> Path | None:
+def external_record_dir(path: Path, hand_over: HandOver | None = None) -> Path | None:
     """Where this host keeps the validation record of ``path``, a file outside any artifact (a pinned
     recovery safetensors): ``STATE/records/external/<its folder's id>/``, shared by every artifact that pins
     it — the capture that pinned it records its hash there, so a restore's first recovery does not hash
-    the model again (15.7 s for the 8B shape's 15 GB on the H200). None when it cannot be made."""
+    the model again (15.7 s for the 8B shape's 15 GB on the H200). None when it cannot be made.
+    ``hand_over``: the operation's, which claims the folder (and those above it it makes)."""
     try:
         directory = state_root() / "records" / "external" / hashlib.sha256(str(path.parent).encode()).hexdigest()[:16]
+        if hand_over is not None:
+            hand_over.claim_new(directory)
+            hand_over.claim(directory)
         directory.mkdir(parents=True, exist_ok=True)
         return directory
     except OSError:
@@ -195,3 +220,24 @@ def external_record_dir(path: Path) -> Path | None:
 
 def file_ref(artifact: ArtifactDir, path: Path, sha256: str | None = None) -> FileRef:
     return FileRef(path=artifact.relative(path), sha256=sha256 or sha256_file(path), size_bytes=path.stat().st_size)
+
+
+def claim_state(hand_over: HandOver, artifact: ArtifactDir | None = None) -> None:
+    """Claim what an operation may write under STATE, for its owner (:mod:`coldsnap.ownership`): STATE
+    itself (and the folders above it) when it makes it, the host facts it writes there (``criu check``'s
+    verdict, the CUDA probe, the host THP record), and of ``artifact`` (when it has a descriptor): its
+    state directory when the operation makes it, its validation records and its standby record. A
+    replica's own folder is claimed where it is made (``RestoreSequence.state_dir``)."""
+    root = state_root()
+    hand_over.claim_new(root)
+    for name in (CHECK_CACHE, PROBE_CACHE, *THP_RECORD_FILES):
+        hand_over.claim_written(root / name)
+    if artifact is None:
+        return
+    try:
+        state = artifact.state_path()
+    except OSError:
+        return  # no descriptor: admission refuses it before anything is written there
+    hand_over.claim_new(state)
+    hand_over.claim(state / "records")
+    hand_over.claim_written(state / STANDBY_RECORD)

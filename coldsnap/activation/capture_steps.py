@@ -356,7 +356,8 @@ class CaptureSequence:
         try:
             files = [Path(f).resolve() for f in prepared.recovery_files]
             # Recorded where restores look (a first recovery then hashes nothing while the files are unchanged)
-            return [PinnedFile(path=str(f), sha256=hash_and_record(f, external_record_dir(f)), size_bytes=f.stat().st_size)
+            return [PinnedFile(path=str(f), sha256=hash_and_record(f, external_record_dir(f, self.context.hand_over)),
+                               size_bytes=f.stat().st_size)
                     for f in files]
         except OSError as exc:
             raise OperationFailed("capture.recovery", f"rank {rank}'s recovery safetensors: {exc}") from None

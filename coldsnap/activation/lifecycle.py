@@ -8,6 +8,10 @@ looks the request's driver up (:mod:`coldsnap.activation.drivers`) and runs its 
              and their room; n580: the placement) → ``--prepare-only`` stops → the driver's restore steps
     warm:    one standby per artifact (a live one: converged) → admission → the driver's warm steps
     wake:    the live standby, its locks, its weight sources → the driver's wake steps
+
+Each first claims what it may write, for the operation's owner (:mod:`coldsnap.ownership`): a capture its
+output directory (once it is known not to hold a committed artifact) and every operation its paths under
+the state root (:func:`~coldsnap.activation.artifact_dir.claim_state`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from coldsnap.activation.admission import admit, weight_sources
-from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.artifact_dir import ArtifactDir, claim_state
 from coldsnap.activation.capture_steps import READY_TIMEOUT_S, port_taken
 from coldsnap.activation.drivers import driver_for
 from coldsnap.activation.operation_locks import hold_port, hold_standby
@@ -43,12 +47,15 @@ def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -
     if port_taken(port):  # the canary would ask whatever holds it
         raise OperationFailed("capture.port", f"serving port {port} is taken: stop what listens there, or serve on "
                               "another port")
+    artifact.claim(context.hand_over)
+    claim_state(context.hand_over)  # (the pinned safetensors' records; the check restore claims its own)
     return driver.capture(context, artifact, ready_timeout, restore)
 
 
 def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> OperationOutcome:
     """``artifact``: the request's by default; a capture's check restore passes its pending one."""
     artifact = artifact or ArtifactDir(Path(context.request.artifact))
+    claim_state(context.hand_over, artifact)
     admitted = admit(context, artifact)
     driver = driver_for(admitted.descriptor.snapshot_driver)
     placement = driver.admit_placement(context, artifact, admitted)
@@ -63,6 +70,7 @@ def warm(context: OperationContext) -> OperationOutcome:
     driver = driver_for(context.request.snapshot_driver)
     if driver.warm is None:  # (the request profiles refuse this before it gets here)
         raise OperationFailed("request.unsupported", f"snapshot driver {driver.name} has no warm standby")
+    claim_state(context.hand_over, artifact)
     if artifact.committed():  # one standby per artifact: a second warm of it meanwhile, on any port, loses here
         hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
     existing = live_standby(artifact) if artifact.committed() else None
@@ -81,6 +89,7 @@ def wake(context: OperationContext) -> OperationOutcome:
     driver = driver_for(context.request.snapshot_driver)
     if driver.wake is None:
         raise OperationFailed("request.unsupported", f"snapshot driver {driver.name} has no warm standby")
+    claim_state(context.hand_over, artifact)
     with context.timer.span("wake.admission.standby") as span:
         if not artifact.committed():
             raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")

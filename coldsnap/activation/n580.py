@@ -206,6 +206,7 @@ class TemplateCapture(CaptureSequence):
         with self.step("capture.template_restore", "capture.template_restore") as span:
             state_root().mkdir(parents=True, exist_ok=True, mode=0o700)
             self.capture_state = Path(tempfile.mkdtemp(prefix="capture-", dir=state_root()))
+            self.context.hand_over.claim(self.capture_state)  # (removed at the end; what a failure leaves is the owner's)
             self.engine = _restore_template(self.artifact, self.unit.unit_id, self.artifact.images(self.unit.unit_id),
                                             control, self.capture_state)
             span["pid"] = self.engine.pid

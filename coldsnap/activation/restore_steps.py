@@ -171,6 +171,7 @@ class RestoreSequence:
         assert self.replica is not None
         try:
             path = self.artifact.state_dir() / self.replica.name
+            self.context.hand_over.claim(path)  # (all of it is this replica's: its log, CRIU's files, its images)
             path.mkdir(exist_ok=True, mode=0o700)
             return path
         except OSError as exc:

@@ -27,7 +27,8 @@ from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING
 
 __all__ = ["Capabilities", "build_capabilities", "FEATURES"]
 
-FEATURES = ("operation-timing-spans", "operation-timing-events-ndjson-v1")
+FEATURES = ("operation-timing-spans", "operation-timing-events-ndjson-v1", "request-owner")
+"""``request-owner``: a request may carry ``owner`` (uid, gid), who gets the files the operation writes."""
 
 
 class ProtocolFormats(Contract):

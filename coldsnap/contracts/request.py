@@ -32,6 +32,7 @@ __all__ = [
     "CompatibilityPolicy",
     "ValidationPolicy",
     "Policy",
+    "FileOwner",
     "OperationRequest",
 ]
 
@@ -138,6 +139,15 @@ class Policy(Contract):
     """Canary policy."""
 
 
+class FileOwner(Contract):
+    """Who gets the files an operation writes: numeric ids, as the manager resolved its user."""
+
+    uid: int = Field(ge=0, le=2**32 - 2)
+    """User id the files and directories are handed to."""
+    gid: int = Field(ge=0, le=2**32 - 2)
+    """Group id they are handed to."""
+
+
 class OperationRequest(Contract):
     """A capture, restore or lifecycle request (request format 4)."""
 
@@ -166,6 +176,11 @@ class OperationRequest(Contract):
     Left out of the canonical form when absent, so requests without it keep their digests."""
     policy: Policy = Field(default_factory=Policy)
     """Overrides of the snapshot driver's default policy."""
+    owner: FileOwner | None = None
+    """Who gets every file and directory the operation writes under the artifact directory and the state
+    root (coldsnap runs as root), mode bits kept, failed operations included. ``coldsnap CMD --owner
+    UID:GID`` overrides it; without either, the caller's ``SUDO_UID``/``SUDO_GID`` under sudo, else nothing
+    changes owner. Left out of the canonical form when absent, so requests without it keep their digests."""
 
     @model_validator(mode="after")
     def _check_topology(self) -> "OperationRequest":
@@ -191,6 +206,7 @@ class OperationRequest(Contract):
 
     def to_json_value(self) -> dict[str, Any]:
         value = super().to_json_value()
-        if value.get("standby_ttl_s") is None:
-            value.pop("standby_ttl_s", None)
+        for optional in ("standby_ttl_s", "owner"):
+            if value.get(optional) is None:
+                value.pop(optional, None)
         return value

@@ -50,6 +50,7 @@ __all__ = [
     "read_validation_record",
     "record_written_file",
     "hash_and_record",
+    "carry_records_over",
 ]
 
 log = logging.getLogger(__name__)
@@ -180,11 +181,16 @@ def _load_record(directory: Path, warn: bool) -> ValidationRecord:
 def _update_record(directory: Path, name: str, entry: ValidationEntry | None) -> None:
     """Set (or, with ``None``, remove) one entry, under the directory's lock. Failures are logged only:
     the record is an optimization, and a read-only directory still verifies (in full, every time)."""
+    _update_entries(directory, {name: entry})
+
+
+def _update_entries(directory: Path, changes: dict[str, ValidationEntry | None]) -> None:
+    """:func:`_update_record` for several entries at once (one read and one write of the record)."""
     lock_path = directory / (VALIDATION_RECORD_NAME + ".lock")
     try:
         lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:
-        if entry is not None or exc.errno not in (errno.EROFS, errno.EACCES):
+        if any(entry is not None for entry in changes.values()) or exc.errno not in (errno.EROFS, errno.EACCES):
             log.warning("%s: cannot lock the validation record (%s); it is not updated", lock_path, exc.strerror or exc)
         return
     try:
@@ -193,11 +199,13 @@ def _update_record(directory: Path, name: str, entry: ValidationEntry | None) ->
         fcntl.flock(lock_fd, fcntl.LOCK_EX)
         record = _load_record(directory, warn=False)
         files = dict(record.files)
-        if entry is None:
-            if files.pop(name, None) is None:
-                return
-        else:
-            files[name] = entry
+        for name, entry in changes.items():
+            if entry is None:
+                files.pop(name, None)
+            else:
+                files[name] = entry
+        if files == record.files:
+            return
         write_atomic(directory / VALIDATION_RECORD_NAME, ValidationRecord(format=1, files=files).canonical_json() + b"\n")
     except OSError as exc:
         log.warning("%s: cannot update the validation record (%s)", directory / VALIDATION_RECORD_NAME, exc.strerror or exc)
@@ -360,3 +368,38 @@ def record_written_file(path: str | Path, sha256: str) -> None:
     if _identity(os.stat(path)) != identity or max(identity) > INT64_MAX:
         return  # changed meanwhile: leave it to a full verification
     _update_record(path.parent, path.name, _entry(sha256, identity, time.time_ns()))
+
+
+def carry_records_over(directory: Path, before: dict[str, os.stat_result]) -> int:
+    """After this process changed only the owner of files in ``directory`` (:mod:`coldsnap.ownership`), whose
+    stat results were ``before``: the record's entries that vouched for them then are moved to their new
+    identity, which differs in ``ctime`` only, so the next verification trusts them instead of hashing every
+    byte again. An entry moves only if it was trusted for the file as it was and the file's device, inode,
+    size and mtime are the same; it is vouched for once the racy window after the change has passed (this
+    waits at most :data:`RACY_WINDOW_NS`). Returns how many entries moved; best effort, like every record
+    update."""
+    record = _load_record(directory, warn=False)
+    moving: dict[str, tuple[ValidationEntry, _Identity]] = {}
+    for name, status in before.items():
+        entry = record.files.get(name)
+        if entry is None or not _trusted(entry, _identity(status), entry.sha256):
+            continue
+        try:
+            now = _identity(os.stat(directory / name))
+        except OSError:
+            continue
+        if now[:4] == _identity(status)[:4] and max(now) <= INT64_MAX:
+            moving[name] = (entry, now)
+    if not moving:
+        return 0
+    _wait_out_racy_window(max((identity for _, identity in moving.values()), key=lambda i: i.ctime_ns))
+    verified_ns = time.time_ns()
+    changes: dict[str, ValidationEntry | None] = {}
+    for name, (entry, identity) in moving.items():
+        try:
+            if _identity(os.stat(directory / name)) == identity:  # (changed meanwhile: hashed again when verified)
+                changes[name] = _entry(entry.sha256, identity, verified_ns)
+        except OSError:
+            pass
+    _update_entries(directory, changes)
+    return len(changes)

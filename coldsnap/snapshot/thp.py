@@ -24,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["HOST_THP_ENV", "THP_ENABLED", "ThpError", "host_thp_requested", "huge_pages_for_the_fill", "thp_mode"]
+__all__ = ["HOST_THP_ENV", "RECORD_FILES", "THP_ENABLED", "ThpError", "host_thp_requested", "huge_pages_for_the_fill", "thp_mode"]
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,8 @@ HOST_THP_ENV = "COLDSNAP_HOST_THP"
 """``always``: switch the host's THP mode to always for each restore's CRIU fill (the CLI's ``--host-thp``)."""
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 _RECORD = "host-thp.json"
+RECORD_FILES = (_RECORD, _RECORD + ".lock")
+"""What the THP switch keeps in the state root (the mode to put back and its holders; their lock)."""
 
 
 class ThpError(RuntimeError):

@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -542,3 +543,125 @@ def test_a_capsule_that_cannot_restore_is_never_committed(tmp_path):
 def port_taken_now(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+# --- Files owned by the caller (coldsnap.ownership; docs/contracts.md#files-owned-by-the-caller) ---------
+
+OWNER = (12345, 12345)
+
+
+def _walk(root: Path) -> list[Path]:
+    """``root`` and everything under it, symlinks not followed."""
+    found = [root]
+    for folder, folders, files in os.walk(root):
+        found += [Path(folder) / name for name in folders + files]
+    return found
+
+
+def _owners(root: Path) -> dict[tuple[int, int], list[str]]:
+    owners: dict[tuple[int, int], list[str]] = {}
+    for path in _walk(root):
+        status = os.lstat(path)
+        owners.setdefault((status.st_uid, status.st_gid), []).append(str(path))
+    return owners
+
+
+def _shape(root: Path) -> dict[str, set[int]]:
+    """Every path under ``root`` by its name with digits (pids, ports, times) and the artifact id made generic →
+    its file types and mode bits, to compare an owned operation's files with an unowned one's."""
+    shape: dict[str, set[int]] = {}
+    for path in _walk(root):
+        name = re.sub(r"\d+", "N", re.sub(r"^[0-9a-f]{16}(?=/|$)", "ID", path.relative_to(root).as_posix()))
+        shape.setdefault(name, set()).add(os.lstat(path).st_mode)
+    return shape
+
+
+def _with_state(state: Path, *args: str, stdin: bytes | None = None, **env: str) -> subprocess.CompletedProcess:
+    """``coldsnap ARGS`` with its own state root, and sudo's caller only where ``env`` names one."""
+    unsudoed = {k: v for k, v in os.environ.items() if k not in ("SUDO_UID", "SUDO_GID")}
+    return subprocess.run([sys.executable, "-m", "coldsnap", *args], input=stdin, capture_output=True, timeout=300,
+                          env={**unsudoed, "COLDSNAP_STATE_DIR": str(state), **env})
+
+
+def test_an_owned_capture_and_restore_hand_everything_they_write_to_the_owner(captured, tmp_path):
+    """``--owner 12345:12345``: the capture's directory (and the folder above it it made), the state root it
+    made and everything in them end owned by 12345:12345, with the modes an unowned run gives them; the
+    artifact's validation records still vouch for its packs and images (the restore hashes nothing); the
+    restored engine keeps appending to its handed-over log."""
+    reference, _, expected, _ = captured
+    port = _free_port()
+    artifact = tmp_path / "made" / "artifact"
+    done = _with_state(tmp_path / "state" / "capture", "capture", "--owner", "12345:12345", "--out", str(artifact),
+                       "--receipt-json", str(tmp_path / "capture.json"), "--", *workload(port))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert b"it wrote to 12345:12345 (--owner)" in done.stderr
+    assert json.loads((tmp_path / "capture.json").read_text())["warnings"] == []
+    for made in (tmp_path / "made", tmp_path / "state"):  # both made by the capture (its check restore's state)
+        assert list(_owners(made)) == [OWNER], made
+    assert _shape(artifact) == _shape(reference)  # modes as an unowned capture leaves them
+    assert os.lstat(tmp_path / "capture.json").st_uid == 0  # the receipt is not under DIR or STATE
+
+    # The same restore unowned and owned, each into a state root of its own: same files, same modes.
+    unowned, owned = tmp_path / "restore-unowned", tmp_path / "restore-owned"
+    done = _with_state(unowned, "restore", str(artifact))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    kill_replicas(artifact)
+    done = _with_state(owned, "restore", str(artifact), "--owner", "12345:12345", "--receipt-json",
+                       str(tmp_path / "restore.json"))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    try:
+        assert list(_owners(owned)) == [OWNER] and list(_owners(unowned)) == [(0, 0)]
+        assert _shape(owned) == _shape(unowned)
+        spans = {s["name"]: s["attributes"] for s in json.loads((tmp_path / "restore.json").read_text())["timing"]["spans"]}
+        assert spans["restore.admission.payload"]["pack_verified_by"] == "record"
+        assert spans["restore.admission.capsule"]["images_verified_by"].startswith("record:")
+        log = next(owned.glob("*/port-*/logs/unit-0.log"))
+        size = log.stat().st_size
+        assert complete(port, PROMPT_2) == expected
+        assert log.stat().st_size > size and (log.stat().st_uid, log.stat().st_gid) == OWNER
+    finally:
+        kill_replicas(artifact)
+
+    # --prepare-only writes host facts and validation records only: those, and the state root it made
+    done = _with_state(tmp_path / "prepare", "restore", str(artifact), "--prepare-only", "--owner", "12345:12345")
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert list(_owners(tmp_path / "prepare")) == [OWNER] and (tmp_path / "prepare" / "criu-check.json").exists()
+
+
+def test_failed_operations_hand_over_what_they_wrote_and_nothing_else(captured, tmp_path):
+    """A capture that fails after writing into a directory it found (a leftover ``logs/`` of an interrupted
+    capture: its log stays there); a restore refused at admission after it wrote its state; the owner from
+    the request's field and from sudo's caller."""
+    artifact, port, _, _ = captured
+    found = tmp_path / "existing"
+    (found / "logs").mkdir(parents=True)
+    (found / "notes.txt").write_text("the operator's")
+    done = _with_state(tmp_path / "capture-state", "capture", "--owner", "12345:12345", "--engine", "torch-lm", "--out",
+                       str(found), "--receipt-json", "-", "--", sys.executable, "-c", "import sys; sys.exit(3)",
+                       "--port", str(_free_port()))
+    assert done.returncode == 1 and json.loads(done.stdout)["error"]["code"] == "capture.launch"
+    assert sorted(p.name for p in found.iterdir()) == ["logs", "notes.txt"]
+    owners = _owners(found)
+    assert owners[OWNER] == [str(found / "logs"), str(found / "logs" / "unit-0.log")]
+    assert owners[(0, 0)] == [str(found), str(found / "notes.txt")]  # found there: not the capture's to give away
+
+    with socket.socket() as squatter:  # admission writes its state, then finds the port taken
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen(1)
+        done = _with_state(tmp_path / "failed", "restore", str(artifact), "--prepare-only", "--owner", "12345:12345",
+                           "--receipt-json", "-")
+    assert done.returncode == 1 and json.loads(done.stdout)["error"]["code"] == "admission.port"
+    assert list(_owners(tmp_path / "failed")) == [OWNER] and len(_walk(tmp_path / "failed")) > 2
+
+    document = json.loads((artifact / "request.json").read_text())
+    document.update(operation="restore", operation_id="owned-by-request", prepare_only=True, owner={"uid": 4242, "gid": 4343})
+    done = _with_state(tmp_path / "requested", "restore", "--request-json", "-", stdin=json.dumps(document).encode())
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert list(_owners(tmp_path / "requested")) == [(4242, 4343)]
+    done = _with_state(tmp_path / "sudo", "restore", str(artifact), "--prepare-only", SUDO_UID="777", SUDO_GID="778")
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert list(_owners(tmp_path / "sudo")) == [(777, 778)]
+    bad = _with_state(tmp_path / "bad", "restore", str(artifact), "--prepare-only", "--owner", "alice")
+    assert (bad.returncode, bad.stderr) == (2, b"coldsnap restore: --owner 'alice': expected numeric UID:GID, e.g. 1000:1000\n")
+    assert not (tmp_path / "bad").exists()
