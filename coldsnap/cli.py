@@ -421,7 +421,7 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
         from coldsnap.registry.commands import OciPullFailed, pull_into_cache
 
         try:  # before anything of the host is touched: a failed pull changes nothing but the cache
-            args.artifact = str(pull_into_cache(args.artifact, state_root() / "oci", args.operation))
+            args.artifact = str(pull_into_cache(args.artifact, state_root() / "oci", args.operation, args.owner))
         except OciPullFailed as exc:
             print(f"coldsnap {args.operation}: {exc}", file=sys.stderr)
             return EXIT_USAGE if exc.usage else EXIT_FAILED
@@ -445,7 +445,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 def _cmd_pull(args: argparse.Namespace) -> int:
     from coldsnap.registry.commands import run_pull
 
-    return run_pull(args.reference, args.directory, args.json)
+    return run_pull(args.reference, args.directory, args.json, args.owner)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -829,6 +829,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("reference", metavar="REF", help="REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST] (oci:// optional)")
     p.add_argument("directory", metavar="DIR", help="where the artifact goes (must not exist, or hold the same one)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout: directory, digest, what was fetched")
+    _add_owner_flag(p)
     p.set_defaults(func=_cmd_pull)
 
     p = commands.add_parser(

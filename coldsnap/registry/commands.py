@@ -12,12 +12,13 @@ import sys
 from pathlib import Path
 
 from coldsnap.contracts.base import ContractError
+from coldsnap.ownership import HandOver, Owner, OwnerError, resolve_owner
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import ProgressBar
 from coldsnap.registry.client import RegistryError, client_for
 from coldsnap.registry.credentials import CredentialsError
 from coldsnap.registry.layout import LayoutError
-from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, pull
+from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, lock_path, pull, staging_dir
 from coldsnap.registry.publish import publish
 from coldsnap.registry.reference import OCI_SCHEME, ReferenceError, parse_reference
 
@@ -80,11 +81,17 @@ class OciPullFailed(Exception):
         self.usage = usage
 
 
-def _pull(reference_text: str, destination: Path, command: str) -> PullResult:
+def _pull(reference_text: str, destination: Path, command: str, owner: Owner | str | None = None) -> PullResult:
+    """Pull into ``destination``; what the pull wrote (DIR, or on failure its staging folder, its lock file and
+    the folders it made) is handed to the owner (``--owner``, else the sudo caller), whatever the outcome."""
     try:
         reference = parse_reference(reference_text)
-    except ReferenceError as exc:
+        hand_over = HandOver(resolve_owner(owner))
+    except (ReferenceError, OwnerError) as exc:
         raise OciPullFailed(str(exc), usage=True) from None
+    hand_over.claim_new(destination)  # nothing when DIR is there already (the same artifact: left as it is)
+    hand_over.claim_new(staging_dir(destination))
+    hand_over.claim_written(lock_path(destination))
     bar = ProgressBar(f"coldsnap {command}: pulling")
     try:
         return pull(reference, destination, client_for(reference), on_progress=bar.update,
@@ -97,12 +104,15 @@ def _pull(reference_text: str, destination: Path, command: str) -> PullResult:
         raise OciPullFailed(f"writing {destination}: {exc.strerror or exc}") from None
     finally:
         bar.finish()
+        report = hand_over.apply()
+        for warning in report.warnings() if report else []:
+            _say(command, warning)
 
 
-def run_pull(reference_text: str, directory: str, as_json: bool = False) -> int:
+def run_pull(reference_text: str, directory: str, as_json: bool = False, owner: str | None = None) -> int:
     destination = Path(directory).absolute()
     try:
-        result = _pull(reference_text, destination, "pull")
+        result = _pull(reference_text, destination, "pull", owner)
     except OciPullFailed as exc:
         _say("pull", str(exc))
         return EXIT_USAGE if exc.usage else EXIT_FAILED
@@ -121,13 +131,13 @@ def run_pull(reference_text: str, directory: str, as_json: bool = False) -> int:
     return EXIT_OK
 
 
-def pull_into_cache(reference_text: str, cache_root: Path, command: str) -> Path:
+def pull_into_cache(reference_text: str, cache_root: Path, command: str, owner: Owner | None = None) -> Path:
     """The artifact ``oci://REF`` names, pulled (or found) under ``cache_root`` (``STATE/oci``) in a folder named by
     its index digest: a pinned reference restores from disk after its first pull; a tag is asked again
     each time and pulled anew when it moved."""
     try:
         reference = parse_reference(reference_text)
-        if reference.digest is None:
+        if reference.digest is None:  # a tag: ask where it points now
             _, _, digest = client_for(reference).get_manifest(reference.pinned)
             reference = reference.with_digest(digest)
     except ReferenceError as exc:
@@ -136,7 +146,11 @@ def pull_into_cache(reference_text: str, cache_root: Path, command: str) -> Path
         raise OciPullFailed(str(exc)) from None
     cache_root.mkdir(parents=True, exist_ok=True)
     destination = cache_root / reference.digest.removeprefix("sha256:")[:32]  # type: ignore[union-attr]
-    result = _pull(OCI_SCHEME + str(reference), destination, command)
+    if (destination / "artifact.json").is_file():
+        # a folder there was renamed into place only after every file matched this index: no registry needed
+        _say(command, f"{reference_text} is already on this host ({destination})")
+        return destination
+    result = _pull(OCI_SCHEME + str(reference), destination, command, owner)
     if result.already_there:
         _say(command, f"{reference_text} is already on this host ({destination})")
     return destination

@@ -2,7 +2,7 @@
 
 The index is fetched first and everything else by digest: each manifest is checked against the digest
 its index names, each blob's SHA-256 while it streams to disk. Files land in a staging folder beside
-DIR (``.DIR.coldsnap-pull``); a file that arrived whole is recorded in its folder's validation record
+DIR (``.DIR.coldsnap-pull``, one pull at a time by a lock beside it); a file that arrived whole is recorded in its folder's validation record
 (:mod:`coldsnap.payload.validation`) the moment its digest matched, so an interrupted pull started again
 fetches only what is missing (and the missing ranges of a large blob), and the first restore trusts
 the records instead of hashing the pack again. Only when every file matches, the descriptor decodes and
@@ -32,11 +32,10 @@ from coldsnap.registry.client import RANGE_BYTES, RegistryClient, sha256_digest
 from coldsnap.registry.layout import DESCRIPTOR_TYPE, Blob, LayoutError, read_index, read_manifest
 from coldsnap.registry.reference import Reference
 
-__all__ = ["DestinationTaken", "PullError", "PullResult", "pull", "staging_dir"]
+__all__ = ["DestinationTaken", "PullError", "PullResult", "lock_path", "pull", "staging_dir"]
 
 PARALLEL_BLOBS = 4
 _STATE = ".coldsnap-pull.json"
-_LOCK = ".coldsnap-pull.lock"
 
 
 class PullError(Exception):
@@ -64,6 +63,10 @@ def staging_dir(destination: Path) -> Path:
     return destination.parent / f".{destination.name}.coldsnap-pull"
 
 
+def lock_path(destination: Path) -> Path:
+    return destination.parent / f".{destination.name}.coldsnap-pull.lock"
+
+
 def _contents(client: RegistryClient, reference: Reference) -> tuple[str, list[Blob]]:
     """The index digest and every file of the artifact, the descriptor's ``artifact.json`` first."""
     data, _, digest = client.get_manifest(reference.pinned)
@@ -86,14 +89,14 @@ def pull(reference: Reference, destination: Path, client: RegistryClient,
     started = time.monotonic()
     digest, blobs = _contents(client, reference)
     result = PullResult(destination, digest, blobs=len(blobs), bytes_total=sum(b.size for b in blobs))
-    if destination.exists():
-        if _same_artifact(destination, blobs[0]):
-            result.already_there, result.seconds = True, time.monotonic() - started
-            return result
-        raise DestinationTaken(f"{destination} already exists and is not this artifact: pull into a new directory")
     staging = staging_dir(destination)
-    staging.mkdir(parents=True, exist_ok=True)
-    with _locked(staging, log):
+    with _locked(destination, log):
+        if destination.exists():  # checked under the lock: a pull that held it may just have renamed its staging here
+            if _same_artifact(destination, blobs[0]):
+                result.already_there, result.seconds = True, time.monotonic() - started
+                return result
+            raise DestinationTaken(f"{destination} already exists and is not this artifact: pull into a new directory")
+        staging.mkdir(parents=True, exist_ok=True)
         _reset_if_other(staging, digest)
         todo = [b for b in blobs if not _arrived(staging, b)]
         result.blobs_fetched = len(todo)
@@ -125,8 +128,7 @@ def pull(reference: Reference, destination: Path, client: RegistryClient,
                 future.result()
         result.bytes_fetched = got[0]
         _check_artifact(staging, blobs, f"{reference.registry}/{reference.repository}@{digest}")
-        for name in (_STATE, _LOCK):
-            (staging / name).unlink(missing_ok=True)
+        (staging / _STATE).unlink(missing_ok=True)
         os.rename(staging, destination)
     _fsync_dir(destination.parent)
     result.seconds = time.monotonic() - started
@@ -141,17 +143,21 @@ def _same_artifact(destination: Path, descriptor: Blob) -> bool:
 
 
 class _locked:
-    """One pull per staging folder at a time: a second waits for the first (then finds the files there)."""
+    """One pull per destination at a time, across processes and containers sharing the folder: a flock on
+    ``.DIR.coldsnap-pull.lock`` beside DIR (kept: removing a lock file races with its next taker). A second
+    pull waits for the first, then finds DIR there."""
 
-    def __init__(self, staging: Path, log: Callable[[str], None]):
-        self.staging, self.log = staging, log
+    def __init__(self, destination: Path, log: Callable[[str], None]):
+        self.path = lock_path(destination)
+        self.log = log
 
     def __enter__(self) -> None:
-        self.fd = os.open(self.staging / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.log(f"another pull into {self.staging.parent} is under way; waiting for it")
+            self.log(f"another pull into {self.path.parent} is under way; waiting for it")
             fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def __exit__(self, *exc: object) -> None:
@@ -167,8 +173,7 @@ def _reset_if_other(staging: Path, digest: str) -> None:
         previous = None
     if previous != digest:
         for child in staging.iterdir():
-            if child.name != _LOCK:
-                shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
     state.write_text(json.dumps({"digest": digest}))
 
 

@@ -89,7 +89,7 @@ def test_restore_from_the_registry_alone_under_another_state_root(published, reg
     env = {**registry.client_env(), "COLDSNAP_STATE_DIR": str(tmp_path / "host-2")}
     done = coldsnap("restore", f"oci://{reference}", "--prepare-only", env=env)
     assert done.returncode == 0, done.stderr
-    cached = list((tmp_path / "host-2" / "oci").iterdir())
+    cached = [p for p in (tmp_path / "host-2" / "oci").iterdir() if not p.name.startswith(".")]
     assert len(cached) == 1
     moved = artifact.with_name("artifact-away")
     artifact.rename(moved)  # the capture's directory is not what the restore reads
@@ -101,8 +101,38 @@ def test_restore_from_the_registry_alone_under_another_state_root(published, reg
         assert receipt["state"] == "succeeded" and receipt["artifact"] == str(cached[0])
         assert complete(port, PROMPT_2) == expected
         kill_replicas(cached[0])
+        # pinned and on this host: the registry is not asked (credentials it would refuse change nothing)
+        wrong = tmp_path / "wrong-auth.json"
+        wrong.write_text(json.dumps({"auths": {registry.address: {"auth": "Y29sZHNuYXA6d3Jvbmc="}}}))
+        done = coldsnap("restore", f"oci://{reference}", "--prepare-only", env={**env, "REGISTRY_AUTH_FILE": str(wrong)})
+        assert done.returncode == 0 and "already on this host" in done.stderr, done.stderr
     finally:
         moved.rename(artifact)
+
+
+def test_concurrent_pulls_into_one_directory_both_succeed(published, registry, tmp_path):
+    _, reference, _, _ = published
+    env = {**os.environ, **registry.client_env()}
+    racers = [subprocess.Popen([sys.executable, "-m", "coldsnap", "pull", reference, str(tmp_path / "pulled"), "--json"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    answers = [r.communicate(timeout=300) for r in racers]
+    assert [r.returncode for r in racers] == [0, 0], answers
+    assert sorted(json.loads(out)["already_there"] for out, _ in answers) == [False, True]
+
+
+def test_pull_hands_what_it_wrote_to_the_owner(published, registry, tmp_path):
+    artifact, reference, _, _ = published
+    destination = tmp_path / "new" / "pulled"
+    done = coldsnap("pull", reference, str(destination), "--owner", "12345:12346", env=registry.client_env())
+    assert done.returncode == 0, done.stderr
+    for path in [tmp_path / "new", *(tmp_path / "new").rglob("*")]:
+        status = path.lstat()
+        assert (status.st_uid, status.st_gid) == (12345, 12346), path
+    for path in destination.rglob("*"):
+        if path.is_file() and not path.name.startswith(VALIDATION_RECORD_NAME):
+            assert path.stat().st_mode == (artifact / path.relative_to(destination)).stat().st_mode, path
+    pack = next((destination / "payload").glob("*.pack"))
+    assert verify_file(pack).method == "record"  # the hand-over carried the pull's record along
 
 
 def test_an_interrupted_pull_resumes_with_what_arrived(published, registry, tmp_path, monkeypatch):
