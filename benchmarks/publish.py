@@ -1,6 +1,7 @@
 """Publish and pull of a real artifact through a real registry, beside ``cp`` of the same bytes on the same disk.
 
     python benchmarks/publish.py --size 1b --dir WORK --out publish.json [--png publish.png] [--plain-http]
+    python benchmarks/publish.py --png-from publish.json --png publish.png     # the chart, where matplotlib is
 
 Captures the reference workload (``--size 1b`` on CPU: a ~5 GB float32 pack; or ``--artifact DIR`` reuses
 one), starts Debian's ``docker-registry`` on localhost (TLS and basic auth unless ``--plain-http``; storage
@@ -102,12 +103,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", default="1b", choices=["tiny", "1b"], help="reference workload size (default 1b)")
     parser.add_argument("--artifact", type=Path, help="reuse this artifact (its cold start is measured anyway)")
-    parser.add_argument("--dir", type=Path, required=True, help="work folder (registry storage, copies, pulls)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON results")
+    parser.add_argument("--dir", type=Path, help="work folder (registry storage, copies, pulls)")
+    parser.add_argument("--out", type=Path, help="JSON results")
     parser.add_argument("--png", type=Path, help="bar chart (needs matplotlib)")
     parser.add_argument("--plain-http", action="store_true", help="registry without TLS (COLDSNAP_PLAIN_HTTP_REGISTRIES)")
     parser.add_argument("--keep", action="store_true", help="keep WORK afterwards (default: remove what this run made)")
+    parser.add_argument("--png-from", type=Path, metavar="JSON", help="only draw --png from an earlier run's JSON")
     args = parser.parse_args()
+    if args.png_from:
+        if not args.png:
+            parser.error("--png-from needs --png")
+        draw(json.loads(args.png_from.read_text()), args.png)
+        return 0
+    if not args.dir or not args.out:
+        parser.error("--dir and --out are required")
     if os.geteuid() != 0:
         parser.error("needs root (CRIU)")
     if missing_tools():

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["write_atomic"]
+__all__ = ["fsync_directory", "write_atomic"]
 
 
 def write_atomic(path: str | Path, data: bytes, mode: int = 0o644) -> None:
@@ -26,8 +26,13 @@ def write_atomic(path: str | Path, data: bytes, mode: int = 0o644) -> None:
         except FileNotFoundError:
             pass
         raise
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: str | Path) -> None:
+    """Make a rename or a new entry in ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)

@@ -46,7 +46,7 @@ from coldsnap.contracts.base import load_document
 from coldsnap.contracts.capsule import CAPSULE_FORMAT, ActivationMetadata, CapsuleFile, CapsuleManifest
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.ownership import HandOver
-from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record
+from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record, sha256_file
 from coldsnap.snapshot.criu import CHECK_CACHE
 from coldsnap.snapshot.cuda_checkpoint import PROBE_CACHE
 from coldsnap.snapshot.thp import RECORD_FILES as THP_RECORD_FILES
@@ -54,14 +54,6 @@ from coldsnap.snapshot.thp import RECORD_FILES as THP_RECORD_FILES
 __all__ = ["ArtifactDir", "STATE_DIR_ENV", "claim_state", "external_record_dir", "file_ref", "sha256_file",
            "state_root"]
 
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 DESCRIPTOR = "artifact.json"

@@ -36,6 +36,7 @@ from typing import Callable, ClassVar, Literal, Mapping, NamedTuple, Sequence
 
 from pydantic import Field, ValidationError, model_validator
 
+from coldsnap.atomic import fsync_directory
 from coldsnap.contracts.base import Contract, ContractError, decode_document, describe_validation_error
 from coldsnap.contracts.canonical import CanonicalJsonError
 from coldsnap.contracts.common import RegionTag
@@ -500,14 +501,6 @@ def _write_all(fd: int, data: memoryview | bytes) -> None:
         view = view[written:]
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_pack(
     directory: str | Path,
     kind: PackKind,
@@ -596,7 +589,7 @@ def write_pack(
             os.unlink(temporary)
         else:
             os.rename(temporary, final)
-            _fsync_directory(directory)
+            fsync_directory(directory)
     except BaseException:
         if fd >= 0:
             os.close(fd)

@@ -262,6 +262,15 @@ def _record_hash(path: Path, hashed: _Hashed, directory: Path | None = None) -> 
         _update_record(directory or path.parent, path.name, _entry(hashed.sha256, hashed.identity, hashed.started_ns))
 
 
+def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of a file's bytes, recording nothing (a file no record is kept for: a request, a log)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(8 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def hash_and_record(path: str | Path, record_dir: Path | None = None) -> str:
     """Hash every byte of ``path`` and record the verdict as a full verification would (so a later
     :func:`verify_file` against this digest trusts the record while the file is unchanged); returns the

@@ -8,7 +8,6 @@ before it goes out (the validation records make that cheap), so a damaged artifa
 
 from __future__ import annotations
 
-import hashlib
 import stat
 import threading
 import time
@@ -20,7 +19,7 @@ from typing import Callable
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
 from coldsnap.contracts.capsule import CapsuleManifest
-from coldsnap.payload.validation import VALIDATION_RECORD_NAME, verify_files
+from coldsnap.payload.validation import VALIDATION_RECORD_NAME, sha256_file, verify_files
 from coldsnap.registry.client import RegistryClient, sha256_digest
 from coldsnap.registry.layout import (CAPSULE_TYPE, DESCRIPTOR_CONFIG_TYPE, CAPSULE_CONFIG_TYPE, DESCRIPTOR_TYPE,
                                       EMPTY_CONFIG, INDEX_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PACK_TYPE, Blob, index_bytes,
@@ -52,15 +51,6 @@ class _Plan:
     descriptor: list[Blob]
     capsules: dict[str, list[Blob]]
     packs: list[Blob]
-
-
-def _sha256(path: Path) -> str:
-    """A file the artifact does not bind (request, logs): hashed here, without writing into the artifact."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(8 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _blob(root: Path, relative: str, sha256: str, media_type: str | None = None) -> Blob:
@@ -107,7 +97,7 @@ def _plan(root: Path) -> _Plan:
             continue
         if path.is_symlink():
             raise ValueError(f"{root}: {relative} is a symbolic link; an artifact to publish holds regular files only")
-        blob = _blob(root, relative, bound.get(relative) or _sha256(path))
+        blob = _blob(root, relative, bound.get(relative) or sha256_file(path))  # request, logs: nothing recorded
         unit_id = owner.get(relative, "")
         (capsules[unit_id] if unit_id else plain).append(blob)
     config = _blob(root, "artifact.json", sha256_digest((root / "artifact.json").read_bytes())[7:], DESCRIPTOR_CONFIG_TYPE)

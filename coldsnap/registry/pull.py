@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from coldsnap.atomic import fsync_directory
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError, load_document
 from coldsnap.contracts.capsule import CapsuleManifest
@@ -130,7 +131,7 @@ def pull(reference: Reference, destination: Path, client: RegistryClient,
         _check_artifact(staging, blobs, f"{reference.registry}/{reference.repository}@{digest}")
         (staging / _STATE).unlink(missing_ok=True)
         os.rename(staging, destination)
-    _fsync_dir(destination.parent)
+    fsync_directory(destination.parent)
     result.seconds = time.monotonic() - started
     return result
 
@@ -208,11 +209,3 @@ def _check_artifact(staging: Path, blobs: list[Blob], what: str) -> None:
         if arrived.get(path) != sha256:
             raise PullError(f"{what}: the descriptor binds {path} to {sha256[:16]}…, but the published artifact "
                             f"{'has other bytes there' if path in arrived else 'does not carry it'}")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
