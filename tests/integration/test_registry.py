@@ -99,6 +99,9 @@ def test_restore_from_the_registry_alone_under_another_state_root(published, reg
         assert "already on this host" in done.stderr
         receipt = json.loads(done.stdout)
         assert receipt["state"] == "succeeded" and receipt["artifact"] == str(cached[0])
+        payload = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.admission.payload")["attributes"]
+        verdicts = [v for k, v in payload.items() if k.endswith("verified_by")]
+        assert verdicts and set(verdicts) == {"record"}, payload  # the pull's streamed digests, not a second hash
         assert complete(port, PROMPT_2) == expected
         kill_replicas(cached[0])
         # pinned and on this host: the registry is not asked (credentials it would refuse change nothing)
