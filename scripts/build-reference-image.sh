@@ -13,6 +13,7 @@ CRIU_DEBS=${COLDSNAP_CRIU_DEBS:-/var/cache/coldsnap/criu-debs}
 
 log() { printf '%s: %s\n' "$PROG" "$*" >&2; }
 die() { printf '%s: ERROR: %s\n' "$PROG" "$*" >&2; exit 1; }
+bad() { printf '%s: %s\n' "$PROG" "$*" >&2; exit 2; }  # bad input
 
 usage() {
     cat <<EOF
@@ -54,20 +55,20 @@ PYTHON="" TORCH="" BASE_CACHE=1 FRESH_BASE=0
 while [ $# -gt 0 ]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
-        --tag) [ $# -ge 2 ] || die "--tag needs a NAME"; TAG=$2; shift ;;
-        --base) [ $# -ge 2 ] || die "--base needs a NAME"; BASE=$2; shift ;;
-        --root) [ $# -ge 2 ] || die "--root needs a DIR"; ROOT=$2; shift ;;
-        --runroot) [ $# -ge 2 ] || die "--runroot needs a DIR"; RUNROOT=$2; shift ;;
-        --python) [ $# -ge 2 ] || die "--python needs an interpreter"; PYTHON=$2; shift ;;
-        --torch) [ $# -ge 2 ] || die "--torch needs a requirement"; TORCH=$2; shift ;;
+        --tag) [ $# -ge 2 ] || bad "--tag needs a NAME"; TAG=$2; shift ;;
+        --base) [ $# -ge 2 ] || bad "--base needs a NAME"; BASE=$2; shift ;;
+        --root) [ $# -ge 2 ] || bad "--root needs a DIR"; ROOT=$2; shift ;;
+        --runroot) [ $# -ge 2 ] || bad "--runroot needs a DIR"; RUNROOT=$2; shift ;;
+        --python) [ $# -ge 2 ] || bad "--python needs an interpreter"; PYTHON=$2; shift ;;
+        --torch) [ $# -ge 2 ] || bad "--torch needs a requirement"; TORCH=$2; shift ;;
         --no-base-cache) BASE_CACHE=0 ;;
         --fresh-base) FRESH_BASE=1 ;;
-        *) die "unknown argument '$1' (see --help)" ;;
+        *) bad "unknown argument '$1' (see --help)" ;;
     esac
     shift
 done
 { [ -z "$ROOT" ] && [ -z "$RUNROOT" ]; } || { [ -n "$ROOT" ] && [ -n "$RUNROOT" ]; } \
-    || die "--root and --runroot go together"
+    || bad "--root and --runroot go together"
 
 [ "$(id -u)" = 0 ] || die "needs root (buildah with vfs storage, debootstrap, CRIU's install)"
 for tool in buildah debootstrap git; do
@@ -92,9 +93,40 @@ fi
 started=$SECONDS
 mkdir -p -- "$CACHE_DIR"
 work=$(mktemp -d "$CACHE_DIR/build.XXXXXX")
-cleanup() { rm -rf -- "$work"; [ -z "${container:-}" ] || bh rm "$container" >/dev/null 2>&1 || true; }
+cleanup() {
+    if [ -n "${context_pid:-}" ]; then  # the context's job (its own process group: pip and its compiler)
+        kill -TERM -- "-$context_pid" 2>/dev/null; wait "$context_pid" 2>/dev/null
+    fi
+    [ -z "${container:-}" ] || bh rm "$container" >/dev/null 2>&1 || true
+    # An interrupted debootstrap can leave /proc or /sys mounted in its tree: unmount before removing.
+    local mount
+    for mount in $(awk -v w="$work/" 'index($2, w) == 1 {print $2}' /proc/mounts | sort -r); do
+        umount --lazy "$mount" 2>/dev/null || true
+    done
+    rm -rf --one-file-system -- "$work"
+}
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+
+# -------------------------------------------------------------- the context --
+# Made while the base is made (the wheel build is CPU, debootstrap mostly waits on the network).
+make_context() {
+    local ctx=$1 t0=$SECONDS
+    mkdir -p -- "$ctx/src" "$ctx/wheels"
+    (cd "$repo" && git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$ctx/src"
+    log "context: CRIU's .debs and binary ($CRIU_DEBS)"
+    bash "$repo/scripts/install-criu.sh" --download-only "$CRIU_DEBS"
+    cp -a -- "$CRIU_DEBS" "$ctx/criu-debs"
+    log "context: wheels for coldsnap, its dependencies and $TORCH (compiles coldsnap._C, about a minute)"
+    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -w "$ctx/wheels" "$ctx/src" "$TORCH" \
+        2> >(grep -v "^WARNING: Location" >&2) || die "building the wheels failed (see above)"
+    log "context ready in $((SECONDS - t0)) s (wheels: $(du -sh "$ctx/wheels" | cut -f1))"
+}
+ctx=$work/context
+set -m  # the job gets a process group of its own, so that cleanup can stop all of it
+make_context "$ctx" &
+context_pid=$!
+set +m
 
 # ------------------------------------------------------------------- the base --
 # The cache's name carries the recipe: a changed recipe makes a new tar (and drops the old ones).
@@ -135,19 +167,8 @@ else
     log "base $BASE made"
 fi
 
-# -------------------------------------------------------------- the context --
-ctx=$work/context
-mkdir -p -- "$ctx/src" "$ctx/wheels"
-log "context: the checkout's files"
-(cd "$repo" && git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf -) | tar -xf - -C "$ctx/src"
-log "context: CRIU's .debs and binary ($CRIU_DEBS)"
-bash "$repo/scripts/install-criu.sh" --download-only "$CRIU_DEBS"
-cp -a -- "$CRIU_DEBS" "$ctx/criu-debs"
-log "context: wheels for coldsnap, its dependencies and $TORCH (compiles coldsnap._C, about a minute)"
-t0=$SECONDS
-"$PYTHON" -m pip wheel --quiet --disable-pip-version-check -w "$ctx/wheels" "$ctx/src" "$TORCH" \
-    2> >(grep -v "^WARNING: Location" >&2) || die "building the wheels failed (see above)"
-log "wheels built in $((SECONDS - t0)) s ($(du -sh "$ctx/wheels" | cut -f1))"
+wait "$context_pid" || die "the build context could not be made (see above)"
+context_pid=""
 
 # ------------------------------------------------------------------ the build --
 log "buildah bud images/Containerfile.reference -> $TAG"

@@ -34,10 +34,10 @@ print_env() {
 }
 
 case "${1:-}" in
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --print-env) print_env; exit 0 ;;
     "") ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    *) printf '%s: unknown argument %s (see --help)\n' "$PROG" "$1" >&2; exit 2 ;;
 esac
 
 [ "$(id -u)" = 0 ] || die "needs root (apt-get install ${PACKAGES[*]}); run: sudo bash $0"
