@@ -44,6 +44,7 @@ Options:
   --torch SPEC     the torch requirement (e.g. 'torch==2.13.0+cpu')
   --no-base-cache  do not use or write build/containers/base-*.tar
   --fresh-base     make the base again even when the storage or the cache holds it
+  --base-only      only make sure the storage has the base (what scripts/build-vllm-cpu-image.sh uses)
   -h, --help       this help
 
 Needs root and scripts/install-containers.sh's tools (buildah, debootstrap). See docs/images.md.
@@ -51,7 +52,7 @@ EOF
 }
 
 TAG=localhost/coldsnap-reference:latest BASE=localhost/coldsnap-base:$SUITE ROOT="" RUNROOT=""
-PYTHON="" TORCH="" BASE_CACHE=1 FRESH_BASE=0
+PYTHON="" TORCH="" BASE_CACHE=1 FRESH_BASE=0 BASE_ONLY=0
 while [ $# -gt 0 ]; do
     case $1 in
         -h|--help) usage; exit 0 ;;
@@ -63,6 +64,7 @@ while [ $# -gt 0 ]; do
         --torch) [ $# -ge 2 ] || bad "--torch needs a requirement"; TORCH=$2; shift ;;
         --no-base-cache) BASE_CACHE=0 ;;
         --fresh-base) FRESH_BASE=1 ;;
+        --base-only) BASE_ONLY=1 ;;
         *) bad "unknown argument '$1' (see --help)" ;;
     esac
     shift
@@ -79,13 +81,15 @@ STORAGE=(--storage-driver vfs)
 [ -z "$ROOT" ] || STORAGE+=(--root "$ROOT" --runroot "$RUNROOT")
 bh() { buildah "${STORAGE[@]}" "$@"; }
 
-if [ -z "$PYTHON" ]; then
+if [ $BASE_ONLY -eq 1 ]; then
+    :
+elif [ -z "$PYTHON" ]; then
     PYTHON=$repo/.venv/bin/python
     [ -x "$PYTHON" ] || PYTHON=$(command -v python3) || die "no Python: run scripts/setup.sh or pass --python"
 fi
-"$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null \
+[ $BASE_ONLY -eq 1 ] || "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null \
     || die "$PYTHON is not Python 3.11 ($SUITE's): its wheels would not install in the image; pass --python"
-if [ -z "$TORCH" ]; then
+if [ $BASE_ONLY -eq 0 ] && [ -z "$TORCH" ]; then
     TORCH=$("$PYTHON" -c 'import torch; print("torch==" + torch.__version__)' 2>/dev/null) \
         || die "$PYTHON has no torch: pass --torch SPEC (a CPU build, e.g. 'torch==2.13.0+cpu')"
 fi
@@ -118,15 +122,23 @@ make_context() {
     bash "$repo/scripts/install-criu.sh" --download-only "$CRIU_DEBS"
     cp -a -- "$CRIU_DEBS" "$ctx/criu-debs"
     log "context: wheels for coldsnap, its dependencies and $TORCH (compiles coldsnap._C, about a minute)"
-    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check -w "$ctx/wheels" "$ctx/src" "$TORCH" \
+    # Without build isolation when PY has coldsnap's build requirements (setup.sh's dev extras): no
+    # throw-away environment to install first.
+    local isolation=()
+    if "$PYTHON" -c 'import setuptools, pybind11, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2>/dev/null; then
+        isolation=(--no-build-isolation)
+    fi
+    "$PYTHON" -m pip wheel --quiet --disable-pip-version-check "${isolation[@]}" -w "$ctx/wheels" "$ctx/src" "$TORCH" \
         2> >(grep -v "^WARNING: Location" >&2) || die "building the wheels failed (see above)"
     log "context ready in $((SECONDS - t0)) s (wheels: $(du -sh "$ctx/wheels" | cut -f1))"
 }
 ctx=$work/context
-set -m  # the job gets a process group of its own, so that cleanup can stop all of it
-make_context "$ctx" &
-context_pid=$!
-set +m
+if [ $BASE_ONLY -eq 0 ]; then
+    set -m  # the job gets a process group of its own, so that cleanup can stop all of it
+    make_context "$ctx" &
+    context_pid=$!
+    set +m
+fi
 
 # ------------------------------------------------------------------- the base --
 # The cache's name carries the recipe: a changed recipe makes a new tar (and drops the old ones).
@@ -167,6 +179,7 @@ else
     log "base $BASE made"
 fi
 
+[ $BASE_ONLY -eq 0 ] || exit 0
 wait "$context_pid" || die "the build context could not be made (see above)"
 context_pid=""
 

@@ -119,10 +119,10 @@ class ContainerStorage:
         return {path.stem: json.loads(path.read_text()) for path in data.glob("*.json")}
 
     def remove(self) -> None:
-        """Every container and image of this storage, then the folder itself (vfs leaves plain files)."""
+        """Every container of this storage (stopped, its mounts gone), then the folder with every image
+        (vfs keeps them as plain folders there: deleting it is all ``podman rmi`` would do, at once)."""
         if self.graph_root.exists():
             self.podman("rm", "--all", "--force", "--time", "0", check=False)
-            self.podman("rmi", "--all", "--force", check=False)
         # A container's /dev/shm stays mounted under the graph root if its podman was killed.
         mounts = [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
                   if line.split()[1].startswith(str(self.folder) + "/")]
