@@ -100,9 +100,9 @@ class ContainerStorage:
     def run(self, image: str, command: list[str], mounts: dict[Path, str] | None = None, hostname: str = "coldsnap",
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
         """``podman run --rm --privileged --network none`` of ``command`` in ``image``, host folders bound
-        read-write at their targets (``target:ro`` binds read-only). --privileged: CRIU needs
-        CAP_SYS_ADMIN, CAP_CHECKPOINT_RESTORE, ptrace, /proc/sys/kernel/ns_last_pid and mount namespaces
-        (docs/images.md). --network none: the workload serves on the container's own loopback."""
+        read-write at their targets (``target:ro`` binds read-only). --privileged: CRIU needs the
+        capabilities, no seccomp filter and an unmasked /proc (docs/images.md). --network none: the
+        workload serves on the container's own loopback."""
         volumes = [arg for host, target in (mounts or {}).items() for arg in ("--volume", f"{host}:{target}")]
         return self.podman("run", "--rm", "--privileged", "--network", "none", "--hostname", hostname, *volumes,
                            image, *command, timeout=timeout, check=False)
