@@ -6,10 +6,11 @@
 #   bash scripts/setup.sh --install-only  install only (what scripts/test.sh uses)
 #
 # Installs: a virtual environment .venv with coldsnap and its dev extras (the native extension
-# coldsnap._C is compiled here, against no CUDA library), and CRIU 4.2.1 through
-# scripts/install-criu.sh, and the registry tests' server through scripts/install-registry.sh (root
-# only; skipped with a warning otherwise). Every step is idempotent:
-# a second run only checks.
+# coldsnap._C is compiled here, against no CUDA library), CRIU 4.2.1 through
+# scripts/install-criu.sh, the image tools (buildah, podman, runc, debootstrap) through
+# scripts/install-containers.sh and the registry tests' server (Debian's docker-registry) through
+# scripts/install-registry.sh (all need root; skipped with a warning otherwise). Every step is
+# idempotent: a second run only checks.
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -17,7 +18,7 @@ cd "$repo"
 run_doctor=1
 case "${1:-}" in
     --install-only) run_doctor=0 ;;
-    -h|--help) sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     "") ;;
     *) echo "setup: unknown argument $1 (see --help)" >&2; exit 2 ;;
 esac
@@ -48,12 +49,14 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
         || log "no CPU torch wheel available: the reference-workload tests will be skipped"
 fi
 
-# 2. CRIU (root only: it installs into /opt/coldsnap/criu and links /usr/local/bin/criu).
+# 2. CRIU (root only: it installs into /opt/coldsnap/criu and links /usr/local/bin/criu), and what building
+# and running images needs (apt; its configuration in /opt/coldsnap/containers; docs/images.md).
 if [ "$(id -u)" = 0 ]; then
     bash scripts/install-criu.sh
+    bash scripts/install-containers.sh
     bash scripts/install-registry.sh  # the registry tests' server (publish/pull): Debian's docker-registry
 else
-    log "not root: skipping CRIU (run 'sudo bash scripts/install-criu.sh'; capture and restore need root anyway)"
+    log "not root: skipping CRIU and the image tools (run 'sudo bash scripts/install-criu.sh', 'sudo bash scripts/install-containers.sh' and 'sudo bash scripts/install-registry.sh'; capture and restore need root anyway)"
 fi
 
 if [ "$run_doctor" = 1 ]; then
