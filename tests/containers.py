@@ -98,22 +98,26 @@ class ContainerStorage:
         return out.strip().splitlines()[-1]
 
     def run(self, image: str, command: list[str], mounts: dict[Path, str] | None = None, hostname: str = "coldsnap",
-            timeout: float = 600) -> subprocess.CompletedProcess[str]:
+            timeout: float = 600, network: str = "none", env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
         """``podman run --rm --privileged --network none`` of ``command`` in ``image``, host folders bound
         read-write at their targets (``target:ro`` binds read-only). --privileged: CRIU needs the
         capabilities, no seccomp filter and an unmasked /proc (docs/images.md). --network none: the
-        workload serves on the container's own loopback."""
+        workload serves on the container's own loopback; ``network="host"`` for one that reaches a
+        registry on the host's loopback."""
         volumes = [arg for host, target in (mounts or {}).items() for arg in ("--volume", f"{host}:{target}")]
-        return self.podman("run", "--rm", "--privileged", "--network", "none", "--hostname", hostname, *volumes,
-                           image, *command, timeout=timeout, check=False)
+        variables = [arg for name, value in (env or {}).items() for arg in ("--env", f"{name}={value}")]
+        return self.podman("run", "--rm", "--privileged", "--network", network, "--hostname", hostname, *volumes,
+                           *variables, image, *command, timeout=timeout, check=False)
 
-    def run_steps(self, image: str, data: Path, *steps: str, hostname: str) -> dict[str, Any]:
-        """tests/integration/container_steps.py's ``steps`` in a container of ``image``, ``data`` at /data;
-        the JSON results found in ``data`` afterwards, by file stem. Raises with the container's output
-        when a step fails."""
+    def run_steps(self, image: str, data: Path, *steps: str, hostname: str, network: str = "none",
+                  mounts: dict[Path, str] | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+        """tests/integration/container_steps.py's ``steps`` in a container of ``image``, ``data`` at /data
+        (plus ``mounts``, ``env``, ``network`` as for :meth:`run`); the JSON results found in ``data``
+        afterwards, by file stem. Raises with the container's output when a step fails."""
         data.mkdir(parents=True, exist_ok=True)
         done = self.run(image, ["python", "/opt/container_steps.py", "/data", *steps],
-                        {data: "/data", STEPS: "/opt/container_steps.py:ro"}, hostname=hostname)
+                        {data: "/data", STEPS: "/opt/container_steps.py:ro", **(mounts or {})}, hostname=hostname,
+                        network=network, env=env)
         if done.returncode != 0:
             raise RuntimeError(f"container steps {steps} exited {done.returncode}:\n{done.stdout}{done.stderr[-6000:]}")
         return {path.stem: json.loads(path.read_text()) for path in data.glob("*.json")}
