@@ -243,8 +243,8 @@ class SnapshotOptions:
     nftables nor unlocks anything, ~0.25 s less per dump and per restore. A connection that appears
     anyway makes the dump fail cleanly."""
     network_lock: Literal["nftables", "iptables", "skip"] = "nftables"
-    """How established connections are frozen while the tree is dumped; these hosts have no iptables,
-    CRIU's default. ``skip`` when every connection's peer is a socket of the tree itself (frozen with it:
+    """How established connections are frozen while the tree is dumped; nftables rather than CRIU's default
+    iptables, which many hosts lack (and which is iptables-nft on those with podman). ``skip`` when every connection's peer is a socket of the tree itself (frozen with it:
     nothing moves on them while CRIU reads them). CRIU keeps the dump's method in the image and uses it
     at restore whatever the restore's flag says: with ``nftables`` every restore deletes the dump's table
     (a libnftables context and a ``delete table``, which fails after the first restore, that deleted it,
