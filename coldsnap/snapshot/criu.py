@@ -244,12 +244,13 @@ class SnapshotOptions:
     anyway makes the dump fail cleanly."""
     network_lock: Literal["nftables", "iptables", "skip"] = "nftables"
     """How established connections are frozen while the tree is dumped; nftables rather than CRIU's default
-    iptables, which many hosts lack (and which is iptables-nft where podman is installed). ``skip`` when
-    every connection's peer is a socket of the tree itself (frozen with it: nothing moves on them while
-    CRIU reads them). CRIU keeps the dump's method in the image and uses it at restore whatever the restore's flag says: with ``nftables`` every restore deletes the dump's table
-    (a libnftables context and a ``delete table``, which fails after the first restore, that deleted it,
-    and otherwise leaves the table on the capture host); with ``skip`` it runs no nftables at all. (On
-    the H200 the time saved was within the noise of SGLang's restores.)"""
+    iptables, which many hosts lack (and which is iptables-nft where podman is installed). ``skip`` when every
+    connection's peer is a socket of the tree itself (frozen with it: nothing moves on them while CRIU reads
+    them). CRIU keeps the dump's method in the image and uses it at restore whatever the restore's flag says:
+    with ``nftables`` every restore deletes the dump's table (a libnftables context and a ``delete table``,
+    which fails after the first restore, that deleted it, and otherwise leaves the table on the capture host);
+    with ``skip`` it runs no nftables at all. (On the H200 the time saved was within the noise of SGLang's
+    restores.)"""
     external_unix_sockets: bool = True
     """Allow unix sockets connected to peers outside the tree (e.g. a journal or a launcher)."""
     shell_job: bool = False
