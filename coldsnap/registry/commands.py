@@ -22,17 +22,13 @@ from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, lock
 from coldsnap.registry.publish import publish
 from coldsnap.registry.reference import OCI_SCHEME, ReferenceError, parse_reference
 
-__all__ = ["OCI_SCHEME", "OciPullFailed", "is_oci_reference", "pull_into_cache", "run_publish", "run_pull"]
+__all__ = ["OCI_SCHEME", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 def _say(command: str, text: str) -> None:
     print(f"coldsnap {command}: {text}", file=sys.stderr)
-
-
-def is_oci_reference(text: str | None) -> bool:
-    return bool(text) and text.startswith(OCI_SCHEME)  # type: ignore[union-attr]
 
 
 def run_publish(directory: str, reference_text: str, as_json: bool = False) -> int:

@@ -48,6 +48,7 @@ class PublishResult:
 
 @dataclass
 class _Plan:
+    artifact_id: str
     descriptor: list[Blob]
     capsules: dict[str, list[Blob]]
     packs: list[Blob]
@@ -103,7 +104,7 @@ def _plan(root: Path) -> _Plan:
     config = _blob(root, "artifact.json", sha256_digest((root / "artifact.json").read_bytes())[7:], DESCRIPTOR_CONFIG_TYPE)
     for unit in descriptor.units:
         capsules[unit.unit_id].insert(0, _blob(root, unit.capsule.path, unit.capsule.sha256, CAPSULE_CONFIG_TYPE))
-    return _Plan([config, *plain], capsules,
+    return _Plan(descriptor.artifact_id, [config, *plain], capsules,
                  [_blob(root, ref.path, ref.sha256, PACK_TYPE) for _, ref in sorted(packs.items())])
 
 
@@ -112,7 +113,7 @@ def publish(root: Path, reference: Reference, client: RegistryClient,
     """Publish the artifact at ``root``; returns the index digest and what was sent."""
     started = time.monotonic()
     plan = _plan(root)
-    artifact_id = load_document(ArtifactDescriptor, root / "artifact.json").artifact_id
+    artifact_id = plan.artifact_id
     manifests: list[tuple[bytes, str, dict[str, str]]] = []
     descriptor_config, *descriptor_layers = plan.descriptor
     manifests.append((manifest_bytes(DESCRIPTOR_TYPE, descriptor_config, descriptor_layers,
