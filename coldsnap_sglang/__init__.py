@@ -11,7 +11,15 @@ What registration installs (:mod:`coldsnap_sglang.compat` names every target):
   ``LoadConfig._verify_load_format`` that puts :class:`coldsnap_sglang.loader.ColdsnapModelLoader` where
   SGLang's closed ``LoadFormat`` enum would reject the string;
 - the memory saver (:mod:`coldsnap_sglang.memory_saver`): the KV cache in coldsnap's ``kv_cache`` region;
-- the agent (:mod:`coldsnap_sglang.agent_bootstrap`), attached after ``ModelRunner.alloc_memory_pool``.
+- the agent (:mod:`coldsnap_sglang.agent_bootstrap`), attached after ``ModelRunner.alloc_memory_pool``,
+  and the scheduler noted around ``Scheduler.init_all_cuda_graphs`` (a speculative draft's graphs);
+- SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation`` refused on a coldsnap-loaded
+  server, with one message (:func:`coldsnap_sglang.memory_saver.refuse_memory_occupation`).
+
+A speculative draft model (``--speculative-algorithm STANDALONE``/``EAGLE``/``EAGLE3`` with
+``--speculative-draft-model-path``) loads through the same load format unless
+``--speculative-draft-load-format`` names another: its weights go into the ``weights`` region after
+the target's, its KV cache into ``kv_cache``.
 
 Supported: SGLang 0.5.17 → 0.5.23. Whatever the installed SGLang, registering never raises: a missing
 hook turns its feature off with one warning that names the SGLang version, and a failure to register
@@ -67,6 +75,31 @@ def _hook_model_runner(module: ModuleType) -> None:
         registry.apply_hooks()
 
 
+def _hook_scheduler(module: ModuleType) -> None:
+    """Once SGLang imported its scheduler (a scheduler process): the scheduler noted for the draft's graphs."""
+    from coldsnap_sglang import compat
+    from coldsnap_sglang.agent_bootstrap import around_init_all_cuda_graphs
+
+    registry = compat.lookup(compat.HOOK_REGISTRY)
+    if _hook(registry, compat.INIT_ALL_CUDA_GRAPHS, around_init_all_cuda_graphs,
+             "graph policy 'recreate' for a speculative draft's graphs"):
+        registry.apply_hooks()
+
+
+def _hook_tokenizer_control(module: ModuleType) -> None:
+    """Once SGLang imported its tokenizer manager's control mixin (the server's process): the
+    memory-occupation endpoints refused on a coldsnap-loaded server."""
+    from coldsnap_sglang import compat
+    from coldsnap_sglang.memory_saver import refuse_memory_occupation
+
+    registry = compat.lookup(compat.HOOK_REGISTRY)
+    feature = "the refusal of /release_memory_occupation and /resume_memory_occupation (they answer success and free nothing)"
+    hooked = [_hook(registry, symbol, refuse_memory_occupation, feature)
+              for symbol in (compat.RELEASE_MEMORY_OCCUPATION, compat.RESUME_MEMORY_OCCUPATION)]
+    if any(hooked):
+        registry.apply_hooks()
+
+
 def _install() -> None:
     from coldsnap_sglang import compat
     from coldsnap_sglang.memory_saver import create
@@ -92,6 +125,8 @@ def _install() -> None:
     _hook(registry, compat.MEMORY_SAVER_CREATE, create,
           "the KV cache in coldsnap's kv_cache region (it stays in ordinary memory and goes into the image)")
     after_import(compat.MODEL_RUNNER_MODULE, _hook_model_runner)
+    after_import(compat.SCHEDULER_MODULE, _hook_scheduler)
+    after_import(compat.TOKENIZER_CONTROL_MODULE, _hook_tokenizer_control)
 
 
 register = PluginRegistration("sglang", _install)

@@ -1,10 +1,14 @@
 """coldsnap's agent in an SGLang scheduler process: attached once the target model's memory is complete
-(weights placed by the load format, KV cache allocated in its region), with the graph hooks for a
-``recreate`` graph policy.
+(weights placed by the load format — a speculative draft's after the target's —, KV cache allocated in
+its region), with the graph hooks for a ``recreate`` graph policy.
 
 SGLang runs the model inside each scheduler process (one per TP rank). At TP1 the agent attaches and
 the graphs SGLang captured are kept (``retain``) or dropped and captured again after the restore
-(``recreate``: ``ModelRunner.init_cuda_graphs`` from the restored runner's own plan). At TP > 1 the
+(``recreate``: ``ModelRunner.init_cuda_graphs`` from the restored runner's own plan, then, with
+speculative decoding, the spec worker's ``init_cuda_graphs``: the draft's decode and draft-extend
+graphs, as the scheduler's ``init_all_cuda_graphs`` captured them at start). The draft's KV cache is
+allocated after the agent attached, in the same ``kv_cache`` region, so a release and a restore take
+it along. At TP > 1 the
 NCCL communicators would have to be torn down before the CUDA checkpoint and rebuilt inside SGLang's
 groups after it; that is not built, so no agent attaches there (one warning) and a capture stops at
 its readiness check instead of producing an image that cannot be restored.
@@ -19,35 +23,72 @@ from typing import Any, Callable
 
 from coldsnap_sglang.process import ProcessState
 
-__all__ = ["after_alloc_memory_pool", "flush_scheduler_cache", "SglangGraphs"]
+__all__ = ["after_alloc_memory_pool", "around_init_all_cuda_graphs", "flush_scheduler_cache", "SglangGraphs"]
 
 log = logging.getLogger("sglang.coldsnap")
 
-GRAPH_RUNNERS = ("decode_cuda_graph_runner", "prefill_cuda_graph_runner")
+GRAPH_RUNNERS = ("decode_cuda_graph_runner", "prefill_cuda_graph_runner")  # a ModelRunner's
+DRAFT_GRAPH_RUNNERS = ("cuda_graph_runner", "cuda_graph_runner_for_draft_extend")  # an EagleDraftWorker's
 
 
 class SglangGraphs:
-    """Release and recapture the CUDA graphs of one ``ModelRunner``."""
+    """Release and recapture the CUDA graphs of the target ``ModelRunner`` and, with speculative
+    decoding, of the draft (``spec_worker``: the scheduler's ``draft_worker``, read when asked)."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Any, spec_worker: Callable[[], Any] = lambda: None):
         self.runner = runner
+        self.spec_worker = spec_worker
+
+    def _holders(self) -> list[tuple[str, Any, tuple[str, ...]]]:
+        """(label, object, graph-runner attributes) of every graph holder in this process."""
+        holders: list[tuple[str, Any, tuple[str, ...]]] = [("", self.runner, GRAPH_RUNNERS)]
+        spec = self.spec_worker()
+        draft = getattr(spec, "draft_worker", None) if spec is not None else None
+        if draft is not None and hasattr(draft, "draft_runner"):
+            holders += [("draft.", draft, DRAFT_GRAPH_RUNNERS), ("draft.", draft.draft_runner, GRAPH_RUNNERS)]
+        return holders
 
     def release_graphs(self, policy: str) -> list[str]:
         if policy == "retain":
             return []
         import torch
 
-        released = [name for name in GRAPH_RUNNERS if getattr(self.runner, name, None) is not None]
-        for name in released:
-            setattr(self.runner, name, None)
+        spec = self.spec_worker()
+        if getattr(spec, "adaptive_controller", None) is not None:
+            # its runtime states hold every step size's graph runners, which init_cuda_graphs would register again
+            raise RuntimeError("coldsnap: graph policy 'recreate' does not support SGLang's --speculative-adaptive; "
+                               "capture with graph policy 'retain'")
+        released = []
+        for label, holder, names in self._holders():
+            for name in names:
+                if getattr(holder, name, None) is not None:
+                    setattr(holder, name, None)
+                    released.append(label + name)
         gc.collect()  # the graphs' executables go with their runners
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return released
 
     def recapture_graphs(self) -> list[str]:
+        """SGLang's own start-up capture, in its order (``Scheduler.init_all_cuda_graphs``): the target's
+        graphs, then the spec worker's (the draft's)."""
         self.runner.init_cuda_graphs()
-        return [name for name in GRAPH_RUNNERS if getattr(self.runner, name, None) is not None]
+        spec = self.spec_worker()
+        if spec is not None:
+            spec.init_cuda_graphs()
+        return [label + name for label, holder, names in self._holders() for name in names
+                if getattr(holder, name, None) is not None]
+
+
+def around_init_all_cuda_graphs(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """HookRegistry AROUND hook on ``Scheduler.init_all_cuda_graphs``: the scheduler noted (its
+    ``draft_worker`` holds the draft's graphs), then SGLang's capture."""
+    ProcessState.scheduler = scheduler
+    return original(scheduler, *args, **kwargs)
+
+
+def _spec_worker() -> Any:
+    return getattr(ProcessState.scheduler, "draft_worker", None)
 
 
 def flush_scheduler_cache() -> None:
@@ -90,7 +131,7 @@ def _attach(runner: Any) -> None:
     memory_regions = {"weights": placed.region, **({"kv_cache": kv} if kv is not None else {})}
     ProcessState.memory = ModelMemory(layout_for(placed, kv), memory_regions)
     ProcessState.runner = runner
-    graphs = SglangGraphs(runner)
+    graphs = SglangGraphs(runner, _spec_worker)
     hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
                        recovery_plan=lambda: ProcessState.recovery_plan, release_graphs=graphs.release_graphs, recapture_graphs=graphs.recapture_graphs,
                        before_release=[flush_scheduler_cache])

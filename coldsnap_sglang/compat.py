@@ -17,7 +17,19 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
   (after it the scheduler's model memory is complete and its agent attaches) and ``init_cuda_graphs``
   (recapture after a restore that dropped the graphs);
 - **the server's** ``/flush_cache`` route: empties the prefix cache and the pools (on the scheduler's
-  thread) before the KV cache is released.
+  thread) before the KV cache is released;
+- **speculative decoding** (:data:`SPEC_CONFIG`, :data:`INIT_ALL_CUDA_GRAPHS`, :data:`DRAFT_GRAPHS`): the
+  process's speculative settings (``runtime_context.get_spec()``: algorithm, draft model path and load
+  format), which tell the target's load whether a draft will be placed after it; the scheduler, whose
+  ``draft_worker`` (the spec worker; its own ``draft_worker`` the ``EagleDraftWorker`` every
+  draft-model algorithm builds on) holds the draft's graph runners (``cuda_graph_runner``,
+  ``cuda_graph_runner_for_draft_extend``, rebuilt by ``init_cuda_graphs``);
+- **the memory-occupation endpoints** (:data:`RELEASE_MEMORY_OCCUPATION`, :data:`RESUME_MEMORY_OCCUPATION`):
+  ``TokenizerControlMixin``'s coroutines behind ``/release_memory_occupation`` and
+  ``/resume_memory_occupation`` (and ``Engine``'s methods), refused on a coldsnap-loaded server.
+
+``scripts/api-surface.py`` records which of :data:`PROBED` a wheel has (``tests/fixtures/sglang-*-surface.json``,
+checked by ``tests/unit/test_sglang_compat.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +42,9 @@ from coldsnap.plugin import exists, lookup
 __all__ = ["SUPPORTED", "PROBED", "sglang_version", "supported", "probe", "lookup", "exists", "disabled",
            "VERIFY_LOAD_FORMAT", "LOAD_FORMAT_CHOICES", "DEFAULT_LOADER", "MEMORY_SAVER_CREATE", "ALLOC_MEMORY_POOL",
            "INIT_CUDA_GRAPHS", "MODEL_RUNNER_MODULE", "LOAD_FORMAT_CHOICE_LIST", "HOOK_REGISTRY", "HOOK_TYPE",
-           "hook_target"]
+           "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "DRAFT_GRAPHS", "TOKENIZER_CONTROL_MODULE",
+           "RELEASE_MEMORY_OCCUPATION", "RESUME_MEMORY_OCCUPATION", "INHERITED", "LOADER_SURFACE", "hook_target",
+           "speculative_draft_load_format"]
 
 log = logging.getLogger("sglang.coldsnap")  # under SGLang's logger: the lines show in the engine's log
 
@@ -46,11 +60,45 @@ MODEL_RUNNER_MODULE = "sglang.srt.model_executor.model_runner"
 ALLOC_MEMORY_POOL = f"{MODEL_RUNNER_MODULE}:ModelRunner.alloc_memory_pool"
 INIT_CUDA_GRAPHS = f"{MODEL_RUNNER_MODULE}:ModelRunner.init_cuda_graphs"
 
+SPEC_CONFIG = "sglang.srt.runtime_context:get_spec"
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+INIT_ALL_CUDA_GRAPHS = f"{SCHEDULER_MODULE}:Scheduler.init_all_cuda_graphs"
+DRAFT_GRAPHS = "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker._capture_cuda_graphs"
+"""Where the draft's graph runners are made (its ``init_cuda_graphs`` calls it); probed, not hooked."""
+TOKENIZER_CONTROL_MODULE = "sglang.srt.managers.tokenizer_control_mixin"
+RELEASE_MEMORY_OCCUPATION = f"{TOKENIZER_CONTROL_MODULE}:TokenizerControlMixin.release_memory_occupation"
+RESUME_MEMORY_OCCUPATION = f"{TOKENIZER_CONTROL_MODULE}:TokenizerControlMixin.resume_memory_occupation"
+
 HOOK_REGISTRY = "sglang.srt.plugins.hook_registry:HookRegistry"
 HOOK_TYPE = "sglang.srt.plugins.hook_registry:HookType"
 
+LOADER_SURFACE = (f"{DEFAULT_LOADER}._prepare_weights", f"{DEFAULT_LOADER}._get_all_weights",
+                  f"{DEFAULT_LOADER}.load_weights_and_postprocess", "sglang.srt.model_loader.loader:_initialize_model",
+                  "sglang.srt.model_loader.loader:_get_quantization_config",
+                  "sglang.srt.model_loader.utils:set_default_torch_dtype", "sglang.srt.configs.load_config:LoadFormat")
+"""What :mod:`coldsnap_sglang.loader` imports from SGLang's loader by name (it runs only under the
+load format, which the hook above enables)."""
+
 PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, LOAD_FORMAT_CHOICE_LIST, DEFAULT_LOADER, MEMORY_SAVER_CREATE,
-          ALLOC_MEMORY_POOL, INIT_CUDA_GRAPHS, HOOK_REGISTRY, HOOK_TYPE)
+          ALLOC_MEMORY_POOL, INIT_CUDA_GRAPHS, HOOK_REGISTRY, HOOK_TYPE, SPEC_CONFIG, INIT_ALL_CUDA_GRAPHS, DRAFT_GRAPHS,
+          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, *LOADER_SURFACE)
+
+INHERITED = "inherited"
+"""What :func:`speculative_draft_load_format` says when the draft loads with the target's load format."""
+
+
+def speculative_draft_load_format() -> str | None:
+    """The load format this scheduler process's speculative draft model will load with (:data:`INHERITED`:
+    the target's), or None when there is no draft model to load (no speculation, n-gram speculation, or an
+    SGLang without ``get_spec``)."""
+    try:
+        spec = lookup(SPEC_CONFIG)()
+        if not getattr(spec, "speculative_algorithm", None) or not getattr(spec, "speculative_draft_model_path", None):
+            return None
+        draft_format = getattr(spec, "speculative_draft_load_format", None)
+    except Exception:  # noqa: BLE001 - an SGLang without these settings has no draft coldsnap could place
+        return None
+    return str(getattr(draft_format, "value", draft_format)).lower() if draft_format else INHERITED
 
 
 def hook_target(symbol: str) -> str:

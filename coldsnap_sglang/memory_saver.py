@@ -14,9 +14,13 @@ process whose model the ``coldsnap`` load format loaded, :func:`create` hands ou
 - ``cuda_graph``: the adapter reports itself disabled, so SGLang captures with ``torch.cuda.graph`` into
   its own graph pool, which a TP1 capture keeps in the process image (graph policy ``retain``).
 
-SGLang's own ``/release_memory_occupation`` does not go through coldsnap: ``pause``/``resume`` do nothing
-and the adapter says it is disabled (SGLang then warns that nothing is saved). On a CPU device there
-is no pluggable allocator: the adapter does nothing there.
+SGLang's own ``/release_memory_occupation`` and ``/resume_memory_occupation`` (and ``Engine``'s methods
+of those names) are refused on a server started with ``--load-format coldsnap``, with one message
+(:func:`refuse_memory_occupation`, in the server's process): coldsnap's regions are released by
+``coldsnap capture`` and a standby (``coldsnap warm``/``wake``), not by SGLang's memory saver, and
+answering "released" while the memory stays occupied would be a lie an RL trainer sharing the GPU
+would act on. In the scheduler, the adapter's ``pause``/``resume`` do nothing and it says it is
+disabled. On a CPU device there is no pluggable allocator: the adapter does nothing there.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import Any, Callable, Iterator
 
 from coldsnap_sglang.process import ProcessState
 
-__all__ = ["ColdsnapMemorySaverAdapter", "create", "KV_TAG"]
+__all__ = ["ColdsnapMemorySaverAdapter", "create", "KV_TAG", "MEMORY_OCCUPATION_REFUSED", "refuse_memory_occupation"]
 
 log = logging.getLogger("sglang.coldsnap")
 KV_TAG = "kv_cache"  # SGLang's GPU_MEMORY_TYPE_KV_CACHE and coldsnap's region tag
@@ -97,3 +101,26 @@ def create(original: Callable[..., Any], enable: bool = False, *args: Any, **kwa
         log.warning("coldsnap: --enable-memory-saver is ignored under the coldsnap load format (coldsnap's stable "
                     "regions hold the weights and KV cache)")
     return ColdsnapMemorySaverAdapter()
+
+
+MEMORY_OCCUPATION_REFUSED = (
+    "coldsnap: SGLang's {endpoint} is not available on a server started with --load-format coldsnap: its weights "
+    "and KV cache live in coldsnap's stable regions, which SGLang's memory saver cannot release or resume. Release "
+    "the GPU with `coldsnap warm` (a standby that gives the memory back) and bring it back with `coldsnap wake`, "
+    "or start SGLang with its own load format and --enable-memory-saver")
+
+
+def refuse_memory_occupation(original: Callable[..., Any], manager: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    """HookRegistry AROUND hook on ``TokenizerControlMixin.release_memory_occupation`` and
+    ``resume_memory_occupation`` (coroutines; the hook returns one): SGLang's own unless the server runs
+    the coldsnap load format, then a ``ValueError`` with :data:`MEMORY_OCCUPATION_REFUSED`, which the
+    HTTP route answers as an error response and ``Engine`` raises."""
+    load_format = getattr(getattr(manager, "server_args", None), "load_format", None)
+    if not (isinstance(load_format, str) and load_format.lower() == "coldsnap"):
+        return original(manager, obj, *args, **kwargs)
+    name = getattr(original, "__name__", "release_memory_occupation")
+
+    async def refused() -> None:
+        raise ValueError(MEMORY_OCCUPATION_REFUSED.format(endpoint=f"/{name}"))
+
+    return refused()

@@ -121,7 +121,7 @@ PROBED = (*(s.symbol for s in KV_ALLOCATION_SITES), CREATE_MODEL, INITIALIZE_MOD
           HAS_ONLINE_QUANT, FINALIZE_LAYERWISE, SLEEP_FACTORY, PYNCCL_FROM_ID, CHECKPOINT_PREPARE, CHECKPOINT_RESTORE,
           LOADER_REGISTRY, DEFAULT_LOADER, WORKER_MEMORY_POOL, SET_CURRENT_CONFIG, PREPARE_WEIGHTS,
           SNAPSHOT_CREATE_CHECK, SNAPSHOT_CHILD, HISPARSE_KV_BINDING)
-"""Every symbol looked up here; ``scripts/vllm-api-surface.py`` records which exist in a vLLM wheel."""
+"""Every symbol looked up here; ``scripts/api-surface.py`` records which exist in a vLLM wheel."""
 
 
 def vllm_version() -> str:

@@ -12,17 +12,41 @@
 #                                                        benchmarks/ENGINE_startup.py --steps STEPS --repeat N
 #                                                        (default 3) in /tmp/ENGINE-bench; JSON, table and logs
 #                                                        into $OUT (or /tmp/coldsnap-bench-out)
+#   bash scripts/gpu-engine-bench.sh sglang-speculative [ARGS]
+#                                                        install SGLang once, then benchmarks/sglang_speculative.py
+#                                                        ARGS (e.g. --policy recreate --steps cold,capture,restore,drop)
+#                                                        in /tmp/sglang-speculative-SHAPE, on the model of
+#                                                        COLDSNAP_BENCH_SHAPE (8b-spec or small-spec) and its draft
 #
-# Both benchmarks share one model (/tmp/coldsnap-llama-8b). Carry .gpu-bundle/wheels and .gpu-bundle/criu-debs
-# with the first call, the ENGINE-site.json manifests with every call, and at most one ≤ 56 MiB part per call.
-# COLDSNAP_BENCH_ARGS: more benchmark arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64).
+# The benchmarks share one model (/tmp/coldsnap-llama-SHAPE; COLDSNAP_BENCH_SHAPE, default 8b, is what setup
+# writes). Carry .gpu-bundle/wheels and .gpu-bundle/criu-debs with the first call, the ENGINE-site.json
+# manifests with every call, and at most one ≤ 56 MiB part per call. COLDSNAP_BENCH_ARGS: more benchmark
+# arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64).
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 out=${OUT:-/tmp/coldsnap-bench-out}
-model=/tmp/coldsnap-llama-8b
+shape=${COLDSNAP_BENCH_SHAPE:-8b}
+model=/tmp/coldsnap-llama-$shape
 log() { printf 'gpu-engine-bench: %s\n' "$*" >&2; }
 mkdir -p "$out"
+
+engine_path() {  # install the engine from its parts once; its PYTHONPATH, as benchmarks/README.md runs it
+    local engine=$1 site=/tmp/coldsnap-$1-site
+    export COLDSNAP_CRIU=/tmp/coldsnap-criu/bin/criu PYTHONUNBUFFERED=1
+    [ -d "$site" ] || bash scripts/gpu-engine.sh "$engine" install
+    # vLLM's site after coldsnap's, SGLang's before (its pinned transformers and tokenizers must win over the host's)
+    if [ "$engine" = vllm ]; then
+        export PYTHONPATH="/tmp/coldsnap-site:$repo:$site"
+    else
+        export PYTHONPATH="$site:/tmp/coldsnap-site:$repo"
+    fi
+}
+
+wait_for_model() {
+    while pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null; do sleep 2; done  # the model being written
+    [ -f "$model/coldsnap-tiny-model.json" ] || { log "no model at $model: $(tail -5 /tmp/coldsnap-model.log)"; exit 1; }
+}
 
 receive() {
     for engine in vllm sglang; do
@@ -40,8 +64,8 @@ case "${1:-}" in
         [ -d .gpu-bundle/bench-wheels ] && cp -r .gpu-bundle/bench-wheels /tmp/coldsnap-bundle/
         COLDSNAP_GPU_BUNDLE=/tmp/coldsnap-bundle COLDSNAP_GPU_SETUP_ONLY=1 bash scripts/gpu-test.sh "$out/setup"
         if [ ! -f "$model/coldsnap-tiny-model.json" ]; then
-            log "writing the 8B-shaped model into $model in the background"
-            PYTHONPATH="$repo" setsid nohup python3 -m coldsnap.workloads.tiny_llama "$model" --shape 8b \
+            log "writing the $shape-shaped model into $model in the background"
+            PYTHONPATH="$repo" setsid nohup python3 -m coldsnap.workloads.tiny_llama "$model" --shape "$shape" \
                 >"/tmp/coldsnap-model.log" 2>&1 </dev/null &
         fi
         ;;
@@ -52,18 +76,8 @@ case "${1:-}" in
         engine=$1
         steps=${2:?steps}
         repeat=${3:-3}
-        export COLDSNAP_CRIU=/tmp/coldsnap-criu/bin/criu PYTHONUNBUFFERED=1
-        site=/tmp/coldsnap-$engine-site
-        [ -d "$site" ] || bash scripts/gpu-engine.sh "$engine" install
-        # as benchmarks/README.md runs each: vLLM's site after coldsnap's, SGLang's before (its pinned
-        # transformers and tokenizers must win over the host's)
-        if [ "$engine" = vllm ]; then
-            export PYTHONPATH="/tmp/coldsnap-site:$repo:$site"
-        else
-            export PYTHONPATH="$site:/tmp/coldsnap-site:$repo"
-        fi
-        while pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null; do sleep 2; done  # the model being written
-        [ -f "$model/coldsnap-tiny-model.json" ] || { log "no model at $model: $(tail -5 /tmp/coldsnap-model.log)"; exit 1; }
+        engine_path "$engine"
+        wait_for_model
         work=/tmp/$engine-bench
         mkdir -p "$work"
         ln -sfn "$model" "$work/llama-8b"
@@ -79,8 +93,27 @@ case "${1:-}" in
             tar -czf "$out/$engine-logs.tar.gz" --null -T -) || true
         exit "$status"
         ;;
+    sglang-speculative)
+        shift
+        engine_path sglang
+        pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null && wait_for_model
+        work=/tmp/sglang-speculative-$shape
+        mkdir -p "$work"
+        if [ -f "$model/coldsnap-tiny-model.json" ]; then  # setup wrote it; else the benchmark's model step does
+            ln -sfn "$model" "$work/llama-$shape"
+            ln -sfn "$model-draft" "$work/llama-$shape-draft"
+        fi
+        set +e
+        python3 benchmarks/sglang_speculative.py --shape "$shape" --dir "$work" --out "$out/sglang-speculative.json" "$@" \
+            2>&1 | tee -a "$out/sglang-speculative.log"
+        status=${PIPESTATUS[0]}
+        set -e
+        (cd "$work" && find . -maxdepth 1 -type f \( -name '*.log' -o -name '*.json' \) -print0 |
+            tar -czf "$out/sglang-speculative-logs.tar.gz" --null -T -) || true
+        exit "$status"
+        ;;
     *)
-        sed -n '2,18p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac

@@ -110,6 +110,47 @@ def test_memory_saver_is_coldsnaps_only_for_a_model_the_load_format_placed(tmp_p
     assert done.returncode == 0 and done.stdout.strip() == "ok"
 
 
+def test_speculative_settings_the_scheduler_hook_and_the_refused_memory_endpoints(tmp_path):
+    """SGLang's own argument parsing of a STANDALONE draft tells the target's load that a draft follows;
+    the scheduler's graph capture and the memory-occupation coroutines are hooked in SGLang's real classes."""
+    model = tmp_path / "model"
+    subprocess.run([str(PYTHON), "-m", "coldsnap.workloads.tiny_llama", str(model)], check=True, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run(f"""
+        import asyncio
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from coldsnap_sglang import compat
+        from sglang.srt.runtime_context import get_context
+        from sglang.srt.server_args import prepare_server_args
+        assert compat.speculative_draft_load_format() is None  # nothing published yet
+        for extra, expected in (([], None),
+                                (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{model}"],
+                                 "inherited"),
+                                (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{model}",
+                                  "--speculative-draft-load-format", "safetensors"], "safetensors")):
+            args = prepare_server_args(["--model-path", "{model}", "--load-format", "coldsnap", "--device", "cpu", *extra])
+            get_context().set_server_args(args)  # what a scheduler process does before it loads the model
+            assert compat.speculative_draft_load_format() == expected, (extra, compat.speculative_draft_load_format())
+        import sglang.srt.managers.scheduler as scheduler  # a scheduler process's import: the scheduler noted
+        assert getattr(scheduler.Scheduler.init_all_cuda_graphs, "__wrapped__", None) is not None
+        from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin  # the server's
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+        for name in ("release_memory_occupation", "resume_memory_occupation"):
+            assert getattr(getattr(TokenizerControlMixin, name), "__wrapped__", None) is not None, name
+        class Manager:
+            server_args = args
+        try:
+            asyncio.run(TokenizerControlMixin.release_memory_occupation(Manager(), ReleaseMemoryOccupationReqInput()))
+        except ValueError as exc:
+            assert "/release_memory_occupation is not available on a server started with --load-format coldsnap" in str(exc)
+        else:
+            raise AssertionError("not refused")
+        print("ok")
+    """, tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize("patch, warning", [
     ("compat.sglang_version = lambda: '0.4.9'", "SGLang 0.4.9 is outside the supported range"),
     ("compat.ALLOC_MEMORY_POOL = 'sglang.srt.model_executor.model_runner:ModelRunner.gone'",

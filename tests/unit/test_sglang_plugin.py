@@ -1,6 +1,7 @@
 """coldsnap_sglang's own logic without SGLang: the memory-saver factory, the agent's attachment after
 ``alloc_memory_pool`` (TP1 attaches, TP > 1 and a draft runner do not), the prefix-cache flush through
-the server, and the graph hooks. The runner and the server are stand-ins (SGLang needs a GPU to run a
+the server, the graph hooks (a speculative draft's included), the refused memory-occupation endpoints
+and the speculative settings the target's load reads. The runner and the server are stand-ins (SGLang needs a GPU to run a
 model); tests/integration/test_sglang_hooks.py runs the hooks inside SGLang's real modules."""
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from coldsnap_sglang.process import ProcessState  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def fresh_process_state(monkeypatch):
-    for name in ("active", "placed", "memory", "agent", "runner", "recovery"):
+    for name in ("active", "placed", "draft", "draft_expected", "draft_in_pack", "memory", "agent", "runner", "scheduler", "recovery",
+                 "recovery_plan"):
         monkeypatch.setattr(ProcessState, name, getattr(ProcessState, name))
     monkeypatch.setattr(ProcessState, "recovery_files", [])
+    monkeypatch.setattr(ProcessState, "replays", [])
     monkeypatch.delenv("COLDSNAP_CONTROL", raising=False)
     yield
     release_all()
@@ -128,3 +131,91 @@ def test_graphs_are_kept_or_dropped_and_captured_again():
 
     runner.init_cuda_graphs = init_cuda_graphs
     assert graphs.recapture_graphs() == ["decode_cuda_graph_runner", "prefill_cuda_graph_runner"]
+
+
+def _draft_worker() -> SimpleNamespace:
+    """A stand-in for SGLang's spec worker (the scheduler's ``draft_worker``) over an EagleDraftWorker."""
+    draft_runner = SimpleNamespace(decode_cuda_graph_runner=None, prefill_cuda_graph_runner=None)
+    draft = SimpleNamespace(cuda_graph_runner=object(), cuda_graph_runner_for_draft_extend=object(),
+                            draft_runner=draft_runner)
+    spec = SimpleNamespace(draft_worker=draft, adaptive_controller=None, captured=0)
+
+    def init_cuda_graphs() -> None:  # EAGLEWorkerV2.init_cuda_graphs → the draft's _capture_cuda_graphs
+        spec.captured += 1
+        draft.cuda_graph_runner, draft.cuda_graph_runner_for_draft_extend = object(), object()
+
+    spec.init_cuda_graphs = init_cuda_graphs
+    return spec
+
+
+def test_a_speculative_drafts_graphs_are_dropped_and_captured_again_after_the_targets():
+    order: list[str] = []
+    runner = SimpleNamespace(decode_cuda_graph_runner=object(), prefill_cuda_graph_runner=None,
+                             init_cuda_graphs=lambda: order.append("target"))
+    spec = _draft_worker()
+    graphs = agent_bootstrap.SglangGraphs(runner, lambda: spec)
+    assert graphs.release_graphs("retain") == [] and spec.draft_worker.cuda_graph_runner is not None
+    assert graphs.release_graphs("recreate") == ["decode_cuda_graph_runner", "draft.cuda_graph_runner",
+                                                 "draft.cuda_graph_runner_for_draft_extend"]
+    assert spec.draft_worker.cuda_graph_runner is None and spec.draft_worker.cuda_graph_runner_for_draft_extend is None
+    runner.init_cuda_graphs = lambda: (order.append("target"), setattr(runner, "decode_cuda_graph_runner", object()))
+    spec_capture = spec.init_cuda_graphs
+    spec.init_cuda_graphs = lambda: (order.append("draft"), spec_capture())
+    assert graphs.recapture_graphs() == ["decode_cuda_graph_runner", "draft.cuda_graph_runner",
+                                         "draft.cuda_graph_runner_for_draft_extend"]
+    assert order == ["target", "draft"] and spec.captured == 1
+
+
+def test_recreate_refuses_sglangs_adaptive_speculation():
+    spec = _draft_worker()
+    spec.adaptive_controller = object()  # its runtime states hold graph runners for every step size
+    graphs = agent_bootstrap.SglangGraphs(SimpleNamespace(decode_cuda_graph_runner=None), lambda: spec)
+    with pytest.raises(RuntimeError, match="does not support SGLang's --speculative-adaptive"):
+        graphs.release_graphs("recreate")
+    assert spec.draft_worker.cuda_graph_runner is not None  # nothing dropped
+
+
+def test_the_scheduler_is_noted_around_its_graph_capture():
+    scheduler = SimpleNamespace(draft_worker="spec")
+    assert agent_bootstrap.around_init_all_cuda_graphs(lambda s: "captured", scheduler) == "captured"
+    assert ProcessState.scheduler is scheduler and agent_bootstrap._spec_worker() == "spec"
+
+
+@pytest.mark.parametrize("load_format", ["coldsnap", "safetensors"])
+def test_memory_occupation_is_refused_with_one_message_on_a_coldsnap_server(load_format):
+    import asyncio
+
+    async def release_memory_occupation(manager: object, obj: object, request: object = None) -> str:
+        return "released"
+
+    manager = SimpleNamespace(server_args=SimpleNamespace(load_format=load_format))
+    call = memory_saver.refuse_memory_occupation(release_memory_occupation, manager, object(), None)
+    if load_format != "coldsnap":
+        assert asyncio.run(call) == "released"
+        return
+    with pytest.raises(ValueError) as refused:
+        asyncio.run(call)
+    message = str(refused.value)
+    assert "/release_memory_occupation is not available on a server started with --load-format coldsnap" in message
+    assert "coldsnap warm" in message and "coldsnap wake" in message
+
+
+@pytest.mark.parametrize("spec, expected", [
+    (None, None),  # an SGLang without get_spec, or not published yet
+    ({"speculative_algorithm": None, "speculative_draft_model_path": None}, None),
+    ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": None}, None),  # no draft model
+    ({"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/m/draft",
+      "speculative_draft_load_format": None}, "inherited"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/m/eagle",
+      "speculative_draft_load_format": "safetensors"}, "safetensors"),
+])
+def test_the_targets_load_knows_whether_a_draft_follows(monkeypatch, spec, expected):
+    from coldsnap_sglang import compat
+
+    def get_spec() -> SimpleNamespace:
+        if spec is None:
+            raise ValueError("config namespace 'spec' not published")
+        return SimpleNamespace(**spec)
+
+    monkeypatch.setattr(compat, "lookup", lambda symbol: get_spec if symbol == compat.SPEC_CONFIG else None)
+    assert compat.speculative_draft_load_format() == expected

