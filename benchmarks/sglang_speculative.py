@@ -227,8 +227,8 @@ class SpeculativeBench:
                 time.sleep(0.5)
             phases = receipt_timeline(receipt, exec_ns, exit_ns)
             resume = next((s["attributes"] for s in receipt["timing"]["spans"] if s["name"].endswith(".resume")), {})
-            self.record("restore", phases.pop("exec → canary matched"), checked, phases=phases,
-                        graphs_recaptured=resume.get("graphs_recaptured"))
+            graphs = {k: v for k, v in resume.items() if "graphs_recaptured" in k or "recapture_graphs" in k}
+            self.record("restore", phases.pop("exec → canary matched"), checked, phases=phases, graphs=graphs)
 
     def step_drop(self) -> None:
         shutil.rmtree(self.artifact, ignore_errors=True)

@@ -68,6 +68,14 @@ case "${2:-}" in
         # The host sets PYTHONDONTWRITEBYTECODE=1: without bytecode every engine start (the cold starts this
         # project compares against) would compile the engine from source; pip compiles on a real install.
         python3 -m compileall -q -j 0 "$site" >/dev/null 2>&1 || true
+        if [ -d "$site/deep_gemm" ]; then
+            # DeepGEMM builds its _C with the host's nvcc at first import (SGLang's speculative decoding imports
+            # it while capturing the draft's graphs); built here once, as pip's install of a real image leaves
+            # it, so that no measured start pays for the compiler
+            log "building DeepGEMM's _C module"
+            (cd / && PYTHONPATH="$site" python3 -c "import deep_gemm" >/tmp/coldsnap-deep-gemm-build.log 2>&1) ||
+                log "DeepGEMM did not build (speculative decoding will fail to start): $(tail -3 /tmp/coldsnap-deep-gemm-build.log)"
+        fi
         log "$engine $(field "$engine") in $site"
         echo "PYTHONPATH=$site"
         ;;

@@ -76,19 +76,23 @@ supervisor tokenspeed-mla torch-c-dlpack-ext truststore typing-inspection uvicor
     # they loaded was listed, and each one the host lacks was hidden in turn to keep only those whose absence
     # breaks an import. transformers and tokenizers are here for their versions: sglang pins
     # transformers==5.12.1, which refuses at import the host's tokenizers 0.23.2 (it wants <=0.23.0); the
-    # site comes first on PYTHONPATH, so these win for SGLang runs only.
+    # site comes first on PYTHONPATH, so these win for SGLang runs only. Speculative decoding (EAGLE,
+    # STANDALONE) imports more when it captures the draft-extend graphs: the list of graph-capable attention
+    # backends imports dsa_backend, which imports deep_gemm (sgl-deep-gemm) unguarded on CUDA, found on the
+    # H200 by a STANDALONE start; DeepGEMM builds its _C with the host's nvcc at first import
+    # (scripts/gpu-engine.sh install does it once).
     "sglang": Profile(
         version="0.5.17",
         host_lacks="""
 annotated-types apache-tvm-ffi cffi compressed-tensors dill distro fastapi flashinfer-python gguf ipython jsonschema
 jsonschema-specifications loguru msgspec openai opentelemetry-api orjson partial-json-parser pybase64 pydantic
-pydantic-core python-multipart pyzmq referencing rpds-py setproctitle sglang-kernel sniffio soundfile starlette
-tokenizers traitlets transformers typing-inspection uvicorn xgrammar
+pydantic-core python-multipart pyzmq referencing rpds-py setproctitle sglang-kernel sgl-deep-gemm sniffio soundfile
+starlette tokenizers traitlets transformers typing-inspection uvicorn xgrammar
 """.split(),
         dropped=[
             "sgl_kernel/flash_ops*",  # its FA3 (1.1 GB), imported only by sgl_kernel.flash_attn
             "sgl_kernel/sm100",  # common_ops for every GPU but sm_90; the H200 loads sm90/
-            "sgl_kernel/flashmla_ops*",  # imported only by sgl_kernel.flash_mla (MLA models)
+            "sgl_kernel/flashmla_ops*",  # imported only by sgl_kernel.flash_mla (MLA models), in a try
             "sgl_kernel/infllm_ops*",  # loaded on first use by the InfLLM-V2 attention only
             "xgrammar/lib",  # libxgrammar.a, a static archive for C++ builds; Python loads the bindings .so
             "sglang/multimodal_gen",  # the diffusion runtime (`sglang generate`), not imported by launch_server
@@ -100,7 +104,6 @@ tokenizers traitlets transformers typing-inspection uvicorn xgrammar
             "helion": "not imported at server start",
             "nvidia-cutlass-dsl": "CuTe DSL kernels (FA4, some MoE/quant paths); its imports are guarded",
             "nvidia-mathdx": "not imported at server start",
-            "sgl-deep-gemm": "FP8 block GEMM for DeepSeek-style models; import guarded",
             "torchao": "import guarded; only its quantization options use it",
             "quack-kernels": "not imported at server start",
             "tokenspeed-mla": "imported only by the tokenspeed MLA attention backend",
