@@ -35,9 +35,11 @@ class SglangGraphs:
     """Release and recapture the CUDA graphs of the target ``ModelRunner`` and, with speculative
     decoding, of the draft (``spec_worker``: the scheduler's ``draft_worker``, read when asked)."""
 
-    def __init__(self, runner: Any, spec_worker: Callable[[], Any] = lambda: None):
+    def __init__(self, runner: Any, spec_worker: Callable[[], Any] = lambda: None,
+                 set_graph_pool: Callable[[], Callable[[Any], None]] = lambda: _graph_pool_setter()):
         self.runner = runner
         self.spec_worker = spec_worker
+        self.set_graph_pool = set_graph_pool
 
     def _holders(self) -> list[tuple[str, Any, tuple[str, ...]]]:
         """(label, object, graph-runner attributes) of every graph holder in this process."""
@@ -58,6 +60,7 @@ class SglangGraphs:
             # its runtime states hold every step size's graph runners, which init_cuda_graphs would register again
             raise RuntimeError("coldsnap: graph policy 'recreate' does not support SGLang's --speculative-adaptive; "
                                "capture with graph policy 'retain'")
+        set_graph_pool = self.set_graph_pool()  # before anything is dropped: without it, nothing could be recaptured
         released = []
         for label, holder, names in self._holders():
             for name in names:
@@ -65,6 +68,11 @@ class SglangGraphs:
                     setattr(holder, name, None)
                     released.append(label + name)
         gc.collect()  # the graphs' executables go with their runners
+        # Every graph captured into SGLang's one process-wide pool, an id taken once; with all of them gone
+        # its use count is 0, yet torch keeps it, and a capture joining it again fails torch's
+        # `use_count > 0` assertion (CachingHostAllocator, H200, SGLang 0.5.17). The next capture takes a
+        # fresh pool; what is still alive in the old one stays where it is.
+        set_graph_pool(None)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         return released
@@ -78,6 +86,17 @@ class SglangGraphs:
             spec.init_cuda_graphs()
         return [label + name for label, holder, names in self._holders() for name in names
                 if getattr(holder, name, None) is not None]
+
+
+def _graph_pool_setter() -> Callable[[Any], None]:
+    """SGLang's ``set_global_graph_memory_pool``; a recreate cannot run without it."""
+    from coldsnap_sglang import compat
+
+    try:
+        return compat.lookup(compat.GRAPH_POOL_SETTER)
+    except LookupError as exc:
+        raise RuntimeError(f"coldsnap: graph policy 'recreate' needs SGLang's {compat.GRAPH_POOL_SETTER} ({exc}); "
+                           "capture with graph policy 'retain'") from None
 
 
 def around_init_all_cuda_graphs(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:

@@ -15,7 +15,8 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
   pool calls for the adapter whose ``region("kv_cache")`` wraps its buffer allocation;
 - **the model runner** (:data:`ALLOC_MEMORY_POOL`, :data:`INIT_CUDA_GRAPHS`): ``ModelRunner.alloc_memory_pool``
   (after it the scheduler's model memory is complete and its agent attaches) and ``init_cuda_graphs``
-  (recapture after a restore that dropped the graphs);
+  (recapture after a restore that dropped the graphs, into a fresh process-wide graph pool:
+  :data:`GRAPH_POOL_SETTER`);
 - **the server's** ``/flush_cache`` route: empties the prefix cache and the pools (on the scheduler's
   thread) before the KV cache is released;
 - **speculative decoding** (:data:`SPEC_CONFIG`, :data:`INIT_ALL_CUDA_GRAPHS`, :data:`DRAFT_GRAPHS`): the
@@ -42,7 +43,7 @@ from coldsnap.plugin import exists, lookup
 __all__ = ["SUPPORTED", "PROBED", "sglang_version", "supported", "probe", "lookup", "exists", "disabled",
            "VERIFY_LOAD_FORMAT", "LOAD_FORMAT_CHOICES", "DEFAULT_LOADER", "MEMORY_SAVER_CREATE", "ALLOC_MEMORY_POOL",
            "INIT_CUDA_GRAPHS", "MODEL_RUNNER_MODULE", "LOAD_FORMAT_CHOICE_LIST", "HOOK_REGISTRY", "HOOK_TYPE",
-           "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "DRAFT_GRAPHS", "TOKENIZER_CONTROL_MODULE",
+           "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "DRAFT_GRAPHS", "GRAPH_POOL_SETTER", "TOKENIZER_CONTROL_MODULE",
            "RELEASE_MEMORY_OCCUPATION", "RESUME_MEMORY_OCCUPATION", "INHERITED", "LOADER_SURFACE", "hook_target",
            "speculative_draft_load_format"]
 
@@ -64,6 +65,8 @@ SPEC_CONFIG = "sglang.srt.runtime_context:get_spec"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 INIT_ALL_CUDA_GRAPHS = f"{SCHEDULER_MODULE}:Scheduler.init_all_cuda_graphs"
 DRAFT_GRAPHS = "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker._capture_cuda_graphs"
+GRAPH_POOL_SETTER = "sglang.srt.model_executor.runner_utils.pool:set_global_graph_memory_pool"
+"""The process-wide graph memory pool every graph runner captures into; a recreate starts a fresh one."""
 """Where the draft's graph runners are made (its ``init_cuda_graphs`` calls it); probed, not hooked."""
 TOKENIZER_CONTROL_MODULE = "sglang.srt.managers.tokenizer_control_mixin"
 RELEASE_MEMORY_OCCUPATION = f"{TOKENIZER_CONTROL_MODULE}:TokenizerControlMixin.release_memory_occupation"
@@ -81,7 +84,7 @@ load format, which the hook above enables)."""
 
 PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, LOAD_FORMAT_CHOICE_LIST, DEFAULT_LOADER, MEMORY_SAVER_CREATE,
           ALLOC_MEMORY_POOL, INIT_CUDA_GRAPHS, HOOK_REGISTRY, HOOK_TYPE, SPEC_CONFIG, INIT_ALL_CUDA_GRAPHS, DRAFT_GRAPHS,
-          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, *LOADER_SURFACE)
+          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, GRAPH_POOL_SETTER, *LOADER_SURFACE)
 
 INHERITED = "inherited"
 """What :func:`speculative_draft_load_format` says when the draft loads with the target's load format."""

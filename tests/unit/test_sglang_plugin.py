@@ -118,12 +118,25 @@ def test_the_prefix_cache_is_flushed_through_the_server(status):
     assert _Server.seen == [("POST", "/flush_cache")]
 
 
+class _GraphPool:
+    """A stand-in for SGLang's process-wide graph memory pool (``set_global_graph_memory_pool``)."""
+
+    def __init__(self) -> None:
+        self.pool: object = ("old", 1)
+
+    def set(self, value: object) -> None:
+        self.pool = value
+
+
 def test_graphs_are_kept_or_dropped_and_captured_again():
     runner = SimpleNamespace(decode_cuda_graph_runner=object(), prefill_cuda_graph_runner=None)
-    graphs = agent_bootstrap.SglangGraphs(runner)
+    pool = _GraphPool()
+    graphs = agent_bootstrap.SglangGraphs(runner, set_graph_pool=lambda: pool.set)
     assert graphs.release_graphs("retain") == [] and runner.decode_cuda_graph_runner is not None
+    assert pool.pool == ("old", 1)  # kept with its graphs
     assert graphs.release_graphs("recreate") == ["decode_cuda_graph_runner"]
     assert runner.decode_cuda_graph_runner is None
+    assert pool.pool is None  # the recapture takes a fresh pool: torch refuses to capture into the released one
 
     def init_cuda_graphs() -> None:
         runner.decode_cuda_graph_runner = object()
@@ -153,7 +166,7 @@ def test_a_speculative_drafts_graphs_are_dropped_and_captured_again_after_the_ta
     runner = SimpleNamespace(decode_cuda_graph_runner=object(), prefill_cuda_graph_runner=None,
                              init_cuda_graphs=lambda: order.append("target"))
     spec = _draft_worker()
-    graphs = agent_bootstrap.SglangGraphs(runner, lambda: spec)
+    graphs = agent_bootstrap.SglangGraphs(runner, lambda: spec, set_graph_pool=lambda: _GraphPool().set)
     assert graphs.release_graphs("retain") == [] and spec.draft_worker.cuda_graph_runner is not None
     assert graphs.release_graphs("recreate") == ["decode_cuda_graph_runner", "draft.cuda_graph_runner",
                                                  "draft.cuda_graph_runner_for_draft_extend"]
@@ -169,10 +182,21 @@ def test_a_speculative_drafts_graphs_are_dropped_and_captured_again_after_the_ta
 def test_recreate_refuses_sglangs_adaptive_speculation():
     spec = _draft_worker()
     spec.adaptive_controller = object()  # its runtime states hold graph runners for every step size
-    graphs = agent_bootstrap.SglangGraphs(SimpleNamespace(decode_cuda_graph_runner=None), lambda: spec)
+    graphs = agent_bootstrap.SglangGraphs(SimpleNamespace(decode_cuda_graph_runner=None), lambda: spec,
+                                          set_graph_pool=lambda: _GraphPool().set)
     with pytest.raises(RuntimeError, match="does not support SGLang's --speculative-adaptive"):
         graphs.release_graphs("recreate")
     assert spec.draft_worker.cuda_graph_runner is not None  # nothing dropped
+
+
+def test_recreate_is_refused_before_anything_is_dropped_on_an_sglang_without_the_graph_pool_setter(monkeypatch):
+    from coldsnap_sglang import compat
+
+    monkeypatch.setattr(compat, "GRAPH_POOL_SETTER", "sglang.srt.model_executor.runner_utils.pool:gone")
+    runner = SimpleNamespace(decode_cuda_graph_runner=object(), prefill_cuda_graph_runner=None)
+    with pytest.raises(RuntimeError, match="graph policy 'recreate' needs SGLang's"):
+        agent_bootstrap.SglangGraphs(runner).release_graphs("recreate")
+    assert runner.decode_cuda_graph_runner is not None
 
 
 def test_the_scheduler_is_noted_around_its_graph_capture():
