@@ -305,10 +305,15 @@ def main() -> int:
     parser.add_argument("--dir", help="work directory (keeps model, artifacts, logs, state; default a temporary one)")
     parser.add_argument("--out", help="write the JSON here too")
     parser.add_argument("--png", help="draw the chart here (needs matplotlib)")
+    parser.add_argument("--from-json", metavar="JSON", help="only print the table (and draw --png) of an earlier run's JSON")
     parser.add_argument("--port", type=int, default=18251)
     parser.add_argument("--sglang-arg", dest="sglang_args", action="append", default=[],
                         help="extra `sglang.launch_server` argument (repeat)")
     args = parser.parse_args()
+    if args.from_json:
+        state = json.loads(Path(args.from_json).read_text())
+        print(render(state))
+        return 0 if not args.png or draw(state, Path(args.png)) else 1
     steps = [s.strip() for s in args.steps.split(",") if s.strip()]
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if [s for s in steps if s not in STEPS] or [v for v in variants if v not in VARIANTS] or args.repeat < 1:

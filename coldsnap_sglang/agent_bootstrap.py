@@ -6,7 +6,8 @@ SGLang runs the model inside each scheduler process (one per TP rank). At TP1 th
 the graphs SGLang captured are kept (``retain``) or dropped and captured again after the restore
 (``recreate``: ``ModelRunner.init_cuda_graphs`` from the restored runner's own plan, then, with
 speculative decoding, the spec worker's ``init_cuda_graphs``: the draft's decode and draft-extend
-graphs, as the scheduler's ``init_all_cuda_graphs`` captured them at start). The draft's KV cache is
+graphs, as the scheduler's ``init_all_cuda_graphs`` captured them at start; both run on the
+scheduler's own thread, :mod:`coldsnap_sglang.scheduler_thread`). The draft's KV cache is
 allocated after the agent attached, in the same ``kv_cache`` region, so a release and a restore take
 it along. At TP > 1 the
 NCCL communicators would have to be torn down before the CUDA checkpoint and rebuilt inside SGLang's
@@ -22,6 +23,7 @@ import threading
 from typing import Any, Callable
 
 from coldsnap_sglang.process import ProcessState
+from coldsnap_sglang.scheduler_thread import on_scheduler_thread
 
 __all__ = ["after_alloc_memory_pool", "around_init_all_cuda_graphs", "flush_scheduler_cache", "SglangGraphs"]
 
@@ -151,8 +153,13 @@ def _attach(runner: Any) -> None:
     ProcessState.memory = ModelMemory(layout_for(placed, kv), memory_regions)
     ProcessState.runner = runner
     graphs = SglangGraphs(runner, _spec_worker)
+
+    def release_graphs(policy: str) -> list[str]:  # on the scheduler's thread, as SGLang captured them
+        return [] if policy == "retain" else on_scheduler_thread(lambda: graphs.release_graphs(policy))
+
     hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
-                       recovery_plan=lambda: ProcessState.recovery_plan, release_graphs=graphs.release_graphs, recapture_graphs=graphs.recapture_graphs,
+                       recovery_plan=lambda: ProcessState.recovery_plan, release_graphs=release_graphs,
+                       recapture_graphs=lambda: on_scheduler_thread(graphs.recapture_graphs),
                        before_release=[flush_scheduler_cache])
     ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=0, world=1, hooks=hooks)
     if ProcessState.agent is not None:

@@ -24,7 +24,8 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
   format), which tell the target's load whether a draft will be placed after it; the scheduler, whose
   ``draft_worker`` (the spec worker; its own ``draft_worker`` the ``EagleDraftWorker`` every
   draft-model algorithm builds on) holds the draft's graph runners (``cuda_graph_runner``,
-  ``cuda_graph_runner_for_draft_extend``, rebuilt by ``init_cuda_graphs``);
+  ``cuda_graph_runner_for_draft_extend``, rebuilt by ``init_cuda_graphs``); the scheduler's idle tick
+  (:data:`ON_IDLE`), where graph work runs on the scheduler's own thread;
 - **the memory-occupation endpoints** (:data:`RELEASE_MEMORY_OCCUPATION`, :data:`RESUME_MEMORY_OCCUPATION`):
   ``TokenizerControlMixin``'s coroutines behind ``/release_memory_occupation`` and
   ``/resume_memory_occupation`` (and ``Engine``'s methods), refused on a coldsnap-loaded server.
@@ -43,7 +44,7 @@ from coldsnap.plugin import exists, lookup
 __all__ = ["SUPPORTED", "PROBED", "sglang_version", "supported", "probe", "lookup", "exists", "disabled",
            "VERIFY_LOAD_FORMAT", "LOAD_FORMAT_CHOICES", "DEFAULT_LOADER", "MEMORY_SAVER_CREATE", "ALLOC_MEMORY_POOL",
            "INIT_CUDA_GRAPHS", "MODEL_RUNNER_MODULE", "LOAD_FORMAT_CHOICE_LIST", "HOOK_REGISTRY", "HOOK_TYPE",
-           "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "DRAFT_GRAPHS", "GRAPH_POOL_SETTER", "TOKENIZER_CONTROL_MODULE",
+           "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "ON_IDLE", "DRAFT_GRAPHS", "GRAPH_POOL_SETTER", "TOKENIZER_CONTROL_MODULE",
            "RELEASE_MEMORY_OCCUPATION", "RESUME_MEMORY_OCCUPATION", "INHERITED", "LOADER_SURFACE", "hook_target",
            "speculative_draft_load_format"]
 
@@ -64,6 +65,8 @@ INIT_CUDA_GRAPHS = f"{MODEL_RUNNER_MODULE}:ModelRunner.init_cuda_graphs"
 SPEC_CONFIG = "sglang.srt.runtime_context:get_spec"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 INIT_ALL_CUDA_GRAPHS = f"{SCHEDULER_MODULE}:Scheduler.init_all_cuda_graphs"
+ON_IDLE = f"{SCHEDULER_MODULE}:Scheduler.on_idle"
+"""The idle tick of the scheduler's event loop, where the agent's graph work runs on the scheduler's thread."""
 DRAFT_GRAPHS = "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker._capture_cuda_graphs"
 GRAPH_POOL_SETTER = "sglang.srt.model_executor.runner_utils.pool:set_global_graph_memory_pool"
 """The process-wide graph memory pool every graph runner captures into; a recreate starts a fresh one."""
@@ -84,7 +87,7 @@ load format, which the hook above enables)."""
 
 PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, LOAD_FORMAT_CHOICE_LIST, DEFAULT_LOADER, MEMORY_SAVER_CREATE,
           ALLOC_MEMORY_POOL, INIT_CUDA_GRAPHS, HOOK_REGISTRY, HOOK_TYPE, SPEC_CONFIG, INIT_ALL_CUDA_GRAPHS, DRAFT_GRAPHS,
-          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, GRAPH_POOL_SETTER, *LOADER_SURFACE)
+          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, GRAPH_POOL_SETTER, ON_IDLE, *LOADER_SURFACE)
 
 INHERITED = "inherited"
 """What :func:`speculative_draft_load_format` says when the draft loads with the target's load format."""

@@ -134,6 +134,7 @@ def test_speculative_settings_the_scheduler_hook_and_the_refused_memory_endpoint
             assert compat.speculative_draft_load_format() == expected, (extra, compat.speculative_draft_load_format())
         import sglang.srt.managers.scheduler as scheduler  # a scheduler process's import: the scheduler noted
         assert getattr(scheduler.Scheduler.init_all_cuda_graphs, "__wrapped__", None) is not None
+        assert getattr(scheduler.Scheduler.on_idle, "__wrapped__", None) is not None  # graph work on its thread
         from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin  # the server's
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
         for name in ("release_memory_occupation", "resume_memory_occupation"):
@@ -170,3 +171,28 @@ def test_an_sglang_without_a_hook_runs_without_that_feature_and_one_warning(tmp_
     """, tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "ok"
     assert sum(warning in line for line in done.stderr.splitlines()) == 1, done.stderr
+
+
+def test_a_speculative_shapes_draft_predicts_its_targets_tokens(tmp_path):
+    """``tiny_llama``'s speculative shapes (benchmarks/sglang_speculative.py): the draft, made of the
+    target's first layers, embedding and head, gives the target's greedy tokens (the target's later layers
+    add nothing), and shares its tokenizer (SGLang's STANDALONE compares the vocabularies)."""
+    done = run(f"""
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from coldsnap.workloads.tiny_llama import LLAMA_3_8B, build_llama_shape
+        config = {{**LLAMA_3_8B, "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 256,
+                  "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}}
+        target = build_llama_shape("{tmp_path}/m", config, draft_layers=2, shape="test", device="cpu")
+        answers = []
+        for path in (target, "{tmp_path}/m-draft"):
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            ids = tokenizer("The quick brown fox", return_tensors="pt").input_ids
+            answers.append((model.config.num_hidden_layers, tokenizer.get_vocab(),
+                            model.generate(ids, max_new_tokens=8, do_sample=False)[0].tolist()))
+        (layers, vocab, tokens), (draft_layers, draft_vocab, draft_tokens) = answers
+        assert (layers, draft_layers) == (4, 2) and vocab == draft_vocab and tokens == draft_tokens, answers
+        print("ok")
+    """, tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ok"

@@ -243,3 +243,45 @@ def test_the_targets_load_knows_whether_a_draft_follows(monkeypatch, spec, expec
 
     monkeypatch.setattr(compat, "lookup", lambda symbol: get_spec if symbol == compat.SPEC_CONFIG else None)
     assert compat.speculative_draft_load_format() == expected
+
+
+@pytest.fixture
+def scheduler_thread(monkeypatch):
+    from coldsnap_sglang import scheduler_thread as module
+
+    monkeypatch.setattr(module, "_pending", module.deque())
+    monkeypatch.setattr(module, "_ticked", threading.Event())
+    return module
+
+
+def test_graph_work_runs_on_the_schedulers_thread_at_its_idle_tick(scheduler_thread):
+    """The agent's job runs inside ``Scheduler.on_idle`` on the scheduler's own thread (no second Python
+    thread fighting its busy loop for the GIL), before SGLang's idle housekeeping; errors come back."""
+    stop = threading.Event()
+    housekeeping: list[str] = []
+    scheduler = SimpleNamespace(draft_worker=None)
+
+    def event_loop() -> None:  # SGLang's idle loop: on_idle again and again, never blocking
+        while not stop.is_set():
+            scheduler_thread.around_on_idle(lambda s: housekeeping.append("idle"), scheduler)
+
+    loop = threading.Thread(target=event_loop, name="scheduler")
+    loop.start()
+    try:
+        while not housekeeping:
+            pass
+        assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name) == "scheduler"
+        with pytest.raises(RuntimeError, match="capture failed"):
+            scheduler_thread.on_scheduler_thread(lambda: (_ for _ in ()).throw(RuntimeError("capture failed")))
+    finally:
+        stop.set()
+        loop.join()
+    assert ProcessState.scheduler is scheduler
+
+
+def test_graph_work_runs_on_the_callers_thread_without_idle_ticks(scheduler_thread):
+    here = threading.current_thread().name
+    assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name) == here  # never ticked
+    scheduler_thread.run_pending()  # one tick, then the loop stopped (say, busy): the caller takes the job back
+    assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name, pickup_seconds=0.05) == here
+    assert not scheduler_thread._pending or scheduler_thread._pending[0].claimed  # never run twice
