@@ -45,8 +45,9 @@ from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.demo import cold_start  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
-from restore_latency import pyplot, receipt_timeline  # noqa: E402
+from restore_latency import receipt_timeline  # noqa: E402
 from sglang_startup import SGLANG_ARGS, SGLANG_ENV  # noqa: E402
+from vllm_startup import draw_medians  # noqa: E402
 
 STEPS = ("model", "cold", "capture", "restore", "drop")
 VARIANTS = ("spec", "plain")
@@ -277,22 +278,8 @@ def render(state: dict) -> str:
 
 
 def draw(state: dict, png: Path) -> bool:
-    plt = pyplot()
-    if plt is None:
-        return False
-    summary = state["summary"]
-    figure, axis = plt.subplots(figsize=(10, 0.6 + 0.45 * len(summary)))
-    axis.barh(list(summary), list(summary.values()), color=["#d62728" if "restore" in k else "#999999" for k in summary])
-    for y, value in enumerate(summary.values()):
-        axis.text(value, y, f" {value:.2f} s", va="center", fontsize=8)
-    axis.set_xscale("log")
-    axis.invert_yaxis()
-    axis.set_xlabel("seconds to the first (validated) token, median, log scale")
-    axis.set_title(f"SGLang {state.get('sglang', '')} {state['shape']}: speculative (STANDALONE) vs plain, cold start "
-                   "vs coldsnap", fontsize=9)
-    figure.tight_layout()
-    figure.savefig(png, dpi=120)
-    return True
+    return draw_medians(state["summary"], f"SGLang {state.get('sglang', '')} {state['shape']}: speculative (STANDALONE) "
+                        "and plain, cold start vs coldsnap", png)
 
 
 def main() -> int:

@@ -563,10 +563,15 @@ def render(state: dict) -> str:
 
 
 def draw(state: dict, png: Path) -> bool:
+    summary = {k: v for k, v in state["summary"].items() if not k.startswith("speedup")}
+    return draw_medians(summary, f"{_engine(state)} {state['shape']} on {state['device']}: cold start vs coldsnap", png)
+
+
+def draw_medians(summary: dict[str, float], title: str, png: Path) -> bool:
+    """Median seconds per label as bars on a log scale, restores in red (False without matplotlib)."""
     plt = pyplot()
     if plt is None:
         return False
-    summary = {k: v for k, v in state["summary"].items() if not k.startswith("speedup")}
     figure, axis = plt.subplots(figsize=(10, 0.5 + 0.45 * len(summary)))
     axis.barh(list(summary), list(summary.values()), color=["#d62728" if "restore" in k else "#999999" for k in summary])
     for y, value in enumerate(summary.values()):
@@ -574,7 +579,7 @@ def draw(state: dict, png: Path) -> bool:
     axis.set_xscale("log")
     axis.invert_yaxis()
     axis.set_xlabel("seconds to the first (validated) token, median, log scale")
-    axis.set_title(f"{_engine(state)} {state['shape']} on {state['device']}: cold start vs coldsnap", fontsize=9)
+    axis.set_title(title, fontsize=9)
     axis.tick_params(axis="y", labelsize=7)
     figure.tight_layout()
     figure.savefig(png, dpi=120)
