@@ -9,10 +9,11 @@ speculative decoding, the spec worker's ``init_cuda_graphs``: the draft's decode
 graphs, as the scheduler's ``init_all_cuda_graphs`` captured them at start; both run on the
 scheduler's own thread, :mod:`coldsnap_sglang.scheduler_thread`). The draft's KV cache is
 allocated after the agent attached, in the same ``kv_cache`` region, so a release and a restore take
-it along. At TP > 1 the
-NCCL communicators would have to be torn down before the CUDA checkpoint and rebuilt inside SGLang's
-groups after it; that is not built, so no agent attaches there (one warning) and a capture stops at
-its readiness check instead of producing an image that cannot be restored.
+it along.
+
+At TP > 1 the NCCL communicators would have to be torn down before the CUDA checkpoint and rebuilt
+inside SGLang's groups after it; that is not built, so no agent attaches there (one warning) and a
+capture stops at its readiness check instead of producing an image that cannot be restored.
 """
 
 from __future__ import annotations

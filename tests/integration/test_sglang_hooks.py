@@ -43,10 +43,19 @@ def run(code: str, tmp_path: Path, timeout: float = 300) -> subprocess.Completed
     return done
 
 
-def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_path):
-    model = tmp_path / "model"
-    subprocess.run([str(PYTHON), "-m", "coldsnap.workloads.tiny_llama", str(model)], check=True, capture_output=True,
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """The tiny Llama the tests parse SGLang's arguments against (written once per module)."""
+    path = tmp_path_factory.mktemp("sglang-model") / "model"
+    subprocess.run([str(PYTHON), "-m", "coldsnap.workloads.tiny_llama", str(path)], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return path
+
+
+def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_path, model):
+    """In one SGLang process (its imports take ~20 s here): the load format through SGLang's own plugin
+    loading and loader lookup; the speculative settings a STANDALONE draft gives the target's load; the
+    model runner's, the scheduler's and the memory-occupation hooks in SGLang's real classes."""
     done = run(f"""
         from sglang.srt.plugins import load_plugins
         load_plugins()  # what launch_server, every scheduler and the detokenizer do first
@@ -82,6 +91,32 @@ def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_pa
         from coldsnap_sglang.agent_bootstrap import after_alloc_memory_pool
         hooked = model_runner.ModelRunner.alloc_memory_pool
         assert getattr(hooked, "__wrapped__", None) is not None, hooked
+        # speculative settings: SGLang's own parsing of a STANDALONE draft tells the target's load a draft follows
+        import asyncio
+        from sglang.srt.runtime_context import get_context
+        for extra, expected in (([], None),
+                                (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{model}"],
+                                 "inherited"),
+                                (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{model}",
+                                  "--speculative-draft-load-format", "safetensors"], "safetensors")):
+            args = prepare_server_args(["--model-path", "{model}", "--load-format", "coldsnap", "--device", "cpu", *extra])
+            get_context().set_server_args(args)  # what a scheduler process does before it loads the model
+            assert compat.speculative_draft_load_format() == expected, (extra, compat.speculative_draft_load_format())
+        import sglang.srt.managers.scheduler as scheduler  # a scheduler process's import: the scheduler noted
+        assert getattr(scheduler.Scheduler.init_all_cuda_graphs, "__wrapped__", None) is not None
+        assert getattr(scheduler.Scheduler.on_idle, "__wrapped__", None) is not None  # graph work on its thread
+        from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin  # the server's
+        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
+        for name in ("release_memory_occupation", "resume_memory_occupation"):
+            assert getattr(getattr(TokenizerControlMixin, name), "__wrapped__", None) is not None, name
+        class Manager:
+            server_args = args
+        try:
+            asyncio.run(TokenizerControlMixin.release_memory_occupation(Manager(), ReleaseMemoryOccupationReqInput()))
+        except ValueError as exc:
+            assert "/release_memory_occupation is not available on a server started with --load-format coldsnap" in str(exc)
+        else:
+            raise AssertionError("not refused")
         print("ok")
     """, tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "ok"
@@ -110,67 +145,36 @@ def test_memory_saver_is_coldsnaps_only_for_a_model_the_load_format_placed(tmp_p
     assert done.returncode == 0 and done.stdout.strip() == "ok"
 
 
-def test_speculative_settings_the_scheduler_hook_and_the_refused_memory_endpoints(tmp_path):
-    """SGLang's own argument parsing of a STANDALONE draft tells the target's load that a draft follows;
-    the scheduler's graph capture and the memory-occupation coroutines are hooked in SGLang's real classes."""
-    model = tmp_path / "model"
-    subprocess.run([str(PYTHON), "-m", "coldsnap.workloads.tiny_llama", str(model)], check=True, capture_output=True,
-                   env={**os.environ, "PYTHONPATH": str(ROOT)})
-    done = run(f"""
-        import asyncio
-        from sglang.srt.plugins import load_plugins
-        load_plugins()
-        from coldsnap_sglang import compat
-        from sglang.srt.runtime_context import get_context
-        from sglang.srt.server_args import prepare_server_args
-        assert compat.speculative_draft_load_format() is None  # nothing published yet
-        for extra, expected in (([], None),
-                                (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{model}"],
-                                 "inherited"),
-                                (["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", "{model}",
-                                  "--speculative-draft-load-format", "safetensors"], "safetensors")):
-            args = prepare_server_args(["--model-path", "{model}", "--load-format", "coldsnap", "--device", "cpu", *extra])
-            get_context().set_server_args(args)  # what a scheduler process does before it loads the model
-            assert compat.speculative_draft_load_format() == expected, (extra, compat.speculative_draft_load_format())
-        import sglang.srt.managers.scheduler as scheduler  # a scheduler process's import: the scheduler noted
-        assert getattr(scheduler.Scheduler.init_all_cuda_graphs, "__wrapped__", None) is not None
-        assert getattr(scheduler.Scheduler.on_idle, "__wrapped__", None) is not None  # graph work on its thread
-        from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin  # the server's
-        from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
-        for name in ("release_memory_occupation", "resume_memory_occupation"):
-            assert getattr(getattr(TokenizerControlMixin, name), "__wrapped__", None) is not None, name
-        class Manager:
-            server_args = args
-        try:
-            asyncio.run(TokenizerControlMixin.release_memory_occupation(Manager(), ReleaseMemoryOccupationReqInput()))
-        except ValueError as exc:
-            assert "/release_memory_occupation is not available on a server started with --load-format coldsnap" in str(exc)
-        else:
-            raise AssertionError("not refused")
-        print("ok")
-    """, tmp_path)
-    assert done.returncode == 0 and done.stdout.strip() == "ok"
-
-
-@pytest.mark.parametrize("patch, warning", [
+WITHOUT_A_HOOK = (
     ("compat.sglang_version = lambda: '0.4.9'", "SGLang 0.4.9 is outside the supported range"),
     ("compat.ALLOC_MEMORY_POOL = 'sglang.srt.model_executor.model_runner:ModelRunner.gone'",
      "the coldsnap agent (capture and restore of this server) disabled"),
     ("compat.HOOK_REGISTRY = 'sglang.srt.plugins.hook_registry:Gone'", "coldsnap sglang plugin disabled"),
-])
-def test_an_sglang_without_a_hook_runs_without_that_feature_and_one_warning(tmp_path, patch, warning):
-    done = run(f"""
-        from coldsnap_sglang import compat
-        {patch}
-        from sglang.srt.plugins import load_plugins
-        load_plugins()  # never raises into SGLang
-        import sglang.srt.model_executor.model_runner  # where the agent's hook would go
-        from sglang.srt.configs.load_config import LoadConfig, LoadFormat
-        assert LoadConfig(load_format="safetensors").load_format == LoadFormat.SAFETENSORS
-        print("ok")
-    """, tmp_path)
-    assert done.returncode == 0 and done.stdout.strip() == "ok"
-    assert sum(warning in line for line in done.stderr.splitlines()) == 1, done.stderr
+)
+
+
+def test_an_sglang_without_a_hook_runs_without_that_feature_and_one_warning(tmp_path):
+    """Each case in its own SGLang process (plugins load once per process), all at once."""
+    started = []
+    for index, (patch, warning) in enumerate(WITHOUT_A_HOOK):
+        script = tmp_path / f"probe-{index}.py"
+        script.write_text(PRELUDE + textwrap.dedent(f"""
+            from coldsnap_sglang import compat
+            {patch}
+            from sglang.srt.plugins import load_plugins
+            load_plugins()  # never raises into SGLang
+            import sglang.srt.model_executor.model_runner  # where the agent's hook would go
+            from sglang.srt.configs.load_config import LoadConfig, LoadFormat
+            assert LoadConfig(load_format="safetensors").load_format == LoadFormat.SAFETENSORS
+            print("ok")
+        """))
+        started.append((warning, subprocess.Popen([str(PYTHON), str(script)], stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                                                  env={**os.environ, "PYTHONPATH": str(ROOT)})))
+    for warning, process in started:
+        stdout, stderr = process.communicate(timeout=300)
+        assert process.returncode == 0 and stdout.strip() == "ok", stderr[-4000:]
+        assert sum(warning in line for line in stderr.splitlines()) == 1, (warning, stderr)
 
 
 def test_a_speculative_shapes_draft_predicts_its_targets_tokens(tmp_path):
