@@ -466,15 +466,6 @@ def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, ref
         finally:
             stop_restored(artifact, port)
 
-def test_an_unknown_mode_stops_vllm_with_a_clear_error(model, tmp_path):
-    port = _free_port()
-    result = subprocess.run(serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config",
-                                  '{"mode": "bogus"}'), capture_output=True, text=True, env=ENV, timeout=600,
-                            start_new_session=True)
-    assert result.returncode != 0
-    assert "mode must be one of auto, native, recovery, cache-only-auto, not 'bogus'" in result.stdout + result.stderr
-
-
 def test_wake_up_proves_itself_with_the_canary(model, tmp_path):
     """coldsnap's /sleep and /wake_up replace vLLM's (VLLM_PLUGINS=coldsnap, dev mode). vLLM's CPU worker
     ignores sleep itself, so this shows the routes and the canary on a real vLLM; the failing wake is
@@ -537,11 +528,6 @@ def test_a_pack_of_another_model_is_refused_in_native_mode_and_recovered_from_in
     assert tokens == reference["tokens"], log[-3000:]  # recovery through vLLM's own loading
 
 
-def test_native_mode_without_a_pack_is_a_clear_error(model, tmp_path):
-    tokens, log = _first_answer(model, '{"mode": "native"}', tmp_path / "serve.log")
-    assert tokens is None and "coldsnap mode 'native' needs --model-loader-extra-config pack=" in log
-
-
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="vLLM's CPU TP2 binds one core per worker")
 def test_tensor_parallel_workers_each_get_an_agent_and_restore(model, tmp_path):
     """`vllm serve --tensor-parallel-size 2` on the CPU build: one WorkerProc per rank, each with its own
@@ -570,13 +556,22 @@ def test_tensor_parallel_workers_each_get_an_agent_and_restore(model, tmp_path):
         stop_restored(artifact, port)
 
 
-def test_recovery_without_safetensors_is_a_clear_error(model, tmp_path):
-    """Recovery reads the model's safetensors through vLLM; without them vLLM stops with the reason."""
+def test_load_options_vllm_cannot_start_from_stop_it_with_a_clear_error(model, tmp_path):
+    """An unknown mode, mode native without a pack, and recovery of a model without safetensors (which
+    recovery reads through vLLM): each `vllm serve` stops with its reason. The three start at once (each
+    spends its time importing vLLM; this suite runs on two cores)."""
     import shutil
+    from concurrent.futures import ThreadPoolExecutor
 
     bare = tmp_path / "no-weights"
     shutil.copytree(model, bare)
     (bare / "model.safetensors").unlink()
-    tokens, log = _first_answer(bare, '{"mode": "recovery"}', tmp_path / "serve.log")
-    assert tokens is None and "coldsnap recovery (mode 'recovery', no fitting pack) loads the model's safetensors" in log, \
-        log[-3000:]
+    cases = [(model, '{"mode": "bogus"}', "mode must be one of auto, native, recovery, cache-only-auto, not 'bogus'"),
+             (model, '{"mode": "native"}', "coldsnap mode 'native' needs --model-loader-extra-config pack="),
+             (bare, '{"mode": "recovery"}',
+              "coldsnap recovery (mode 'recovery', no fitting pack) loads the model's safetensors")]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: _first_answer(case[0], case[1], tmp_path / f"serve-{cases.index(case)}.log"),
+                                cases))
+    for (_, options, reason), (tokens, log) in zip(cases, answers):
+        assert tokens is None and reason in log, (options, log[-3000:])
