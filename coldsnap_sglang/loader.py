@@ -156,14 +156,14 @@ class ColdsnapModelLoader(DefaultModelLoader):
         if not files:
             return
         plan = recovery_plan_or_none(copies, files, offsets, ProcessState.placed.region, log, "SGLang")
-        first = ProcessState.recovery_plan if len(ProcessState.replays) > 1 else None
-        if plan is None or (len(ProcessState.replays) > 1 and first is None):
+        first = ProcessState.recovery_plan
+        if len(ProcessState.replays) == 1:
+            ProcessState.recovery_plan = plan
+        elif plan is None or first is None:
             ProcessState.recovery_plan = None  # replay through SGLang's loaders, both models
-        elif first is not None:
+        else:
             ProcessState.recovery_plan = RecoveryPlan(first.layout_digest, sorted(
                 [*first.copies, *plan.copies], key=lambda copy: copy.region_offset))
-        else:
-            ProcessState.recovery_plan = plan
 
     def _recovery_weights(self, model_config: Any, model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         try:

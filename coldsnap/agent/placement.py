@@ -133,13 +133,14 @@ def append_model_to_region(model: Any, placed: PlacedModel, *, prefix: str, copy
     beside its target: one region, one pack, one hydration). ``placed`` grows to list both models'
     storages (the second's named with ``prefix``: a pack names each tensor once, and a draft's
     ``model.embed_tokens.weight`` is also its target's); the second model's own placement is returned.
-    ``copy=False``: the region already holds
-    the model's bytes there (a pack written with both models hydrated them), so the parameters are only
-    rebound. Raises ``ValueError`` when the region has no room left for the model."""
+    ``copy=False``: the region already holds the model's bytes there (a pack written with both models
+    hydrated them), so the parameters are only rebound. Raises ``ValueError`` when the region has no
+    room left for the model."""
     slots, storages, end = _storages(model, placed.end)
     region = placed.region
-    if slots[0][0].device != _device_of(region):
-        raise ValueError(f"the model is on {slots[0][0].device}, the {region.tag} region on {_device_of(region)}")
+    if _backend(slots[0][0].device) != (region.backend, region.device):
+        raise ValueError(f"the model is on {slots[0][0].device}, the {region.tag} region on {region.backend} "
+                         f"device {region.device}")
     if end > region.size:
         raise ValueError(f"region {region.tag!r} has {region.size - placed.end} bytes left after the first model, "
                          f"this model needs {end - placed.end}")
@@ -153,12 +154,6 @@ def append_model_to_region(model: Any, placed: PlacedModel, *, prefix: str, copy
     placed.bytes += own.bytes
     placed.end = end
     return own
-
-
-def _device_of(region: StableRegion) -> Any:
-    import torch
-
-    return torch.device("cpu") if region.backend == "host" else torch.device("cuda", region.device)
 
 
 def layout_for(placed: PlacedModel, kv: StableRegion | None) -> MemoryLayout:
@@ -256,8 +251,9 @@ def fitting_pack(path: Path | None, mode: str, model: Any, engine: str, log: log
     if path is None or mode == "recovery":
         return None
     try:
-        _, _, end = _storages(model)
-        return open_fitting_pack(path, planned_extents(model), end=end if followed else None)
+        _, storages, end = _storages(model)  # once: planned_extents would walk the model again
+        extents = {(entry["offset"], entry["nbytes"]) for entry in storages.values()}
+        return open_fitting_pack(path, extents, end=end if followed else None)
     except (PackDoesNotFit, PackError) as exc:
         if mode == "native":
             raise ValueError(f"coldsnap mode 'native': {exc}") from None
