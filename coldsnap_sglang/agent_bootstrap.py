@@ -11,9 +11,13 @@ scheduler's own thread, :mod:`coldsnap_sglang.scheduler_thread`). The draft's KV
 allocated after the agent attached, in the same ``kv_cache`` region, so a release and a restore take
 it along.
 
-At TP > 1 the NCCL communicators would have to be torn down before the CUDA checkpoint and rebuilt
-inside SGLang's groups after it; that is not built, so no agent attaches there (one warning) and a
-capture stops at its readiness check instead of producing an image that cannot be restored.
+At TP > 1 every scheduler process runs an agent (rank and world from torch.distributed). The NCCL
+communicators inside SGLang's groups are torn down before the CUDA checkpoint and rebuilt after it
+(:mod:`coldsnap_sglang.distributed`); the graphs, which hold NCCL kernels, are dropped and recaptured
+whatever the graph policy. The graph work runs on the agent's thread with the scheduler parked
+(:func:`coldsnap_sglang.scheduler_thread.with_scheduler_parked`: the ranks' schedulers move in lockstep)
+and on the runner's device. Pipeline and data parallelism are not built: no agent attaches there (one
+warning), so a capture stops at its readiness check instead of producing an image that cannot be restored.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import threading
 from typing import Any, Callable
 
 from coldsnap_sglang.process import ProcessState
-from coldsnap_sglang.scheduler_thread import on_scheduler_thread
+from coldsnap_sglang.scheduler_thread import on_scheduler_thread, with_scheduler_parked
 
 __all__ = ["after_alloc_memory_pool", "around_init_all_cuda_graphs", "flush_scheduler_cache", "SglangGraphs"]
 
@@ -39,10 +43,11 @@ class SglangGraphs:
     decoding, of the draft (``spec_worker``: the scheduler's ``draft_worker``, read when asked)."""
 
     def __init__(self, runner: Any, spec_worker: Callable[[], Any] = lambda: None,
-                 set_graph_pool: Callable[[], Callable[[Any], None]] = lambda: _graph_pool_setter()):
+                 set_graph_pool: Callable[[], Callable[[Any], None]] = lambda: _graph_pool_setter(), world: int = 1):
         self.runner = runner
         self.spec_worker = spec_worker
         self.set_graph_pool = set_graph_pool
+        self.world = world  # at TP > 1 the graphs hold NCCL kernels of communicators the snapshot ends
 
     def _holders(self) -> list[tuple[str, Any, tuple[str, ...]]]:
         """(label, object, graph-runner attributes) of every graph holder in this process."""
@@ -54,15 +59,15 @@ class SglangGraphs:
         return holders
 
     def release_graphs(self, policy: str) -> list[str]:
-        if policy == "retain":
+        if policy == "retain" and self.world == 1:
             return []
         import torch
 
         spec = self.spec_worker()
         if getattr(spec, "adaptive_controller", None) is not None:
             # its runtime states hold every step size's graph runners, which init_cuda_graphs would register again
-            raise RuntimeError("coldsnap: graph policy 'recreate' does not support SGLang's --speculative-adaptive; "
-                               "capture with graph policy 'retain'")
+            raise RuntimeError("coldsnap: graph policy 'recreate' (and TP > 1, where graphs are always recaptured) does "
+                               "not support SGLang's --speculative-adaptive; capture at TP 1 with graph policy 'retain'")
         set_graph_pool = self.set_graph_pool()  # before anything is dropped: without it, nothing could be recaptured
         released = []
         for label, holder, names in self._holders():
@@ -153,18 +158,50 @@ def _attach(runner: Any) -> None:
     memory_regions = {"weights": placed.region, **({"kv_cache": kv} if kv is not None else {})}
     ProcessState.memory = ModelMemory(layout_for(placed, kv), memory_regions)
     ProcessState.runner = runner
-    graphs = SglangGraphs(runner, _spec_worker)
+    rank, world = _distributed_rank()
+    graphs = SglangGraphs(runner, _spec_worker, world=world)
+    graph_thread = on_scheduler_thread if world == 1 else _on_runner_device(runner, with_scheduler_parked)
 
-    def release_graphs(policy: str) -> list[str]:  # on the scheduler's thread, as SGLang captured them
-        return [] if policy == "retain" else on_scheduler_thread(lambda: graphs.release_graphs(policy))
+    def release_graphs(policy: str) -> list[str]:  # on the scheduler's thread (TP 1), as SGLang captured them
+        return [] if policy == "retain" and world == 1 else graph_thread(lambda: graphs.release_graphs(policy))
 
     hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
                        recovery_plan=lambda: ProcessState.recovery_plan, release_graphs=release_graphs,
-                       recapture_graphs=lambda: on_scheduler_thread(graphs.recapture_graphs),
+                       recapture_graphs=lambda: graph_thread(graphs.recapture_graphs),
                        before_release=[flush_scheduler_cache])
-    ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=0, world=1, hooks=hooks)
+    collectives = None
+    if world > 1:
+        from coldsnap_sglang.distributed import SglangCollectives
+
+        collectives = SglangCollectives(rank, world)
+    ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=rank, world=world, hooks=hooks,
+                                collectives=collectives)
     if ProcessState.agent is not None:
-        log.info("coldsnap: agent listening at %s", ProcessState.agent.control)
+        log.info("coldsnap: agent of rank %d/%d listening at %s", rank, world, ProcessState.agent.control)
+
+
+def _distributed_rank() -> tuple[int, int]:
+    """This scheduler's global rank and the world size (0 of 1 without a process group)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _on_runner_device(runner: Any, run: Callable[[Callable[[], Any]], Any]) -> Callable[[Callable[[], Any]], Any]:
+    """``run(work)`` with ``work`` on the runner's GPU: CUDA's current device is per thread, and the
+    agent's thread starts on device 0 whatever its rank."""
+    from coldsnap.collective.torch_groups import on_device
+
+    def on_runner_device(work: Callable[[], Any]) -> Any:
+        def work_on_device() -> Any:
+            with on_device(getattr(runner, "gpu_id", None)):
+                return work()
+
+        return run(work_on_device)
+
+    return on_runner_device
 
 
 def after_alloc_memory_pool(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:
@@ -174,12 +211,13 @@ def after_alloc_memory_pool(original: Callable[..., Any], runner: Any, *args: An
     if (not ProcessState.active or ProcessState.placed is None or ProcessState.memory is not None
             or getattr(runner, "is_draft_worker", False)):
         return result
-    tp_size = int(getattr(runner, "tp_size", 1) or 1)
-    pp_size = int(getattr(getattr(runner, "server_args", None), "pp_size", 1) or 1)
-    if tp_size * pp_size > 1:
-        log.warning("coldsnap: SGLang at TP %d / PP %d: coldsnap's NCCL teardown and rebuild inside SGLang's groups is "
-                    "not built; no agent attaches, so `coldsnap capture` of this server stops at its readiness check",
-                    tp_size, pp_size)
+    server_args = getattr(runner, "server_args", None)
+    pp_size = int(getattr(server_args, "pp_size", 1) or 1)
+    dp_size = int(getattr(server_args, "dp_size", 1) or 1)
+    if pp_size * dp_size > 1:
+        log.warning("coldsnap: SGLang at PP %d / DP %d: coldsnap's NCCL teardown and rebuild covers tensor "
+                    "parallelism only; no agent attaches, so `coldsnap capture` of this server stops at its readiness "
+                    "check", pp_size, dp_size)
         return result
     _attach(runner)
     return result

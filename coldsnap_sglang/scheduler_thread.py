@@ -11,17 +11,26 @@ between (the scheduler does nothing else meanwhile).
 
 Where no idle tick was ever seen (an SGLang without the hook), or none picks a job up within
 :data:`PICKUP_SECONDS`, the caller runs the job itself, as before.
+
+At TP > 1 that would deadlock: the ranks' schedulers move in lockstep (rank 0 broadcasts each
+iteration's requests to the others over the TP group's gloo group), so a rank whose tick picked the
+job up one iteration after its peer's did sits in that broadcast while its peer, inside the job, waits
+for it in an NCCL collective. There the agent runs the work on its own thread instead, with the
+scheduler held at its idle tick (:func:`with_scheduler_parked`): every scheduler is then either parked
+or blocked in a gloo call for its parked peer, neither holding the GIL nor touching the GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import deque
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from coldsnap_sglang.process import ProcessState
 
-__all__ = ["PICKUP_SECONDS", "around_on_idle", "on_scheduler_thread", "run_pending"]
+__all__ = ["PARK_SECONDS", "PICKUP_SECONDS", "around_on_idle", "on_scheduler_thread", "run_pending",
+           "with_scheduler_parked"]
 
 T = TypeVar("T")
 
@@ -83,6 +92,38 @@ def on_scheduler_thread(work: Callable[[], T], pickup_seconds: float = PICKUP_SE
     if job.error is not None:
         raise job.error
     return job.result
+
+
+PARK_SECONDS = 1.0
+"""How long :func:`with_scheduler_parked` waits to see the scheduler parked: past it, the scheduler is
+blocked elsewhere (at TP > 1, in the gloo broadcast its parked rank 0 never sends), with the GIL released."""
+
+
+@contextlib.contextmanager
+def _scheduler_parked(park_seconds: float) -> Iterator[bool]:
+    """The scheduler thread held at its next idle tick while the block runs; yields whether it was seen parked."""
+    if not _ticked.is_set():
+        yield False
+        return
+    parked, resume = threading.Event(), threading.Event()
+
+    def park() -> None:
+        parked.set()
+        resume.wait()
+
+    job = _Job(park)
+    _pending.append(job)
+    try:
+        yield parked.wait(park_seconds)
+    finally:
+        resume.set()
+        job.claim()  # a park no tick picked up is dropped (the tick skips a claimed job)
+
+
+def with_scheduler_parked(work: Callable[[], T], park_seconds: float = PARK_SECONDS) -> T:
+    """``work()`` on the calling thread while SGLang's scheduler thread waits at its idle tick."""
+    with _scheduler_parked(park_seconds):
+        return work()
 
 
 def around_on_idle(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:

@@ -61,15 +61,14 @@ exist only with the all-reduce fusion, which the H200 pair needs off), pipeline 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import gc
 import logging
-import threading
-import time
 from typing import Any, Callable, Iterable
 
 from coldsnap.collective.group import Rendezvous, between_barriers, share_unique_id
+from coldsnap.collective.torch_groups import (NcclTeardownError, abort_communicator, abort_default_nccl_backend,
+                                              close_ipc_all_reduce, nccl_process_group, new_nccl_process_group)
 from coldsnap_vllm.compat import (clear_every_graph_wrapper, move_graphs_to_a_fresh_pool,
                                   release_model_runner_v2_graphs)
 
@@ -81,11 +80,8 @@ ABORT_TIMEOUT_S = 30.0
 """How long one ``ncclCommAbort`` may take once no graph holds the communicator (it returns in
 milliseconds then); longer means something still does, and the snapshot would carry the communicator."""
 
-
-class VllmTeardownError(RuntimeError):
-    """vLLM's NCCL state could not be ended before the snapshot (the capture fails rather than keep it)."""
-
-    failure_code = "agent.collectives"  # how the agent reports it to the launcher (coldsnap.agent.protocol)
+VllmTeardownError = NcclTeardownError
+"""vLLM's NCCL state could not be ended before the snapshot (the capture fails rather than keep it)."""
 
 
 def vllm_groups() -> list[Any]:
@@ -113,62 +109,16 @@ def _new_unique_id(pynccl: Any) -> bytes:
 def _abort_pynccl(pynccl: Any, name: str) -> float:
     """``ncclCommAbort`` of a ``PyNcclCommunicator``, waited for (vLLM's own ``destroy`` gives up after 5 s
     and leaves the abort running); marks it disabled as ``destroy`` does. Returns the seconds it took."""
-    finished = threading.Event()
-    failure: list[BaseException] = []
-
-    def abort() -> None:
-        try:
-            index = getattr(getattr(pynccl, "device", None), "index", None)
-            with _on_device(index):
-                pynccl.nccl.ncclCommAbort(pynccl.comm)
-        except BaseException as exc:  # noqa: BLE001 - reported below, in the calling thread
-            failure.append(exc)
-        finally:
-            finished.set()
-
-    started = time.perf_counter()
-    timeout = ABORT_TIMEOUT_S
-    threading.Thread(target=abort, name=f"coldsnap-nccl-abort-{name}", daemon=True).start()
-    if not finished.wait(timeout):
-        raise VllmTeardownError(f"group {name}: ncclCommAbort did not return within {timeout:.0f} s; a CUDA graph "
-                                "still holds the communicator's kernels, and a snapshot now would carry it")
-    if failure:
-        raise VllmTeardownError(f"group {name}: ncclCommAbort failed: {failure[0]}") from failure[0]
+    index = getattr(getattr(pynccl, "device", None), "index", None)
+    seconds = abort_communicator(lambda: pynccl.nccl.ncclCommAbort(pynccl.comm), name, index, ABORT_TIMEOUT_S)
     pynccl.available = False
     pynccl.disabled = True
-    return time.perf_counter() - started
-
-
-def _on_device(index: int | None) -> Any:
-    import torch
-
-    if index is None or not torch.cuda.is_available():
-        return contextlib.nullcontext()
-    return torch.cuda.device(index)
+    return seconds
 
 
 def _device_index(communicator: Any) -> int:
     device = getattr(communicator, "device", None)
     return getattr(device, "index", None) or 0
-
-
-def _close_custom_all_reduce(custom: Any, device: int) -> bool:
-    """Close vLLM's custom all-reduce and unmap the peers' buffers it mapped; True if it was open.
-
-    ``CustomAllreduce.close()`` frees this rank's meta and data buffers and (its C++ ``dispose``) the
-    graph buffers' IPC mappings, but never unmaps the peers' meta and data buffers it opened with
-    ``cudaIpcOpenMemHandle`` (vLLM 0.26 and 0.33 alike). The checkpoint API of driver 580 refuses to
-    restore a process that held such a mapping at checkpoint (``tests/gpu/cuda_checkpoint_limits.py``)."""
-    if getattr(custom, "disabled", True) or not getattr(custom, "_ptr", 0):
-        return False
-    from coldsnap.native import native
-
-    peers = [pointer for pointers in (custom.meta_ptrs, custom.buffer_ptrs)
-             for rank, pointer in enumerate(pointers) if rank != custom.rank]
-    custom.close()
-    for pointer in peers:
-        native().close_ipc_mapping(pointer, device)
-    return True
 
 
 def _reopen_custom_all_reduce(closed: Any, communicator: Any) -> Any:
@@ -186,30 +136,7 @@ def _reopen_custom_all_reduce(closed: Any, communicator: Any) -> Any:
 
 def _nccl_process_group(group: Any) -> Any:
     """The group's torch ``device_group`` when NCCL backs it, else None."""
-    process_group = getattr(group, "device_group", None)
-    if process_group is None:
-        return None
-    import torch.distributed as dist
-
-    try:
-        return process_group if dist.get_backend(process_group) == "nccl" else None
-    except (RuntimeError, ValueError):  # not a registered group (a stand-in, or already destroyed)
-        return None
-
-
-def _abort_default_nccl_backend() -> None:
-    """Abort the NCCL backend of torch's default group; the group and its store stay (``new_group``
-    needs them). vLLM makes no collective on the default group after start-up."""
-    import torch
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_backend() != "nccl":
-        return
-    try:
-        backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
-    except RuntimeError:
-        return
-    backend.abort()
+    return nccl_process_group(getattr(group, "device_group", None))
 
 
 def _call_if_present(module: Any, name: str) -> None:
@@ -260,14 +187,14 @@ class VllmCollectives:
             for group in live:
                 communicator = group.device_communicator
                 custom = getattr(communicator, "ca_comm", None)
-                if custom is not None and _close_custom_all_reduce(custom, _device_index(communicator)):
+                if custom is not None and close_ipc_all_reduce(custom, _device_index(communicator)):
                     self.custom_all_reduce[group.unique_name] = custom
                 communicator.ca_comm = None
                 seconds[f"abort_{group.unique_name}"] = _abort_pynccl(communicator.pynccl_comm, group.unique_name)
             for group in torch_nccl:
                 group.device_group.abort()  # torch's communicators of this group; the group is made anew
             if torch_nccl:
-                _abort_default_nccl_backend()
+                abort_default_nccl_backend()
             self.torn_down = live
             self.process_groups_aborted = torch_nccl
             log.info("coldsnap: NCCL torn down: pynccl %s, custom all-reduce %s, symmetric memory %s, torch groups %s",
@@ -333,11 +260,8 @@ class VllmCollectives:
         """Each aborted group's torch ``device_group`` made again, in name order, by its members only."""
         if not self.process_groups_aborted:
             return
-        import torch.distributed as dist
-
         for group in self.process_groups_aborted:
-            made = dist.new_group(list(group.ranks), backend="nccl", use_local_synchronization=True,
-                                  group_desc=f"{group.unique_name}:device:coldsnap{self.generation}")
+            made = new_nccl_process_group(group.ranks, f"{group.unique_name}:device:coldsnap{self.generation}")
             group.device_group = made
             communicator = getattr(group, "device_communicator", None)
             if communicator is not None and hasattr(communicator, "device_group"):

@@ -1,5 +1,5 @@
 """coldsnap_sglang's own logic without SGLang: the memory-saver factory, the agent's attachment after
-``alloc_memory_pool`` (TP1 attaches, TP > 1 and a draft runner do not), the prefix-cache flush through
+``alloc_memory_pool`` (TP 1 and TP > 1 attach; PP, DP and a draft runner do not), the prefix-cache flush through
 the server, the graph hooks (a speculative draft's included), the refused memory-occupation endpoints
 and the speculative settings the target's load reads. The runner and the server are stand-ins (SGLang needs a GPU to run a
 model); tests/integration/test_sglang_hooks.py runs the hooks inside SGLang's real modules."""
@@ -55,7 +55,8 @@ def test_memory_saver_is_sglangs_until_the_coldsnap_load_format_placed_a_model(c
 
 def _runner(**fields: object) -> SimpleNamespace:
     """A stand-in for SGLang's ModelRunner: the attributes the hook reads."""
-    defaults: dict[str, object] = {"tp_size": 1, "is_draft_worker": False, "server_args": SimpleNamespace(pp_size=1)}
+    defaults: dict[str, object] = {"tp_size": 1, "is_draft_worker": False, "gpu_id": 0,
+                                   "server_args": SimpleNamespace(pp_size=1, dp_size=1)}
     return SimpleNamespace(**{**defaults, **fields})
 
 
@@ -68,11 +69,24 @@ def test_the_agents_model_memory_is_complete_after_alloc_memory_pool_at_tp1():
     assert ProcessState.agent is None  # not under `coldsnap capture`: no control socket
 
 
+def test_at_tp_above_one_the_agent_takes_its_rank_and_the_sglang_collectives(monkeypatch):
+    from coldsnap_sglang.distributed import SglangCollectives
+
+    attached: dict[str, object] = {}
+    monkeypatch.setattr(agent_bootstrap, "_distributed_rank", lambda: (1, 2))
+    monkeypatch.setattr("coldsnap.agent.attach", lambda memory, **kwargs: attached.update(kwargs))
+    _placed()
+    agent_bootstrap.after_alloc_memory_pool(lambda r: "pools", _runner(tp_size=2, tp_rank=1, gpu_id=1))
+    assert (attached["rank"], attached["world"]) == (1, 2)
+    assert isinstance(attached["collectives"], SglangCollectives) and attached["collectives"].rank == 1
+
+
 @pytest.mark.parametrize("fields, warning", [
-    ({"tp_size": 2}, "no agent attaches"),
+    ({"server_args": SimpleNamespace(pp_size=2, dp_size=1)}, "no agent attaches"),
+    ({"server_args": SimpleNamespace(pp_size=1, dp_size=2)}, "no agent attaches"),
     ({"is_draft_worker": True}, None),
 ])
-def test_no_agent_for_a_draft_runner_or_at_tp_above_one(caplog, fields, warning):
+def test_no_agent_for_a_draft_runner_or_with_pipeline_or_data_parallelism(caplog, fields, warning):
     _placed()
     runner = _runner(**fields)
     with caplog.at_level(logging.WARNING, logger="sglang.coldsnap"):
@@ -137,6 +151,13 @@ def test_graphs_are_kept_or_dropped_and_captured_again():
     assert graphs.release_graphs("recreate") == ["decode_cuda_graph_runner"]
     assert runner.decode_cuda_graph_runner is None
     assert pool.pool is None  # the recapture takes a fresh pool: torch refuses to capture into the released one
+
+
+def test_at_tp_above_one_graphs_are_dropped_whatever_the_policy():
+    """They hold NCCL kernels of the communicators the snapshot ends."""
+    runner = SimpleNamespace(decode_cuda_graph_runner=object(), prefill_cuda_graph_runner=object())
+    graphs = agent_bootstrap.SglangGraphs(runner, set_graph_pool=lambda: _GraphPool().set, world=2)
+    assert graphs.release_graphs("retain") == ["decode_cuda_graph_runner", "prefill_cuda_graph_runner"]
 
     def init_cuda_graphs() -> None:
         runner.decode_cuda_graph_runner = object()
@@ -285,3 +306,42 @@ def test_graph_work_runs_on_the_callers_thread_without_idle_ticks(scheduler_thre
     scheduler_thread.run_pending()  # one tick, then the loop stopped (say, busy): the caller takes the job back
     assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name, pickup_seconds=0.05) == here
     assert not scheduler_thread._pending or scheduler_thread._pending[0].claimed  # never run twice
+
+
+def test_at_tp_above_one_graph_work_runs_here_with_the_scheduler_parked(scheduler_thread):
+    """The ranks' schedulers move in lockstep, so a job picked up a tick apart would deadlock them: the
+    agent's thread does the work while the scheduler waits at its idle tick, and goes on after it."""
+    stop = threading.Event()
+    ticks: list[int] = []
+
+    def event_loop() -> None:
+        while not stop.is_set():
+            scheduler_thread.around_on_idle(lambda s: ticks.append(1), SimpleNamespace())
+
+    loop = threading.Thread(target=event_loop, name="scheduler")
+    loop.start()
+    try:
+        while not ticks:
+            pass
+
+        def work() -> tuple[str, int, int]:
+            before = len(ticks)
+            threading.Event().wait(0.05)
+            return threading.current_thread().name, before, len(ticks)
+
+        name, before, after = scheduler_thread.with_scheduler_parked(work)
+        assert name == threading.current_thread().name and before == after  # no tick while it ran
+        resumed = len(ticks)
+        while len(ticks) == resumed:  # and the loop goes on afterwards
+            pass
+    finally:
+        stop.set()
+        loop.join()
+
+
+def test_a_scheduler_that_never_parks_does_not_stop_the_work(scheduler_thread):
+    """At TP > 1 a rank's scheduler can be blocked in the gloo broadcast of its parked rank 0: the work
+    goes on after a moment, and the park nobody picked up is dropped."""
+    scheduler_thread.run_pending()  # it ticked once, then blocked
+    assert scheduler_thread.with_scheduler_parked(lambda: "done", park_seconds=0.05) == "done"
+    scheduler_thread.run_pending()  # a later tick does not park forever
