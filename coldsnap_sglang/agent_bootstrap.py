@@ -219,5 +219,18 @@ def after_alloc_memory_pool(original: Callable[..., Any], runner: Any, *args: An
                     "parallelism only; no agent attaches, so `coldsnap capture` of this server stops at its readiness "
                     "check", pp_size, dp_size)
         return result
+    if int(getattr(runner, "tp_size", 1) or 1) > 1 and not _tensor_parallel_surface():
+        return result
     _attach(runner)
     return result
+
+
+def _tensor_parallel_surface() -> bool:
+    """Whether this SGLang has everything :mod:`coldsnap_sglang.distributed` rebuilds (else one warning)."""
+    from coldsnap_sglang import compat
+
+    missing = [symbol for symbol in compat.DISTRIBUTED_SURFACE if not compat.exists(symbol)]
+    if missing:
+        compat.disabled("capture at TP > 1", f"it lacks {', '.join(missing)}; no agent attaches, so `coldsnap "
+                        "capture` of this server stops at its readiness check")
+    return not missing

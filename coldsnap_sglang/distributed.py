@@ -50,6 +50,7 @@ from coldsnap.collective.group import Rendezvous, between_barriers
 from coldsnap.collective.torch_groups import (NcclTeardownError, abort_communicator, abort_default_nccl_backend,
                                               close_ipc_all_reduce, nccl_process_group, new_nccl_process_group,
                                               on_device)
+from coldsnap_sglang import compat
 
 __all__ = ["ABORT_TIMEOUT_S", "SglangCollectives", "UNSUPPORTED_COMMUNICATORS", "sglang_groups"]
 
@@ -68,19 +69,13 @@ UNSUPPORTED_COMMUNICATORS = {
 
 def sglang_groups() -> list[Any]:
     """SGLang's live parallel groups, by unique name (the same order on every rank)."""
-    from sglang.srt.distributed import parallel_state
-
-    groups = [(name, ref()) for name, ref in parallel_state._groups.items()]
+    groups = [(name, ref()) for name, ref in compat.lookup(compat.PARALLEL_GROUPS).items()]
     return [group for name, group in sorted(groups, key=lambda item: item[0]) if group is not None]
 
 
 def _symmetric_memory_enabled() -> bool:
-    """SGLang's NCCL symmetric memory (``--enable-symm-mem``), False where it has none."""
-    try:
-        from sglang.srt.distributed.device_communicators.pynccl_allocator import is_symmetric_memory_enabled
-    except ImportError:
-        return False
-    return bool(is_symmetric_memory_enabled())
+    """SGLang's NCCL symmetric memory (``--enable-symm-mem``)."""
+    return bool(compat.lookup(compat.SYMMETRIC_MEMORY_ENABLED)())
 
 
 def _live_pynccl(group: Any) -> Any:
@@ -141,9 +136,7 @@ class SglangCollectives:
 
     def _new_communicator(self) -> Any:
         if self._communicator_class is None:
-            from sglang.srt.distributed.device_communicators.pynccl import PyNcclCommunicator
-
-            self._communicator_class = PyNcclCommunicator
+            self._communicator_class = compat.lookup(compat.PYNCCL)
         return self._communicator_class
 
     def refused(self, groups: list[Any]) -> str | None:

@@ -4,7 +4,8 @@ Runs when scripts/install-sglang.sh has made .venv-sglang (scripts/test.sh does;
 overrides the place): SGLang's GPU build, imported on a machine without a GPU. What runs here: SGLang's
 own plugin loading (``load_plugins``: entry point + HookRegistry), its argument parser, ``LoadConfig``
 and ``get_model_loader`` with ``--load-format coldsnap``, the memory-saver factory, the model runner's
-hook, and the plugin against an SGLang that lacks hooks or is outside the supported range. Not run
+hook, the constructors and attributes the TP > 1 teardown and rebuild use, and the plugin against an
+SGLang that lacks hooks or is outside the supported range. Not run
 here (SGLang has no CPU model path without its kernels): loading a model, the KV cache in its region,
 the agent in a scheduler — those ran on the H200 (benchmarks/sglang_startup.py, `coldsnap demo --engine
 sglang`); tests/unit/test_sglang_plugin.py covers the plugin's own logic with stand-ins.
@@ -117,6 +118,28 @@ def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_pa
             assert "/release_memory_occupation is not available on a server started with --load-format coldsnap" in str(exc)
         else:
             raise AssertionError("not refused")
+        # TP > 1: what coldsnap_sglang.distributed reads on SGLang's groups and rebuilds with its constructors
+        import inspect
+        from sglang.srt.distributed import parallel_state
+        from sglang.srt.distributed.device_communicators import (custom_all_reduce, custom_all_reduce_v2, pynccl,
+                                                                 pynccl_wrapper, torch_symm_mem)
+        for made, names in ((pynccl.PyNcclCommunicator, ("group", "device", "is_symmetric_memory_enabled")),
+                            (custom_all_reduce.CustomAllreduce, ("group", "device")),
+                            (custom_all_reduce_v2.CustomAllReduceV2, ("group", "device")),
+                            (torch_symm_mem.TorchSymmMemCommunicator, ("group", "device"))):
+            parameters = inspect.signature(made.__init__).parameters
+            assert all(name in parameters for name in names), (made, list(parameters))
+        for owner, attributes in ((parallel_state.GroupCoordinator, ("pynccl_comm", "ca_comm", "torch_symm_mem_comm",
+                                   "pymscclpp_comm", "qr_comm", "device_group", "cpu_group", "ranks", "device")),
+                                  (pynccl.PyNcclCommunicator, ("available", "comm", "nccl", "device")),
+                                  (custom_all_reduce.CustomAllreduce, ("meta_ptrs", "buffer_ptrs", "rank", "_ptr",
+                                                                       "original_disabled")),
+                                  (pynccl_wrapper.NCCLLibrary, ("lib",))):
+            source = inspect.getsource(owner.__init__)
+            assert all(f"self.{{name}}" in source for name in attributes), (owner, attributes)
+        assert "ncclCommAbort" not in inspect.getsource(pynccl_wrapper)  # why coldsnap binds it from `lib` itself
+        from coldsnap_sglang.distributed import sglang_groups
+        assert sglang_groups() == []  # SGLang's own registry, empty in a process that made no group
         print("ok")
     """, tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "ok"

@@ -73,6 +73,7 @@ def test_at_tp_above_one_the_agent_takes_its_rank_and_the_sglang_collectives(mon
     from coldsnap_sglang.distributed import SglangCollectives
 
     attached: dict[str, object] = {}
+    monkeypatch.setattr(agent_bootstrap, "_tensor_parallel_surface", lambda: True)  # SGLang's modules, not here
     monkeypatch.setattr(agent_bootstrap, "_distributed_rank", lambda: (1, 2))
     monkeypatch.setattr("coldsnap.agent.attach", lambda memory, **kwargs: attached.update(kwargs))
     _placed()
@@ -82,6 +83,7 @@ def test_at_tp_above_one_the_agent_takes_its_rank_and_the_sglang_collectives(mon
 
 
 @pytest.mark.parametrize("fields, warning", [
+    ({"tp_size": 2}, "capture at TP > 1 disabled"),  # an SGLang without what the rebuild needs (none here)
     ({"server_args": SimpleNamespace(pp_size=2, dp_size=1)}, "no agent attaches"),
     ({"server_args": SimpleNamespace(pp_size=1, dp_size=2)}, "no agent attaches"),
     ({"is_draft_worker": True}, None),
