@@ -47,9 +47,9 @@ import logging
 from typing import Any, Callable, Iterable
 
 from coldsnap.collective.group import Rendezvous, between_barriers
-from coldsnap.collective.torch_groups import (NcclTeardownError, abort_communicator, abort_default_nccl_backend,
-                                              close_ipc_all_reduce, nccl_process_group, new_nccl_process_group,
-                                              on_device)
+from coldsnap.collective.torch_groups import (NcclTeardownError, abort_communicator, abort_torch_nccl_groups,
+                                              close_ipc_all_reduce, on_device, remake_torch_nccl_groups,
+                                              torch_nccl_groups)
 from coldsnap_sglang import compat
 
 __all__ = ["ABORT_TIMEOUT_S", "SglangCollectives", "UNSUPPORTED_COMMUNICATORS", "sglang_groups"]
@@ -157,7 +157,7 @@ class SglangCollectives:
             if refused is not None:
                 raise NcclTeardownError(f"coldsnap cannot yet snapshot SGLang with {refused}: start SGLang without it")
             live = [g for g in groups if _live_pynccl(g) is not None]
-            torch_nccl = [g for g in groups if nccl_process_group(getattr(g, "device_group", None)) is not None]
+            torch_nccl = torch_nccl_groups(groups)
             if not live and not torch_nccl:
                 return  # gloo only (a CPU group), which the snapshot carries
             symmetric = self._release_symmetric_memory(groups)
@@ -178,10 +178,7 @@ class SglangCollectives:
                 pynccl.available = False
                 pynccl.disabled = True
                 pynccl.comm = None
-            for group in torch_nccl:
-                group.device_group.abort()  # torch's communicators of this group; the group is made anew
-            if torch_nccl:
-                abort_default_nccl_backend()
+            abort_torch_nccl_groups(torch_nccl)
             self.torn_down = live
             self.process_groups_aborted = torch_nccl
             log.info("coldsnap: NCCL torn down: pynccl %s, custom all-reduce %s, torch symmetric memory %s, "
@@ -193,9 +190,7 @@ class SglangCollectives:
     def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
         def connect() -> None:
             self.generation += 1
-            for group in self.process_groups_aborted:  # in name order, by the group's members only
-                group.device_group = new_nccl_process_group(
-                    group.ranks, f"{group.unique_name}:device:coldsnap{self.generation}")
+            remake_torch_nccl_groups(self.process_groups_aborted, self.generation)
             self.process_groups_aborted = []
             cls = self._new_communicator()
             # SGLang's own constructors, on the group's GPU: the agent's thread starts on device 0, and

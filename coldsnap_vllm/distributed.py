@@ -67,8 +67,8 @@ import logging
 from typing import Any, Callable, Iterable
 
 from coldsnap.collective.group import Rendezvous, between_barriers, share_unique_id
-from coldsnap.collective.torch_groups import (NcclTeardownError, abort_communicator, abort_default_nccl_backend,
-                                              close_ipc_all_reduce, nccl_process_group, new_nccl_process_group)
+from coldsnap.collective.torch_groups import (NcclTeardownError, abort_communicator, abort_torch_nccl_groups,
+                                              close_ipc_all_reduce, remake_torch_nccl_groups, torch_nccl_groups)
 from coldsnap_vllm.compat import (clear_every_graph_wrapper, move_graphs_to_a_fresh_pool,
                                   release_model_runner_v2_graphs)
 
@@ -134,11 +134,6 @@ def _reopen_custom_all_reduce(closed: Any, communicator: Any) -> Any:
     return cls(group=communicator.cpu_group, device=communicator.device, **options)
 
 
-def _nccl_process_group(group: Any) -> Any:
-    """The group's torch ``device_group`` when NCCL backs it, else None."""
-    return nccl_process_group(getattr(group, "device_group", None))
-
-
 def _call_if_present(module: Any, name: str) -> None:
     function = getattr(module, name, None)
     if function is not None:
@@ -179,7 +174,7 @@ class VllmCollectives:
         def release() -> None:
             groups = list(self._groups())
             live = [g for g in groups if (p := _pynccl(g)) is not None and not p.disabled]
-            torch_nccl = [g for g in groups if _nccl_process_group(g) is not None]
+            torch_nccl = torch_nccl_groups(groups)
             if not live and not torch_nccl:
                 return  # vLLM's CPU build: gloo and shared memory, which the snapshot carries
             _call_if_present(self._parallel_state(), "checkpoint_prepare_distributed_state")  # 0.27+
@@ -191,10 +186,7 @@ class VllmCollectives:
                     self.custom_all_reduce[group.unique_name] = custom
                 communicator.ca_comm = None
                 seconds[f"abort_{group.unique_name}"] = _abort_pynccl(communicator.pynccl_comm, group.unique_name)
-            for group in torch_nccl:
-                group.device_group.abort()  # torch's communicators of this group; the group is made anew
-            if torch_nccl:
-                abort_default_nccl_backend()
+            abort_torch_nccl_groups(torch_nccl)
             self.torn_down = live
             self.process_groups_aborted = torch_nccl
             log.info("coldsnap: NCCL torn down: pynccl %s, custom all-reduce %s, symmetric memory %s, torch groups %s",
@@ -260,12 +252,11 @@ class VllmCollectives:
         """Each aborted group's torch ``device_group`` made again, in name order, by its members only."""
         if not self.process_groups_aborted:
             return
-        for group in self.process_groups_aborted:
-            made = new_nccl_process_group(group.ranks, f"{group.unique_name}:device:coldsnap{self.generation}")
-            group.device_group = made
+        remake_torch_nccl_groups(self.process_groups_aborted, self.generation)
+        for group in self.process_groups_aborted:  # vLLM's device communicator keeps its own reference
             communicator = getattr(group, "device_communicator", None)
             if communicator is not None and hasattr(communicator, "device_group"):
-                communicator.device_group = made
+                communicator.device_group = group.device_group
         self.process_groups_aborted = []
 
     @staticmethod

@@ -17,8 +17,9 @@ import threading
 import time
 from typing import Any, Callable
 
-__all__ = ["NcclTeardownError", "abort_communicator", "abort_default_nccl_backend", "close_ipc_all_reduce",
-           "nccl_process_group", "new_nccl_process_group", "on_device"]
+__all__ = ["NcclTeardownError", "abort_communicator", "abort_default_nccl_backend", "abort_torch_nccl_groups",
+           "close_ipc_all_reduce", "nccl_process_group", "new_nccl_process_group", "on_device", "remake_torch_nccl_groups",
+           "torch_nccl_groups"]
 
 
 class NcclTeardownError(RuntimeError):
@@ -115,3 +116,23 @@ def new_nccl_process_group(ranks: list[int], description: str) -> Any:
     import torch.distributed as dist
 
     return dist.new_group(list(ranks), backend="nccl", use_local_synchronization=True, group_desc=description)
+
+
+def torch_nccl_groups(groups: list[Any]) -> list[Any]:
+    """The engine groups (``GroupCoordinator``s) whose torch ``device_group`` NCCL backs."""
+    return [group for group in groups if nccl_process_group(getattr(group, "device_group", None)) is not None]
+
+
+def abort_torch_nccl_groups(groups: list[Any]) -> None:
+    """Abort each group's torch NCCL ``device_group`` (the group object stays, and is made anew by
+    :func:`remake_torch_nccl_groups`), then the default group's NCCL backend."""
+    for group in groups:
+        group.device_group.abort()
+    if groups:
+        abort_default_nccl_backend()
+
+
+def remake_torch_nccl_groups(groups: list[Any], generation: int) -> None:
+    """Each aborted group's ``device_group`` made again, in the order given (name order: the same on every rank)."""
+    for group in groups:
+        group.device_group = new_nccl_process_group(group.ranks, f"{group.unique_name}:device:coldsnap{generation}")
