@@ -30,9 +30,9 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
   ``TokenizerControlMixin``'s coroutines behind ``/release_memory_occupation`` and
   ``/resume_memory_occupation`` (and ``Engine``'s methods), refused on a coldsnap-loaded server;
 - **tensor parallelism** (:data:`DISTRIBUTED_SURFACE`): ``parallel_state._groups`` (every
-  ``GroupCoordinator`` by unique name) and the communicators rebuilt inside them after a restore
-  (``PyNcclCommunicator``, the legacy and v2 custom all-reduce, ``TorchSymmMemCommunicator``), with
-  ``is_symmetric_memory_enabled``; without all of them no agent attaches at TP > 1 (one warning).
+  ``GroupCoordinator`` by unique name), ``PyNcclCommunicator`` (rebuilt inside them after a restore)
+  and ``is_symmetric_memory_enabled``; without them no agent attaches at TP > 1 (one warning). The other
+  communicators rebuilt (:data:`REBUILT_COMMUNICATORS`) are probed.
 
 ``scripts/api-surface.py`` records which of :data:`PROBED` a wheel has (``tests/fixtures/sglang-*-surface.json``,
 checked by ``tests/unit/test_sglang_compat.py``).
@@ -50,7 +50,8 @@ __all__ = ["SUPPORTED", "PROBED", "sglang_version", "supported", "probe", "looku
            "INIT_CUDA_GRAPHS", "MODEL_RUNNER_MODULE", "LOAD_FORMAT_CHOICE_LIST", "HOOK_REGISTRY", "HOOK_TYPE",
            "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "ON_IDLE", "DRAFT_GRAPHS", "GRAPH_POOL_SETTER", "TOKENIZER_CONTROL_MODULE",
            "RELEASE_MEMORY_OCCUPATION", "RESUME_MEMORY_OCCUPATION", "INHERITED", "LOADER_SURFACE", "hook_target",
-           "speculative_draft_load_format", "PARALLEL_GROUPS", "PYNCCL", "SYMMETRIC_MEMORY_ENABLED", "DISTRIBUTED_SURFACE"]
+           "speculative_draft_load_format", "PARALLEL_GROUPS", "PYNCCL", "SYMMETRIC_MEMORY_ENABLED", "DISTRIBUTED_SURFACE",
+           "REBUILT_COMMUNICATORS"]
 
 log = logging.getLogger("sglang.coldsnap")  # under SGLang's logger: the lines show in the engine's log
 
@@ -83,12 +84,13 @@ COMMUNICATORS_MODULE = "sglang.srt.distributed.device_communicators"
 PARALLEL_GROUPS = "sglang.srt.distributed.parallel_state:_groups"
 PYNCCL = f"{COMMUNICATORS_MODULE}.pynccl:PyNcclCommunicator"
 SYMMETRIC_MEMORY_ENABLED = f"{COMMUNICATORS_MODULE}.pynccl_allocator:is_symmetric_memory_enabled"
-DISTRIBUTED_SURFACE = (PARALLEL_GROUPS, PYNCCL, SYMMETRIC_MEMORY_ENABLED,
-                       f"{COMMUNICATORS_MODULE}.custom_all_reduce:CustomAllreduce.close",
-                       f"{COMMUNICATORS_MODULE}.custom_all_reduce_v2:CustomAllReduceV2.close",
-                       f"{COMMUNICATORS_MODULE}.torch_symm_mem:TorchSymmMemCommunicator")
-"""What :mod:`coldsnap_sglang.distributed` reads and rebuilds at TP > 1 (the custom all-reduces and the
-symmetric-memory communicator are remade as ``type(old)(group=..., device=...)``, as SGLang makes them)."""
+DISTRIBUTED_SURFACE = (PARALLEL_GROUPS, PYNCCL, SYMMETRIC_MEMORY_ENABLED)
+"""What :mod:`coldsnap_sglang.distributed` looks up at TP > 1 (without it no agent attaches there)."""
+REBUILT_COMMUNICATORS = (f"{COMMUNICATORS_MODULE}.custom_all_reduce:CustomAllreduce.close",
+                         f"{COMMUNICATORS_MODULE}.custom_all_reduce_v2:CustomAllReduceV2.close",
+                         f"{COMMUNICATORS_MODULE}.torch_symm_mem:TorchSymmMemCommunicator")
+"""The communicators it closes and remakes as ``type(old)(group=..., device=...)``, as SGLang makes them
+(probed, not looked up: a group holds them)."""
 
 HOOK_REGISTRY = "sglang.srt.plugins.hook_registry:HookRegistry"
 HOOK_TYPE = "sglang.srt.plugins.hook_registry:HookType"
@@ -102,7 +104,8 @@ load format, which the hook above enables)."""
 
 PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, LOAD_FORMAT_CHOICE_LIST, DEFAULT_LOADER, MEMORY_SAVER_CREATE,
           ALLOC_MEMORY_POOL, INIT_CUDA_GRAPHS, HOOK_REGISTRY, HOOK_TYPE, SPEC_CONFIG, INIT_ALL_CUDA_GRAPHS, DRAFT_GRAPHS,
-          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, GRAPH_POOL_SETTER, ON_IDLE, *LOADER_SURFACE, *DISTRIBUTED_SURFACE)
+          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, GRAPH_POOL_SETTER, ON_IDLE, *LOADER_SURFACE, *DISTRIBUTED_SURFACE,
+          *REBUILT_COMMUNICATORS)
 
 INHERITED = "inherited"
 """What :func:`speculative_draft_load_format` says when the draft loads with the target's load format."""
