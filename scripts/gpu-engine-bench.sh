@@ -21,13 +21,17 @@
 # The benchmarks share one model (/tmp/coldsnap-llama-SHAPE; COLDSNAP_BENCH_SHAPE, default 8b, is what setup
 # writes). Carry .gpu-bundle/wheels and .gpu-bundle/criu-debs with the first call, the ENGINE-site.json
 # manifests with every call, and at most one ≤ 56 MiB part per call. COLDSNAP_BENCH_ARGS: more benchmark
-# arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64).
+# arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64). COLDSNAP_BENCH_TP=N (nvidia-h200-x2
+# and up): the engine serves at tensor-parallel size N (vLLM --tensor-parallel-size with its all-reduce + RMSNorm
+# fusion off, SGLang --tp-size), NCCL_NVLS_ENABLE=0, and the outputs are named ENGINE-startup-tpN.*.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
 out=${OUT:-/tmp/coldsnap-bench-out}
 shape=${COLDSNAP_BENCH_SHAPE:-8b}
 model=/tmp/coldsnap-llama-$shape
+tp=${COLDSNAP_BENCH_TP:-1}
+[ "$tp" -gt 1 ] && export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent pairs (the device tool's KINDS.md)
 log() { printf 'gpu-engine-bench: %s\n' "$*" >&2; }
 mkdir -p "$out"
 
@@ -46,6 +50,16 @@ engine_path() {  # install the engine from its parts once; its PYTHONPATH, as be
 wait_for_model() {
     while pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null; do sleep 2; done  # the model being written
     [ -f "$model/coldsnap-tiny-model.json" ] || { log "no model at $model: $(tail -5 /tmp/coldsnap-model.log)"; exit 1; }
+}
+
+tensor_parallel_args() {  # the benchmark's arguments that serve ENGINE at TP $tp (none at TP 1)
+    [ "$tp" -gt 1 ] || return 0
+    case "$1" in
+        # vLLM's FlashInfer all-reduce + RMSNorm fusion kills its first profile run on the pair (docs/gpu-host.md)
+        vllm) printf '%s\n' "--vllm-arg=--tensor-parallel-size=$tp" \
+                  '--vllm-arg=--compilation-config={"pass_config": {"fuse_allreduce_rms": false}}' ;;
+        sglang*) printf '%s\n' "--sglang-arg=--tp-size=$tp" ;;
+    esac
 }
 
 receive() {
@@ -78,42 +92,46 @@ case "${1:-}" in
         repeat=${3:-3}
         engine_path "$engine"
         wait_for_model
-        work=/tmp/$engine-bench
+        work=/tmp/$engine-bench$([ "$tp" -gt 1 ] && echo "-tp$tp")
         mkdir -p "$work"
         ln -sfn "$model" "$work/llama-8b"
         set +e
         device=()
         [ "$engine" = vllm ] && device=(--device cuda)  # vllm_startup.py's default is vLLM's CPU build
+        mapfile -t parallel < <(tensor_parallel_args "$engine")
+        name=$engine-startup$([ "$tp" -gt 1 ] && echo "-tp$tp")
         python3 "benchmarks/${engine}_startup.py" "${device[@]}" --shape 8b --dir "$work" --steps "$steps" --repeat "$repeat" \
-            --out "$out/$engine-startup.json" ${COLDSNAP_BENCH_ARGS:-} 2>&1 | tee -a "$out/$engine-startup.log"
+            --out "$out/$name.json" "${parallel[@]}" ${COLDSNAP_BENCH_ARGS:-} 2>&1 | tee -a "$out/$name.log"
         status=${PIPESTATUS[0]}
         set -e
         # this engine's logs and receipts so far (no model, artifact or caches), for $OUT
         (cd "$work" && find . -maxdepth 1 -type f \( -name '*.log' -o -name '*.json' -o -name '*.jsonl' \) -print0 |
-            tar -czf "$out/$engine-logs.tar.gz" --null -T -) || true
+            tar -czf "$out/$name-logs.tar.gz" --null -T -) || true
         exit "$status"
         ;;
     sglang-speculative)
         shift
         engine_path sglang
         pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null && wait_for_model
-        work=/tmp/sglang-speculative-$shape
+        work=/tmp/sglang-speculative-$shape$([ "$tp" -gt 1 ] && echo "-tp$tp")
         mkdir -p "$work"
         if [ -f "$model/coldsnap-tiny-model.json" ]; then  # setup wrote it; else the benchmark's model step does
             ln -sfn "$model" "$work/llama-$shape"
             ln -sfn "$model-draft" "$work/llama-$shape-draft"
         fi
+        mapfile -t parallel < <(tensor_parallel_args sglang)
+        name=sglang-speculative$([ "$tp" -gt 1 ] && echo "-tp$tp")
         set +e
-        python3 benchmarks/sglang_speculative.py --shape "$shape" --dir "$work" --out "$out/sglang-speculative.json" "$@" \
-            2>&1 | tee -a "$out/sglang-speculative.log"
+        python3 benchmarks/sglang_speculative.py --shape "$shape" --dir "$work" --out "$out/$name.json" "${parallel[@]}" "$@" \
+            2>&1 | tee -a "$out/$name.log"
         status=${PIPESTATUS[0]}
         set -e
         (cd "$work" && find . -maxdepth 1 -type f \( -name '*.log' -o -name '*.json' \) -print0 |
-            tar -czf "$out/sglang-speculative-logs.tar.gz" --null -T -) || true
+            tar -czf "$out/$name-logs.tar.gz" --null -T -) || true
         exit "$status"
         ;;
     *)
-        sed -n '2,24p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
