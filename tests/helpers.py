@@ -1,4 +1,5 @@
-"""Small helpers the integration tests share: a free port, the CLI run for its receipt, an artifact's bytes."""
+"""Small helpers the tests share: a free port, the CLI run for its receipt, an artifact's bytes, ranks run against
+a real activation coordinator."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import Callable
 
-__all__ = ["free_port", "coldsnap_receipt", "file_digests"]
+__all__ = ["free_port", "coldsnap_receipt", "file_digests", "run_ranks_with_coordinator"]
 
 
 def free_port() -> int:
@@ -33,3 +36,32 @@ def file_digests(root: Path) -> dict[str, str]:
     was written, added or removed."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(root.rglob("*"))
             if p.is_file()}
+
+
+def run_ranks_with_coordinator(token: bytes, world: int, work: Callable[[int, object], None],
+                               timeout: float = 30) -> list[tuple[int, Exception]]:
+    """``work(rank, client)`` for every rank at once, each on its own thread with its own client of one real
+    activation coordinator (the barriers and key exchange the engines' teardowns use); the exceptions the
+    ranks raised, by rank."""
+    from coldsnap.coord import Coordinator, CoordinatorClient
+
+    server = Coordinator("127.0.0.1:0", token, world, ttl=60)
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    errors: list[tuple[int, Exception]] = []
+
+    def rank(r: int) -> None:
+        try:
+            with CoordinatorClient(server.endpoint, token, r) as client:
+                work(r, client)
+        except Exception as exc:  # collected, asserted by the caller
+            errors.append((r, exc))
+
+    ranks = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for thread in ranks:
+        thread.start()
+    for thread in ranks:
+        thread.join(timeout)
+    server.stop()
+    serving.join(5)
+    return errors

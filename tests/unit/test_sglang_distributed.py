@@ -6,7 +6,6 @@ constructor SGLang 0.5.17 gives them (tests/integration/test_sglang_hooks.py che
 real modules). The coordinator, the barriers and the two ranks' threads are real."""
 
 import re
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -14,9 +13,9 @@ import pytest
 pytest.importorskip("zmq")
 
 from coldsnap.collective.torch_groups import NcclTeardownError  # noqa: E402
-from coldsnap.coord import Coordinator, CoordinatorClient  # noqa: E402
 from coldsnap_sglang import distributed  # noqa: E402
 from coldsnap_sglang.distributed import SglangCollectives  # noqa: E402
+from tests.helpers import run_ranks_with_coordinator  # noqa: E402
 
 TOKEN = b"sglang-distributed-test-token-01"
 
@@ -119,27 +118,9 @@ def unmapped(monkeypatch):
 
 
 def run_ranks(groups_of, work, symmetric_memory=False):
-    server = Coordinator("127.0.0.1:0", TOKEN, 2, ttl=60)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
     collectives = [SglangCollectives(r, 2, groups=lambda r=r: groups_of[r], communicator_class=PyNcclForCpuTest,
                                      symmetric_memory_enabled=lambda: symmetric_memory) for r in range(2)]
-    errors = []
-
-    def rank(r):
-        try:
-            with CoordinatorClient(server.endpoint, TOKEN, r) as client:
-                work(collectives[r], client)
-        except Exception as exc:  # collected, asserted by the caller
-            errors.append((r, exc))
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    server.stop()
-    thread.join(5)
+    errors = run_ranks_with_coordinator(TOKEN, 2, lambda r, client: work(collectives[r], client))
     return collectives, errors
 
 

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from coldsnap.coord import Coordinator, CoordinatorClient  # noqa: E402
 from coldsnap_vllm.distributed import VllmCollectives  # noqa: E402
+from tests.helpers import run_ranks_with_coordinator  # noqa: E402
 
 TOKEN = b"vllm-distributed-test-token-0123"
 
@@ -87,28 +87,10 @@ class ParallelStateForCpuTest:
 
 
 def run_ranks(world, groups_of, work):
-    server = Coordinator("127.0.0.1:0", TOKEN, world, ttl=60)
-    thread = threading.Thread(target=server.serve, daemon=True)
-    thread.start()
     states = [ParallelStateForCpuTest() for _ in range(world)]
     collectives = [VllmCollectives(r, world, groups=lambda r=r: groups_of[r], communicator_class=PyNcclForCpuTest,
                                    state=states[r]) for r in range(world)]
-    errors = []
-
-    def rank(r):
-        try:
-            with CoordinatorClient(server.endpoint, TOKEN, r) as client:
-                work(collectives[r], client)
-        except Exception as exc:  # collected, asserted below
-            errors.append((r, exc))
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    server.stop()
-    thread.join(5)
+    errors = run_ranks_with_coordinator(TOKEN, world, lambda r, client: work(collectives[r], client))
     assert errors == []
     return collectives, states
 
