@@ -12,8 +12,10 @@ What registration installs (:mod:`coldsnap_sglang.compat` names every target):
   SGLang's closed ``LoadFormat`` enum would reject the string;
 - the memory saver (:mod:`coldsnap_sglang.memory_saver`): the KV cache in coldsnap's ``kv_cache`` region;
 - the agent (:mod:`coldsnap_sglang.agent_bootstrap`), attached after ``ModelRunner.alloc_memory_pool``,
-  the scheduler noted around ``Scheduler.init_all_cuda_graphs`` (a speculative draft's graphs), and its
-  graph work run at ``Scheduler.on_idle`` (:mod:`coldsnap_sglang.scheduler_thread`);
+  the scheduler noted around ``Scheduler.init_all_cuda_graphs`` (a speculative draft's graphs), and the
+  agent's steps (graph work; at TP > 1 the NCCL teardown and rebuild too) run on the scheduler's thread
+  where ``SchedulerRequestReceiver._broadcast_reqs_across_ranks`` carried rank 0's marker for them, in
+  lockstep across the ranks (:mod:`coldsnap_sglang.scheduler_thread`);
 - SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation`` refused on a coldsnap-loaded
   server, with one message (:func:`coldsnap_sglang.memory_saver.refuse_memory_occupation`).
 
@@ -78,17 +80,18 @@ def _hook_model_runner(module: ModuleType) -> None:
 
 def _hook_scheduler(module: ModuleType) -> None:
     """Once SGLang imported its scheduler (a scheduler process): the scheduler noted for the draft's
-    graphs, and its idle tick running the agent's graph work."""
+    graphs, and its request broadcast running the agent's steps (in lockstep across the ranks)."""
     from coldsnap_sglang import compat
     from coldsnap_sglang.agent_bootstrap import around_init_all_cuda_graphs
 
-    from coldsnap_sglang.scheduler_thread import around_on_idle
+    from coldsnap_sglang.scheduler_thread import around_broadcast_requests
 
     registry = compat.lookup(compat.HOOK_REGISTRY)
     hooked = [_hook(registry, compat.INIT_ALL_CUDA_GRAPHS, around_init_all_cuda_graphs,
                     "graph policy 'recreate' for a speculative draft's graphs"),
-              _hook(registry, compat.ON_IDLE, around_on_idle,
-                    "graph work on the scheduler's thread (a 'recreate' recapture runs on the agent's, much slower)")]
+              _hook(registry, compat.BROADCAST_REQUESTS, around_broadcast_requests,
+                    "graph work on the scheduler's thread (at TP 1 a 'recreate' recapture then runs on the agent's, "
+                    "much slower; TP > 1 needs it)")]
     if any(hooked):
         registry.apply_hooks()
 

@@ -14,9 +14,10 @@ it along.
 At TP > 1 every scheduler process runs an agent (rank and world from torch.distributed). The NCCL
 communicators inside SGLang's groups are torn down before the CUDA checkpoint and rebuilt after it
 (:mod:`coldsnap_sglang.distributed`); the graphs, which hold NCCL kernels, are dropped and recaptured
-whatever the graph policy. The graph work runs on the agent's thread with the scheduler parked
-(:func:`coldsnap_sglang.scheduler_thread.with_scheduler_parked`: the ranks' schedulers move in lockstep)
-and on the runner's device. Pipeline and data parallelism are not built: no agent attaches there (one
+whatever the graph policy. Those steps, the graph work included, run on each rank's scheduler thread
+right after the request broadcast that carries rank 0's marker for them
+(:func:`coldsnap_sglang.scheduler_thread.in_lockstep`: the schedulers' gloo broadcasts and the steps'
+own gloo calls share the TP group's gloo group, whose order must match on every rank). Pipeline and data parallelism are not built: no agent attaches there (one
 warning), so a capture stops at its readiness check instead of producing an image that cannot be restored.
 """
 
@@ -28,7 +29,7 @@ import threading
 from typing import Any, Callable
 
 from coldsnap_sglang.process import ProcessState
-from coldsnap_sglang.scheduler_thread import on_scheduler_thread, with_scheduler_parked
+from coldsnap_sglang.scheduler_thread import in_lockstep, on_scheduler_thread
 
 __all__ = ["after_alloc_memory_pool", "around_init_all_cuda_graphs", "flush_scheduler_cache", "SglangGraphs"]
 
@@ -160,9 +161,9 @@ def _attach(runner: Any) -> None:
     ProcessState.runner = runner
     rank, world = _distributed_rank()
     graphs = SglangGraphs(runner, _spec_worker, world=world)
-    graph_thread = on_scheduler_thread if world == 1 else _on_runner_device(runner, with_scheduler_parked)
+    graph_thread = on_scheduler_thread if world == 1 else in_lockstep
 
-    def release_graphs(policy: str) -> list[str]:  # on the scheduler's thread (TP 1), as SGLang captured them
+    def release_graphs(policy: str) -> list[str]:  # on the scheduler's thread, as SGLang captured them
         return [] if policy == "retain" and world == 1 else graph_thread(lambda: graphs.release_graphs(policy))
 
     hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
@@ -173,7 +174,7 @@ def _attach(runner: Any) -> None:
     if world > 1:
         from coldsnap_sglang.distributed import SglangCollectives
 
-        collectives = SglangCollectives(rank, world)
+        collectives = SglangCollectives(rank, world, step=in_lockstep)
     ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=rank, world=world, hooks=hooks,
                                 collectives=collectives)
     if ProcessState.agent is not None:
@@ -187,21 +188,6 @@ def _distributed_rank() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _on_runner_device(runner: Any, run: Callable[[Callable[[], Any]], Any]) -> Callable[[Callable[[], Any]], Any]:
-    """``run(work)`` with ``work`` on the runner's GPU: CUDA's current device is per thread, and the
-    agent's thread starts on device 0 whatever its rank."""
-    from coldsnap.collective.torch_groups import on_device
-
-    def on_runner_device(work: Callable[[], Any]) -> Any:
-        def work_on_device() -> Any:
-            with on_device(getattr(runner, "gpu_id", None)):
-                return work()
-
-        return run(work_on_device)
-
-    return on_runner_device
 
 
 def after_alloc_memory_pool(original: Callable[..., Any], runner: Any, *args: Any, **kwargs: Any) -> Any:

@@ -24,14 +24,16 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
   format), which tell the target's load whether a draft will be placed after it; the scheduler, whose
   ``draft_worker`` (the spec worker; its own ``draft_worker`` the ``EagleDraftWorker`` every
   draft-model algorithm builds on) holds the draft's graph runners (``cuda_graph_runner``,
-  ``cuda_graph_runner_for_draft_extend``, rebuilt by ``init_cuda_graphs``); the scheduler's idle tick
-  (:data:`ON_IDLE`), where graph work runs on the scheduler's own thread;
+  ``cuda_graph_runner_for_draft_extend``, rebuilt by ``init_cuda_graphs``); the scheduler loop's request
+  broadcast (:data:`BROADCAST_REQUESTS`), where the agent's steps run on the scheduler's own thread;
 - **the memory-occupation endpoints** (:data:`RELEASE_MEMORY_OCCUPATION`, :data:`RESUME_MEMORY_OCCUPATION`):
   ``TokenizerControlMixin``'s coroutines behind ``/release_memory_occupation`` and
   ``/resume_memory_occupation`` (and ``Engine``'s methods), refused on a coldsnap-loaded server;
 - **tensor parallelism** (:data:`DISTRIBUTED_SURFACE`): ``parallel_state._groups`` (every
-  ``GroupCoordinator`` by unique name), ``PyNcclCommunicator`` (rebuilt inside them after a restore)
-  and ``is_symmetric_memory_enabled``; without them no agent attaches at TP > 1 (one warning). The other
+  ``GroupCoordinator`` by unique name), ``PyNcclCommunicator`` (rebuilt inside them after a restore),
+  ``is_symmetric_memory_enabled``, and ``SchedulerRequestReceiver._broadcast_reqs_across_ranks``
+  (:data:`BROADCAST_REQUESTS`, where the agents' steps run in lockstep); without them no agent attaches
+  at TP > 1 (one warning). The other
   communicators rebuilt (:data:`REBUILT_COMMUNICATORS`) are probed.
 
 ``scripts/api-surface.py`` records which of :data:`PROBED` a wheel has (``tests/fixtures/sglang-*-surface.json``,
@@ -48,9 +50,10 @@ from coldsnap.plugin import exists, lookup
 __all__ = ["SUPPORTED", "PROBED", "sglang_version", "supported", "probe", "lookup", "exists", "disabled",
            "VERIFY_LOAD_FORMAT", "LOAD_FORMAT_CHOICES", "DEFAULT_LOADER", "MEMORY_SAVER_CREATE", "ALLOC_MEMORY_POOL",
            "INIT_CUDA_GRAPHS", "MODEL_RUNNER_MODULE", "LOAD_FORMAT_CHOICE_LIST", "HOOK_REGISTRY", "HOOK_TYPE",
-           "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "ON_IDLE", "DRAFT_GRAPHS", "GRAPH_POOL_SETTER", "TOKENIZER_CONTROL_MODULE",
+           "SPEC_CONFIG", "SCHEDULER_MODULE", "INIT_ALL_CUDA_GRAPHS", "DRAFT_GRAPHS", "GRAPH_POOL_SETTER", "TOKENIZER_CONTROL_MODULE",
            "RELEASE_MEMORY_OCCUPATION", "RESUME_MEMORY_OCCUPATION", "INHERITED", "LOADER_SURFACE", "hook_target",
-           "speculative_draft_load_format", "PARALLEL_GROUPS", "PYNCCL", "SYMMETRIC_MEMORY_ENABLED", "DISTRIBUTED_SURFACE",
+           "speculative_draft_load_format", "PARALLEL_GROUPS", "PYNCCL", "SYMMETRIC_MEMORY_ENABLED", "BROADCAST_REQUESTS",
+           "DISTRIBUTED_SURFACE",
            "REBUILT_COMMUNICATORS"]
 
 log = logging.getLogger("sglang.coldsnap")  # under SGLang's logger: the lines show in the engine's log
@@ -70,8 +73,6 @@ INIT_CUDA_GRAPHS = f"{MODEL_RUNNER_MODULE}:ModelRunner.init_cuda_graphs"
 SPEC_CONFIG = "sglang.srt.runtime_context:get_spec"
 SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
 INIT_ALL_CUDA_GRAPHS = f"{SCHEDULER_MODULE}:Scheduler.init_all_cuda_graphs"
-ON_IDLE = f"{SCHEDULER_MODULE}:Scheduler.on_idle"
-"""The idle tick of the scheduler's event loop, where the agent's graph work runs on the scheduler's thread."""
 DRAFT_GRAPHS = "sglang.srt.speculative.eagle_worker_v2:EagleDraftWorker._capture_cuda_graphs"
 GRAPH_POOL_SETTER = "sglang.srt.model_executor.runner_utils.pool:set_global_graph_memory_pool"
 """The process-wide graph memory pool every graph runner captures into; a recreate starts a fresh one."""
@@ -84,8 +85,14 @@ COMMUNICATORS_MODULE = "sglang.srt.distributed.device_communicators"
 PARALLEL_GROUPS = "sglang.srt.distributed.parallel_state:_groups"
 PYNCCL = f"{COMMUNICATORS_MODULE}.pynccl:PyNcclCommunicator"
 SYMMETRIC_MEMORY_ENABLED = f"{COMMUNICATORS_MODULE}.pynccl_allocator:is_symmetric_memory_enabled"
-DISTRIBUTED_SURFACE = (PARALLEL_GROUPS, PYNCCL, SYMMETRIC_MEMORY_ENABLED)
-"""What :mod:`coldsnap_sglang.distributed` looks up at TP > 1 (without it no agent attaches there)."""
+BROADCAST_REQUESTS = ("sglang.srt.managers.scheduler_components.request_receiver:"
+                      "SchedulerRequestReceiver._broadcast_reqs_across_ranks")
+"""Where each scheduler loop broadcasts rank 0's requests to the TP group (every iteration, over its gloo
+group): hooked so that the agent's steps run there, on the scheduler's thread and in lockstep
+(:mod:`coldsnap_sglang.scheduler_thread`)."""
+DISTRIBUTED_SURFACE = (PARALLEL_GROUPS, PYNCCL, SYMMETRIC_MEMORY_ENABLED, BROADCAST_REQUESTS)
+"""What TP > 1 needs: :mod:`coldsnap_sglang.distributed`'s lookups and the broadcast hook (without them no
+agent attaches there)."""
 REBUILT_COMMUNICATORS = (f"{COMMUNICATORS_MODULE}.custom_all_reduce:CustomAllreduce.close",
                          f"{COMMUNICATORS_MODULE}.custom_all_reduce_v2:CustomAllReduceV2.close",
                          f"{COMMUNICATORS_MODULE}.torch_symm_mem:TorchSymmMemCommunicator")
@@ -104,7 +111,7 @@ load format, which the hook above enables)."""
 
 PROBED = (VERIFY_LOAD_FORMAT, LOAD_FORMAT_CHOICES, LOAD_FORMAT_CHOICE_LIST, DEFAULT_LOADER, MEMORY_SAVER_CREATE,
           ALLOC_MEMORY_POOL, INIT_CUDA_GRAPHS, HOOK_REGISTRY, HOOK_TYPE, SPEC_CONFIG, INIT_ALL_CUDA_GRAPHS, DRAFT_GRAPHS,
-          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, GRAPH_POOL_SETTER, ON_IDLE, *LOADER_SURFACE, *DISTRIBUTED_SURFACE,
+          RELEASE_MEMORY_OCCUPATION, RESUME_MEMORY_OCCUPATION, GRAPH_POOL_SETTER, *LOADER_SURFACE, *DISTRIBUTED_SURFACE,
           *REBUILT_COMMUNICATORS)
 
 INHERITED = "inherited"

@@ -37,6 +37,10 @@ FlashInfer PCIe IPC all-reduce — each holds peers' memory coldsnap does not ye
 Graphs hold NCCL kernels of the communicators being destroyed, so at TP > 1 they are dropped before the
 teardown and captured again after the rebuild whatever the graph policy
 (:class:`coldsnap_sglang.agent_bootstrap.SglangGraphs`).
+
+In a scheduler process the teardown and the rebuild run as lockstep steps on its thread
+(``step=``:func:`coldsnap_sglang.scheduler_thread.in_lockstep`): their gloo calls use the group the
+scheduler loops broadcast their requests on.
 """
 
 from __future__ import annotations
@@ -122,12 +126,16 @@ class SglangCollectives:
 
     def __init__(self, rank: int, world: int, groups: Callable[[], Iterable[Any]] = sglang_groups,
                  communicator_class: Callable[[], Any] | None = None,
-                 symmetric_memory_enabled: Callable[[], bool] = _symmetric_memory_enabled):
+                 symmetric_memory_enabled: Callable[[], bool] = _symmetric_memory_enabled,
+                 step: Callable[[Callable[[], None]], None] = lambda work: work()):
         self.rank = rank
         self.world = world
         self._groups = groups
         self._communicator_class = communicator_class  # PyNcclCommunicator (injectable for the CPU tests)
         self._symmetric_memory_enabled = symmetric_memory_enabled
+        # where the teardown and the rebuild run: in a scheduler process, its thread, in lockstep with the
+        # other ranks' (coldsnap_sglang.scheduler_thread.in_lockstep: they use the TP group's gloo group)
+        self._step = step
         self.torn_down: list[Any] = []  # groups whose pynccl was aborted, in name order
         self.process_groups_aborted: list[Any] = []  # groups whose torch NCCL device_group was aborted
         self.custom_all_reduce: list[tuple[Any, type]] = []  # (group, the class of its closed custom all-reduce)
@@ -185,7 +193,8 @@ class SglangCollectives:
                      "torch groups %s", _names(live), _names(g for g, _ in self.custom_all_reduce), symmetric,
                      _names(torch_nccl))
 
-        between_barriers(rendezvous, seconds, "teardown", ("sglang.teardown", "sglang.torn_down"), timeout, release)
+        between_barriers(rendezvous, seconds, "teardown", ("sglang.teardown", "sglang.torn_down"), timeout,
+                         lambda: self._step(release))
 
     def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
         def connect() -> None:
@@ -207,7 +216,8 @@ class SglangCollectives:
                     group.torch_symm_mem_comm = made(group=group.cpu_group, device=group.device)
             self.custom_all_reduce, self.symmetric_memory = [], []
 
-        between_barriers(rendezvous, seconds, "rebuild", ("sglang.rebuild", "sglang.rebuilt"), timeout, connect)
+        between_barriers(rendezvous, seconds, "rebuild", ("sglang.rebuild", "sglang.rebuilt"), timeout,
+                         lambda: self._step(connect))
 
     def _release_symmetric_memory(self, groups: list[Any]) -> list[str]:
         """Drop each group's enabled ``TorchSymmMemCommunicator`` with its rendezvoused buffer (peers' memory

@@ -1,41 +1,43 @@
-"""Work the coldsnap agent hands to SGLang's scheduler thread, which runs it at its next idle tick.
+"""The coldsnap agent's steps, run on SGLang's scheduler thread between two iterations of its loop.
 
-SGLang's scheduler runs its event loop on one thread, and when idle that loop never blocks: it polls
-its sockets with ``zmq.NOBLOCK`` and calls ``Scheduler.on_idle`` again and again. A graph recapture
-run on the agent's own thread then fights that loop for the GIL at every CUDA call it makes (each one
-releases and retakes it, and the loop holds it for a whole switch interval): on the H200 the
-recapture after a ``recreate`` restore took 184 s where SGLang's start-up capture takes seconds. Run
-from ``on_idle`` instead (:func:`around_on_idle`), the work happens on the thread that captured the
-graphs at start-up, with the loop paused for exactly as long as the work takes and no request in
-between (the scheduler does nothing else meanwhile).
+SGLang's scheduler runs its event loop on one thread, and when idle that loop never blocks: it polls its
+sockets with ``zmq.NOBLOCK`` again and again. A graph recapture run on the agent's own thread then
+fights that loop for the GIL at every CUDA call it makes (each one releases and retakes it, and the loop
+holds it for a whole switch interval): on the H200 the recapture after a ``recreate`` restore took 184 s
+where SGLang's start-up capture takes seconds. Run by the scheduler thread instead, the work happens on
+the thread that captured the graphs at start-up, with the loop paused for exactly as long as the work
+takes and no request in between.
 
-Where no idle tick was ever seen (an SGLang without the hook), or none picks a job up within
-:data:`PICKUP_SECONDS`, the caller runs the job itself, as before.
-
-At TP > 1 that would deadlock: the ranks' schedulers move in lockstep (rank 0 broadcasts each
-iteration's requests to the others over the TP group's gloo group), so a rank whose tick picked the
-job up one iteration after its peer's did sits in that broadcast while its peer, inside the job, waits
-for it in an NCCL collective. There the agent runs the work on its own thread instead, with the
-scheduler held at its idle tick (:func:`with_scheduler_parked`): every scheduler is then either parked
-or blocked in a gloo call for its parked peer, neither holding the GIL nor touching the GPU.
+The place is the loop's request broadcast (``SchedulerRequestReceiver._broadcast_reqs_across_ranks``,
+hooked by :func:`around_broadcast_requests`), because at TP > 1 the steps must also run in lockstep.
+There each scheduler's loop broadcasts, every iteration and idle or not, rank 0's requests to the other
+ranks over the TP group's gloo group. Gloo matches a group's operations by their order on each rank, so
+a gloo call of the agent's thread on that group (the pynccl unique id's broadcast, the custom
+all-reduces' handle exchanges and barriers) lands between two of the loop's broadcasts at a different
+place on each rank: the sizes do not match and gloo aborts the process (``op.preamble.length <=
+op.nbytes``; ``tests/unit/test_sglang_lockstep.py`` shows it with two processes). Nor can the
+schedulers be parked at "the same" iteration from outside: whichever rank is stopped second may already
+be waiting in the next broadcast. So rank 0 puts a :class:`LockstepMarker` into the requests it
+broadcasts, every rank receives it in the same iteration, and each scheduler runs its own agent's step
+right after that broadcast, before the next: on every rank at the same point of the group's gloo
+sequence. At TP 1 the method broadcasts nothing and the marker just marks the place.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import threading
-from collections import deque
-from typing import Any, Callable, Iterator, TypeVar
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
 
-from coldsnap_sglang.process import ProcessState
+from coldsnap.collective.torch_groups import NcclTeardownError
 
-__all__ = ["PARK_SECONDS", "PICKUP_SECONDS", "around_on_idle", "on_scheduler_thread", "run_pending",
-           "with_scheduler_parked"]
+__all__ = ["ALONE_PICKUP_SECONDS", "LOCKSTEP", "LOCKSTEP_PICKUP_SECONDS", "Lockstep", "LockstepError",
+           "LockstepMarker", "around_broadcast_requests", "in_lockstep", "on_scheduler_thread"]
+
+log = logging.getLogger("sglang.coldsnap")  # under SGLang's logger: the lines show in the engine's log
 
 T = TypeVar("T")
-
-PICKUP_SECONDS = 10.0
-"""How long a job waits for an idle tick before its caller runs it (an idle loop ticks in microseconds)."""
 
 
 class _Job:
@@ -48,7 +50,7 @@ class _Job:
         self.error: BaseException | None = None
 
     def claim(self) -> bool:
-        """True for the one caller that gets to run the job (the scheduler's tick or, late, its submitter)."""
+        """True for the one caller that gets to run the job (the scheduler or, given up on, its submitter)."""
         with self.lock:
             if self.claimed:
                 return False
@@ -64,71 +66,129 @@ class _Job:
             self.done.set()
 
 
-_pending: deque[_Job] = deque()
-_ticked = threading.Event()  # an idle tick ran this module's hook at least once
+class LockstepError(NcclTeardownError):
+    """A step every rank runs at once did not run on this rank (its scheduler never broadcast, or the
+    step came after rank 0's had gone by); reported as ``agent.collectives``."""
 
 
-def run_pending() -> None:
-    """Run every job waiting for the scheduler thread (called on that thread; cheap when none waits)."""
-    if not _ticked.is_set():
-        _ticked.set()
-    while _pending:
-        job = _pending.popleft()
-        if job.claim():
+@dataclass(frozen=True)
+class LockstepMarker:
+    """Carried in rank 0's broadcast requests: every rank runs its agent's step ``sequence`` there."""
+
+    sequence: int
+
+
+LOCKSTEP_PICKUP_SECONDS = 120.0
+"""How long a step waits for its scheduler to reach rank 0's marker (every rank's agent is in the same
+restore, a barrier apart, and an idle loop broadcasts every few microseconds)."""
+
+ALONE_PICKUP_SECONDS = 10.0
+"""A single rank's step: how long it waits for the loop before its caller runs it (the loop is stopped
+or busy elsewhere, and with no other rank nothing has to match)."""
+
+
+class Lockstep:
+    """This rank's agent steps, run by its scheduler thread right after the broadcast that carries their
+    marker (see the module docstring). Steps are numbered in the order the agent submits them, which is
+    the same on every rank (they follow the same restore), so rank r runs its step ``n`` where rank 0
+    ran its own."""
+
+    def __init__(self, pickup_seconds: float = LOCKSTEP_PICKUP_SECONDS):
+        self.pickup_seconds = pickup_seconds
+        self._posted = threading.Condition()
+        self._jobs: dict[int, _Job] = {}
+        self._submitted = 0  # the last step number this rank's agent handed in
+        self._announced = 0  # rank 0: the last step number put into a broadcast
+        self._missed: set[int] = set()  # markers that came and went without this rank's step
+        self._seen = threading.Event()  # the loop broadcast through the hook at least once
+
+    def around_broadcast(self, original: Callable[..., Any], receiver: Any, *args: Any, **kwargs: Any) -> Any:
+        """HookRegistry AROUND hook on ``SchedulerRequestReceiver._broadcast_reqs_across_ranks(recv_reqs, ...)``:
+        rank 0 (the rank with requests to send) adds a marker per step waiting, every rank runs its steps
+        for the markers it received, and the requests go on without them."""
+        if not self._seen.is_set():
+            self._seen.set()
+        if args and args[0] is not None:
+            markers = self._announce()
+            if markers:
+                args = ([*args[0], *markers], *args[1:])
+        requests = original(receiver, *args, **kwargs)
+        if requests and any(isinstance(item, LockstepMarker) for item in requests):
+            for item in [item for item in requests if isinstance(item, LockstepMarker)]:
+                self._run(item.sequence)
+            requests = [item for item in requests if not isinstance(item, LockstepMarker)]
+        return requests
+
+    def submit(self, work: Callable[[], T], alone: bool = False) -> T:
+        """``work()`` run by this rank's scheduler at the broadcast that carries its step's marker; its
+        result, or its exception raised here. ``alone`` (TP 1): where the loop never broadcast (an SGLang
+        without the hook) or does not within :data:`ALONE_PICKUP_SECONDS`, the caller runs it."""
+        job = _Job(work)
+        if alone and not self._seen.is_set():
+            job.claim()
+            job.run()
+            return self._outcome(job)
+        with self._posted:
+            self._submitted += 1
+            sequence = self._submitted
+            if sequence in self._missed:
+                raise LockstepError(f"rank 0 ran coldsnap's step {sequence} before this rank's agent reached it")
+            self._jobs[sequence] = job
+            self._posted.notify_all()
+        if not job.done.wait(ALONE_PICKUP_SECONDS if alone else self.pickup_seconds):
+            with self._posted:
+                given_up = job.claim()
+                if given_up:
+                    self._jobs.pop(sequence, None)
+            if given_up and alone:
+                job.run()
+            elif given_up:
+                raise LockstepError(f"SGLang's scheduler did not reach coldsnap's step {sequence} in its request "
+                                    f"broadcast within {self.pickup_seconds:.0f} s")
+            job.done.wait()
+        return self._outcome(job)
+
+    @staticmethod
+    def _outcome(job: _Job) -> Any:
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def _announce(self) -> list[LockstepMarker]:
+        if self._announced == self._submitted:  # every iteration: no lock while nothing waits
+            return []
+        with self._posted:
+            markers = [LockstepMarker(n) for n in range(self._announced + 1, self._submitted + 1) if n in self._jobs]
+            self._announced = self._submitted
+        return markers
+
+    def _run(self, sequence: int) -> None:
+        with self._posted:
+            self._posted.wait_for(lambda: sequence in self._jobs, self.pickup_seconds)
+            job = self._jobs.pop(sequence, None)
+            if job is None:
+                self._missed.add(sequence)
+        if job is None:
+            log.error("coldsnap: rank 0 ran step %d, which this rank's agent did not hand in within %.0f s; this "
+                      "rank's restore will fail", sequence, self.pickup_seconds)
+        elif job.claim():
             job.run()
 
 
-def on_scheduler_thread(work: Callable[[], T], pickup_seconds: float = PICKUP_SECONDS) -> T:
-    """``work()`` run on SGLang's scheduler thread at its next idle tick; its result, or its exception
-    raised here. Without idle ticks (none seen, or none within ``pickup_seconds``) it runs here."""
-    job = _Job(work)
-    if _ticked.is_set():
-        _pending.append(job)
-        if not job.done.wait(pickup_seconds) and job.claim():
-            job.run()  # the scheduler did not tick: its loop is stopped or busy elsewhere
-        job.done.wait()
-    elif job.claim():
-        job.run()
-    if job.error is not None:
-        raise job.error
-    return job.result
+LOCKSTEP = Lockstep()
+"""This process's steps (one scheduler per process)."""
 
 
-PARK_SECONDS = 1.0
-"""How long :func:`with_scheduler_parked` waits to see the scheduler parked: past it, the scheduler is
-blocked elsewhere (at TP > 1, in the gloo broadcast its parked rank 0 never sends), with the GIL released."""
+def around_broadcast_requests(original: Callable[..., Any], receiver: Any, *args: Any, **kwargs: Any) -> Any:
+    """The hook SGLang's registry holds (:meth:`Lockstep.around_broadcast` of :data:`LOCKSTEP`)."""
+    return LOCKSTEP.around_broadcast(original, receiver, *args, **kwargs)
 
 
-@contextlib.contextmanager
-def _scheduler_parked(park_seconds: float) -> Iterator[bool]:
-    """The scheduler thread held at its next idle tick while the block runs; yields whether it was seen parked."""
-    if not _ticked.is_set():
-        yield False
-        return
-    parked, resume = threading.Event(), threading.Event()
-
-    def park() -> None:
-        parked.set()
-        resume.wait()
-
-    job = _Job(park)
-    _pending.append(job)
-    try:
-        yield parked.wait(park_seconds)
-    finally:
-        resume.set()
-        job.claim()  # a park no tick picked up is dropped (the tick skips a claimed job)
+def in_lockstep(work: Callable[[], T]) -> T:
+    """TP > 1: ``work()`` on this rank's scheduler thread where every rank runs its own (:meth:`Lockstep.submit`)."""
+    return LOCKSTEP.submit(work)
 
 
-def with_scheduler_parked(work: Callable[[], T], park_seconds: float = PARK_SECONDS) -> T:
-    """``work()`` on the calling thread while SGLang's scheduler thread waits at its idle tick."""
-    with _scheduler_parked(park_seconds):
-        return work()
-
-
-def around_on_idle(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """HookRegistry AROUND hook on ``Scheduler.on_idle``: the scheduler noted, the agent's waiting jobs
-    run (on the scheduler's thread), then SGLang's idle housekeeping."""
-    ProcessState.scheduler = scheduler
-    run_pending()
-    return original(scheduler, *args, **kwargs)
+def on_scheduler_thread(work: Callable[[], T]) -> T:
+    """TP 1: ``work()`` on the scheduler thread between two iterations, or here without one."""
+    return LOCKSTEP.submit(work, alone=True)

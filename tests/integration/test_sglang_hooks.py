@@ -4,7 +4,7 @@ Runs when scripts/install-sglang.sh has made .venv-sglang (scripts/test.sh does;
 overrides the place): SGLang's GPU build, imported on a machine without a GPU. What runs here: SGLang's
 own plugin loading (``load_plugins``: entry point + HookRegistry), its argument parser, ``LoadConfig``
 and ``get_model_loader`` with ``--load-format coldsnap``, the memory-saver factory, the model runner's
-hook, the constructors and attributes the TP > 1 teardown and rebuild use, and the plugin against an
+hook, the request broadcast running the agent's steps (at TP 1), the constructors and attributes the TP > 1 teardown and rebuild use, and the plugin against an
 SGLang that lacks hooks or is outside the supported range. Not run
 here (SGLang has no CPU model path without its kernels): loading a model, the KV cache in its region,
 the agent in a scheduler — those ran on the H200 (benchmarks/sglang_startup.py, `coldsnap demo --engine
@@ -105,7 +105,26 @@ def test_load_format_coldsnap_resolves_through_sglangs_own_plugin_loading(tmp_pa
             assert compat.speculative_draft_load_format() == expected, (extra, compat.speculative_draft_load_format())
         import sglang.srt.managers.scheduler as scheduler  # a scheduler process's import: the scheduler noted
         assert getattr(scheduler.Scheduler.init_all_cuda_graphs, "__wrapped__", None) is not None
-        assert getattr(scheduler.Scheduler.on_idle, "__wrapped__", None) is not None  # graph work on its thread
+        # the agent's steps run where SGLang's own request broadcast carries rank 0's marker (here at TP 1, where
+        # the method broadcasts nothing: the marker goes in, the step runs on this thread, the marker goes out)
+        import threading, time
+        from types import SimpleNamespace
+        from sglang.srt.managers.scheduler_components.request_receiver import SchedulerRequestReceiver
+        assert getattr(SchedulerRequestReceiver._broadcast_reqs_across_ranks, "__wrapped__", None) is not None
+        from sglang.srt.runtime_context import publish
+        from coldsnap_sglang import scheduler_thread
+        publish(prepare_server_args(["--model-path", "{model}", "--device", "cpu"]), role="scheduler")
+        receiver = object.__new__(SchedulerRequestReceiver)  # a frozen dataclass of the scheduler's sockets
+        object.__setattr__(receiver, "ps", SimpleNamespace(tp_size=1, attn_tp_size=1, attn_cp_size=1))
+        ran = []
+        stepping = threading.Thread(target=lambda: ran.append(
+            scheduler_thread.in_lockstep(lambda: threading.current_thread().name)))
+        stepping.start()
+        while not scheduler_thread.LOCKSTEP._submitted:
+            time.sleep(0.001)
+        assert receiver._broadcast_reqs_across_ranks(["request"]) == ["request"]
+        stepping.join(10)
+        assert ran == [threading.current_thread().name], ran
         from sglang.srt.managers.tokenizer_control_mixin import TokenizerControlMixin  # the server's
         from sglang.srt.managers.io_struct import ReleaseMemoryOccupationReqInput
         for name in ("release_memory_occupation", "resume_memory_occupation"):

@@ -80,6 +80,8 @@ def test_at_tp_above_one_the_agent_takes_its_rank_and_the_sglang_collectives(mon
     agent_bootstrap.after_alloc_memory_pool(lambda r: "pools", _runner(tp_size=2, tp_rank=1, gpu_id=1))
     assert (attached["rank"], attached["world"]) == (1, 2)
     assert isinstance(attached["collectives"], SglangCollectives) and attached["collectives"].rank == 1
+    from coldsnap_sglang.scheduler_thread import in_lockstep
+    assert attached["collectives"]._step is in_lockstep  # teardown and rebuild where every rank runs its own
 
 
 @pytest.mark.parametrize("fields, warning", [
@@ -272,26 +274,24 @@ def test_the_targets_load_knows_whether_a_draft_follows(monkeypatch, spec, expec
 def scheduler_thread(monkeypatch):
     from coldsnap_sglang import scheduler_thread as module
 
-    monkeypatch.setattr(module, "_pending", module.deque())
-    monkeypatch.setattr(module, "_ticked", threading.Event())
+    monkeypatch.setattr(module, "LOCKSTEP", module.Lockstep())
     return module
 
 
-def test_graph_work_runs_on_the_schedulers_thread_at_its_idle_tick(scheduler_thread):
-    """The agent's job runs inside ``Scheduler.on_idle`` on the scheduler's own thread (no second Python
-    thread fighting its busy loop for the GIL), before SGLang's idle housekeeping; errors come back."""
+def test_graph_work_runs_on_the_schedulers_thread_between_two_iterations(scheduler_thread):
+    """The agent's job runs inside the loop's request broadcast on the scheduler's own thread (no second
+    Python thread fighting its busy loop for the GIL), and the requests go on; errors come back."""
     stop = threading.Event()
-    housekeeping: list[str] = []
-    scheduler = SimpleNamespace(draft_worker=None)
+    passed: list[list[str]] = []
 
-    def event_loop() -> None:  # SGLang's idle loop: on_idle again and again, never blocking
+    def event_loop() -> None:  # SGLang's idle loop at TP 1: the request "broadcast" again and again, never blocking
         while not stop.is_set():
-            scheduler_thread.around_on_idle(lambda s: housekeeping.append("idle"), scheduler)
+            passed.append(scheduler_thread.around_broadcast_requests(lambda receiver, requests: requests, None, ["r"]))
 
     loop = threading.Thread(target=event_loop, name="scheduler")
     loop.start()
     try:
-        while not housekeeping:
+        while not passed:
             pass
         assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name) == "scheduler"
         with pytest.raises(RuntimeError, match="capture failed"):
@@ -299,51 +299,15 @@ def test_graph_work_runs_on_the_schedulers_thread_at_its_idle_tick(scheduler_thr
     finally:
         stop.set()
         loop.join()
-    assert ProcessState.scheduler is scheduler
+    assert all(requests == ["r"] for requests in passed)  # the step's marker never reaches SGLang
 
 
-def test_graph_work_runs_on_the_callers_thread_without_idle_ticks(scheduler_thread):
+def test_graph_work_runs_on_the_callers_thread_without_the_loop(scheduler_thread, monkeypatch):
     here = threading.current_thread().name
-    assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name) == here  # never ticked
-    scheduler_thread.run_pending()  # one tick, then the loop stopped (say, busy): the caller takes the job back
-    assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name, pickup_seconds=0.05) == here
-    assert not scheduler_thread._pending or scheduler_thread._pending[0].claimed  # never run twice
-
-
-def test_at_tp_above_one_graph_work_runs_here_with_the_scheduler_parked(scheduler_thread):
-    """The ranks' schedulers move in lockstep, so a job picked up a tick apart would deadlock them: the
-    agent's thread does the work while the scheduler waits at its idle tick, and goes on after it."""
-    stop = threading.Event()
-    ticks: list[int] = []
-
-    def event_loop() -> None:
-        while not stop.is_set():
-            scheduler_thread.around_on_idle(lambda s: ticks.append(1), SimpleNamespace())
-
-    loop = threading.Thread(target=event_loop, name="scheduler")
-    loop.start()
-    try:
-        while not ticks:
-            pass
-
-        def work() -> tuple[str, int, int]:
-            before = len(ticks)
-            threading.Event().wait(0.05)
-            return threading.current_thread().name, before, len(ticks)
-
-        name, before, after = scheduler_thread.with_scheduler_parked(work)
-        assert name == threading.current_thread().name and before == after  # no tick while it ran
-        resumed = len(ticks)
-        while len(ticks) == resumed:  # and the loop goes on afterwards
-            pass
-    finally:
-        stop.set()
-        loop.join()
-
-
-def test_a_scheduler_that_never_parks_does_not_stop_the_work(scheduler_thread):
-    """At TP > 1 a rank's scheduler can be blocked in the gloo broadcast of its parked rank 0: the work
-    goes on after a moment, and the park nobody picked up is dropped."""
-    scheduler_thread.run_pending()  # it ticked once, then blocked
-    assert scheduler_thread.with_scheduler_parked(lambda: "done", park_seconds=0.05) == "done"
-    scheduler_thread.run_pending()  # a later tick does not park forever
+    assert scheduler_thread.on_scheduler_thread(lambda: threading.current_thread().name) == here  # never broadcast
+    scheduler_thread.around_broadcast_requests(lambda receiver, requests: requests, None, [])  # once, then stopped
+    monkeypatch.setattr(scheduler_thread, "ALONE_PICKUP_SECONDS", 0.05)
+    ran: list[str] = []
+    assert scheduler_thread.on_scheduler_thread(lambda: ran.append(threading.current_thread().name) or "done") == "done"
+    scheduler_thread.around_broadcast_requests(lambda receiver, requests: requests, None, [])  # the loop comes back
+    assert ran == [here]  # the caller took the job back, and it never runs twice
