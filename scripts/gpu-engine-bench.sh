@@ -31,7 +31,11 @@ out=${OUT:-/tmp/coldsnap-bench-out}
 shape=${COLDSNAP_BENCH_SHAPE:-8b}
 model=/tmp/coldsnap-llama-$shape
 tp=${COLDSNAP_BENCH_TP:-1}
-[ "$tp" -gt 1 ] && export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent pairs (the device tool's KINDS.md)
+suffix=""  # of the outputs' and work directories' names at TP > 1
+if [ "$tp" -gt 1 ]; then
+    suffix=-tp$tp
+    export NCCL_NVLS_ENABLE=0  # NVLink multicast stays off on the lent pairs (the device tool's KINDS.md)
+fi
 log() { printf 'gpu-engine-bench: %s\n' "$*" >&2; }
 mkdir -p "$out"
 
@@ -92,14 +96,14 @@ case "${1:-}" in
         repeat=${3:-3}
         engine_path "$engine"
         wait_for_model
-        work=/tmp/$engine-bench$([ "$tp" -gt 1 ] && echo "-tp$tp")
+        work=/tmp/$engine-bench$suffix
         mkdir -p "$work"
         ln -sfn "$model" "$work/llama-8b"
         set +e
         device=()
         [ "$engine" = vllm ] && device=(--device cuda)  # vllm_startup.py's default is vLLM's CPU build
         mapfile -t parallel < <(tensor_parallel_args "$engine")
-        name=$engine-startup$([ "$tp" -gt 1 ] && echo "-tp$tp")
+        name=$engine-startup$suffix
         python3 "benchmarks/${engine}_startup.py" "${device[@]}" --shape 8b --dir "$work" --steps "$steps" --repeat "$repeat" \
             --out "$out/$name.json" "${parallel[@]}" ${COLDSNAP_BENCH_ARGS:-} 2>&1 | tee -a "$out/$name.log"
         status=${PIPESTATUS[0]}
@@ -113,14 +117,14 @@ case "${1:-}" in
         shift
         engine_path sglang
         pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null && wait_for_model
-        work=/tmp/sglang-speculative-$shape$([ "$tp" -gt 1 ] && echo "-tp$tp")
+        work=/tmp/sglang-speculative-$shape$suffix
         mkdir -p "$work"
         if [ -f "$model/coldsnap-tiny-model.json" ]; then  # setup wrote it; else the benchmark's model step does
             ln -sfn "$model" "$work/llama-$shape"
             ln -sfn "$model-draft" "$work/llama-$shape-draft"
         fi
         mapfile -t parallel < <(tensor_parallel_args sglang)
-        name=sglang-speculative$([ "$tp" -gt 1 ] && echo "-tp$tp")
+        name=sglang-speculative$suffix
         set +e
         python3 benchmarks/sglang_speculative.py --shape "$shape" --dir "$work" --out "$out/$name.json" "${parallel[@]}" "$@" \
             2>&1 | tee -a "$out/$name.log"
