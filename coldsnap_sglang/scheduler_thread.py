@@ -112,6 +112,10 @@ class Lockstep:
             markers = self._announce()
             if markers:
                 args = ([*args[0], *markers], *args[1:])
+        elif kwargs.get("recv_reqs") is not None:
+            markers = self._announce()
+            if markers:
+                kwargs = {**kwargs, "recv_reqs": [*kwargs["recv_reqs"], *markers]}
         requests = original(receiver, *args, **kwargs)
         if requests and any(isinstance(item, LockstepMarker) for item in requests):
             for item in [item for item in requests if isinstance(item, LockstepMarker)]:

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,15 +26,35 @@ FIXTURES = Path(__file__).parent / "fixtures"
 # state (replica folders, CRIU logs, per-boot host facts: COLDSNAP_STATE_DIR) and the engines' and
 # workloads' temporary files (TMPDIR of every process the tests start: vLLM's ZeroMQ socket files, one
 # set per server and restored replica, piled up in /tmp by the hundred). pytest itself keeps /tmp
-# (tempfile's folder is fixed first), and a COLDSNAP_STATE_DIR or TMPDIR set by the caller wins.
+# (tempfile's folder is fixed first), and a COLDSNAP_STATE_DIR or TMPDIR set by the caller wins. The
+# folders carry the run's pid: a run killed before its end (SIGTERM, SIGKILL) is swept by the next one.
 _RUN_FOLDERS: list[str] = []
+_RUN_FOLDER = re.compile(r"coldsnap-test-(?:state|tmp)-(\d+)-.+")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_killed_runs() -> None:
+    for path in Path(tempfile.gettempdir()).glob("coldsnap-test-*"):
+        match = _RUN_FOLDER.fullmatch(path.name)
+        if match and not _pid_alive(int(match.group(1))):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_configure(config):
     tempfile.gettempdir()  # pytest's own temporary folders stay where they were
+    _sweep_killed_runs()
     for variable, prefix in (("COLDSNAP_STATE_DIR", "coldsnap-test-state-"), ("TMPDIR", "coldsnap-test-tmp-")):
         if not os.environ.get(variable):
-            os.environ[variable] = tempfile.mkdtemp(prefix=prefix)
+            os.environ[variable] = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
             _RUN_FOLDERS.append(variable)
 
 

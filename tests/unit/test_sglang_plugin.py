@@ -311,3 +311,15 @@ def test_graph_work_runs_on_the_callers_thread_without_the_loop(scheduler_thread
     assert scheduler_thread.on_scheduler_thread(lambda: ran.append(threading.current_thread().name) or "done") == "done"
     scheduler_thread.around_broadcast_requests(lambda receiver, requests: requests, None, [])  # the loop comes back
     assert ran == [here]  # the caller took the job back, and it never runs twice
+
+
+def test_the_marker_rides_the_requests_however_sglang_passes_them(scheduler_thread):
+    scheduler_thread.around_broadcast_requests(lambda receiver, recv_reqs: recv_reqs, None, [])  # the loop runs
+    ran: list[str] = []
+    agent = threading.Thread(target=lambda: ran.append(scheduler_thread.on_scheduler_thread(lambda: "step")))
+    agent.start()
+    while not scheduler_thread.LOCKSTEP._submitted:
+        pass
+    assert scheduler_thread.around_broadcast_requests(lambda receiver, recv_reqs: recv_reqs, None, recv_reqs=["r"]) == ["r"]
+    agent.join(5)
+    assert ran == ["step"]
