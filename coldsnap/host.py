@@ -17,7 +17,7 @@ from typing import Any
 from coldsnap.atomic import write_atomic
 
 __all__ = ["PF_EXITING", "boot_id", "keep_boot_fact", "kept_boot_fact", "nvidia_kernel_driver", "host_facts",
-           "live_start_ticks", "stat_fields"]
+           "live_start_ticks", "pid_alive", "stat_fields"]
 
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
@@ -78,6 +78,17 @@ def stat_fields(pid: int | str = "self") -> list[bytes]:
     cut at the last ')'. OSError when the process is gone."""
     with open(f"/proc/{pid}/stat", "rb") as handle:
         return handle.read().rsplit(b")", 1)[1].split()
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (one of another user's counts; a zombie too)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def live_start_ticks(pid: int) -> int | None:

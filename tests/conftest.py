@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.host import pid_alive
+
 HAS_NVIDIA_DRIVER = Path("/proc/driver/nvidia/version").exists()
 
 
@@ -32,20 +34,10 @@ _RUN_FOLDERS: list[str] = []
 _RUN_FOLDER = re.compile(r"coldsnap-test-(?:state|tmp)-(\d+)-.+")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _sweep_killed_runs() -> None:
     for path in Path(tempfile.gettempdir()).glob("coldsnap-test-*"):
         match = _RUN_FOLDER.fullmatch(path.name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not pid_alive(int(match.group(1))):
             shutil.rmtree(path, ignore_errors=True)
 
 

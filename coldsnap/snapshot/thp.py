@@ -24,6 +24,8 @@ import re
 from pathlib import Path
 from typing import Iterator
 
+from coldsnap.host import pid_alive
+
 __all__ = ["HOST_THP_ENV", "RECORD_FILES", "THP_ENABLED", "ThpError", "host_thp_requested", "huge_pages_for_the_fill", "thp_mode"]
 
 log = logging.getLogger(__name__)
@@ -66,16 +68,6 @@ def _set_mode(path: Path, mode: str) -> None:
         raise ThpError(f"cannot set {path} to {mode}: {exc.strerror or exc}") from None
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 @contextlib.contextmanager
 def _locked_record(state_root: Path) -> Iterator[dict]:
     state_root.mkdir(parents=True, exist_ok=True)
@@ -86,7 +78,7 @@ def _locked_record(state_root: Path) -> Iterator[dict]:
             record = json.loads(record_path.read_text())
         except (OSError, ValueError):
             record = {}
-        record["holders"] = [p for p in record.get("holders", []) if isinstance(p, int) and _alive(p)]
+        record["holders"] = [p for p in record.get("holders", []) if isinstance(p, int) and pid_alive(p)]
         yield record
         if record.get("holders"):
             temporary = record_path.with_suffix(".tmp")
