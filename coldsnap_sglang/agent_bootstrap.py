@@ -17,8 +17,9 @@ communicators inside SGLang's groups are torn down before the CUDA checkpoint an
 whatever the graph policy. Those steps, the graph work included, run on each rank's scheduler thread
 right after the request broadcast that carries rank 0's marker for them
 (:func:`coldsnap_sglang.scheduler_thread.in_lockstep`: the schedulers' gloo broadcasts and the steps'
-own gloo calls share the TP group's gloo group, whose order must match on every rank). Pipeline and data parallelism are not built: no agent attaches there (one
-warning), so a capture stops at its readiness check instead of producing an image that cannot be restored.
+own gloo calls share the TP group's gloo group, whose order must match on every rank). Pipeline and
+data parallelism are not built: no agent attaches there (one warning), so a capture stops at its
+readiness check instead of producing an image that cannot be restored.
 """
 
 from __future__ import annotations

@@ -33,8 +33,7 @@ wheels (their torch pins: 2.11.0 and 2.14.1), where every symbol below has the s
   ``GroupCoordinator`` by unique name), ``PyNcclCommunicator`` (rebuilt inside them after a restore),
   ``is_symmetric_memory_enabled``, and ``SchedulerRequestReceiver._broadcast_reqs_across_ranks``
   (:data:`BROADCAST_REQUESTS`, where the agents' steps run in lockstep); without them no agent attaches
-  at TP > 1 (one warning). The other
-  communicators rebuilt (:data:`REBUILT_COMMUNICATORS`) are probed.
+  at TP > 1 (one warning). The other communicators rebuilt (:data:`REBUILT_COMMUNICATORS`) are probed.
 
 ``scripts/api-surface.py`` records which of :data:`PROBED` a wheel has (``tests/fixtures/sglang-*-surface.json``,
 checked by ``tests/unit/test_sglang_compat.py``).

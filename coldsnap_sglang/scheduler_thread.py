@@ -108,14 +108,14 @@ class Lockstep:
         for the markers it received, and the requests go on without them."""
         if not self._seen.is_set():
             self._seen.set()
-        if args and args[0] is not None:
-            markers = self._announce()
-            if markers:
-                args = ([*args[0], *markers], *args[1:])
-        elif kwargs.get("recv_reqs") is not None:
-            markers = self._announce()
-            if markers:
-                kwargs = {**kwargs, "recv_reqs": [*kwargs["recv_reqs"], *markers]}
+        pulled: list[Any] | None = args[0] if args else kwargs.get("recv_reqs")  # by position, today
+        markers = self._announce() if pulled is not None else []
+        if markers:
+            with_markers = [*(pulled or ()), *markers]
+            if args:
+                args = (with_markers, *args[1:])
+            else:
+                kwargs = {**kwargs, "recv_reqs": with_markers}
         requests = original(receiver, *args, **kwargs)
         if requests and any(isinstance(item, LockstepMarker) for item in requests):
             for item in [item for item in requests if isinstance(item, LockstepMarker)]:
