@@ -36,6 +36,7 @@ def _install() -> None:
         import coldsnap_vllm.loader  # noqa: F401 - importing it registers the load format
         from coldsnap_vllm.agent_bootstrap import remember_runners
         from coldsnap_vllm.kv_cache import install_kv_hooks
+        from coldsnap_vllm.prefix_cache import install_prefix_cache_reset
 
         remember_runners()
         install_kv_hooks()
@@ -45,6 +46,8 @@ def _install() -> None:
         log.warning("coldsnap: vLLM %s is outside the supported range (%s); its hooks were found and are used",
                     version, supported)
     after_import(compat.WORKER_MODULE, compat.keep_coldsnap_loads_out_of_sleep_pools)  # in worker processes
+    # in the EngineCore process: a restored scheduler must not hand out prefix-cache hits on zeroed KV blocks
+    after_import(compat.ENGINE_CORE_MODULE, install_prefix_cache_reset)
     # vLLM's own snapshot (0.31+) of a coldsnap-loaded engine: refused unless coldsnap's sleep backend is chosen
     after_import(compat.SNAPSHOT_CLI_MODULE, compat.guard_vllm_snapshot_create)
     after_import(compat.SNAPSHOT_SERVER_MODULE, compat.guard_vllm_snapshot_server)

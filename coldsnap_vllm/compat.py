@@ -56,7 +56,7 @@ from coldsnap.plugin import release as _release
 __all__ = ["SUPPORTED", "KV_ALLOCATION_SITES", "PROBED", "KvAllocationSite", "vllm_version", "supported",
            "probe", "lookup", "disabled", "create_model", "online_quantized_before_build",
            "online_quantized_model", "finalize_online_quantization", "release_model_runner_v2_graphs", "sleep_backend_override", "SLEEP_BACKEND_ENV",
-           "WORKER_MODULE", "keep_coldsnap_loads_out_of_sleep_pools",
+           "WORKER_MODULE", "ENGINE_CORE_MODULE", "keep_coldsnap_loads_out_of_sleep_pools",
            "clear_every_graph_wrapper", "refuse_vllm_snapshot_of_coldsnap_regions", "guard_vllm_snapshot_create",
            "guard_vllm_snapshot_server", "refuse_hisparse"]
 
@@ -115,6 +115,7 @@ DEFAULT_LOADER = "vllm.model_executor.model_loader.default_loader:DefaultModelLo
 SET_CURRENT_CONFIG = "vllm.config:set_current_vllm_config"
 PREPARE_WEIGHTS = "vllm.model_executor.model_loader.default_loader:DefaultModelLoader._prepare_weights"
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"  # EngineCore.add_request and reset_prefix_cache (coldsnap_vllm.prefix_cache)
 WORKER_MEMORY_POOL = f"{WORKER_MODULE}:Worker._maybe_get_memory_pool_context"
 
 PROBED = (*(s.symbol for s in KV_ALLOCATION_SITES), CREATE_MODEL, INITIALIZE_MODEL, ONLINE_QUANT_CONFIG,

@@ -12,6 +12,10 @@
 #                                                        benchmarks/ENGINE_startup.py --steps STEPS --repeat N
 #                                                        (default 3) in /tmp/ENGINE-bench; JSON, table and logs
 #                                                        into $OUT (or /tmp/coldsnap-bench-out)
+#   bash scripts/gpu-engine-bench.sh vllm-diagnosis STEPS [ARGS]
+#                                                        install vLLM once, then benchmarks/vllm_equality_diagnosis.py
+#                                                        --steps STEPS ARGS in /tmp/vllm-diagnosis (restored vs cold:
+#                                                        answers, logprobs, GPU state digests)
 #   bash scripts/gpu-engine-bench.sh sglang-speculative [ARGS]
 #                                                        install SGLang once, then benchmarks/sglang_speculative.py
 #                                                        ARGS (e.g. --policy recreate --steps cold,capture,restore,drop)
@@ -81,7 +85,7 @@ case "${1:-}" in
         cp -r .gpu-bundle/wheels .gpu-bundle/criu-debs /tmp/coldsnap-bundle/
         [ -d .gpu-bundle/bench-wheels ] && cp -r .gpu-bundle/bench-wheels /tmp/coldsnap-bundle/
         COLDSNAP_GPU_BUNDLE=/tmp/coldsnap-bundle COLDSNAP_GPU_SETUP_ONLY=1 bash scripts/gpu-test.sh "$out/setup"
-        if [ ! -f "$model/coldsnap-tiny-model.json" ]; then
+        if [ ! -f "$model/coldsnap-tiny-model.json" ] && ! pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null; then
             log "writing the $shape-shaped model into $model in the background"
             PYTHONPATH="$repo" setsid nohup python3 -m coldsnap.workloads.tiny_llama "$model" --shape "$shape" \
                 >"/tmp/coldsnap-model.log" 2>&1 </dev/null &
@@ -113,6 +117,20 @@ case "${1:-}" in
             tar -czf "$out/$name-logs.tar.gz" --null -T -) || true
         exit "$status"
         ;;
+    vllm-diagnosis)
+        engine_path vllm
+        wait_for_model
+        work=/tmp/vllm-diagnosis$suffix
+        set +e
+        python3 -m benchmarks.vllm_equality_diagnosis --dir "$work" --model "$model" --steps "${2:?steps}" "${@:3}" \
+            2>&1 | tee -a "$out/vllm-diagnosis.log"
+        status=${PIPESTATUS[0]}
+        set -e
+        cp "$work/diagnosis.json" "$out/" 2>/dev/null || true
+        (cd "$work" && find . -maxdepth 1 -type f \( -name '*.log' -o -name '*receipt.json' \) -print0 |
+            tar -czf "$out/vllm-diagnosis-logs.tar.gz" --null -T -) || true
+        exit "$status"
+        ;;
     sglang-speculative)
         shift
         engine_path sglang
@@ -135,7 +153,7 @@ case "${1:-}" in
         exit "$status"
         ;;
     *)
-        sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac

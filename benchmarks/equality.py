@@ -1,0 +1,116 @@
+"""Does a restored server compute what a cold start computes? Many prompts, greedy, token ids and logprobs.
+
+The prompt set is token ids drawn from a seeded generator (lengths 8 to 1500, log-uniform, so short and
+long prefills and prompts that cross every CUDA-graph size are all there), so it needs no tokenizer and
+gives the same requests on every run. Each prompt is asked greedily for ``max_tokens`` tokens with the
+chosen token's logprob at every step, one request at a time (the server sees each alone: batch shapes
+are the same in both servers) and again at a concurrency (the batches then depend on timing; the same
+server's two concurrent passes give the spread that timing alone causes).
+
+    from benchmarks.equality import equality_prompts, ask_all, compare
+    cold = ask_all(port, equality_prompts(256), 64, concurrency=1)
+    ...
+    print(compare(cold, restored))
+
+Engines: ``vllm`` asks the OpenAI ``/v1/completions`` (``return_token_ids``, ``logprobs``), ``sglang``
+its native ``/generate`` (``return_logprob``): both give ids and logprobs without a tokenizer round trip.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+__all__ = ["Answer", "ask", "ask_all", "compare", "equality_prompts", "EQUALITY_PROMPTS", "EQUALITY_TOKENS"]
+
+EQUALITY_PROMPTS = 256
+EQUALITY_TOKENS = 64
+TRAINED_VOCAB = 512
+"""The test models' tokenizer (coldsnap.workloads.tiny_llama) has 512 trained tokens; ids above stay
+within it, so a prompt is also text a tokenizer could have made."""
+
+
+@dataclass(frozen=True)
+class Answer:
+    ids: list[int]
+    logprobs: list[float]  # the chosen token's, per generated token
+
+
+def equality_prompts(count: int = EQUALITY_PROMPTS, *, seed: int = 0, shortest: int = 8, longest: int = 1500,
+                     vocab: int = TRAINED_VOCAB) -> list[list[int]]:
+    """``count`` prompts of token ids (3 … ``vocab``-1: clear of the special tokens 0–2), lengths
+    log-uniform in [``shortest``, ``longest``], the first the shortest and the last the longest."""
+    rng = random.Random(seed)
+    prompts = []
+    for index in range(count):
+        if count > 1 and index in (0, count - 1):
+            length = shortest if index == 0 else longest
+        else:
+            length = int(round(math.exp(rng.uniform(math.log(shortest), math.log(longest)))))
+        prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+    return prompts
+
+
+def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def ask(port: int, prompt: Sequence[int], max_tokens: int, engine: str = "vllm", timeout: float = 300.0) -> Answer:
+    """One greedy completion of ``prompt`` (token ids) with the chosen tokens' logprobs; EOS ignored, so
+    every answer has ``max_tokens`` tokens."""
+    if engine == "sglang":
+        document = _post(port, "/generate", {"input_ids": list(prompt), "return_logprob": True, "sampling_params": {
+            "temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True}}, timeout)
+        entries = document["meta_info"]["output_token_logprobs"]  # [logprob, token id, text]
+        return Answer([int(e[1]) for e in entries], [float(e[0]) for e in entries])
+    document = _post(port, "/v1/completions", {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
+                                               "ignore_eos": True, "logprobs": 0, "return_token_ids": True}, timeout)
+    choice = document["choices"][0]
+    return Answer(list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]])
+
+
+def ask_all(port: int, prompts: Sequence[Sequence[int]], max_tokens: int = EQUALITY_TOKENS, *, concurrency: int = 1,
+            engine: str = "vllm") -> list[Answer]:
+    """Every prompt's answer, in prompt order; ``concurrency`` requests in flight at once."""
+    if concurrency <= 1:
+        return [ask(port, p, max_tokens, engine) for p in prompts]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda p: ask(port, p, max_tokens, engine), prompts))
+
+
+def compare(reference: Sequence[Answer], other: Sequence[Answer]) -> dict[str, Any]:
+    """How ``other`` differs from ``reference``: prompts whose token ids differ, each one's first differing
+    position, and the largest |logprob difference| over the positions where both chose the same tokens
+    so far (after a divergence the two answers continue different texts and their logprobs are not
+    comparable)."""
+    if len(reference) != len(other):
+        raise ValueError(f"{len(reference)} answers against {len(other)}")
+    differing: list[dict[str, int]] = []
+    largest = 0.0
+    for index, (a, b) in enumerate(zip(reference, other)):
+        same = 0
+        while same < min(len(a.ids), len(b.ids)) and a.ids[same] == b.ids[same]:
+            same += 1
+        if same < max(len(a.ids), len(b.ids)):
+            differing.append({"prompt": index, "first_differing_token": same})
+        # the logprob at the first differing position is still of the same context: include it
+        for x, y in zip(a.logprobs[:same + 1], b.logprobs[:same + 1]):
+            largest = max(largest, abs(x - y))
+    return {"prompts": len(reference), "differing": len(differing), "largest_logprob_difference": largest,
+            "differing_prompts": differing[:32]}
+
+
+def answers_json(answers: Sequence[Answer]) -> list[dict[str, Any]]:
+    return [asdict(a) for a in answers]
+
+
+def answers_from_json(document: Sequence[dict[str, Any]]) -> list[Answer]:
+    return [Answer(list(d["ids"]), list(d["logprobs"])) for d in document]

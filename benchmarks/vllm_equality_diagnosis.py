@@ -1,0 +1,224 @@
+"""Why does a restored vLLM server answer differently from a cold start? Answers, logprobs and GPU state
+of a cold start, a capture's restores and variants of them, compared on the spot.
+
+    python -m benchmarks.vllm_equality_diagnosis --dir /tmp/diag --model /tmp/coldsnap-llama-8b \\
+        --steps cold,capture,restore,restore-recovery,restore-criu-4k,restore-reset-prefix-cache
+
+Every server (the cold start too) runs ``vllm serve MODEL --load-format coldsnap`` with the state probe
+(:mod:`benchmarks.vllm_state_probe`, vLLM's dev mode for ``/collective_rpc``). Each is asked the same
+requests in the same order: the issue's eight text prompts (16 tokens), then ``--prompts`` token-id
+prompts of 8 to 1500 tokens (``--tokens``), one at a time, greedy, with the chosen tokens' logprobs; then
+the probe's digest. Steps (results accumulate in ``DIR/diagnosis.json``, so a run can span device calls):
+
+  cold           the reference: a plain start (no capture)
+  attached       a plain start with coldsnap's agent attached (the capture's process before its snapshot)
+  capture        ``coldsnap capture`` of the same command
+  restore        ``coldsnap restore``
+  restore-recovery   ``--weights recovery`` (the weights from the safetensors, not the pack)
+  restore-criu-4k    CRIU's stock page fill (4 KiB pages, one thread: no THP or parallel fill)
+  restore-reset-prefix-cache  a restore, then vLLM's ``/reset_prefix_cache``, then the requests
+
+Prints, per server against ``cold``: prompts that differ, the largest logprob difference, and which
+parameters, buffers and runner tensors hash differently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.equality import Answer, answers_from_json, answers_json, ask_all, compare, equality_prompts
+from coldsnap.agent.protocol import CONTROL_ENV
+from coldsnap.contracts.profiles import CANARY_PROMPT
+from coldsnap.atomic import write_atomic
+from coldsnap.contracts.receipt import restored_pid
+from coldsnap.demo import first_answer, plain_server
+from coldsnap.snapshot.process_tree import kill_tree
+
+ISSUE_PROMPTS = [f"Prompt number {i}: the history of the {w} is" for i, w in
+                 enumerate(["river", "mountain", "city", "engine", "library", "garden", "ocean", "machine"])]
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
+       "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1", "VLLM_SERVER_DEV_MODE": "1"}
+STEPS = ("cold", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache")
+
+
+def _post(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body or {}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=600) as response:
+        text = response.read()
+    return json.loads(text) if text else {}
+
+
+def _ask_text(port: int, prompt: str) -> Answer:
+    document = _post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                                               "logprobs": 0, "return_token_ids": True})
+    choice = document["choices"][0]
+    return Answer(list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]])
+
+
+class Diagnosis:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.work = Path(args.dir)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.path = self.work / "diagnosis.json"
+        self.state: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {"servers": {}}
+        self.artifact = self.work / "artifact"
+        self.prompts = equality_prompts(args.prompts, longest=args.longest)
+
+    def env(self, **more: str) -> dict[str, str]:
+        return {**os.environ, **ENV, "VLLM_CACHE_ROOT": str(self.work / "vllm-cache"), **more}
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(self.args.model), "--port",
+                str(self.args.port), "--load-format", "coldsnap", "--worker-extension-cls",
+                "benchmarks.vllm_state_probe.StateProbe", *self.args.vllm_args]
+
+    def save(self) -> None:
+        write_atomic(self.path, (json.dumps(self.state) + "\n").encode())
+
+    def observe(self, name: str, **facts: Any) -> None:
+        """Ask the requests of a server answering on the port, take its digest, record it."""
+        port = self.args.port
+        started = time.perf_counter()
+        text = [_ask_text(port, p) for p in ISSUE_PROMPTS]
+        ids = ask_all(port, self.prompts, self.args.tokens)
+        digest = _post(port, "/collective_rpc", {"method": "coldsnap_state_digest"})["results"][0]
+        try:
+            kernels = _post(port, "/collective_rpc", {"method": "coldsnap_kernel_digest"})["results"][0]
+        except OSError as exc:  # an HTTP error included: the layers could not run eagerly here
+            kernels = {"error": str(exc)}
+        self.state["servers"][name] = {"text": answers_json(text), "ids": answers_json(ids), "digest": digest,
+                                       "kernels": kernels,
+                                       "asked_s": round(time.perf_counter() - started, 2), **facts}
+        self.save()
+        self.report(name)
+
+    def report(self, name: str) -> None:
+        servers = self.state["servers"]
+        if name == "cold" or "cold" not in servers:
+            print(f"{name}: recorded", flush=True)
+            return
+        cold, this = servers["cold"], servers[name]
+        text = compare(answers_from_json(cold["text"]), answers_from_json(this["text"]))
+        ids = compare(answers_from_json(cold["ids"]), answers_from_json(this["ids"]))
+        print(f"{name} vs cold: issue prompts differ {text['differing']}/{text['prompts']} "
+              f"(max |dlogprob| {text['largest_logprob_difference']:.3g}) {text['differing_prompts']}; "
+              f"id prompts differ {ids['differing']}/{ids['prompts']} (max {ids['largest_logprob_difference']:.3g})",
+              flush=True)
+        for kind in ("params", "buffers", "runner"):
+            a, b = cold["digest"].get(kind, {}), this["digest"].get(kind, {})
+            changed = []
+            for key in sorted(set(a) | set(b)):
+                if a.get(key) != b.get(key):
+                    x, y = a.get(key), b.get(key)
+                    if kind != "runner" and isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+                        blocks = [i for i, (p, q) in enumerate(zip(x, y)) if p != q]
+                        changed.append(f"{key}[blocks {blocks[:6]}{'…' if len(blocks) > 6 else ''} of {len(x)}]")
+                    else:
+                        changed.append(key)
+            print(f"  {kind}: {len(changed)} of {len(set(a) | set(b))} differ: {changed[:40]}", flush=True)
+        ka, kb = cold.get("kernels", {}), this.get("kernels", {})
+        print(f"  kernels: {sum(ka.get(k) != kb.get(k) for k in set(ka) | set(kb))} of {len(set(ka) | set(kb))} differ: "
+              f"{[k for k in sorted(set(ka) | set(kb)) if ka.get(k) != kb.get(k)][:20]}", flush=True)
+        flags_a, flags_b = cold["digest"].get("flags", {}), this["digest"].get("flags", {})
+        env_a, env_b = flags_a.get("env", {}), flags_b.get("env", {})
+        print(f"  env differs: {[(k, env_a.get(k), env_b.get(k)) for k in sorted(set(env_a) | set(env_b)) if env_a.get(k) != env_b.get(k)]}")
+        print(f"  flags differ: {[k for k in set(flags_a) | set(flags_b) if flags_a.get(k) != flags_b.get(k)]}; "
+              f"kv nonzero bytes {cold['digest'].get('kv_nonzero_bytes')} vs {this['digest'].get('kv_nonzero_bytes')}",
+              flush=True)
+
+    def plain(self, name: str, env: dict[str, str]) -> None:
+        log = self.work / f"{name}.log"
+        with plain_server(self.command(), env, log) as (process, started):
+            seconds, _ = first_answer(self.args.port, started, process, 900, CANARY_PROMPT, 16, log)
+            self.observe(name, start_s=round(seconds, 2))
+
+    def step_cold(self) -> None:
+        self.plain("cold", self.env())
+
+    def step_attached(self) -> None:
+        """The agent attaches under ``coldsnap capture`` only (its control socket in the environment)."""
+        self.plain("attached", self.env(**{CONTROL_ENV: f"@coldsnap-diagnosis-{os.getpid()}"}))
+
+    def step_capture(self) -> None:
+        if (self.artifact / "artifact.json").exists():
+            return
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(self.artifact), "--receipt-json",
+                               str(self.work / "capture-receipt.json"), "--", *self.command()], env=self.env())
+        print(f"capture: exit {done.returncode} in {time.perf_counter() - started:.1f} s", flush=True)
+        if done.returncode != 0:
+            raise SystemExit(1)
+
+    def restore(self, name: str, flags: tuple[str, ...] = (), env: dict[str, str] | None = None,
+                before: Any = None) -> None:
+        receipt_path = self.work / f"{name}-receipt.json"
+        started = time.perf_counter()
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
+                               str(receipt_path), *flags], env={**self.env(), **(env or {})}, capture_output=True, text=True)
+        seconds = time.perf_counter() - started
+        receipt = json.loads(receipt_path.read_text())
+        try:
+            if done.returncode != 0:
+                raise SystemExit(f"{name}: restore failed: {receipt.get('error')}\n{done.stderr[-3000:]}")
+            if before is not None:
+                before()
+            self.observe(name, restore_s=round(seconds, 2))
+        finally:
+            pid = restored_pid(receipt)
+            if pid is not None:
+                kill_tree(pid)
+            time.sleep(0.5)
+
+    def step_restore(self) -> None:
+        self.restore("restore")
+
+    def step_restore_recovery(self) -> None:
+        self.restore("restore-recovery", flags=("--weights", "recovery"))
+
+    def step_restore_criu_4k(self) -> None:
+        self.restore("restore-criu-4k", env={"COLDSNAP_CRIU_THP_FILL": "0", "COLDSNAP_CRIU_FILL_THREADS": "0"})
+
+    def step_restore_reset_prefix_cache(self) -> None:
+        self.restore("restore-reset-prefix-cache", before=lambda: _post(self.args.port, "/reset_prefix_cache"))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--steps", default=",".join(STEPS))
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--longest", type=int, default=1500, help="the longest prompt (tokens)")
+    parser.add_argument("--port", type=int, default=18251)
+    parser.add_argument("--vllm-arg", dest="vllm_args", action="append", default=[])
+    args = parser.parse_args()
+    diagnosis = Diagnosis(args)
+    for step in args.steps.split(","):
+        if step not in STEPS:
+            parser.error(f"unknown step {step!r}; steps: {', '.join(STEPS)}")
+        print(f"== {step}", flush=True)
+        started = time.perf_counter()
+        try:
+            getattr(diagnosis, "step_" + step.replace("-", "_"))()
+        except SystemExit as exc:
+            print(f"{step} failed: {exc}", flush=True)
+        except Exception as exc:  # noqa: BLE001 - the next steps still run; the failure is printed
+            print(f"{step} failed: {type(exc).__name__}: {exc}", flush=True)
+        print(f"== {step}: {time.perf_counter() - started:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
