@@ -33,7 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.equality import Answer, answers_from_json, answers_json, ask_all, compare, equality_prompts
+from benchmarks.equality import (EQUALITY_PROMPTS, EQUALITY_TOKENS, Answer, answers_from_json, answers_json, ask_all,
+                                 compare, equality_prompts)
 from coldsnap.agent.protocol import CONTROL_ENV
 from coldsnap.contracts.profiles import CANARY_PROMPT
 from coldsnap.atomic import write_atomic
@@ -45,7 +46,8 @@ ISSUE_PROMPTS = [f"Prompt number {i}: the history of the {w} is" for i, w in
                  enumerate(["river", "mountain", "city", "engine", "library", "garden", "ocean", "machine"])]
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
        "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1", "VLLM_SERVER_DEV_MODE": "1"}
-STEPS = ("cold", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache")
+STEPS = ("cold", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
+         "capture-keep-prefix-cache", "restore-keep-prefix-cache", "equality")
 
 
 def _post(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
@@ -150,21 +152,23 @@ class Diagnosis:
         """The agent attaches under ``coldsnap capture`` only (its control socket in the environment)."""
         self.plain("attached", self.env(**{CONTROL_ENV: f"@coldsnap-diagnosis-{os.getpid()}"}))
 
-    def step_capture(self) -> None:
-        if (self.artifact / "artifact.json").exists():
+    def step_capture(self, artifact: Path | None = None, env: dict[str, str] | None = None) -> None:
+        artifact = artifact or self.artifact
+        if (artifact / "artifact.json").exists():
             return
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(self.artifact), "--receipt-json",
-                               str(self.work / "capture-receipt.json"), "--", *self.command()], env=self.env())
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(artifact), "--receipt-json",
+                               str(self.work / f"{artifact.name}-capture-receipt.json"), "--", *self.command()],
+                              env={**self.env(), **(env or {})})
         print(f"capture: exit {done.returncode} in {time.perf_counter() - started:.1f} s", flush=True)
         if done.returncode != 0:
             raise SystemExit(1)
 
     def restore(self, name: str, flags: tuple[str, ...] = (), env: dict[str, str] | None = None,
-                before: Any = None) -> None:
-        receipt_path = self.work / f"{name}-receipt.json"
+                before: Any = None, artifact: Path | None = None, observe: Any = None) -> None:
+        receipt_path = self.work / f"{name}-{time.time_ns()}-receipt.json"
         started = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(artifact or self.artifact), "--receipt-json",
                                str(receipt_path), *flags], env={**self.env(), **(env or {})}, capture_output=True, text=True)
         seconds = time.perf_counter() - started
         receipt = json.loads(receipt_path.read_text())
@@ -173,7 +177,7 @@ class Diagnosis:
                 raise SystemExit(f"{name}: restore failed: {receipt.get('error')}\n{done.stderr[-3000:]}")
             if before is not None:
                 before()
-            self.observe(name, restore_s=round(seconds, 2))
+            (observe or self.observe)(name, restore_s=round(seconds, 2))
         finally:
             pid = restored_pid(receipt)
             if pid is not None:
@@ -191,6 +195,53 @@ class Diagnosis:
 
     def step_restore_reset_prefix_cache(self) -> None:
         self.restore("restore-reset-prefix-cache", before=lambda: _post(self.args.port, "/reset_prefix_cache"))
+
+
+    def step_capture_keep_prefix_cache(self) -> None:
+        """A capture whose restores keep vLLM's prefix cache (the behaviour before the fix)."""
+        self.step_capture(self.work / "artifact-keep-prefix-cache", {"COLDSNAP_VLLM_KEEP_PREFIX_CACHE": "1"})
+
+    def step_restore_keep_prefix_cache(self) -> None:
+        self.restore("restore-keep-prefix-cache", artifact=self.work / "artifact-keep-prefix-cache")
+
+    def equality_answers(self, concurrent_passes: int) -> dict[str, Any]:
+        port, prompts = self.args.port, equality_prompts(EQUALITY_PROMPTS)
+        started = time.perf_counter()
+        answers: dict[str, Any] = {"one_at_a_time": answers_json(ask_all(port, prompts, EQUALITY_TOKENS))}
+        answers["one_at_a_time_s"] = round(time.perf_counter() - started, 1)
+        for index in range(concurrent_passes):
+            answers[f"concurrent_{index}"] = answers_json(ask_all(port, prompts, EQUALITY_TOKENS, concurrency=32))
+        return answers
+
+    def step_equality(self) -> None:
+        """256 prompts (8–1500 tokens), greedy 64 tokens, one at a time and at concurrency 32: a cold start
+        (two concurrent passes: the spread timing alone causes) against a restore of the capture."""
+        log = self.work / "equality-cold.log"
+        with plain_server(self.command(), self.env(), log) as (process, started):
+            first_answer(self.args.port, started, process, 900, CANARY_PROMPT, 16, log)
+            cold = self.equality_answers(2)
+        results: dict[str, Any] = {}
+
+        def observe(name: str, **facts: Any) -> None:
+            results.update(self.equality_answers(1))
+
+        self.restore("equality-restore", observe=observe)
+        load = answers_from_json
+        summary = {
+            "prompts": EQUALITY_PROMPTS, "tokens": EQUALITY_TOKENS,
+            "one at a time: restored vs cold": compare(load(cold["one_at_a_time"]), load(results["one_at_a_time"])),
+            "concurrency 32: restored vs cold": compare(load(cold["concurrent_0"]), load(results["concurrent_0"])),
+            "concurrency 32: cold vs cold (same server, second pass)": compare(load(cold["concurrent_0"]),
+                                                                                load(cold["concurrent_1"])),
+            "one at a time vs concurrency 32, cold": compare(load(cold["one_at_a_time"]), load(cold["concurrent_0"])),
+            "seconds one at a time (cold, restored)": [cold["one_at_a_time_s"], results["one_at_a_time_s"]],
+        }
+        self.state["equality"] = summary
+        self.state["equality_answers"] = {"cold": cold, "restored": results}
+        self.save()
+        for key, value in summary.items():
+            shown = {k: v for k, v in value.items() if k != "differing_prompts"} if isinstance(value, dict) else value
+            print(f"equality {key}: {shown}", flush=True)
 
 
 def main() -> int:

@@ -97,7 +97,8 @@ class StateProbe:
                     continue
                 kv_seen.add(key)
                 storage = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-                document["kv_nonzero_bytes"] += int(storage.count_nonzero().item())
+                for start in range(0, storage.numel(), 64 << 20):  # in slices: no full-size temporary
+                    document["kv_nonzero_bytes"] += int(storage[start:start + (64 << 20)].count_nonzero().item())
             found: dict[str, Any] = {}
             _walk(runner, "runner", set(), found, depth=6)
             for name, tensor in sorted(found.items()):

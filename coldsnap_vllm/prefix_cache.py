@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from coldsnap.host import stat_fields
 
-__all__ = ["RestoreWatch", "install_prefix_cache_reset"]
+__all__ = ["KEEP_ENV", "RestoreWatch", "install_prefix_cache_reset"]
 
 log = logging.getLogger("vllm.coldsnap")  # under vLLM's logger: the lines show in the engine's log
 
@@ -64,8 +64,18 @@ def _resetting_prefix_cache(add_request: Callable[..., Any], watch: RestoreWatch
     return add
 
 
+KEEP_ENV = "COLDSNAP_VLLM_KEEP_PREFIX_CACHE"
+"""``1``: do not empty the prefix cache after a restore (only to show what goes wrong without it)."""
+
+
 def install_prefix_cache_reset(module: Any) -> None:
     """Wrap ``module.EngineCore.add_request`` (``module`` is ``vllm.v1.engine.core``); idempotent."""
+    import os
+
+    if os.environ.get(KEEP_ENV) == "1":
+        log.warning("coldsnap: %s=1: a restored server keeps its prefix cache over a zeroed KV cache and can "
+                    "answer wrongly", KEEP_ENV)
+        return
     engine_core = getattr(module, "EngineCore", None)
     add_request = getattr(engine_core, "add_request", None)
     if engine_core is None or add_request is None or not hasattr(engine_core, "reset_prefix_cache"):

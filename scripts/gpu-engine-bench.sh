@@ -122,7 +122,7 @@ case "${1:-}" in
         wait_for_model
         work=/tmp/vllm-diagnosis$suffix
         set +e
-        python3 -m benchmarks.vllm_equality_diagnosis --dir "$work" --model "$model" --steps "${2:?steps}" "${@:3}" \
+        timeout "${COLDSNAP_DIAGNOSIS_TIMEOUT_S:-3600}" python3 -m benchmarks.vllm_equality_diagnosis --dir "$work" --model "$model" --steps "${2:?steps}" "${@:3}" \
             2>&1 | tee -a "$out/vllm-diagnosis.log"
         status=${PIPESTATUS[0]}
         set -e

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, Sequence
 
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
+from coldsnap.activation.canary_probes import PROBES, ask_probe, bits_of, probe_prompt
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
-from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryRecord, PinnedFile, PlatformRecord, UnitRecord,
+from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, PinnedFile, PlatformRecord, UnitRecord,
                                         WorkerRecord)
 from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
 from coldsnap.contracts.base import decode_document
@@ -118,6 +119,7 @@ class CaptureSequence:
         self.controls: list[str] = []
         self.statuses: list[StatusReply] = []
         self.canary: Canary | None = None
+        self.probes: list[CanaryProbe] = []
         self.prepared: list[PrepareReply] = []
         self.gpu_pids: list[int] = []
         self.gpus: list[dict[str, Any]] = []
@@ -224,6 +226,18 @@ class CaptureSequence:
             self.canary = ask_canary(self.port, validation.prompt, validation.max_tokens, prompt_argmax=True)
             span["tokens"] = len(self.canary.token_ids)
         self.context.progress(f"canary answered {self.canary.text!r} ({len(self.canary.token_ids)} tokens)")
+        with self.step("capture.canary_probes", "capture.canary") as span:
+            for length, tokens in PROBES:
+                answer = ask_probe(self.port, probe_prompt(length), tokens)
+                if answer is not None:
+                    self.probes.append(CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,
+                                                   logprob_bits=[bits_of(x) for x in answer.logprobs]))
+            span["probes"] = ",".join(str(len(p.prompt_ids)) for p in self.probes)
+        if self.probes:
+            self.context.progress(f"canary probes recorded: {len(self.probes)} prompts of "
+                                  f"{', '.join(str(len(p.prompt_ids)) for p in self.probes)} tokens, ids and logprobs")
+        else:
+            self.context.progress("no canary probes: the engine gave no token ids and logprobs for token-id prompts")
 
     def prepare_ranks(self) -> None:
         """Every rank at once: drain, drop the graphs the policy drops, tear NCCL down, write its packs,
@@ -420,7 +434,8 @@ class CaptureSequence:
                 canary=CanaryRecord(prompt=self.request.policy.validation.prompt or "", expected_response=canary.text,
                                     token_ids=canary.token_ids, prompt_argmax=canary.prompt_argmax,
                                     restore_tokens=(min(RESTORE_CANARY_TOKENS, len(canary.token_ids))
-                                                    if canary.prompt_argmax and canary.token_ids else None)),
+                                                    if canary.prompt_argmax and canary.token_ids else None),
+                                    probes=self.probes),
                 units=[UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records)],
             )
             target = artifact.pending() if verify else artifact

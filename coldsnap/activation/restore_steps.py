@@ -25,13 +25,14 @@ from typing import Any, ContextManager, Sequence
 
 from coldsnap.activation.admission import WeightSource
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
+from coldsnap.activation.canary_probes import ask_probe, first_difference, float_of
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica
 from coldsnap.activation.staging import WeightStager
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
-from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef, WorkerRecord
+from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
@@ -313,6 +314,22 @@ class RestoreSequence:
                                       f"{record.token_ids[:tokens]}")
         elif canary.token_ids != record.token_ids or canary.text != record.expected_response:
             raise OperationFailed("restore.canary", f"canary answered {canary.text!r}, captured {record.expected_response!r}")
+        if record.probes:
+            self.check_canary_probes(record.probes)
+
+    def check_canary_probes(self, probes: list[CanaryProbe]) -> None:
+        """Each recorded probe asked again, in the captured order: the same token ids and logprobs, exactly."""
+        with self.step(f"{self.op}.canary_probes", "restore.canary") as span:
+            for index, probe in enumerate(probes):
+                answer = ask_probe(self.serving_port, probe.prompt_ids, len(probe.token_ids))
+                if answer is None:
+                    raise OperationFailed("restore.canary", f"canary probe {index} ({len(probe.prompt_ids)} prompt tokens): "
+                                          "the restored server refused it or answered without token ids and logprobs")
+                difference = first_difference(probe.token_ids, [float_of(b) for b in probe.logprob_bits], answer)
+                if difference is not None:
+                    raise OperationFailed("restore.canary", f"canary probe {index} ({len(probe.prompt_ids)} prompt tokens): "
+                                          f"{difference}; the restored server computes differently from the captured one")
+            span["probes"] = len(probes)
 
     def _close_handed_over(self) -> None:
         for fd in self.handed_over:

@@ -21,6 +21,7 @@ __all__ = [
     "FileRef",
     "PinnedFile",
     "PlatformRecord",
+    "CanaryProbe",
     "CanaryRecord",
     "WorkerRecord",
     "UnitRecord",
@@ -87,6 +88,19 @@ class PlatformRecord(Contract):
     """CRIU version that dumped the capsules."""
 
 
+class CanaryProbe(Contract):
+    """One probe of the canary (:mod:`coldsnap.activation.canary_probes`): a prompt of token ids, the
+    greedy tokens the captured server generated after it and each one's logprob, all to be reproduced."""
+
+    prompt_ids: list[int] = Field(min_length=1)
+    """The prompt, as token ids."""
+    token_ids: list[int] = Field(min_length=1)
+    """The tokens the captured server generated (EOS ignored)."""
+    logprob_bits: list[int] = Field(min_length=1)
+    """Each generated token's logprob as the captured server computed it, as the bits of the IEEE-754
+    double (canonical JSON has no floats; the bits keep it exact): a restore must give the same."""
+
+
 class CanaryRecord(Contract):
     """The exact-response canary recorded at capture."""
 
@@ -103,6 +117,9 @@ class CanaryRecord(Contract):
     """What a restore checks: with ``prompt_argmax``, one prefill's predictions at every prompt position
     plus the first ``restore_tokens`` of ``token_ids`` (the same model checked at more positions for less
     decode time); ``None``: every one of ``token_ids`` and the response text."""
+    probes: list[CanaryProbe] = Field(default_factory=list)
+    """Asked after the prompt, in this order; each one's tokens and logprobs must come back exactly (empty:
+    the engine gave no logprobs, or an artifact captured before probes existed)."""
 
 
 class WorkerRecord(Contract):

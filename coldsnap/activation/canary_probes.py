@@ -1,0 +1,98 @@
+"""The canary's probes: prompts of exact lengths whose token ids and logprobs a restore must reproduce.
+
+One short text prompt proves little: a restored vLLM once gave the captured canary's tokens while it
+answered 4 of 8 other prompts differently. The probes cover what the text canary does not: a prompt of
+:data:`PROBES`' lengths each (a short prefill that runs inside a CUDA graph, a long one past the largest
+graph size that vLLM and SGLang capture by default), a few decode steps after each (the decode graph,
+the KV cache read back), and every generated token's logprob, not only its argmax, so a difference in
+the last bits of the arithmetic fails the check even where it does not flip a token yet.
+
+The prompts are token ids (exact lengths, no tokenizer needed here), drawn from ids 3–499: clear of the
+usual special tokens 0–2, and ordinary tokens in every vocabulary of 500 or more. Asked through the
+engine's OpenAI ``/v1/completions`` (``return_token_ids``, ``logprobs: 0``), one at a time and after the
+text canary, in the same order at capture and at restore, so each runs alone in the same batch shape;
+an engine that answers without ids or logprobs, or refuses a prompt (longer than its context), records
+no probe of that length: the restore then checks what was recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PROBES", "ProbeAnswer", "ask_probe", "bits_of", "first_difference", "float_of", "probe_prompt"]
+
+PROBES = ((24, 4), (600, 2))
+"""(prompt tokens, generated tokens) of each probe: 24 tokens run in one of the engines' prefill graphs,
+600 past vLLM's largest (512) and SGLang's; the decode steps replay the batch-1 decode graph."""
+PROBE_SEED = 20261203
+
+
+@dataclass(frozen=True)
+class ProbeAnswer:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    seconds: float
+
+
+def bits_of(value: float) -> int:
+    """The IEEE-754 double's bits as a signed 64-bit integer (how a contract keeps a float exactly)."""
+    return int(struct.unpack("<q", struct.pack("<d", value))[0])
+
+
+def float_of(bits: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", bits))[0])
+
+
+def probe_prompt(length: int, seed: int = PROBE_SEED) -> list[int]:
+    """The probe prompt of ``length`` token ids (the same for a seed on every host)."""
+    rng = random.Random(seed + length)
+    return [rng.randrange(3, 500) for _ in range(length)]
+
+
+def ask_probe(port: int, prompt_ids: list[int], max_tokens: int, timeout: float = 120.0) -> ProbeAnswer | None:
+    """Greedy ``max_tokens`` tokens after ``prompt_ids`` (EOS ignored) with each token's logprob; None when
+    the engine refuses the prompt (HTTP 4xx: e.g. longer than its context) or answers without token ids or
+    logprobs. Other failures raise (:class:`OSError`): the server did not answer."""
+    body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_token_ids": True}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            document: Any = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        if 400 <= exc.code < 500:
+            return None
+        raise
+    seconds = time.perf_counter() - started
+    try:
+        choice = document["choices"][0]
+        ids = [int(t) for t in choice["token_ids"]]
+        logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+    if len(ids) != max_tokens or len(logprobs) != len(ids):
+        return None
+    return ProbeAnswer(list(prompt_ids), ids, logprobs, seconds)
+
+
+def first_difference(expected_ids: list[int], expected_logprobs: list[float], answer: ProbeAnswer) -> str | None:
+    """Where ``answer`` departs from what was recorded, in words; None when ids and logprobs are all equal."""
+    for index, (want, got) in enumerate(zip(expected_ids, answer.token_ids)):
+        if want != got:
+            return f"token {index} is {got}, captured {want}"
+        if expected_logprobs[index] != answer.logprobs[index]:
+            return (f"token {index}'s logprob is {answer.logprobs[index]!r}, captured {expected_logprobs[index]!r} "
+                    f"(difference {answer.logprobs[index] - expected_logprobs[index]:.3g})")
+    if len(expected_ids) != len(answer.token_ids):
+        return f"{len(answer.token_ids)} tokens, captured {len(expected_ids)}"
+    return None
