@@ -26,7 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-__all__ = ["Answer", "ask", "ask_all", "compare", "equality_prompts", "EQUALITY_PROMPTS", "EQUALITY_TOKENS"]
+__all__ = ["Answer", "CONCURRENCY", "EQUALITY_PROMPTS", "EQUALITY_TOKENS", "answers_from_json", "answers_json", "ask",
+           "ask_all", "compare", "equality_answers", "equality_prompts", "equality_summary", "render_summary"]
 
 EQUALITY_PROMPTS = 256
 EQUALITY_TOKENS = 64
@@ -106,6 +107,44 @@ def compare(reference: Sequence[Answer], other: Sequence[Answer]) -> dict[str, A
             largest = max(largest, abs(x - y))
     return {"prompts": len(reference), "differing": len(differing), "largest_logprob_difference": largest,
             "differing_prompts": differing[:32]}
+
+
+CONCURRENCY = 32
+
+
+def equality_answers(port: int, *, prompts: int = EQUALITY_PROMPTS, tokens: int = EQUALITY_TOKENS,
+                     concurrent_passes: int = 1, engine: str = "vllm", longest: int = 1500) -> dict[str, Any]:
+    """The answers of the server on ``port`` to the prompt set, one at a time and ``concurrent_passes``
+    times at :data:`CONCURRENCY` (as JSON values; seconds of the one-at-a-time pass)."""
+    import time
+
+    prompt_set = equality_prompts(prompts, longest=longest)
+    started = time.perf_counter()
+    answers: dict[str, Any] = {"one_at_a_time": answers_json(ask_all(port, prompt_set, tokens, engine=engine))}
+    answers["one_at_a_time_s"] = round(time.perf_counter() - started, 1)
+    for index in range(concurrent_passes):
+        answers[f"concurrent_{index}"] = answers_json(ask_all(port, prompt_set, tokens, concurrency=CONCURRENCY,
+                                                              engine=engine))
+    return answers
+
+
+def equality_summary(cold: dict[str, Any], restored: dict[str, Any]) -> dict[str, Any]:
+    """Restored against cold, one at a time and concurrently; with a cold server's second concurrent pass,
+    the spread that batching alone causes (engines are not batch-invariant by default)."""
+    load = answers_from_json
+    summary = {"one at a time: restored vs cold": compare(load(cold["one_at_a_time"]), load(restored["one_at_a_time"]))}
+    if "concurrent_0" in cold and "concurrent_0" in restored:
+        summary[f"concurrency {CONCURRENCY}: restored vs cold"] = compare(load(cold["concurrent_0"]),
+                                                                         load(restored["concurrent_0"]))
+    if "concurrent_1" in cold:
+        summary[f"concurrency {CONCURRENCY}: cold vs cold (same server, second pass)"] = compare(
+            load(cold["concurrent_0"]), load(cold["concurrent_1"]))
+    return summary
+
+
+def render_summary(summary: dict[str, Any]) -> str:
+    return "\n".join(f"{name}: {value['differing']}/{value['prompts']} prompts differ, largest |logprob difference| "
+                     f"{value['largest_logprob_difference']:.3g}" for name, value in summary.items())
 
 
 def answers_json(answers: Sequence[Answer]) -> list[dict[str, Any]]:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, run_steps, serve_load  # noqa: E402
 
-STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "serving", "native", "dropped")
+STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "serving", "equality", "native", "dropped")
 SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")
 SGLANG_ENV = {"HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0", "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1",
               "SGLANG_PLUGINS": "coldsnap"}
@@ -46,6 +46,7 @@ class SglangBench(Bench):
     name = "sglang_startup"
     engine_env = SGLANG_ENV
     load_client = "sglang.bench_serving"
+    equality_engine = "sglang"
 
     def serve_command(self, *extra: str) -> list[str]:
         return [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model), "--port", str(self.port),

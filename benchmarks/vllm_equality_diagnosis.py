@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.equality import (EQUALITY_PROMPTS, EQUALITY_TOKENS, Answer, answers_from_json, answers_json, ask_all,
-                                 compare, equality_prompts)
+from benchmarks.equality import (Answer, answers_from_json, answers_json, ask_all, compare, equality_answers,
+                                 equality_prompts, equality_summary, render_summary)
 from coldsnap.agent.protocol import CONTROL_ENV
 from coldsnap.contracts.profiles import CANARY_PROMPT
 from coldsnap.atomic import write_atomic
@@ -204,44 +204,19 @@ class Diagnosis:
     def step_restore_keep_prefix_cache(self) -> None:
         self.restore("restore-keep-prefix-cache", artifact=self.work / "artifact-keep-prefix-cache")
 
-    def equality_answers(self, concurrent_passes: int) -> dict[str, Any]:
-        port, prompts = self.args.port, equality_prompts(EQUALITY_PROMPTS)
-        started = time.perf_counter()
-        answers: dict[str, Any] = {"one_at_a_time": answers_json(ask_all(port, prompts, EQUALITY_TOKENS))}
-        answers["one_at_a_time_s"] = round(time.perf_counter() - started, 1)
-        for index in range(concurrent_passes):
-            answers[f"concurrent_{index}"] = answers_json(ask_all(port, prompts, EQUALITY_TOKENS, concurrency=32))
-        return answers
-
     def step_equality(self) -> None:
-        """256 prompts (8–1500 tokens), greedy 64 tokens, one at a time and at concurrency 32: a cold start
-        (two concurrent passes: the spread timing alone causes) against a restore of the capture."""
+        """:mod:`benchmarks.equality`'s prompt set: a cold start (two concurrent passes: the spread that
+        batching alone causes) against a restore of the capture."""
         log = self.work / "equality-cold.log"
         with plain_server(self.command(), self.env(), log) as (process, started):
             first_answer(self.args.port, started, process, 900, CANARY_PROMPT, 16, log)
-            cold = self.equality_answers(2)
-        results: dict[str, Any] = {}
-
-        def observe(name: str, **facts: Any) -> None:
-            results.update(self.equality_answers(1))
-
-        self.restore("equality-restore", observe=observe)
-        load = answers_from_json
-        summary = {
-            "prompts": EQUALITY_PROMPTS, "tokens": EQUALITY_TOKENS,
-            "one at a time: restored vs cold": compare(load(cold["one_at_a_time"]), load(results["one_at_a_time"])),
-            "concurrency 32: restored vs cold": compare(load(cold["concurrent_0"]), load(results["concurrent_0"])),
-            "concurrency 32: cold vs cold (same server, second pass)": compare(load(cold["concurrent_0"]),
-                                                                                load(cold["concurrent_1"])),
-            "one at a time vs concurrency 32, cold": compare(load(cold["one_at_a_time"]), load(cold["concurrent_0"])),
-            "seconds one at a time (cold, restored)": [cold["one_at_a_time_s"], results["one_at_a_time_s"]],
-        }
-        self.state["equality"] = summary
-        self.state["equality_answers"] = {"cold": cold, "restored": results}
+            cold = equality_answers(self.args.port, concurrent_passes=2)
+        restored: dict[str, Any] = {}
+        self.restore("equality-restore", observe=lambda name, **facts: restored.update(equality_answers(self.args.port)))
+        self.state["equality"] = equality_summary(cold, restored)
+        self.state["equality_answers"] = {"cold": cold, "restored": restored}
         self.save()
-        for key, value in summary.items():
-            shown = {k: v for k, v in value.items() if k != "differing_prompts"} if isinstance(value, dict) else value
-            print(f"equality {key}: {shown}", flush=True)
+        print(render_summary(self.state["equality"]), flush=True)
 
 
 def main() -> int:

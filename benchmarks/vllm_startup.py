@@ -29,6 +29,9 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   restore-log  one restore with CRIU's timestamped log (``COLDSNAP_CRIU_LOG_LEVEL=3``), copied to
                ``DIR/criu-restore-v3.log``: where CRIU's step of a restore spends its time
   cold-warm    ``--repeat`` cold starts with the warm compile cache
+  equality     restored equals cold: 256 token-id prompts (8 to 1500 tokens), greedy 64 tokens with logprobs,
+               one at a time and at concurrency 32, a cold start (two concurrent passes) and a restore: prompts
+               that differ, largest logprob difference (benchmarks/equality.py)
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
   serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
                vLLM's own load client (``vllm bench serve``, random 512-token prompts, 128 tokens out,
@@ -47,6 +50,7 @@ matplotlib is installed (else later, from the JSON, with ``--png-from``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -56,20 +60,22 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from coldsnap.demo import cold_start, first_answer, plain_server, sleep_wake_cycle  # noqa: E402
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
+from coldsnap.demo import cold_start, first_answer, plain_server, sleep_wake_cycle  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
+from equality import EQUALITY_PROMPTS, EQUALITY_TOKENS, equality_answers, equality_summary, render_summary  # noqa: E402
 from image_attribution import capsule_attribution, render_capsule  # noqa: E402
 from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-recovery", "restore-log", "race",
-         "gpu-short", "cold-warm", "serving", "native", "sleep", "dropped")
+         "gpu-short", "cold-warm", "serving", "equality", "native", "sleep", "dropped")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -148,6 +154,7 @@ class Bench:
     name = "vllm_startup"
     engine_env = VLLM_ENV
     load_client = "vllm bench serve"
+    equality_engine = "vllm"  # how benchmarks/equality.py asks this engine
 
     def serve_command(self, *extra: str) -> list[str]:
         return serve_command(self.model, self.port, *extra)
@@ -452,18 +459,8 @@ class Bench:
             first_answer(self.port, started, process, 900, PROMPT, 12, log)
             cold = self.serving_runs("cold")
         time.sleep(1)
-        receipt_path = self.work / f"serving-restore-{len(self.state['runs'])}-{time.time_ns()}.json"
-        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
-                               str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
-        receipt = json.loads(receipt_path.read_text())
-        try:
-            if done.returncode != 0:
-                raise SystemExit(f"serving: restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
+        with self.restored("serving"):
             restored = self.serving_runs("restored")
-        finally:
-            pid = restored_pid(receipt)
-            if pid is not None:
-                kill_tree(pid)
         medians = {}
         for key in SERVE_METRICS:
             cold_median = statistics.median(r[key] for r in cold["loads"])
@@ -483,6 +480,41 @@ class Bench:
             "prompts_checked": len(cold["prompt_tokens"]),
         }
         print(json.dumps(self.state["serving"]["medians"]), flush=True)
+        self.save()
+
+    @contextlib.contextmanager
+    def restored(self, step: str) -> Iterator[None]:
+        """One plain ``coldsnap restore`` of the capture, serving while the block runs, then killed."""
+        receipt_path = self.work / f"{step}-restore-{len(self.state['runs'])}-{time.time_ns()}.json"
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
+                               str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
+        receipt = json.loads(receipt_path.read_text())
+        try:
+            if done.returncode != 0:
+                raise SystemExit(f"{step}: restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
+            yield
+        finally:
+            pid = restored_pid(receipt)
+            if pid is not None:
+                kill_tree(pid)
+
+    def step_equality(self) -> None:
+        """Restored equals cold on many prompts (:mod:`equality`): EQUALITY_PROMPTS token-id prompts of 8 to 1500
+        tokens, greedy EQUALITY_TOKENS tokens with logprobs, one at a time and at concurrency 32, asked of a
+        cold start (twice concurrently: the spread batching alone causes) and of a restore, one after the
+        other on this GPU. Prints the prompts that differ and the largest logprob difference."""
+        if not (self.artifact / "artifact.json").exists():
+            raise SystemExit("equality: capture first")
+        log = self.work / "equality-cold-start.log"
+        with plain_server(self.serve_command(*self.args.vllm_args), self.env(), log) as (process, started):
+            first_answer(self.port, started, process, 900, PROMPT, 12, log)
+            cold = equality_answers(self.port, concurrent_passes=2, engine=self.equality_engine)
+        time.sleep(1)
+        with self.restored("equality"):
+            restored = equality_answers(self.port, engine=self.equality_engine)
+        self.state["equality"] = {"prompts": EQUALITY_PROMPTS, "tokens": EQUALITY_TOKENS,
+                                  **equality_summary(cold, restored)}
+        print(render_summary({k: v for k, v in self.state["equality"].items() if isinstance(v, dict)}), flush=True)
         self.save()
 
     def sleep_cycle(self, kind: str, env: dict[str, str], *extra: str) -> None:
@@ -555,6 +587,10 @@ def render(state: dict) -> str:
                          f"restored/cold {values['restored / cold']}")
         lines.append(f"    same greedy token ids over {serving['prompts_checked']} prompts: {serving['same_prompt_tokens']}; "
                      f"same streamed text: {serving.get('same_streamed_text', serving.get('same_streamed_tokens'))}")
+    equality = state.get("equality")
+    if equality:
+        lines.append(f"  restored equals cold ({equality['prompts']} prompts, {equality['tokens']} greedy tokens):")
+        lines += ["    " + line for line in render_summary({k: v for k, v in equality.items() if isinstance(v, dict)}).splitlines()]
     if any(not r.get("same_tokens", True) for r in state["runs"]):
         lines.append("  WARNING: some run's tokens differ from the first cold start's")
     else:

@@ -35,9 +35,9 @@ def _start_ticks() -> int:
 class RestoreWatch:
     """Tells, once per restore, that this process was restored since it was last asked."""
 
-    def __init__(self, ticks: Callable[[], int] = _start_ticks):
-        self._ticks = ticks
-        self._seen = ticks()
+    def __init__(self, ticks: Callable[[], int] | None = None):
+        self._ticks = ticks or (lambda: _start_ticks())
+        self._seen = self._ticks()
 
     def restored(self) -> bool:
         now = self._ticks()

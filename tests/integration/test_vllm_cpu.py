@@ -125,13 +125,21 @@ def model(tmp_path_factory) -> Path:
     return directory
 
 
+EQUALITY = {"prompts": 48, "tokens": 16, "longest": 200}
+"""benchmarks/equality.py's check on vLLM's CPU build: prompts of 8 to 200 tokens (the context is 256)."""
+
+
 @pytest.fixture(scope="module")
 def reference(model, tmp_path_factory) -> dict:
-    """vLLM's own default loader, cold: its start time and its greedy tokens for PROMPT_2."""
+    """vLLM's own default loader, cold: its start time, its greedy tokens for PROMPT_2 and its answers (ids
+    and logprobs) to the equality prompts, asked one at a time."""
+    from benchmarks.equality import equality_answers
+
     port = _free_port()
     with served(serve(model, port), port, tmp_path_factory.mktemp("reference") / "serve.log") as (tokens, seconds):
         assert tokens is not None, "vllm serve exited"
-    return {"tokens": tokens, "cold_start_s": seconds}
+        answers = equality_answers(port, **EQUALITY)
+    return {"tokens": tokens, "cold_start_s": seconds, "equality": answers}
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +349,11 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
     artifact, port, root = captured
     capture = json.loads((root / "capture.json").read_text())
     assert capture["state"] == "succeeded" and capture["engine"] == "vllm"
-    worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
+    descriptor = json.loads((artifact / "artifact.json").read_text())
+    worker = descriptor["units"][0]["workers"][0]
+    # the canary's probe, asked before the snapshot and checked after each restore: its first 16-token block
+    # is then in the prefix cache, whose KV the restore zeroed (test_a_kept_prefix_cache_fails_the_canary)
+    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [24]
     assert worker["payload"]["size_bytes"] > 0  # the weights left the process image for the pack
     for attempt in range(2):
         receipt_path = root / f"restore-{attempt}.json"
@@ -353,11 +365,31 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
         # coldsnap's load format (recovery through vLLM's weight iteration) and the restored process
         # both answer exactly as vLLM's default loader does
         assert complete(port, PROMPT_2) == reference["tokens"]
+        if attempt == 0:  # the same ids and logprobs as the cold start, bit for bit, on every prompt
+            from benchmarks.equality import equality_answers, equality_summary
+
+            summary = equality_summary(reference["equality"], equality_answers(port, **EQUALITY))
+            assert summary["one at a time: restored vs cold"]["differing"] == 0, summary
+            assert summary["one at a time: restored vs cold"]["largest_logprob_difference"] == 0.0, summary
         assert coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
         spans = {s["name"]: s["attributes"] for s in json.loads(receipt_path.read_text())["timing"]["spans"]}
         assert spans["restore.resume"]["source"] == "native" and "zero_kv_cache_ns" in spans["restore.resume"]
+        assert spans["restore.canary_probes"]["probes"] == 1  # the 24-token probe; the 600-token one exceeds the context
         print(f"restore {attempt}: {restore_s:.2f} s (vLLM cold start {reference['cold_start_s']:.1f} s)")
         stop_restored(artifact, port)
+
+
+def test_a_kept_prefix_cache_fails_the_canary(model, tmp_path):
+    """The failure coldsnap_vllm.prefix_cache prevents, shown: with the prefix cache kept over the zeroed KV
+    cache, the capture's own restore answers the canary's probe differently and nothing is committed."""
+    port = _free_port()
+    result = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(tmp_path / "artifact"), "--",
+                             *serve(model, port, "--load-format", "coldsnap")], capture_output=True, timeout=600,
+                            env={**ENV, "COLDSNAP_VLLM_KEEP_PREFIX_CACHE": "1"})
+    assert result.returncode == 1, result.stderr.decode()[-3000:]
+    stderr = result.stderr.decode()
+    assert "capture.verify" in stderr and "canary probe 0 (24 prompt tokens)" in stderr, stderr[-3000:]
+    assert not (tmp_path / "artifact" / "artifact.json").exists() and not port_taken(port)
 
 
 def test_two_replicas_of_vllm_serve_restored_at_once_answer_like_vllms_default_loader(captured, reference, tmp_path):
@@ -442,7 +474,11 @@ def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, ref
     recovery` streams them into the weights region by that plan (plus its gap pack), `auto` does so when
     the pack is gone, and without a usable plan vLLM's own weight loaders refill the region."""
     artifact, port, root = captured
-    worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
+    descriptor = json.loads((artifact / "artifact.json").read_text())
+    worker = descriptor["units"][0]["workers"][0]
+    # the canary's probe, asked before the snapshot and checked after each restore: its first 16-token block
+    # is then in the prefix cache, whose KV the restore zeroed (test_a_kept_prefix_cache_fails_the_canary)
+    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [24]
     assert [p["path"] for p in worker["recovery"]] == [str((model / "model.safetensors").resolve())]
     assert worker["recovery_plan"] and worker["recovery_gap"]
     copy, unplanned = tmp_path / "artifact", tmp_path / "unplanned"
@@ -518,7 +554,11 @@ def test_native_mode_starts_from_the_captured_pack_and_a_foreign_pack_is_refused
     from concurrent.futures import ThreadPoolExecutor
 
     artifact, _, _ = captured
-    worker = json.loads((artifact / "artifact.json").read_text())["units"][0]["workers"][0]
+    descriptor = json.loads((artifact / "artifact.json").read_text())
+    worker = descriptor["units"][0]["workers"][0]
+    # the canary's probe, asked before the snapshot and checked after each restore: its first 16-token block
+    # is then in the prefix cache, whose KV the restore zeroed (test_a_kept_prefix_cache_fails_the_canary)
+    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [24]
     foreign = str(_foreign_pack(tmp_path))
     cases = {"captured": {"mode": "native", "pack": str(artifact / worker["payload"]["path"])},
              "native": {"mode": "native", "pack": foreign}, "auto": {"mode": "auto", "pack": foreign}}
