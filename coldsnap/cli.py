@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -202,20 +203,72 @@ file, a name that is not <sha256>.pack/.residual without --expected, a malformed
 """
 
 
-# What a serving command's first words say about its engine (`vllm serve`, `python -m vllm...`,
-# `python -m sglang.launch_server`, `python -m coldsnap.workloads.torch_lm`); anything else needs --engine.
-ENGINE_MARKERS: tuple[tuple[str, str], ...] = (
-    ("vllm", "vllm"),
-    ("sglang", "sglang"),
-    ("coldsnap.workloads.torch_lm", "torch-lm"),
-    ("coldsnap/workloads/torch_lm", "torch-lm"),
-)
+# A serving command's engine, from its program or its module (`vllm serve`, `python -m vllm...`,
+# `python -m sglang.launch_server`, `python -m coldsnap.workloads.torch_lm`), never from its arguments (a
+# model path may say "vllm"); anything else needs --engine.
+ENGINE_PROGRAMS = {"vllm": "vllm", "sglang": "sglang"}
+ENGINE_MODULES = (("vllm", "vllm"), ("sglang", "sglang"), ("coldsnap.workloads.torch_lm", "torch-lm"))
+
+
+def _python_module(command: list[str]) -> str | None:
+    """The module of ``python [options] -m MODULE ...``, or the script's path as a dotted name."""
+    for index, arg in enumerate(command[1:], start=1):
+        if arg == "-m":
+            return command[index + 1] if index + 1 < len(command) else None
+        if arg.startswith("-m") and len(arg) > 2:
+            return arg[2:]
+        if not arg.startswith("-"):  # python SCRIPT.py: the script names what runs
+            return arg.removesuffix(".py").replace("/", ".").removesuffix(".__main__")
+    return None
 
 
 def _infer_engine(command: list[str]) -> str | None:
-    """The engine ``command`` runs, when its first words name one this build knows; else None."""
-    text = " ".join(command[:4])
-    return next((engine for marker, engine in ENGINE_MARKERS if marker in text), None)
+    """The engine ``command`` runs, when its program or its Python module is one this build knows; else None."""
+    if not command:
+        return None
+    program = Path(command[0]).name
+    if program in ENGINE_PROGRAMS:
+        return ENGINE_PROGRAMS[program]
+    if not re.fullmatch(r"python(\d+(\.\d+)?)?", program):
+        return None
+    module = _python_module(command)
+    if module is None:
+        return None
+    for prefix, engine in ENGINE_MODULES:
+        if module == prefix or module.startswith(prefix + "."):
+            return engine
+    if ".coldsnap.workloads.torch_lm." in f".{module}.":  # python /path/to/coldsnap/workloads/torch_lm/serve.py
+        return "torch-lm"
+    return None
+
+
+def _port_argument(text: str) -> int:
+    """argparse's type for a port option: 1–65535, else argparse's one-line error."""
+    try:
+        return port_number(text, "a port")
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want at least 1, not {value}")
+    return value
+
+
+def port_number(text: str | int, what: str = "the serving port") -> int:
+    """``text`` as a TCP port (1–65535), or a :class:`UsageError` saying what was wrong."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise UsageError(f"{what} must be a number from 1 to 65535, not {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise UsageError(f"{what} must be from 1 to 65535, not {port}")
+    return port
 
 
 def _served_model(command: list[str]) -> str | None:
@@ -249,9 +302,10 @@ def _capture_request(args: argparse.Namespace) -> dict:
         command = command[1:]
     if not command:
         raise UsageError("give the serving command after --, e.g. coldsnap capture --out DIR -- vllm serve MODEL ...")
-    port = args.port or _option_value(command, "--port")
-    if port is None:
+    given_port = args.port if args.port is not None else _option_value(command, "--port")
+    if given_port is None:
         raise UsageError("cannot tell the serving port: pass --port P (or give the command a --port option)")
+    port = port_number(given_port, "--port" if args.port is not None else "the command's --port")
     ranks = args.ranks
     if ranks is None:
         given = next((v for v in (_option_value(command, o) for o in TP_OPTIONS) if v is not None), "1")
@@ -275,7 +329,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
         "engine": engine,
         "snapshot_driver": args.driver,
         "model": {"name": model or command[0], "revision": None},
-        "units": [{"unit_id": "unit-0", "command": command, "serving_port": int(port),
+        "units": [{"unit_id": "unit-0", "command": command, "serving_port": port,
                    "env": {**({PRELOAD_ENV: args.preload} if args.preload is not None else {}),
                            **({PLACEMENT_ABI_ENV: str(args.placement_abi)} if args.placement_abi is not None else {})},
                    "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
@@ -663,7 +717,7 @@ def build_parser() -> argparse.ArgumentParser:
         "Exit 0 on success, 1 on a failed capture, 2 for bad input.",
     )
     p.add_argument("--out", help="artifact directory (must not hold a committed artifact)")
-    p.add_argument("--port", type=int, help="serving port (default: the command's --port)")
+    p.add_argument("--port", type=_port_argument, help="serving port (default: the command's --port)")
     # The contract's names stay choices, so that one this build lacks is refused by name (request.unsupported).
     p.add_argument("--engine", choices=get_args(EngineName), help="engine adapter (default: from the command when it "
                    "runs vllm, sglang or coldsnap.workloads.torch_lm; needed otherwise; implemented in this build: "
@@ -711,7 +765,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture, or "
                    "oci://REF: pulled (verified) into STATE/oci/ first, before anything else")
     p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
-    p.add_argument("--port", type=int, metavar="P", help="serve on port P (default: the captured port); the "
+    p.add_argument("--port", type=_port_argument, metavar="P", help="serve on port P (default: the captured port); the "
                    "tree's other bound ports move by the same shift")
     p.add_argument("--gpu", metavar="N[,M...]", help="the GPU(s) to place the ranks on, in rank order "
                    "(CUDA_VISIBLE_DEVICES of this host: ordinals or UUIDs; default: the capture's)")
@@ -733,7 +787,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture, or "
                    "oci://REF: pulled (verified) into STATE/oci/ first")
-    p.add_argument("--ttl", type=int, metavar="SECONDS",
+    p.add_argument("--ttl", type=_positive_int, metavar="SECONDS",
                    help="how long the standby waits for a wake before it stops itself (default 3600)")
     _add_weights_flag(p)
     _add_host_thp_flag(p)
@@ -786,7 +840,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     p.add_argument("--size", choices=["tiny", "1b", "8b"], default="tiny", help="workload size (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
+    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
                    help="torch-lm: tensor-parallel ranks (one GPU each with --device cuda; default 1)")
     p.add_argument("--dir", help="where to keep the model, artifact and receipts (default: a temporary directory, "
                    "removed at the end)")
@@ -841,7 +895,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen; port 0 picks a free one")
     p.add_argument("--token-file", required=True, metavar="F", help="file holding the activation token (>= 16 bytes)")
-    p.add_argument("--ranks", required=True, type=int, metavar="N", help="number of ranks of the activation")
+    p.add_argument("--ranks", required=True, type=_positive_int, metavar="N", help="number of ranks of the activation")
     p.add_argument("--ttl", type=float, default=600.0, metavar="SECONDS", help="lifetime limit (default 600)")
     p.add_argument("--endpoint-file", metavar="PATH", help="write the chosen endpoint here, atomically (JSON)")
     p.set_defaults(func=_cmd_coordinator)

@@ -28,9 +28,12 @@ from typing import Any
 
 __all__ = ["PROBES", "ProbeAnswer", "ask_probe", "bits_of", "first_difference", "float_of", "probe_prompt"]
 
-PROBES = ((24, 4), (600, 2))
-"""(prompt tokens, generated tokens) of each probe: 24 tokens run in one of the engines' prefill graphs,
-600 past vLLM's largest (512) and SGLang's; the decode steps replay the batch-1 decode graph."""
+PROBES = ((136, 4), (600, 2))
+"""(prompt tokens, generated tokens) of each probe: 136 tokens run in one of vLLM's prefill graphs (a
+capture size) and fill a KV block of every usual size (vLLM 16 on GPUs, 128 on CPUs; SGLang's pages are
+tokens), so a prefix cache that outlived the KV cache is read back; 600 run past vLLM's largest graph size
+(512) and SGLang's; the decode steps replay the batch-1 decode graph. (The H200 runs of 2026-12-03 used a
+24-token short probe.)"""
 PROBE_SEED = 20261203
 
 

@@ -42,7 +42,7 @@ def start_prefill(arguments: list[str]) -> int:
 
 
 # `coldsnap wake`'s options that take a value (see coldsnap.cli); the one positional is DIR|ID.
-VALUE_OPTIONS = ("--state-dir", "--receipt-json", "--timing-events", "--operation-id")
+VALUE_OPTIONS = ("--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--owner")
 
 
 def _standby_record(arguments: list[str]) -> dict | None:

@@ -353,7 +353,7 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
     worker = descriptor["units"][0]["workers"][0]
     # the canary's probe, asked before the snapshot and checked after each restore: its first 16-token block
     # is then in the prefix cache, whose KV the restore zeroed (test_a_kept_prefix_cache_fails_the_canary)
-    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [24]
+    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [136]
     assert worker["payload"]["size_bytes"] > 0  # the weights left the process image for the pack
     for attempt in range(2):
         receipt_path = root / f"restore-{attempt}.json"
@@ -374,21 +374,23 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
         assert coldsnap("validate", "receipt", str(receipt_path)).returncode == 0
         spans = {s["name"]: s["attributes"] for s in json.loads(receipt_path.read_text())["timing"]["spans"]}
         assert spans["restore.resume"]["source"] == "native" and "zero_kv_cache_ns" in spans["restore.resume"]
-        assert spans["restore.canary_probes"]["probes"] == 1  # the 24-token probe; the 600-token one exceeds the context
+        assert spans["restore.canary_probes"]["probes"] == 1  # the 136-token probe; the 600-token one exceeds the context
         print(f"restore {attempt}: {restore_s:.2f} s (vLLM cold start {reference['cold_start_s']:.1f} s)")
         stop_restored(artifact, port)
 
 
 def test_a_kept_prefix_cache_fails_the_canary(model, tmp_path):
     """The failure coldsnap_vllm.prefix_cache prevents, shown: with the prefix cache kept over the zeroed KV
-    cache, the capture's own restore answers the canary's probe differently and nothing is committed."""
+    cache, the capture's own restore answers the canary's probe differently and nothing is committed (the
+    136-token probe fills one of vLLM's 128-token CPU KV blocks)."""
     port = _free_port()
     result = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(tmp_path / "artifact"), "--",
-                             *serve(model, port, "--load-format", "coldsnap")], capture_output=True, timeout=600,
+                             *serve(model, port, "--load-format", "coldsnap")],
+                            capture_output=True, timeout=600,
                             env={**ENV, "COLDSNAP_VLLM_KEEP_PREFIX_CACHE": "1"})
     assert result.returncode == 1, result.stderr.decode()[-3000:]
     stderr = result.stderr.decode()
-    assert "capture.verify" in stderr and "canary probe 0 (24 prompt tokens)" in stderr, stderr[-3000:]
+    assert "capture.verify" in stderr and "canary probe 0 (136 prompt tokens)" in stderr, stderr[-3000:]
     assert not (tmp_path / "artifact" / "artifact.json").exists() and not port_taken(port)
 
 
@@ -478,7 +480,7 @@ def test_recovery_refills_the_weights_through_vllms_loaders(model, captured, ref
     worker = descriptor["units"][0]["workers"][0]
     # the canary's probe, asked before the snapshot and checked after each restore: its first 16-token block
     # is then in the prefix cache, whose KV the restore zeroed (test_a_kept_prefix_cache_fails_the_canary)
-    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [24]
+    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [136]
     assert [p["path"] for p in worker["recovery"]] == [str((model / "model.safetensors").resolve())]
     assert worker["recovery_plan"] and worker["recovery_gap"]
     copy, unplanned = tmp_path / "artifact", tmp_path / "unplanned"
@@ -558,7 +560,7 @@ def test_native_mode_starts_from_the_captured_pack_and_a_foreign_pack_is_refused
     worker = descriptor["units"][0]["workers"][0]
     # the canary's probe, asked before the snapshot and checked after each restore: its first 16-token block
     # is then in the prefix cache, whose KV the restore zeroed (test_a_kept_prefix_cache_fails_the_canary)
-    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [24]
+    assert [len(p["prompt_ids"]) for p in descriptor["canary"]["probes"]] == [136]
     foreign = str(_foreign_pack(tmp_path))
     cases = {"captured": {"mode": "native", "pack": str(artifact / worker["payload"]["path"])},
              "native": {"mode": "native", "pack": foreign}, "auto": {"mode": "auto", "pack": foreign}}

@@ -232,7 +232,8 @@ def test_restore_of_what_is_not_an_artifact_says_so_in_plain_words(tmp_path):
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["restore", "--port", "x", "DIR"], "coldsnap restore: error: argument --port: invalid int value: 'x'"),
+    (["restore", "--port", "x", "DIR"], "coldsnap restore: error: argument --port: a port must be a number from 1 to "
+                                        "65535, not 'x'"),
     (["capture", "--driver", "n999"], "coldsnap capture: error: argument --driver: invalid choice: 'n999' "
                                       "(choose from 'n580', 'n610')"),
     (["payload", "verify"], "coldsnap payload verify: error: the following arguments are required: FILE"),
@@ -244,3 +245,70 @@ def test_a_bad_argument_is_one_line_and_a_pointer_to_help(argv, line):
     assert result.returncode == 2 and result.stdout == b""
     prog = line.split(": error:")[0]
     assert result.stderr.decode().splitlines() == [line, f"see {prog} --help"]
+
+
+TORCH_LM = ["python", "-m", "coldsnap.workloads.torch_lm"]
+BAD_INPUTS = [
+    ["capture", "--out", "X", "--", *TORCH_LM, "--port", "abc"],
+    ["capture", "--out", "X", "--", *TORCH_LM, "--port", "0"],
+    ["capture", "--out", "X", "--", *TORCH_LM, "--port", "70000"],
+    ["capture", "--out", "X", "--port", "0", "--", *TORCH_LM],
+    ["capture", "--out", "X", "--port", "-5", "--", *TORCH_LM],
+    ["capture", "--out", "X", "--", *TORCH_LM],
+    ["capture", "--out", "X", "--ranks", "-1", "--", *TORCH_LM, "--port", "8000"],
+    ["capture", "--out", "X", "--engine", "nope", "--", *TORCH_LM, "--port", "8000"],
+    ["capture", "--out", "X", "--owner", "abc", "--", *TORCH_LM, "--port", "8000"],
+    ["capture", "--out", "X", "--owner", "1:x", "--", *TORCH_LM, "--port", "8000"],
+    ["capture", "--out", "X", "--placement-abi", "7", "--", *TORCH_LM, "--port", "8000"],
+    ["capture", "--out", "X", "--request-json", "bad.json"],
+    ["capture", "--request-json", "missing.json"],
+    ["capture", "--out", "X", "--timing-events", "t.ndjson", "--", *TORCH_LM, "--port", "8000"],
+    ["capture", "--out", "X"],
+    ["capture", "--", *TORCH_LM, "--port", "8000"],
+    ["capture", "--out", "X", "--port", "8000", "--", "python3", "-m", "http.server"],
+    ["restore", "emptydir"],
+    ["restore", "missing"],
+    ["restore", "file.txt"],
+    ["restore", "emptydir", "--port", "abc"],
+    ["restore", "emptydir", "--port", "0"],
+    ["restore", "emptydir", "--port", "99999"],
+    ["restore", "emptydir", "--weights", "bogus"],
+    ["restore", "emptydir", "--owner", "nobody"],
+    ["restore", "--request-json", "bad.json"],
+    ["restore", "oci://"],
+    ["warm", "emptydir", "--ttl", "-3"],
+    ["warm", "emptydir", "--ttl", "abc"],
+    ["wake", "missing"],
+    ["wake", "emptydir", "--owner", "U:G"],
+    ["validate", "request", "bad.json"],
+    ["validate", "artifact", "missing"],
+    ["validate", "receipt", "file.txt"],
+    ["payload", "verify", "file.txt"],
+    ["coordinator", "--ranks", "0", "--listen", "127.0.0.1:0", "--token-file", "t"],
+    ["coordinator", "--ranks", "abc"],
+    ["publish", "emptydir", "registry.example/x:v1"],
+    ["demo", "--engine", "nope"],
+    ["doctor", "--bogus"],
+]
+
+
+@pytest.fixture()
+def bad_input_dir(tmp_path, monkeypatch):
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "emptydir").mkdir()
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.mark.parametrize("argv", BAD_INPUTS, ids=lambda argv: " ".join(argv)[:60])
+def test_every_bad_input_is_a_short_error_with_no_traceback(argv, bad_input_dir):
+    """A newcomer's mistakes (bad flag values, missing files, what is not an artifact) end with exit 2, at
+    most one line and a pointer to --help on stderr, nothing on stdout, and nothing started or written."""
+    result = coldsnap(*argv)
+    stderr = result.stderr.decode()
+    assert result.returncode == 2, stderr
+    assert "Traceback" not in stderr and result.stdout == b""
+    lines = stderr.splitlines()
+    assert 1 <= len(lines) <= 2 and (len(lines) == 1 or lines[1].startswith("see coldsnap")), stderr
+    assert not (bad_input_dir / "X").exists()
