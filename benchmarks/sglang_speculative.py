@@ -43,7 +43,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
-from coldsnap.demo import cold_start  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from restore_latency import receipt_timeline  # noqa: E402
 from sglang_startup import SGLANG_ARGS, SGLANG_ENV  # noqa: E402

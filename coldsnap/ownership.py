@@ -1,6 +1,6 @@
 """Files owned by the caller: coldsnap runs as root (CRIU, CUDA checkpoint and the restored namespaces need
 it), yet what an operation writes under an artifact directory or a state root ends owned by the user who
-asked for it, mode bits kept (the seeds' "Container privilege and host ownership").
+asked for it, mode bits kept (docs/design.md, "Ownership").
 
 The owner is, in order: ``--owner UID:GID`` (:func:`parse_owner`), the request's ``owner`` field, the
 caller's ``SUDO_UID``/``SUDO_GID`` when coldsnap runs as root through sudo; with none of them nothing is

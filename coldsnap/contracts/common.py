@@ -1,6 +1,6 @@
 """Names shared by several contracts: engines, snapshot drivers, operations, policies.
 
-These are the contract's whole vocabulary (the seeds'), not what this build implements: a request may
+These are the contract's whole vocabulary (the operator contract's, docs/design.md), not what this build implements: a request may
 name any of them and is then refused with ``request.unsupported`` if this build lacks it (the registry
 in :mod:`coldsnap.contracts.profiles`, which ``coldsnap capabilities`` prints).
 """
@@ -34,7 +34,7 @@ ReplaySemantics = Literal[
     "replacement-oriented",
     "conflicts-with-existing-output",
 ]
-"""What repeating an operation with the same request does (the seeds' operator contract)."""
+"""What repeating an operation with the same request does (the operator contract, docs/design.md)."""
 
 WeightsMode = Literal["auto", "native", "recovery", "cache-only-auto"]
 NativeMaterialization = Literal["off", "async", "required"]

@@ -2,12 +2,12 @@
 
 One registry answers both questions a manager asks: what ``coldsnap capabilities`` advertises, and
 what a request may name. A request naming anything else is refused at resolution with the code
-``request.unsupported``. The contract types (:mod:`coldsnap.contracts.common`) keep the seeds' whole
+``request.unsupported``. The contract types (:mod:`coldsnap.contracts.common`) keep the operator contract's whole
 vocabulary — sleep/status, ``async`` and ``required`` materialization, ``cache-only-auto`` —
 so such a request decodes and is refused by name rather than failing as a parse error.
 
 Each driver owns its defaults; a request's omitted policy fields are resolved from them before the
-request is validated as a whole and hashed (the seeds' operator contract).
+request is validated as a whole and hashed (the operator contract, docs/design.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The private memory of a CRIU image: what each process carries, and the zero pages it need not.
 
-CRIU dumps every page a process has written, zeros included (``ENGINE-RESTORE-FACTS.md`` §3: only
-never-touched pages are skipped), and its restore reads each back into a fresh page, single-threaded:
+CRIU dumps every page a process has written, zeros included (only never-touched pages are
+skipped: docs/design.md, "CRIU's page fill"), and its restore reads each back into a fresh page, single-threaded:
 a page of zeros costs as much as any other. A freshly mapped private anonymous page *is* zero, so a
 page of zeros in a private anonymous mapping can be left out of the image and the restore gives the
 same memory: CRIU maps the area anonymously and fills only the pages the pagemap lists
@@ -67,7 +67,7 @@ class ProcessPages:
     """Zero pages :func:`compact_image` left out (0 for a census)."""
     huge_pages_advised_bytes: int = 0
     """Pages in mappings advised ``MADV_HUGEPAGE``: CRIU 4.2 fills them with 4 KiB pages all the same and
-    applies the advice after the fill (ENGINE-RESTORE-FACTS.md §3)."""
+    applies the advice after the fill (docs/design.md, "CRIU's page fill")."""
     entries_before: int = 0
     entries_after: int = 0
 

@@ -1,6 +1,6 @@
 """What a process tree holds outside its memory, read from /proc: its pids, the files it writes to,
 and its POSIX shared memory. CRIU restores all of it, but three things need help to restore more
-than once from one image (REFERENCE.md, measured on vLLM):
+than once from one image (measured on vLLM; docs/design.md):
 
 - files in ``/dev/shm`` (vLLM's POSIX semaphores) and the ``link_remap`` files CRIU creates there for
   unlinked ones are consumed by a restore: they are saved with the image and put back before each;

@@ -5,7 +5,7 @@ records the ports its sockets were bound to at capture, so a restore on another 
 per-restore image directory: every file of the captured images linked, except ``files.img``, rewritten
 (:mod:`coldsnap.snapshot.criu_images`). The committed images are only read.
 
-The **port generation** is the seeds' "one fixed shift that maps the captured serving port to the
+The **port generation** is the operator contract's "one fixed shift that maps the captured serving port to the
 requested port": every local port of the tree (listening TCP, bound UDP, on any address, and the local
 ports of its connections) moves by the same shift, so the engine's other listeners (a TCP store, a
 metrics port) move with the serving port and two replicas never share one; a connection whose both

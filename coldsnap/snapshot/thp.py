@@ -1,7 +1,7 @@
 """The host's transparent-huge-page mode, switched to ``always`` for a restore's page fill — on request only.
 
 CRIU 4.2 fills a restored process's private memory into fresh 4 KiB pages and applies the dumped
-``MADV_HUGEPAGE`` only after the fill (``ENGINE-RESTORE-FACTS.md`` §3), and the kernel has no
+``MADV_HUGEPAGE`` only after the fill (docs/design.md, "CRIU's page fill"), and the kernel has no
 per-process opt-in: the one way to fill with huge pages is the host-wide mode
 ``/sys/kernel/mm/transparent_hugepage/enabled``. With ``always`` for the fill an 8B vLLM restore's CRIU
 step went 3.80 → 2.58 s on the H200. That setting is the host owner's, and every process allocating

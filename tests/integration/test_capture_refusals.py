@@ -5,7 +5,6 @@ import importlib
 import json
 import re
 import socket
-import subprocess
 import sys
 import textwrap
 import time

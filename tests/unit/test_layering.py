@@ -1,4 +1,4 @@
-"""The import rules of DESIGN.md ("Import rules"), checked on the source of every module.
+"""The import rules of docs/design.md ("Parts and import rules"), checked on the source of every module.
 
 Arrows go down: cli → activation → {snapshot, coord, contracts, agent protocol, hydrate}; agent →
 {memory, payload, hydrate, collective, coord}; plugins → {agent, memory, payload, hydrate, collective,
@@ -202,7 +202,7 @@ def test_every_package_is_scanned():
 def test_import_rules_hold():
     left, used = check(project_imports(), ALLOWED)
     if left:
-        pytest.fail("imports that break DESIGN.md's import rules:\n" + "\n".join(map(str, left)), pytrace=False)
+        pytest.fail("imports that break docs/design.md's import rules:\n" + "\n".join(map(str, left)), pytrace=False)
     stale = sorted(set(ALLOWED) - used)
     if stale:
         pytest.fail("allow-list entries that match no broken rule any more (remove them):\n"

@@ -131,11 +131,11 @@ def test_timing_events_stream_binds_the_receipt(tmp_path):
     status, out, _ = _run(make_request(), _succeed, "-", str(events_path))
     assert status == EXIT_OK
     receipt = decode_document(OperationReceipt, out)
-    lines = [json.loads(l) for l in events_path.read_text().splitlines()]
-    assert [l["event"] for l in lines] == ["stream_start", "clock", "span_start", "span_start", "span_complete", "span_complete", "stream_complete"]
-    assert [l["sequence"] for l in lines] == list(range(len(lines)))
+    lines = [json.loads(line) for line in events_path.read_text().splitlines()]
+    assert [e["event"] for e in lines] == ["stream_start", "clock", "span_start", "span_start", "span_complete", "span_complete", "stream_complete"]
+    assert [e["sequence"] for e in lines] == list(range(len(lines)))
     assert lines[-1]["timing_envelope_sha256"] == canonical_sha256(receipt.timing.to_json_value())
-    assert all(l["request_sha256"] == receipt.request_sha256 for l in lines)
+    assert all(e["request_sha256"] == receipt.request_sha256 for e in lines)
     assert VALIDATORS["timing-events"](events_path.read_bytes(), "events") == "timing events format 1, 7 events"
 
 

@@ -108,7 +108,9 @@ def rank_main(rank: int, port: int, in_lockstep: bool, results) -> None:
     steps = []
     for step in range(STEPS):
         time.sleep(0.03 * (rank + 1))  # the ranks' agents reach each step at different moments
-        work = (lambda step=step: communicator_step(step, rank, group))
+        def work(step: int = step) -> object:
+            return communicator_step(step, rank, group)
+
         steps.append(lockstep.submit(work) if in_lockstep else work())
     time.sleep(0.05)  # the loops go on after the steps
     stop.set()
