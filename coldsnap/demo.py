@@ -218,6 +218,11 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
 def _run_demo(size: str, device: str, work: Path, quiet: bool, engine: str, eager: bool, tp: int) -> dict[str, Any]:
     port = _free_port()
     command, captured_command, env, model = engine_commands(engine, size, device, port, work, eager, tp)
+    # The engine's temporary files (vLLM's ZeroMQ socket files, torch's compile caches) in the demo's own
+    # folder: a killed server cannot remove them, and /tmp must not collect them
+    scratch = work / "tmp"
+    scratch.mkdir(exist_ok=True)
+    env = {**env, "TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "torchinductor")}
 
     cold_seconds, cold_tokens = cold_start(command, port, env=env)
 
@@ -242,6 +247,7 @@ def _run_demo(size: str, device: str, work: Path, quiet: bool, engine: str, eage
         pid = restored_pid(restore_receipt)
         if pid is not None:
             kill_tree(pid)
+        _forget_restores(artifact)
     dump = next(s for s in capture_receipt["timing"]["spans"] if s["name"] == "capture.criu_dump")["attributes"]
     # Non-model memory: the tree's resident memory once weights and KV are released (after the CUDA
     # checkpoint that includes the device memory it moved into the processes).
@@ -263,6 +269,19 @@ def _run_demo(size: str, device: str, work: Path, quiet: bool, engine: str, eage
         "image_to_non_model_rss": round(dump["image_bytes"] / max(1, non_model), 3),
         "payload_bytes": sum(p.stat().st_size for p in (artifact / "payload").glob("*.pack")),
     }
+
+
+def _forget_restores(artifact: Path) -> None:
+    """The demo's restore state (its server's log, CRIU's files, validation records) under the state root:
+    the demo's artifact is gone afterwards (or kept in --dir, whose restores start afresh), so is that."""
+    import shutil
+
+    from coldsnap.activation.state import artifact_id, state_root
+
+    try:
+        shutil.rmtree(state_root() / artifact_id(artifact), ignore_errors=True)
+    except OSError:  # no committed artifact: nothing was restored
+        pass
 
 
 def render_demo(result: dict[str, Any]) -> str:

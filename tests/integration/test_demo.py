@@ -12,8 +12,17 @@ pytestmark = [pytest.mark.criu, pytest.mark.skipif(os.geteuid() != 0, reason="CR
 
 
 def test_demo_json(tmp_path):
+    """Also: the demo leaves nothing in the temporary folder or the state root it was given (a killed
+    server's socket files, compile caches, its restore's state folder), only the host caches the state
+    root keeps by design."""
+    scratch, state = tmp_path / "tmp", tmp_path / "state"
+    scratch.mkdir()
+    state.mkdir()
     result = subprocess.run([sys.executable, "-m", "coldsnap", "demo", "--json", "--dir", str(tmp_path / "demo")],
-                            capture_output=True, timeout=600)
+                            capture_output=True, timeout=600,
+                            env={**os.environ, "TMPDIR": str(scratch), "COLDSNAP_STATE_DIR": str(state)})
+    assert sorted(p.name for p in scratch.iterdir()) == []
+    assert sorted(p.name for p in state.iterdir() if p.is_dir() and p.name != "records") == []
     assert result.returncode == 0, result.stderr.decode()
     figures = json.loads(result.stdout)
     assert figures["same_tokens_as_cold_start"] is True
