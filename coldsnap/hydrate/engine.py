@@ -37,7 +37,12 @@ Progress = Callable[[int, int], object]
 
 
 class HydrationError(RuntimeError):
-    """Hydration could not run or failed midway (bad plan, short file, I/O or CUDA error)."""
+    """Hydration could not run or failed midway (bad plan, short file, I/O or CUDA error); ``cuda_code`` is the
+    CUresult of the driver call that failed (None when none did)."""
+
+    def __init__(self, message: str, cuda_code: int | None = None):
+        super().__init__(message)
+        self.cuda_code = cuda_code
 
 
 class CopyItem(NamedTuple):
@@ -73,7 +78,7 @@ def _run(path: str | os.PathLike[str], items: Sequence[CopyItem], target: str, d
         raw = C.hydrate(os.fspath(path), [tuple(i) for i in items], target, device, threads, chunk_bytes,
                         ring_bytes, direct, allowed, progress, DIRECT_CHUNK_BYTES, DIRECT_RING_BYTES)
     except (C.HydrationError, C.CudaError) as exc:
-        raise HydrationError(str(exc)) from None
+        raise HydrationError(str(exc), getattr(exc, "code", None)) from None
     return HydrationStats(**raw)
 
 

@@ -38,7 +38,12 @@ They are never packed or staged; resume maps them again and zeroes them."""
 
 
 class RegionError(RuntimeError):
-    """A region cannot be reserved, mapped or used as asked."""
+    """A region cannot be reserved, mapped or used as asked; ``cuda_code`` is the CUresult of the driver call
+    that failed (None when none did)."""
+
+    def __init__(self, message: str, cuda_code: int | None = None):
+        super().__init__(message)
+        self.cuda_code = cuda_code
 
 
 class AllocationError(MemoryError):
@@ -75,7 +80,7 @@ class StableRegion:
         except C.RegionError as exc:
             raise RegionError(str(exc)) from None
         except C.CudaError as exc:
-            raise RegionError(f"region {self.tag!r}: {exc}") from None
+            raise RegionError(f"region {self.tag!r}: {exc}", exc.code) from None
 
     def map(self, length: int | None = None) -> None:
         """Back ``[0, length)`` with physical memory; by default what was mapped before the last
@@ -199,7 +204,7 @@ def reserve(
         except C.RegionError as exc:
             raise RegionError(str(exc)) from None
         except C.CudaError as exc:
-            raise RegionError(f"region {tag!r}: {exc}") from None
+            raise RegionError(f"region {tag!r}: {exc}", exc.code) from None
         created = _regions[tag] = StableRegion(handle)
         return created
 
@@ -214,7 +219,7 @@ def reserve_staging(tag: str, size: int, *, device: int = 0, chunk_bytes: int) -
     except C.RegionError as exc:
         raise RegionError(str(exc)) from None
     except C.CudaError as exc:
-        raise RegionError(f"staging region {tag!r}: {exc}") from None
+        raise RegionError(f"staging region {tag!r}: {exc}", exc.code) from None
     return StableRegion(handle)
 
 

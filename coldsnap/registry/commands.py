@@ -20,7 +20,7 @@ from coldsnap.registry.credentials import CredentialsError
 from coldsnap.registry.layout import LayoutError
 from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, lock_path, pull, staging_dir
 from coldsnap.registry.publish import publish
-from coldsnap.registry.reference import OCI_SCHEME, ReferenceError, parse_reference
+from coldsnap.registry.reference import OCI_SCHEME, BadReference, parse_reference
 
 __all__ = ["OCI_SCHEME", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
 
@@ -39,9 +39,9 @@ def run_publish(directory: str, reference_text: str, as_json: bool = False) -> i
     try:
         reference = parse_reference(reference_text)
         if reference.digest:
-            raise ReferenceError(f"{reference_text!r}: publish to a tag (or just REGISTRY/REPO); the digest is what "
+            raise BadReference(f"{reference_text!r}: publish to a tag (or just REGISTRY/REPO); the digest is what "
                                  "publish prints")
-    except ReferenceError as exc:
+    except BadReference as exc:
         _say("publish", str(exc))
         return EXIT_USAGE
     bar = ProgressBar("coldsnap publish: sending")
@@ -83,7 +83,7 @@ def _pull(reference_text: str, destination: Path, command: str, owner: Owner | s
     try:
         reference = parse_reference(reference_text)
         hand_over = HandOver(resolve_owner(owner))
-    except (ReferenceError, OwnerError) as exc:
+    except (BadReference, OwnerError) as exc:
         raise OciPullFailed(str(exc), usage=True) from None
     hand_over.claim_new(destination)  # nothing when DIR is there already (the same artifact: left as it is)
     hand_over.claim_new(staging_dir(destination))
@@ -136,7 +136,7 @@ def pull_into_cache(reference_text: str, cache_root: Path, command: str, owner: 
         if reference.digest is None:  # a tag: ask where it points now
             _, _, digest = client_for(reference).get_manifest(reference.pinned)
             reference = reference.with_digest(digest)
-    except ReferenceError as exc:
+    except BadReference as exc:
         raise OciPullFailed(str(exc), usage=True) from None
     except (RegistryError, CredentialsError) as exc:
         raise OciPullFailed(str(exc)) from None

@@ -37,10 +37,11 @@ STATES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}
 
 
 class CudaCheckpointError(RuntimeError):
-    """A CUDA checkpoint step failed for one process; ``rolled_back`` says whether the tree was put back."""
+    """A CUDA checkpoint step failed for one process; ``rolled_back`` says whether the tree was put back,
+    ``cuda_code`` is the driver's CUresult (None when no driver call failed)."""
 
-    def __init__(self, op: str, pid: int, reason: str, rolled_back: bool = False):
-        self.op, self.pid, self.reason, self.rolled_back = op, pid, reason, rolled_back
+    def __init__(self, op: str, pid: int, reason: str, rolled_back: bool = False, cuda_code: int | None = None):
+        self.op, self.pid, self.reason, self.rolled_back, self.cuda_code = op, pid, reason, rolled_back, cuda_code
         suffix = "; the other processes were put back to running" if rolled_back else ""
         super().__init__(f"cuda checkpoint {op} of pid {pid} failed: {reason}{suffix}")
 
@@ -61,14 +62,14 @@ class NativeCheckpointDriver:
         try:
             C.checkpoint_call(op, pid, timeout_ms, gpu_pairs or [])
         except C.CudaError as exc:
-            raise CudaCheckpointError(op, pid, str(exc)) from None
+            raise CudaCheckpointError(op, pid, str(exc), cuda_code=exc.code) from None
 
     def state(self, pid: int) -> str:
         C = native()
         try:
             return STATES.get(C.checkpoint_state(pid), "unknown")
         except C.CudaError as exc:
-            raise CudaCheckpointError("state", pid, str(exc)) from None
+            raise CudaCheckpointError("state", pid, str(exc), cuda_code=exc.code) from None
 
 
 PROBE_CACHE = "cuda-probe.json"
@@ -131,14 +132,14 @@ class TreeCheckpoint:
     states: dict[int, str] = field(default_factory=dict)
     """Where each pid is, as far as this object moved it."""
 
-    def _each(self, op: str, pids: list[int], **kwargs: object) -> dict[int, str]:
-        """Run ``op`` on every pid in parallel; returns {pid: error} for the ones that failed."""
-        def run(pid: int) -> str | None:
+    def _each(self, op: str, pids: list[int], **kwargs: object) -> dict[int, tuple[str, int | None]]:
+        """Run ``op`` on every pid in parallel; returns {pid: (error, CUresult or None)} for the ones that failed."""
+        def run(pid: int) -> tuple[str, int | None] | None:
             try:
                 self.driver.call(op, pid, **kwargs)  # type: ignore[arg-type]
                 return None
             except (CudaCheckpointError, NativeUnavailable, OSError) as exc:
-                return getattr(exc, "reason", str(exc))
+                return getattr(exc, "reason", str(exc)), getattr(exc, "cuda_code", None)
 
         with ThreadPoolExecutor(max_workers=max(1, len(pids))) as pool:
             results = dict(zip(pids, pool.map(run, pids)))
@@ -158,9 +159,9 @@ class TreeCheckpoint:
         else:
             op = "lock"
         if failed:
-            pid, reason = next(iter(failed.items()))
+            pid, (reason, code) = next(iter(failed.items()))
             self._roll_back(pids)
-            raise CudaCheckpointError(op, pid, reason, rolled_back=True)
+            raise CudaCheckpointError(op, pid, reason, rolled_back=True, cuda_code=code)
 
     def _roll_back(self, pids: list[int]) -> None:
         checkpointed = [p for p in pids if self.states.get(p) == "checkpointed"]
@@ -187,5 +188,5 @@ class TreeCheckpoint:
                 else:
                     self.states[pid] = "locked" if op == "restore" else "running"
             if failed:
-                pid, reason = next(iter(failed.items()))
-                raise CudaCheckpointError(op, pid, reason)
+                pid, (reason, code) = next(iter(failed.items()))
+                raise CudaCheckpointError(op, pid, reason, cuda_code=code)

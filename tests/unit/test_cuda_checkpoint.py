@@ -25,7 +25,7 @@ class FakeCheckpointDriverForCpuTests:
         self.calls.append((op, pid, gpu_pairs))
         before, after = self.transitions[op]
         if (op, pid) in self.fail or self.process_state[pid] != before:
-            raise CudaCheckpointError(op, pid, f"CUDA_ERROR_ILLEGAL_STATE in {self.process_state[pid]}")
+            raise CudaCheckpointError(op, pid, f"CUDA_ERROR_ILLEGAL_STATE in {self.process_state[pid]}", cuda_code=401)
         self.process_state[pid] = after
 
     def state(self, pid):
@@ -56,6 +56,7 @@ def test_failed_checkpoint_restores_and_unlocks_the_others():
     with pytest.raises(CudaCheckpointError) as caught:
         TreeCheckpoint(driver).checkpoint([10, 11])
     assert caught.value.op == "checkpoint" and "put back to running" in str(caught.value)
+    assert caught.value.cuda_code == 401  # the driver's CUresult survives the rollback
     assert driver.process_state == {10: "running", 11: "running"}
 
 
@@ -67,6 +68,7 @@ def test_failed_restore_is_reported_per_pid():
     with pytest.raises(CudaCheckpointError) as caught:
         tree.restore([10, 11])
     assert caught.value.pid == 11 and tree.states[11] == "failed" and tree.states[10] == "locked"
+    assert caught.value.cuda_code == 401
 
 
 def test_native_driver_without_gpu_is_a_typed_error():

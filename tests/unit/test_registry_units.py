@@ -9,7 +9,7 @@ import pytest
 
 from coldsnap.registry.credentials import CredentialsError, find_credentials
 from coldsnap.registry.layout import CAPSULE_TYPE, Blob, LayoutError, index_bytes, manifest_bytes, read_index, read_manifest
-from coldsnap.registry.reference import ReferenceError, parse_reference
+from coldsnap.registry.reference import BadReference, parse_reference
 
 
 @pytest.mark.parametrize("text, registry, repository, tag, digest", [
@@ -33,7 +33,7 @@ def test_references_parse(text, registry, repository, tag, digest):
     ("r.io/x@sha256:123", "64 lowercase hex"),
 ])
 def test_bad_references_say_what_is_wrong(text, says):
-    with pytest.raises(ReferenceError, match=says):
+    with pytest.raises(BadReference, match=says):
         parse_reference(text)
 
 
