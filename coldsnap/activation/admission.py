@@ -26,7 +26,7 @@ from coldsnap.activation.operation_locks import hold_port
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.ranks import rank_prefix
 from coldsnap.activation.replica import Replica, plan_replica, refuse_gpus_for_a_cpu_artifact, serving_port
-from coldsnap.activation.staging import WeightStager
+from coldsnap.activation.staging import stages_rank
 from coldsnap.activation.standby import live_standby
 from coldsnap.activation.state import host_cache_dir
 from coldsnap.contracts.artifact import ArtifactDescriptor, UnitRecord, WorkerRecord
@@ -289,11 +289,11 @@ class _Unusable(Exception):
     """A weight source file that is missing, unreadable or not the bytes recorded."""
 
 
-def launcher_stages(descriptor: ArtifactDescriptor, capsule: CapsuleManifest, sources: dict[int, "WeightSource"]) -> bool:
-    """Whether a restore's launcher will hydrate some rank's weights itself (a CUDA context of its own on
-    that GPU): a native source and regions it can stage (:meth:`RestoreSequence.restore_tree`)."""
+def launcher_stages(op: str, descriptor: ArtifactDescriptor, capsule: CapsuleManifest,
+                    sources: dict[int, "WeightSource"]) -> bool:
+    """Whether the launcher of ``op`` will hydrate some rank's weights itself (a CUDA context of its own on
+    that GPU): :func:`coldsnap.activation.staging.stages_rank` for any rank."""
     regions = {record.rank: record.regions for record in capsule.metadata.workers}
-    return any(sources.get(w.rank) == "native" and w.payload is not None and WeightStager.stageable(regions[w.rank])
-               for w in descriptor.units[0].workers)
+    return any(stages_rank(op, sources.get(w.rank), w.payload, regions[w.rank]) for w in descriptor.units[0].workers)
 
 

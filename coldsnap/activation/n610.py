@@ -54,7 +54,7 @@ def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: 
         gpus = gpu_placement(context, artifact, admitted.capsule)
     with context.timer.span(f"{op}.admission.gpu_memory") as span:
         # (a standby's agents hydrate at its wake: the launcher stages nothing for a warm)
-        staging = op == "restore" and launcher_stages(admitted.descriptor, admitted.capsule, admitted.sources)
+        staging = launcher_stages(op, admitted.descriptor, admitted.capsule, admitted.sources)
         admit_gpu_memory(context, admitted.capsule, gpus, staging, span)
     return gpus
 

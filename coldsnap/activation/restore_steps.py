@@ -29,7 +29,7 @@ from coldsnap.activation.canary_probes import ask_probe, first_difference, float
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica
-from coldsnap.activation.staging import WeightStager
+from coldsnap.activation.staging import WeightStager, stages_rank
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
@@ -125,9 +125,9 @@ class RestoreSequence:
         """CRIU restores the tree; meanwhile each rank's GPU weights are hydrated by this launcher into
         shareable chunks (handed over at resume), or else its payload is read into the page cache."""
         # (a standby's weights are hydrated at wake, by its own agents: only its pack is read ahead)
-        for w in self.workers if self.op == "restore" else []:
+        for w in self.workers:
             regions = self.records[w.rank].regions
-            if self.sources[w.rank] == "native" and w.payload is not None and WeightStager.stageable(regions):
+            if w.payload is not None and stages_rank(self.op, self.sources[w.rank], w.payload, regions):
                 self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
                                                     w.layout_digest, self.timer.now_ns,
                                                     self.gpus.launcher_ordinals if self.gpus is not None else {})

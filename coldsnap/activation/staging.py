@@ -23,7 +23,14 @@ from coldsnap.hydrate import hydrate_pack
 from coldsnap.memory import DISCARDED_TAGS, RegionError, StableRegion, reserve_staging
 from coldsnap.native import native
 
-__all__ = ["WeightStager"]
+__all__ = ["WeightStager", "stages_rank"]
+
+
+def stages_rank(op: str, source: str | None, payload: object, regions: dict[str, RegionRecord]) -> bool:
+    """The one rule for whether the launcher hydrates a rank's weights itself (and so holds a CUDA context
+    on its GPU): a restore (a warm standby's agents hydrate at its wake), the native pack as the rank's
+    weight source, a payload, and GPU regions it can stage (:meth:`WeightStager.stageable`)."""
+    return op == "restore" and source == "native" and payload is not None and bool(WeightStager.stageable(regions))
 
 
 @dataclass
