@@ -64,15 +64,17 @@ def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
         return json.loads(response.read())
 
 
-def ask(port: int, prompt: Sequence[int], max_tokens: int, engine: str = "vllm", timeout: float = 300.0) -> Answer:
-    """One greedy completion of ``prompt`` (token ids) with the chosen tokens' logprobs; EOS ignored, so
-    every answer has ``max_tokens`` tokens."""
+def ask(port: int, prompt: Sequence[int] | str, max_tokens: int, engine: str = "vllm", timeout: float = 300.0) -> Answer:
+    """One greedy completion of ``prompt`` (token ids, or text) with the chosen tokens' logprobs; EOS ignored,
+    so every answer has ``max_tokens`` tokens."""
+    wire = prompt if isinstance(prompt, str) else list(prompt)
     if engine == "sglang":
-        document = _post(port, "/generate", {"input_ids": list(prompt), "return_logprob": True, "sampling_params": {
+        document = _post(port, "/generate", {"text" if isinstance(wire, str) else "input_ids": wire,
+                                             "return_logprob": True, "sampling_params": {
             "temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True}}, timeout)
         entries = document["meta_info"]["output_token_logprobs"]  # [logprob, token id, text]
         return Answer([int(e[1]) for e in entries], [float(e[0]) for e in entries])
-    document = _post(port, "/v1/completions", {"prompt": list(prompt), "max_tokens": max_tokens, "temperature": 0,
+    document = _post(port, "/v1/completions", {"prompt": wire, "max_tokens": max_tokens, "temperature": 0,
                                                "ignore_eos": True, "logprobs": 0, "return_token_ids": True}, timeout)
     choice = document["choices"][0]
     return Answer(list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]])

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.equality import (Answer, answers_from_json, answers_json, ask_all, compare, equality_answers,
+from benchmarks.equality import (answers_from_json, answers_json, ask, ask_all, compare, equality_answers,
                                  equality_prompts, equality_summary, render_summary)
 from coldsnap.agent.protocol import CONTROL_ENV
 from coldsnap.contracts.profiles import CANARY_PROMPT
@@ -60,13 +60,6 @@ def _post(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
     return json.loads(text) if text else {}
 
 
-def _ask_text(port: int, prompt: str) -> Answer:
-    document = _post(port, "/v1/completions", {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                                               "logprobs": 0, "return_token_ids": True})
-    choice = document["choices"][0]
-    return Answer(list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]])
-
-
 class Diagnosis:
     def __init__(self, args: argparse.Namespace):
         self.args = args
@@ -78,7 +71,9 @@ class Diagnosis:
         self.prompts = equality_prompts(args.prompts, longest=args.longest)
 
     def env(self, **more: str) -> dict[str, str]:
-        return {**os.environ, **ENV, "VLLM_CACHE_ROOT": str(self.work / "vllm-cache"), **more}
+        scratch = self.work / "tmp"  # the servers' temporary files (ZeroMQ sockets a killed server leaves)
+        scratch.mkdir(exist_ok=True)
+        return {**os.environ, **ENV, "VLLM_CACHE_ROOT": str(self.work / "vllm-cache"), "TMPDIR": str(scratch), **more}
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(self.args.model), "--port",
@@ -92,7 +87,7 @@ class Diagnosis:
         """Ask the requests of a server answering on the port, take its digest, record it."""
         port = self.args.port
         started = time.perf_counter()
-        text = [_ask_text(port, p) for p in ISSUE_PROMPTS]
+        text = [ask(port, p, 16) for p in ISSUE_PROMPTS]
         ids = ask_all(port, self.prompts, self.args.tokens)
         digest = _post(port, "/collective_rpc", {"method": "coldsnap_state_digest"})["results"][0]
         try:

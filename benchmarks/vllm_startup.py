@@ -183,7 +183,11 @@ class Bench:
             write_atomic(Path(self.args.out), document)
 
     def env(self, **more: str) -> dict[str, str]:
-        return {**self.engine_env, "VLLM_CACHE_ROOT": str(self.cache), **more}
+        """The engine's environment: its temporary files (ZeroMQ sockets a killed server leaves) in the work
+        directory, not /tmp."""
+        scratch = self.work / "tmp"
+        scratch.mkdir(exist_ok=True)
+        return {**self.engine_env, "VLLM_CACHE_ROOT": str(self.cache), "TMPDIR": str(scratch), **more}
 
     def record(self, **run: object) -> None:
         run["at"] = time.strftime("%Y-%m-%dT%H:%M:%S")

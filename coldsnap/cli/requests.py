@@ -1,0 +1,198 @@
+"""The request documents the friendly flags stand for: the serving command's engine, port, ranks and
+model read from it, and an artifact's own request for restore, warm and wake."""
+
+from __future__ import annotations
+
+
+import argparse
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
+from coldsnap.contracts.profiles import ENGINE_ADAPTERS
+
+from coldsnap.operation import UsageError
+
+
+# A serving command's engine, from its program or its module (`vllm serve`, `python -m vllm...`,
+# `python -m sglang.launch_server`, `python -m coldsnap.workloads.torch_lm`), never from its arguments (a
+# model path may say "vllm"); anything else needs --engine.
+ENGINE_PROGRAMS = {"vllm": "vllm", "sglang": "sglang"}
+ENGINE_MODULES = (("vllm", "vllm"), ("sglang", "sglang"), ("coldsnap.workloads.torch_lm", "torch-lm"))
+
+
+def _python_module(command: list[str]) -> str | None:
+    """The module of ``python [options] -m MODULE ...``, or the script's path as a dotted name."""
+    for index, arg in enumerate(command[1:], start=1):
+        if arg == "-m":
+            return command[index + 1] if index + 1 < len(command) else None
+        if arg.startswith("-m") and len(arg) > 2:
+            return arg[2:]
+        if not arg.startswith("-"):  # python SCRIPT.py: the script names what runs
+            return arg.removesuffix(".py").replace("/", ".").removesuffix(".__main__")
+    return None
+
+
+def _infer_engine(command: list[str]) -> str | None:
+    """The engine ``command`` runs, when its program or its Python module is one this build knows; else None."""
+    if not command:
+        return None
+    program = Path(command[0]).name
+    if program in ENGINE_PROGRAMS:
+        return ENGINE_PROGRAMS[program]
+    if not re.fullmatch(r"python(\d+(\.\d+)?)?", program):
+        return None
+    module = _python_module(command)
+    if module is None:
+        return None
+    for prefix, engine in ENGINE_MODULES:
+        if module == prefix or module.startswith(prefix + "."):
+            return engine
+    if ".coldsnap.workloads.torch_lm." in f".{module}.":  # python /path/to/coldsnap/workloads/torch_lm/serve.py
+        return "torch-lm"
+    return None
+
+
+def _port_argument(text: str) -> int:
+    """argparse's type for a port option: 1–65535, else argparse's one-line error."""
+    try:
+        return port_number(text, "a port")
+    except UsageError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a whole number, not {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"want at least 1, not {value}")
+    return value
+
+
+def port_number(text: str | int, what: str = "the serving port") -> int:
+    """``text`` as a TCP port (1–65535), or a :class:`UsageError` saying what was wrong."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise UsageError(f"{what} must be a number from 1 to 65535, not {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise UsageError(f"{what} must be from 1 to 65535, not {port}")
+    return port
+
+
+def _served_model(command: list[str]) -> str | None:
+    """The model after ``serve`` (``vllm serve M``, ``python -m vllm.entrypoints.cli.main serve M``)."""
+    if "serve" in command[:6]:
+        index = command.index("serve") + 1
+        if index < len(command) and not command[index].startswith("-"):
+            return command[index]
+    return None
+
+
+def _option_value(command: list[str], name: str) -> str | None:
+    for index, arg in enumerate(command):
+        if arg == name and index + 1 < len(command):
+            return command[index + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+# How serving commands spell their tensor-parallel size (torch_lm and SGLang --tp, vLLM -tp, ...).
+TP_OPTIONS = ("--tp", "--tensor-parallel-size", "-tp", "--tp-size")
+
+
+def _capture_request(args: argparse.Namespace) -> dict:
+    """The request format 4 document the friendly flags stand for."""
+    if not args.out:
+        raise UsageError("--out DIR is required (or give --request-json)")
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        raise UsageError("give the serving command after --, e.g. coldsnap capture --out DIR -- vllm serve MODEL ...")
+    given_port = args.port if args.port is not None else _option_value(command, "--port")
+    if given_port is None:
+        raise UsageError("cannot tell the serving port: pass --port P (or give the command a --port option)")
+    port = port_number(given_port, "--port" if args.port is not None else "the command's --port")
+    ranks = args.ranks
+    if ranks is None:
+        given = next((v for v in (_option_value(command, o) for o in TP_OPTIONS) if v is not None), "1")
+        try:
+            ranks = int(given)
+        except ValueError:
+            raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
+    if ranks < 1:
+        raise UsageError("--ranks must be at least 1")
+    engine = args.engine or _infer_engine(command)
+    if engine is None:  # the request names its engine, and a wrong one would mislabel every progress line
+        raise UsageError(f"cannot tell the engine of `{' '.join(command[:4])}`: pass --engine, one of the engines "
+                         f"this build knows: {', '.join(sorted(ENGINE_ADAPTERS))}")
+    model = args.model or _option_value(command, "--model") or _option_value(command, "--model-path") or _served_model(command)
+    if model is None and engine == "torch-lm":
+        model = f"coldsnap-torch-lm-{_option_value(command, '--size') or 'tiny'}"
+    return {
+        "format": 4,
+        "operation": "capture",
+        "operation_id": args.operation_id or new_operation_id("capture"),
+        "engine": engine,
+        "snapshot_driver": args.driver,
+        "model": {"name": model or command[0], "revision": None},
+        "units": [{"unit_id": "unit-0", "command": command, "serving_port": port,
+                   "env": {**({PRELOAD_ENV: args.preload} if args.preload is not None else {}),
+                           **({PLACEMENT_ABI_ENV: str(args.placement_abi)} if args.placement_abi is not None else {})},
+                   "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
+        "artifact": str(Path(args.out).resolve()),
+    }
+
+
+def new_operation_id(operation: str) -> str:
+    """``OPERATION-<local time>-<pid>``: two operations started in the same second (a race, a retry loop)
+    still have ids of their own."""
+    return f"{time.strftime(f'{operation}-%Y%m%dT%H%M%S')}-{os.getpid()}"
+
+
+def _captured_request(directory: Path) -> dict:
+    """The artifact's ``request.json`` (what its capture ran), or a :class:`UsageError` saying in plain
+    words why ``directory`` is not an artifact. Admission checks the rest (``admission.artifact``)."""
+    if not directory.exists():
+        raise UsageError(f"{directory} does not exist")
+    if not directory.is_dir():
+        raise UsageError(f"{directory} is not a directory: give the artifact directory `coldsnap capture --out` wrote")
+    try:
+        return json.loads((directory / "request.json").read_text())
+    except OSError as exc:
+        if not (directory / "artifact.json").exists():
+            raise UsageError(f"{directory} is not a coldsnap artifact (no artifact.json): capture one with "
+                             f"`coldsnap capture --out {directory} -- CMD ...`") from None
+        raise UsageError(f"{directory} is a damaged artifact: its request.json cannot be read "
+                         f"({exc.strerror or exc}); capture it again") from None
+    except ValueError:
+        raise UsageError(f"{directory} is a damaged artifact: its request.json is not JSON; capture it again") from None
+
+
+def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
+    """The request of ``operation`` (restore, warm, wake) on an artifact: its capture's, re-aimed."""
+    directory = Path(args.artifact).resolve()
+    captured = _captured_request(directory)
+    captured.update(operation=operation, operation_id=args.operation_id or new_operation_id(operation),
+                    artifact=str(directory))
+    captured.pop("owner", None)  # the capture's caller's: this operation's owner is its own caller's
+    if operation == "restore":
+        captured["prepare_only"] = args.prepare_only
+        unit = (captured.get("units") or [{}])[0]
+        if args.port is not None:
+            unit["serving_port"] = args.port
+        if args.gpu is not None:
+            unit.setdefault("env", {})["CUDA_VISIBLE_DEVICES"] = args.gpu
+    if operation == "warm" and args.ttl is not None:
+        captured["standby_ttl_s"] = args.ttl
+    if args.weights:
+        policy = captured.setdefault("policy", {})
+        policy.setdefault("weights", {})["mode"] = args.weights
+    return captured

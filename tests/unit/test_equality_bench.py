@@ -1,0 +1,37 @@
+"""benchmarks/equality.py's bookkeeping: the prompt set and the comparison of two servers' answers."""
+
+from benchmarks.equality import Answer, compare, equality_prompts, equality_summary, render_summary
+
+
+def test_the_prompt_set_is_seeded_and_spans_short_to_long():
+    prompts = equality_prompts(256)
+    assert prompts == equality_prompts(256) and prompts != equality_prompts(256, seed=1)
+    lengths = sorted(len(p) for p in prompts)
+    assert len(prompts) == 256 and lengths[0] == 8 and lengths[-1] == 1500
+    assert 40 < lengths[128] < 400  # log-uniform: as many short as long prefills
+    assert all(3 <= t < 512 for p in prompts for t in p)
+
+
+def test_a_comparison_counts_differing_prompts_and_the_largest_logprob_gap_while_both_agree():
+    cold = [Answer([1, 2, 3], [-0.5, -0.25, -1.0]), Answer([4, 5], [-0.1, -0.2])]
+    same = [Answer([1, 2, 3], [-0.5, -0.25, -1.0]), Answer([4, 5], [-0.1, -0.2])]
+    assert compare(cold, same) == {"prompts": 2, "differing": 0, "largest_logprob_difference": 0.0,
+                                   "differing_prompts": []}
+    # prompt 1 diverges at token 1: its logprob there still counts, the tokens after it do not
+    other = [Answer([1, 2, 3], [-0.5, -0.25, -1.0]), Answer([4, 9], [-0.1, -0.7])]
+    result = compare(cold, other)
+    assert result["differing"] == 1 and result["differing_prompts"] == [{"prompt": 1, "first_differing_token": 1}]
+    assert abs(result["largest_logprob_difference"] - 0.5) < 1e-12
+
+
+def test_the_summary_names_the_concurrent_spread_of_the_cold_server():
+    a = [Answer([1], [-0.5])]
+    b = [Answer([2], [-0.4])]
+    cold = {"one_at_a_time": [{"ids": [1], "logprobs": [-0.5]}], "concurrent_0": [{"ids": [1], "logprobs": [-0.5]}],
+            "concurrent_1": [{"ids": [2], "logprobs": [-0.4]}]}
+    restored = {"one_at_a_time": [{"ids": [1], "logprobs": [-0.5]}], "concurrent_0": [{"ids": [2], "logprobs": [-0.4]}]}
+    summary = equality_summary(cold, restored)
+    assert summary["one at a time: restored vs cold"]["differing"] == 0
+    assert summary["concurrency 32: restored vs cold"]["differing"] == 1 == compare(a, b)["differing"]
+    assert summary["concurrency 32: cold vs cold (same server, second pass)"]["differing"] == 1
+    assert "0/1 prompts differ" in render_summary(summary)
