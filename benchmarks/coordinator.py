@@ -1,6 +1,6 @@
 """Coordinator barrier latency on loopback: 2, 8 and 64 ranks (threads, one client each).
 
-    python benchmarks/coordinator.py --ranks 2,8,64 --rounds 50 --out coordinator.json
+    python -m benchmarks.coordinator --ranks 2,8,64 --rounds 50 --out coordinator.json
 
 Latency is the time from the last rank entering a barrier until every rank has left it, taken as the
 spread between the latest entry and the latest exit of each round; the table shows median and p99.

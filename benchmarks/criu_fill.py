@@ -1,6 +1,6 @@
 """CRIU's page fill: a restore with the project's huge-page fill against CRIU's 4 KiB fill, one image.
 
-    python benchmarks/criu_fill.py --mib 2048 --repeat 3 --out criu-fill.json
+    python -m benchmarks.criu_fill --mib 2048 --repeat 3 --out criu-fill.json
 
 One process (``tests/integration/thp_fill_workload.py``) maps MIB MiB of private anonymous memory: the
 first half written with bytes that are not zero, the second half with zeros, which the compacted image
@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from coldsnap.snapshot.criu import THP_FILL_ENV, Criu, CriuSnapshotter  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402

@@ -1,6 +1,6 @@
 """Hydration benchmark: the same bytes to the GPU by coldsnap and by the usual loaders, side by side.
 
-    python benchmarks/hydrate.py --sizes 4,16 --threads 1,2,4,8,16 --dir /tmp/bench --out hydrate.json
+    python -m benchmarks.hydrate --sizes 4,16 --threads 1,2,4,8,16 --dir /tmp/bench --out hydrate.json
 
 For each size it fills a CUDA stable region with random bf16 tensors of 1 GiB, writes them as a
 safetensors file and as a coldsnap native pack (from the live region), then measures, page cache warm

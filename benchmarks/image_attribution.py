@@ -1,7 +1,7 @@
 """What a capture's process image holds: its host and device state, mapping by mapping.
 
-    python benchmarks/image_attribution.py --size 8b --device cuda --out attribution.json
-    python benchmarks/image_attribution.py --artifact DIR --receipt CAPTURE_RECEIPT.json --out attribution.json
+    python -m benchmarks.image_attribution --size 8b --device cuda --out attribution.json
+    python -m benchmarks.image_attribution --artifact DIR --receipt CAPTURE_RECEIPT.json --out attribution.json
 
 ``--artifact``: any engine's committed artifact (vLLM, SGLang, the reference workload), read as it is
 (nothing runs): each process of the image by the kind of mapping its pages are in, the zero pages the

@@ -1,6 +1,6 @@
 """What NCCL leaves in a process's GPU memory after its communicator is destroyed (one rank, one GPU).
 
-    python3 benchmarks/nccl_residue.py          # on the GPU host; also with NCCL_CUMEM_ENABLE=0 or
+    python3 -m benchmarks.nccl_residue          # on the GPU host; also with NCCL_CUMEM_ENABLE=0 or
                                                 # CUDA_MODULE_LOADING=EAGER in the environment
 
 The process's device memory (``nvidia-smi``'s per-process use: CUDA context, modules, every allocation)

@@ -1,7 +1,7 @@
 """Publish and pull of a real artifact through a real registry, beside ``cp`` of the same bytes on the same disk.
 
-    python benchmarks/publish.py --size 1b --dir WORK --out publish.json [--png publish.png] [--plain-http]
-    python benchmarks/publish.py --png-from publish.json --png publish.png     # the chart, where matplotlib is
+    python -m benchmarks.publish --size 1b --dir WORK --out publish.json [--png publish.png] [--plain-http]
+    python -m benchmarks.publish --png-from publish.json --png publish.png     # the chart, where matplotlib is
 
 Captures the reference workload (``--size 1b`` on CPU: a ~5 GB float32 pack; or ``--artifact DIR`` reuses
 one), starts Debian's ``docker-registry`` on localhost (TLS and basic auth unless ``--plain-http``; storage
@@ -32,7 +32,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from coldsnap.demo import cold_start  # noqa: E402
 from tests.registry_server import local_registry, missing_tools  # noqa: E402

@@ -1,8 +1,8 @@
 """Restore latency: cold start of a server vs coldsnap restore of its capture, side by side.
 
-    python benchmarks/restore_latency.py --size tiny --device cpu --repeat 3 --out restore.json [--png restore.png]
-    python benchmarks/restore_latency.py --size 8b --device cuda --tp 2 --out tp2.json   # two GPUs
-    python benchmarks/restore_latency.py --engine vllm --out vllm.json     # = benchmarks/vllm_startup.py
+    python -m benchmarks.restore_latency --size tiny --device cpu --repeat 3 --out restore.json [--png restore.png]
+    python -m benchmarks.restore_latency --size 8b --device cuda --tp 2 --out tp2.json   # two GPUs
+    python -m benchmarks.restore_latency --engine vllm --out vllm.json     # = benchmarks/vllm_startup.py
 
 Engines as in ``coldsnap demo``: the reference workload (torch-lm), or ``vllm serve`` of a tiny Llama on
 vLLM's CPU build (cold start with vLLM's own loader; the capture with ``--load-format coldsnap``).

@@ -2,8 +2,8 @@
 same target without speculation and beside SGLang's own cold starts, in one run (GPU).
 
     # H200 with SGLang 0.5.17 from scripts/gpu-prepare.sh --sglang; an 8B target and its draft built on the spot:
-    python benchmarks/sglang_speculative.py --shape 8b-spec --dir /tmp/sspec --out sglang-speculative-8b.json
-    python benchmarks/sglang_speculative.py --shape small-spec --policy recreate --steps model,cold,capture,restore,drop
+    python -m benchmarks.sglang_speculative --shape 8b-spec --dir /tmp/sspec --out sglang-speculative-8b.json
+    python -m benchmarks.sglang_speculative --shape small-spec --policy recreate --steps model,cold,capture,restore,drop
 
 The model (``coldsnap.workloads.tiny_llama --shape 8b-spec``): an 8B-shaped target whose layers after the
 second add nothing to the residual stream, and a two-layer draft made of its first layers, embedding and
@@ -37,16 +37,14 @@ import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
-from restore_latency import receipt_timeline  # noqa: E402
-from sglang_startup import SGLANG_ARGS, SGLANG_ENV  # noqa: E402
-from vllm_startup import draw_medians  # noqa: E402
+from benchmarks.restore_latency import receipt_timeline  # noqa: E402
+from benchmarks.sglang_startup import SGLANG_ARGS, SGLANG_ENV  # noqa: E402
+from benchmarks.vllm_startup import draw_medians  # noqa: E402
 
 STEPS = ("model", "cold", "capture", "restore", "drop")
 VARIANTS = ("spec", "plain")

@@ -1,8 +1,8 @@
 """SGLang startup: `sglang.launch_server` cold start vs `coldsnap restore`, side by side (GPU).
 
     # H200 with SGLang 0.5.17 from scripts/gpu-prepare.sh --sglang, an 8B-shaped Llama built on the spot:
-    python benchmarks/sglang_startup.py --shape 8b --dir /tmp/sbench --out sglang-8b.json
-    python benchmarks/sglang_startup.py --shape 8b --dir /tmp/sbench --steps restore,cold-warm
+    python -m benchmarks.sglang_startup --shape 8b --dir /tmp/sbench --out sglang-8b.json
+    python -m benchmarks.sglang_startup --shape 8b --dir /tmp/sbench --steps restore,cold-warm
 
 The same steps, timing and JSON as ``vllm_startup.py`` (its ``Bench``), for SGLang: a cold start is
 `python -m sglang.launch_server`'s exec to its first completion (SGLang's default loader, safetensors in
@@ -25,10 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, run_steps, serve_load  # noqa: E402
+from benchmarks.vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, run_steps, serve_load  # noqa: E402
 
 STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "serving", "equality", "native", "dropped")
 SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")

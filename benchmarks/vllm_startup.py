@@ -1,10 +1,10 @@
 """vLLM startup: `vllm serve` cold start vs `coldsnap restore` vs vLLM's sleep-mode wake-up, side by side.
 
     # GPU (H200 with vLLM 0.26 from scripts/gpu-vllm.sh), an 8B-shaped Llama built on the spot:
-    python benchmarks/vllm_startup.py --device cuda --shape 8b --dir /tmp/vbench --out vllm-8b.json
-    python benchmarks/vllm_startup.py --device cuda --shape 8b --dir /tmp/vbench --steps restore,cold-warm
+    python -m benchmarks.vllm_startup --device cuda --shape 8b --dir /tmp/vbench --out vllm-8b.json
+    python -m benchmarks.vllm_startup --device cuda --shape 8b --dir /tmp/vbench --steps restore,cold-warm
     # CPU (vLLM's CPU build in .venv-vllm, tiny Llama): the older side-by-side of restore_latency.py
-    python benchmarks/vllm_startup.py --repeat 3 --out vllm.json [--compile]
+    python -m benchmarks.vllm_startup --repeat 3 --out vllm.json [--compile]
 
 What is timed is what a user sees: a cold start from `vllm serve`'s exec to its first completion
 (vLLM's default loader, safetensors in the page cache), a restore from `coldsnap restore`'s exec to its
@@ -62,17 +62,15 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.demo import cold_start, first_answer, plain_server, sleep_wake_cycle  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
-from equality import EQUALITY_PROMPTS, EQUALITY_TOKENS, equality_answers, equality_summary, render_summary  # noqa: E402
-from image_attribution import capsule_attribution, render_capsule  # noqa: E402
-from restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
+from benchmarks.equality import EQUALITY_PROMPTS, EQUALITY_TOKENS, equality_answers, equality_summary, render_summary  # noqa: E402
+from benchmarks.image_attribution import capsule_attribution, render_capsule  # noqa: E402
+from benchmarks.restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-recovery", "restore-log", "race",
          "gpu-short", "cold-warm", "serving", "equality", "native", "sleep", "dropped")
@@ -651,7 +649,7 @@ def main() -> int:
             parser.error("--png-from needs --png")
         return 0 if draw(json.loads(Path(args.png_from).read_text()), Path(args.png)) else 1
     if args.device == "cpu":  # the older side-by-side on vLLM's CPU build
-        from restore_latency import main as restore_latency_main  # noqa: E402
+        from benchmarks.restore_latency import main as restore_latency_main  # noqa: E402
 
         sys.argv = [sys.argv[0], "--repeat", str(args.repeat), *(["--out", args.out] if args.out else []),
                     *(["--png", args.png] if args.png else []), *(["--compile"] if args.compile else []), *rest]

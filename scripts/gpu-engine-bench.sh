@@ -108,7 +108,7 @@ case "${1:-}" in
         [ "$engine" = vllm ] && device=(--device cuda)  # vllm_startup.py's default is vLLM's CPU build
         mapfile -t parallel < <(tensor_parallel_args "$engine")
         name=$engine-startup$suffix
-        python3 "benchmarks/${engine}_startup.py" "${device[@]}" --shape 8b --dir "$work" --steps "$steps" --repeat "$repeat" \
+        python3 -m "benchmarks.${engine}_startup" "${device[@]}" --shape 8b --dir "$work" --steps "$steps" --repeat "$repeat" \
             --out "$out/$name.json" "${parallel[@]}" ${COLDSNAP_BENCH_ARGS:-} 2>&1 | tee -a "$out/$name.log"
         status=${PIPESTATUS[0]}
         set -e
@@ -144,7 +144,7 @@ case "${1:-}" in
         mapfile -t parallel < <(tensor_parallel_args sglang)
         name=sglang-speculative$suffix
         set +e
-        python3 benchmarks/sglang_speculative.py --shape "$shape" --dir "$work" --out "$out/$name.json" "${parallel[@]}" "$@" \
+        python3 -m benchmarks.sglang_speculative --shape "$shape" --dir "$work" --out "$out/$name.json" "${parallel[@]}" "$@" \
             2>&1 | tee -a "$out/$name.log"
         status=${PIPESTATUS[0]}
         set -e

@@ -20,10 +20,10 @@ BEFORE_THE_CANARY = ("exec → admission start", "restore.admission", "restore.c
 
 def test_restore_latency_cpu_mode(tmp_path):
     out = tmp_path / "restore.json"
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "restore_latency.py"), "--size", "tiny", "--device",
+    done = subprocess.run([sys.executable, "-m", "benchmarks.restore_latency", "--size", "tiny", "--device",
                            "cpu", "--repeat", "2", "--standby", "--n580", "2", "--replicas", "2", "--out", str(out), "--dir",
                            str(tmp_path / "work")],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     document = json.loads(out.read_text())
     assert document["same_tokens_as_cold_start"] is True

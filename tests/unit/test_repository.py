@@ -83,3 +83,10 @@ def test_no_file_points_outside_the_repository():
              if path.relative_to(ROOT).parts[:2] != ("tests", "unit") or path.name != "test_repository.py"
              for number, line in enumerate(path.read_text().splitlines(), start=1) if OUTSIDE.search(line)]
     assert not found, f"references to files outside the repository: {found}"
+
+
+def test_benchmark_results_hold_no_code():
+    """Code lives in benchmarks/ (run as ``python -m benchmarks.NAME``); results/ holds what runs wrote."""
+    code = [str(p.relative_to(ROOT)) for p in _tracked_text_files()
+            if p.is_relative_to(ROOT / "benchmarks" / "results") and p.suffix in {".py", ".sh", ".patch"}]
+    assert not code, f"code under benchmarks/results/: {code}"

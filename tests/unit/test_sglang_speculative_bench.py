@@ -2,14 +2,12 @@
 start (token ids, and the draft's acceptance per prompt), and the table says what the H200 run recorded."""
 
 import json
-import sys
 from argparse import Namespace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks import sglang_speculative as bench
 
-import sglang_speculative as bench  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 RESULT = ROOT / "benchmarks" / "results" / "sglang-speculative-h200-8b" / "sglang-speculative-8b.json"
 
