@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 from pathlib import Path
 
-__all__ = ["STANDBY_RECORD", "STATE_DIR_ENV", "artifact_id", "standby_record_file", "state_root"]
+__all__ = ["STANDBY_RECORD", "STATE_DIR_ENV", "artifact_id", "forget_removed_artifacts", "standby_record_file",
+           "state_root"]
 
 STATE_DIR_ENV = "COLDSNAP_STATE_DIR"
 STANDBY_RECORD = "standby.json"
@@ -52,3 +55,31 @@ def standby_record_file(target: str, root: Path | None = None) -> Path:
     given = Path(target)
     identity = artifact_id(given) if (given / "artifact.json").exists() else target
     return (root or state_root()) / identity / STANDBY_RECORD
+
+
+def _artifact_gone(state: Path) -> bool:
+    """Whether the artifact ``state`` belongs to is gone: its replicas' image folders link into the
+    artifact's capsule images (:func:`coldsnap.snapshot.replica.replica_images`), and those links dangle."""
+    links = [link for link in state.glob("port-*/images/*") if link.is_symlink()]
+    return bool(links) and not any(link.exists() for link in links)
+
+
+def forget_removed_artifacts(root: Path | None = None) -> list[str]:
+    """Remove the state folders (restore logs, CRIU's files, per-restore images) of artifacts that no longer
+    exist, so a host that restores all day, artifact after artifact, keeps only what can still be used. A
+    folder holding a standby record is kept (the standby's own deadline removes it). Returns the ids removed;
+    never raises (a folder it cannot read or remove stays for the next restore)."""
+    removed = []
+    try:
+        entries = list((root or state_root()).iterdir())
+    except OSError:
+        return removed
+    for state in entries:
+        try:
+            if (re.fullmatch(r"[0-9a-f]{16}", state.name) and state.is_dir() and not (state / STANDBY_RECORD).exists()
+                    and _artifact_gone(state)):
+                shutil.rmtree(state)
+                removed.append(state.name)
+        except OSError:
+            continue
+    return removed
