@@ -69,7 +69,7 @@ def forget_removed_artifacts(root: Path | None = None) -> list[str]:
     exist, so a host that restores all day, artifact after artifact, keeps only what can still be used. A
     folder holding a standby record is kept (the standby's own deadline removes it). Returns the ids removed;
     never raises (a folder it cannot read or remove stays for the next restore)."""
-    removed = []
+    removed: list[str] = []
     try:
         entries = list((root or state_root()).iterdir())
     except OSError:
