@@ -29,8 +29,8 @@ from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProc
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
-from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, PinnedFile, PlatformRecord, UnitRecord,
-                                        WorkerRecord)
+from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, PinnedFile, PlatformRecord,
+                                        UnitRecord, WorkerRecord)
 from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
 from coldsnap.contracts.base import decode_document
 from coldsnap.contracts.canonical import canonical_json
