@@ -17,7 +17,7 @@ from typing import Any
 from coldsnap.atomic import write_atomic
 
 __all__ = ["PF_EXITING", "boot_id", "keep_boot_fact", "kept_boot_fact", "nvidia_kernel_driver", "host_facts",
-           "live_start_ticks", "pid_alive", "stat_fields"]
+           "live_start_ticks", "pid_alive", "process_start_ticks", "stat_fields"]
 
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
 
@@ -78,6 +78,12 @@ def stat_fields(pid: int | str = "self") -> list[bytes]:
     cut at the last ')'. OSError when the process is gone."""
     with open(f"/proc/{pid}/stat", "rb") as handle:
         return handle.read().rsplit(b")", 1)[1].split()
+
+
+def process_start_ticks() -> int:
+    """This process's start time in clock ticks since boot (/proc/self/stat, field 22): CRIU restores a
+    process as a new kernel task, so it differs after a restore."""
+    return int(stat_fields()[19])
 
 
 def pid_alive(pid: int) -> bool:

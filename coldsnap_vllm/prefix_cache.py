@@ -21,22 +21,18 @@ import functools
 import logging
 from typing import Any, Callable
 
-from coldsnap.host import stat_fields
+from coldsnap import host
 
 __all__ = ["KEEP_ENV", "RestoreWatch", "install_prefix_cache_reset"]
 
 log = logging.getLogger("vllm.coldsnap")  # under vLLM's logger: the lines show in the engine's log
 
 
-def _start_ticks() -> int:
-    return int(stat_fields()[19])
-
-
 class RestoreWatch:
     """Tells, once per restore, that this process was restored since it was last asked."""
 
     def __init__(self, ticks: Callable[[], int] | None = None):
-        self._ticks = ticks or (lambda: _start_ticks())
+        self._ticks = ticks or host.process_start_ticks
         self._seen = self._ticks()
 
     def restored(self) -> bool:

@@ -46,7 +46,7 @@ from coldsnap.agent.protocol import (
     receive_line,
 )
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
-from coldsnap.host import stat_fields
+from coldsnap.host import process_start_ticks
 from coldsnap.timing import timed
 
 if TYPE_CHECKING:
@@ -163,7 +163,7 @@ class AgentServer:
         self.graphs_released: list[str] = []
         self._preparations = 0  # prepares so far: which one the running watchdog belongs to
         self._leased = 0  # the prepare whose restore a launcher has leased (0: none)
-        self.process_start: Callable[[], int] = _process_start_ticks  # changes when CRIU restores the process
+        self.process_start: Callable[[], int] = process_start_ticks  # changes when CRIU restores the process
         self.memory = memory
         self.serving_lock = serving_lock
         self.port = port
@@ -675,12 +675,6 @@ def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lo
     if _agent is None:
         _agent = AgentServer(control, memory, serving_lock, port, hooks, rank, world, collectives).start()
     return _agent
-
-
-def _process_start_ticks() -> int:
-    """This process's start time in clock ticks since boot (/proc/self/stat, field 22): CRIU restores a
-    process as a new kernel task, so it differs after a restore."""
-    return int(stat_fields()[19])
 
 
 def _stop_process_group(reason: str = "the restoring launcher died before the canary matched") -> None:

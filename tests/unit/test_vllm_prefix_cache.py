@@ -36,7 +36,7 @@ def _module(start: list[int]):
 
 def test_the_first_request_after_a_restore_empties_the_prefix_cache_once(monkeypatch):
     ticks = [100]
-    monkeypatch.setattr(prefix_cache, "_start_ticks", lambda: ticks[0])
+    monkeypatch.setattr(prefix_cache.host, "process_start_ticks", lambda: ticks[0])
     module, cls = _module(ticks)
     install_prefix_cache_reset(module)
     install_prefix_cache_reset(module)  # idempotent: one wrapper
@@ -54,7 +54,7 @@ def test_the_first_request_after_a_restore_empties_the_prefix_cache_once(monkeyp
 
 def test_a_refused_reset_is_tried_again_at_the_next_request(monkeypatch, caplog):
     ticks = [1]
-    monkeypatch.setattr(prefix_cache, "_start_ticks", lambda: ticks[0])
+    monkeypatch.setattr(prefix_cache.host, "process_start_ticks", lambda: ticks[0])
     module, cls = _module(ticks)
     install_prefix_cache_reset(module)
     engine = cls(refuse=1)
