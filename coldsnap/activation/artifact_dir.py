@@ -39,7 +39,7 @@ import os
 import shutil
 from pathlib import Path
 
-from coldsnap.activation.state import STANDBY_RECORD, STATE_DIR_ENV, artifact_id, forget_removed_artifacts, state_root
+from coldsnap.activation.state import STANDBY_RECORD, STATE_DIR_ENV, artifact_id, state_root
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
@@ -108,7 +108,6 @@ class ArtifactDir:
         """This artifact's state directory (created once): where its restores write."""
         if self._state_dir is None:
             path = self.state_path()
-            forget_removed_artifacts(path.parent)  # the state of artifacts deleted since goes first
             path.mkdir(parents=True, exist_ok=True, mode=0o700)
             self._state_dir = path
         return self._state_dir

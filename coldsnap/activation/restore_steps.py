@@ -30,6 +30,7 @@ from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica
 from coldsnap.activation.staging import WeightStager, stages_rank
+from coldsnap.activation.state import forget_removed_artifacts
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
@@ -109,6 +110,8 @@ class RestoreSequence:
             raise
         finally:
             self.release()
+        # housekeeping after the canary matched, off the restore's path: the state of artifacts deleted since
+        forget_removed_artifacts(self.artifact.state_path().parent)
         warnings = [f"prefetch failed: {e}" for e in self.prefetch_errors]
         self.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {self.restored_pid}, port "
                               f"{self.serving_port}{'' if self.op == 'warm' else ', canary matched'}")

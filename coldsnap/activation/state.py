@@ -60,8 +60,13 @@ def standby_record_file(target: str, root: Path | None = None) -> Path:
 def _artifact_gone(state: Path) -> bool:
     """Whether the artifact ``state`` belongs to is gone: its replicas' image folders link into the
     artifact's capsule images (:func:`coldsnap.snapshot.replica.replica_images`), and those links dangle."""
-    links = [link for link in state.glob("port-*/images/*") if link.is_symlink()]
-    return bool(links) and not any(link.exists() for link in links)
+    linked = False
+    for link in state.glob("port-*/images/*"):
+        if link.is_symlink():
+            if link.exists():  # one live link: the artifact (or a copy of it, the same id) is still there
+                return False
+            linked = True
+    return linked
 
 
 def forget_removed_artifacts(root: Path | None = None) -> list[str]:
