@@ -18,13 +18,13 @@ its native ``/generate`` (``return_logprob``): both give ids and logprobs withou
 
 from __future__ import annotations
 
-import json
 import math
 import random
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
+
+from coldsnap.activation.engine_process import post_json
 
 __all__ = ["Answer", "CONCURRENCY", "EQUALITY_PROMPTS", "EQUALITY_TOKENS", "answers_from_json", "answers_json", "ask",
            "ask_all", "compare", "equality_answers", "equality_prompts", "equality_summary", "render_summary"]
@@ -57,24 +57,17 @@ def equality_prompts(count: int = EQUALITY_PROMPTS, *, seed: int = 0, shortest: 
     return prompts
 
 
-def _post(port: int, path: str, body: dict[str, Any], timeout: float) -> Any:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
-
-
 def ask(port: int, prompt: Sequence[int] | str, max_tokens: int, engine: str = "vllm", timeout: float = 300.0) -> Answer:
     """One greedy completion of ``prompt`` (token ids, or text) with the chosen tokens' logprobs; EOS ignored,
     so every answer has ``max_tokens`` tokens."""
     wire = prompt if isinstance(prompt, str) else list(prompt)
     if engine == "sglang":
-        document = _post(port, "/generate", {"text" if isinstance(wire, str) else "input_ids": wire,
+        document = post_json(port, "/generate", {"text" if isinstance(wire, str) else "input_ids": wire,
                                              "return_logprob": True, "sampling_params": {
             "temperature": 0, "max_new_tokens": max_tokens, "ignore_eos": True}}, timeout)
         entries = document["meta_info"]["output_token_logprobs"]  # [logprob, token id, text]
         return Answer([int(e[1]) for e in entries], [float(e[0]) for e in entries])
-    document = _post(port, "/v1/completions", {"prompt": wire, "max_tokens": max_tokens, "temperature": 0,
+    document = post_json(port, "/v1/completions", {"prompt": wire, "max_tokens": max_tokens, "temperature": 0,
                                                "ignore_eos": True, "logprobs": 0, "return_token_ids": True}, timeout)
     choice = document["choices"][0]
     return Answer(list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]])

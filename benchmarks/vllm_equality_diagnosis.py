@@ -35,9 +35,10 @@ from typing import Any
 
 from benchmarks.equality import (answers_from_json, answers_json, ask, ask_all, compare, equality_answers,
                                  equality_prompts, equality_summary, render_summary)
+from coldsnap.activation.engine_process import post_empty, post_json
 from coldsnap.agent.protocol import CONTROL_ENV
-from coldsnap.contracts.profiles import CANARY_PROMPT
 from coldsnap.atomic import write_atomic
+from coldsnap.contracts.profiles import CANARY_PROMPT
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.demo import first_answer, plain_server
 from coldsnap.snapshot.process_tree import kill_tree
@@ -48,16 +49,6 @@ ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENA
        "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1", "VLLM_SERVER_DEV_MODE": "1"}
 STEPS = ("cold", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
          "capture-keep-prefix-cache", "restore-keep-prefix-cache", "equality")
-
-
-def _post(port: int, path: str, body: dict[str, Any] | None = None) -> Any:
-    import urllib.request
-
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body or {}).encode(),
-                                     headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(request, timeout=600) as response:
-        text = response.read()
-    return json.loads(text) if text else {}
 
 
 class Diagnosis:
@@ -89,9 +80,9 @@ class Diagnosis:
         started = time.perf_counter()
         text = [ask(port, p, 16) for p in ISSUE_PROMPTS]
         ids = ask_all(port, self.prompts, self.args.tokens)
-        digest = _post(port, "/collective_rpc", {"method": "coldsnap_state_digest"})["results"][0]
+        digest = post_json(port, "/collective_rpc", {"method": "coldsnap_state_digest"}, 600)["results"][0]
         try:
-            kernels = _post(port, "/collective_rpc", {"method": "coldsnap_kernel_digest"})["results"][0]
+            kernels = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_digest"}, 600)["results"][0]
         except OSError as exc:  # an HTTP error included: the layers could not run eagerly here
             kernels = {"error": str(exc)}
         self.state["servers"][name] = {"text": answers_json(text), "ids": answers_json(ids), "digest": digest,
@@ -189,7 +180,7 @@ class Diagnosis:
         self.restore("restore-criu-4k", env={"COLDSNAP_CRIU_THP_FILL": "0", "COLDSNAP_CRIU_FILL_THREADS": "0"})
 
     def step_restore_reset_prefix_cache(self) -> None:
-        self.restore("restore-reset-prefix-cache", before=lambda: _post(self.args.port, "/reset_prefix_cache"))
+        self.restore("restore-reset-prefix-cache", before=lambda: post_empty(self.args.port, "/reset_prefix_cache"))
 
 
     def step_capture_keep_prefix_cache(self) -> None:

@@ -17,14 +17,12 @@ no probe of that length: the restore then checks what was recorded.
 
 from __future__ import annotations
 
-import json
 import random
 import struct
-import time
 import urllib.error
-import urllib.request
 from dataclasses import dataclass
-from typing import Any
+
+from coldsnap.activation.engine_process import post_json
 
 __all__ = ["PROBES", "ProbeAnswer", "ask_probe", "bits_of", "first_difference", "float_of", "probe_prompt"]
 
@@ -42,7 +40,6 @@ class ProbeAnswer:
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
-    seconds: float
 
 
 def bits_of(value: float) -> int:
@@ -66,17 +63,12 @@ def ask_probe(port: int, prompt_ids: list[int], max_tokens: int, timeout: float 
     logprobs. Other failures raise (:class:`OSError`): the server did not answer."""
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0,
             "return_token_ids": True}
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    started = time.perf_counter()
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            document: Any = json.loads(response.read())
+        document = post_json(port, "/v1/completions", body, timeout)
     except urllib.error.HTTPError as exc:
         if 400 <= exc.code < 500:
             return None
         raise
-    seconds = time.perf_counter() - started
     try:
         choice = document["choices"][0]
         ids = [int(t) for t in choice["token_ids"]]
@@ -85,7 +77,7 @@ def ask_probe(port: int, prompt_ids: list[int], max_tokens: int, timeout: float 
         return None
     if len(ids) != max_tokens or len(logprobs) != len(ids):
         return None
-    return ProbeAnswer(list(prompt_ids), ids, logprobs, seconds)
+    return ProbeAnswer(list(prompt_ids), ids, logprobs)
 
 
 def first_difference(expected_ids: list[int], expected_logprobs: list[float], answer: ProbeAnswer) -> str | None:

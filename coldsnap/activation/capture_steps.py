@@ -232,10 +232,11 @@ class CaptureSequence:
                 if answer is not None:
                     self.probes.append(CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,
                                                    logprob_bits=[bits_of(x) for x in answer.logprobs]))
-            span["probes"] = ",".join(str(len(p.prompt_ids)) for p in self.probes)
+            lengths = [str(len(p.prompt_ids)) for p in self.probes]
+            span["probes"] = ",".join(lengths)
         if self.probes:
-            self.context.progress(f"canary probes recorded: {len(self.probes)} prompts of "
-                                  f"{', '.join(str(len(p.prompt_ids)) for p in self.probes)} tokens, ids and logprobs")
+            self.context.progress(f"canary probes recorded: {len(self.probes)} prompts of {', '.join(lengths)} tokens, "
+                                  "ids and logprobs")
         else:
             self.context.progress("no canary probes: the engine gave no token ids and logprobs for token-id prompts")
 

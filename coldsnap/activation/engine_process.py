@@ -21,7 +21,7 @@ from coldsnap.agent.protocol import CONTROL_ENV, StatusReply
 from coldsnap.snapshot.process_tree import kill_tree
 
 __all__ = ["EngineProcess", "ServingTree", "LaunchError", "AgentMissing", "Canary", "ask_canary", "wait_for_agent",
-           "wait_for_http", "http_status", "new_control_name"]
+           "wait_for_http", "http_status", "new_control_name", "post_json"]
 
 
 class LaunchError(RuntimeError):
@@ -83,11 +83,7 @@ def ask_canary(port: int, prompt: str, max_tokens: int, timeout: float = 120.0, 
     if prompt_argmax:
         request["prompt_logprobs"] = 1
     started = time.perf_counter()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(request).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as response:
-        document = json.loads(response.read())
-    choice = document["choices"][0]
+    choice = post_json(port, "/v1/completions", request, timeout)["choices"][0]
     predicted = _top_ones(choice.get("prompt_logprobs")) if prompt_argmax else None
     return Canary(choice["text"], list(choice.get("token_ids") or []), time.perf_counter() - started, predicted)
 
@@ -104,6 +100,16 @@ def _top_ones(prompt_logprobs: Any) -> list[int] | None:
             return None
         top.append(ranked[0])
     return top
+
+
+def post_json(port: int, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+    """POST ``body`` as JSON to ``path`` on the local server; its JSON answer ({} when empty). HTTP errors
+    raise :class:`urllib.error.HTTPError` (an :class:`OSError`), as a server that does not answer does."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        answer = response.read()
+    return json.loads(answer) if answer else {}
 
 
 def post_empty(port: int, path: str, timeout: float = 600.0) -> tuple[float, dict[str, Any]]:

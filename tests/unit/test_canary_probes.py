@@ -88,7 +88,7 @@ def test_an_engine_that_refuses_or_gives_no_ids_records_no_probe_and_a_broken_on
 
 
 def test_the_first_difference_names_the_token_or_the_logprob():
-    answer = ProbeAnswer([1], [7, 8, 9], [-0.5, -0.25, -1.0], 0.01)
+    answer = ProbeAnswer([1], [7, 8, 9], [-0.5, -0.25, -1.0])
     assert first_difference([7, 8, 9], [-0.5, -0.25, -1.0], answer) is None
     assert first_difference([7, 3, 9], [-0.5, -0.25, -1.0], answer) == "token 1 is 8, captured 3"
     found = first_difference([7, 8, 9], [-0.5, -0.25, -1.0000001], answer)
