@@ -107,17 +107,43 @@ def compare(reference: Sequence[Answer], other: Sequence[Answer]) -> dict[str, A
 CONCURRENCY = 32
 
 
+def flush_prefix_cache(port: int, engine: str) -> None:
+    """Empty SGLang's radix cache before a pass: it matches prefixes token by token, so a prompt that shares
+    its first token with whatever the server was asked before (a restore's canary probes, the previous
+    pass) would be served partly from the cache in one server and not in the other. vLLM's prefix cache
+    matches whole 16-token blocks, which random prompts do not share: nothing to do."""
+    if engine != "sglang":
+        return
+    import time
+    import urllib.error
+    import urllib.request
+
+    for attempt in range(10):  # SGLang refuses (400) while a request is still running or waiting
+        try:
+            with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/flush_cache", method="POST"),
+                                        timeout=60) as response:
+                response.read()
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400 or attempt == 9:
+                raise
+            time.sleep(1)
+
+
 def equality_answers(port: int, *, prompts: int = EQUALITY_PROMPTS, tokens: int = EQUALITY_TOKENS,
                      concurrent_passes: int = 1, engine: str = "vllm", longest: int = 1500) -> dict[str, Any]:
     """The answers of the server on ``port`` to the prompt set, one at a time and ``concurrent_passes``
-    times at :data:`CONCURRENCY` (as JSON values; seconds of the one-at-a-time pass)."""
+    times at :data:`CONCURRENCY` (as JSON values; seconds of the one-at-a-time pass); SGLang's prefix
+    cache emptied before each pass (:func:`flush_prefix_cache`)."""
     import time
 
     prompt_set = equality_prompts(prompts, longest=longest)
+    flush_prefix_cache(port, engine)
     started = time.perf_counter()
     answers: dict[str, Any] = {"one_at_a_time": answers_json(ask_all(port, prompt_set, tokens, engine=engine))}
     answers["one_at_a_time_s"] = round(time.perf_counter() - started, 1)
     for index in range(concurrent_passes):
+        flush_prefix_cache(port, engine)
         answers[f"concurrent_{index}"] = answers_json(ask_all(port, prompt_set, tokens, concurrency=CONCURRENCY,
                                                               engine=engine))
     return answers

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 
-from benchmarks.vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, run_steps, serve_load  # noqa: E402
+from benchmarks.vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, add_variant_arguments, run_steps, serve_load
 
 STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "serving", "equality", "native", "dropped")
 SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")
@@ -98,6 +98,7 @@ def main() -> int:
                         "of sglang.bench_serving (which imports Hugging Face `datasets` at start)")
     parser.add_argument("--sglang-arg", dest="vllm_args", action="append", default=[],
                         help="extra `sglang.launch_server` argument (repeat; e.g. --sglang-arg=--mem-fraction-static=0.3)")
+    add_variant_arguments(parser)
     args = parser.parse_args()
     args.device = "cuda"
     from coldsnap_sglang.compat import sglang_version

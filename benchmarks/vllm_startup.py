@@ -30,8 +30,10 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
                ``DIR/criu-restore-v3.log``: where CRIU's step of a restore spends its time
   cold-warm    ``--repeat`` cold starts with the warm compile cache
   equality     restored equals cold: 256 token-id prompts (8 to 1500 tokens), greedy 64 tokens with logprobs,
-               one at a time and at concurrency 32, a cold start (two concurrent passes) and a restore: prompts
-               that differ, largest logprob difference (benchmarks/equality.py)
+               one at a time and at concurrency 32, a cold start (two concurrent passes; its answers kept in
+               DIR/equality-cold-answers.json for the run's other artifact) and ``--equality-restores``
+               restores (default 3, the first also concurrently): prompts that differ, largest logprob
+               difference, per restore (benchmarks/equality.py)
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
   serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
                vLLM's own load client (``vllm bench serve``, random 512-token prompts, 128 tokens out,
@@ -42,6 +44,10 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
                through coldsnap's sleep backend (``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap``), whose
                /wake_up answers only after the canary matched
   dropped      page cache dropped (root): one restore and one cold start
+
+``--graphs recreate`` captures into DIR/artifact-recreate with `coldsnap capture --graphs recreate` (the
+CUDA graphs dropped before the checkpoint, captured again by every restore); the steps then work on that
+artifact and name their runs and results ``graphs=recreate``, beside the default artifact's.
 
 Writes ``--out`` (JSON: every run with its phases), prints a table; ``--png`` draws the chart where
 matplotlib is installed (else later, from the JSON, with ``--png-from``).
@@ -168,7 +174,10 @@ class Bench:
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {
             "benchmark": self.name, "shape": args.shape, "device": args.device, "runs": []}
         self.model = self.work / f"llama-{args.shape}"
-        self.artifact = self.work / "artifact"
+        # --graphs recreate: an artifact of its own beside the default's, its runs and results named for it
+        self.graphs = getattr(args, "graphs", None)
+        self.variant = f" graphs={self.graphs}" if self.graphs else ""
+        self.artifact = self.work / ("artifact" if self.graphs is None else f"artifact-{self.graphs}")
         self.port = args.port
         self.cache = self.work / "vllm-cache"  # the warm compile cache every run but cold-empty shares
         self.load = [int(n) for n in args.serve_load.split(",")]
@@ -239,11 +248,12 @@ class Bench:
     def step_capture(self) -> None:
         if (self.artifact / "artifact.json").exists():
             return
-        receipt = self.work / "capture-receipt.json"
+        receipt = self.work / f"capture-receipt{self.variant.replace(' ', '-')}.json"
         command = self.serve_command(*self.args.vllm_args, "--load-format", "coldsnap")
+        graphs = ["--graphs", self.graphs] if self.graphs else []
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(self.artifact),
-                               "--receipt-json", str(receipt), "--", *command], env={**os.environ, **self.env()})
+                               "--receipt-json", str(receipt), *graphs, "--", *command], env={**os.environ, **self.env()})
         seconds = time.perf_counter() - started
         document = json.loads(receipt.read_text())
         if done.returncode != 0:
@@ -251,7 +261,7 @@ class Bench:
         spans = {s["name"]: s for s in document["timing"]["spans"]}
         dump = spans["capture.criu_dump"]["attributes"]
         log = self.artifact / "logs" / "unit-0.log"
-        self.state["capture"] = {
+        capture = self.state["capture" + self.variant] = {
             "seconds": round(seconds, 2),
             "phases": {n: round(s["duration_ns"] / 1e9, 3) for n, s in spans.items()},
             "image_bytes": dump["image_bytes"],
@@ -259,11 +269,11 @@ class Bench:
             "payload_bytes": sum(p.stat().st_size for p in (self.artifact / "payload").glob("*.pack")),
             "engine_log": self.parse_log(log),
         }
-        self.state["capture"]["image_to_non_model"] = round(dump["image_bytes"] / self.state["capture"]["non_model_bytes"], 3)
-        self.state["capture"]["zero_bytes_left_out"] = dump.get("zero_bytes_dropped", 0)
+        capture["image_to_non_model"] = round(dump["image_bytes"] / capture["non_model_bytes"], 3)
+        capture["zero_bytes_left_out"] = dump.get("zero_bytes_dropped", 0)
         attribution = capsule_attribution(self.artifact, document)
-        self.state["capture"]["attribution"] = attribution
-        print(json.dumps({k: v for k, v in self.state["capture"].items() if k != "attribution"}), flush=True)
+        capture["attribution"] = attribution
+        print(json.dumps({k: v for k, v in capture.items() if k != "attribution"}), flush=True)
         print(render_capsule(attribution), flush=True)
         self.save()
 
@@ -291,6 +301,7 @@ class Bench:
         seconds = phases.pop("exec → canary matched")  # the restore as the user sees it
         expected = self.expected()
         kind = " ".join(["restore", *self.args.restore_args, *flags, *(f"{k}={v}" for k, v in (env or {}).items())])
+        kind += self.variant
         self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
                     same_tokens=expected is None or answer == expected, image_bytes=self.image_bytes())
 
@@ -485,39 +496,68 @@ class Bench:
         self.save()
 
     @contextlib.contextmanager
-    def restored(self, step: str) -> Iterator[None]:
-        """One plain ``coldsnap restore`` of the capture, serving while the block runs, then killed."""
+    def restored(self, step: str) -> Iterator[dict[str, float]]:
+        """One plain ``coldsnap restore`` of the capture, serving while the block runs, then killed; the block
+        gets the restore's timeline (``receipt_timeline``: exec → canary matched and each phase)."""
         receipt_path = self.work / f"{step}-restore-{len(self.state['runs'])}-{time.time_ns()}.json"
+        exec_ns = time.time_ns()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
                                str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
+        exit_ns = time.time_ns()
         receipt = json.loads(receipt_path.read_text())
         try:
             if done.returncode != 0:
                 raise SystemExit(f"{step}: restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
-            yield
+            yield receipt_timeline(receipt, exec_ns, exit_ns)
         finally:
             pid = restored_pid(receipt)
             if pid is not None:
                 kill_tree(pid)
 
+    def cold_equality_answers(self) -> dict:
+        """A cold start's answers to the equality prompts (one pass one at a time, two concurrent), kept in the
+        work directory for the command they came from: the default's and the ``--graphs recreate`` artifact's
+        equality steps of one run compare against the same cold start."""
+        command = self.serve_command(*self.args.vllm_args)
+        kept = self.work / "equality-cold-answers.json"
+        if kept.exists():
+            document = json.loads(kept.read_text())
+            if document["command"] == command:
+                return document["answers"]
+        log = self.work / "equality-cold-start.log"
+        with plain_server(command, self.env(), log) as (process, started):
+            first_answer(self.port, started, process, 900, PROMPT, 12, log)
+            cold = equality_answers(self.port, concurrent_passes=2, engine=self.equality_engine)
+        write_atomic(kept, json.dumps({"command": command, "answers": cold}).encode())
+        time.sleep(1)
+        return cold
+
     def step_equality(self) -> None:
         """Restored equals cold on many prompts (:mod:`equality`): EQUALITY_PROMPTS token-id prompts of 8 to 1500
         tokens, greedy EQUALITY_TOKENS tokens with logprobs, one at a time and at concurrency 32, asked of a
-        cold start (twice concurrently: the spread batching alone causes) and of a restore, one after the
-        other on this GPU. Prints the prompts that differ and the largest logprob difference."""
+        cold start (twice concurrently: the spread batching alone causes) and of ``--equality-restores``
+        restores (the first also concurrently), one after the other on this GPU. Prints the prompts that
+        differ and the largest logprob difference, per restore. Saved after each restore; a later equality
+        step of the same work directory adds its restores to the ones there (device calls of 10 minutes)."""
         if not (self.artifact / "artifact.json").exists():
             raise SystemExit("equality: capture first")
-        log = self.work / "equality-cold-start.log"
-        with plain_server(self.serve_command(*self.args.vllm_args), self.env(), log) as (process, started):
-            first_answer(self.port, started, process, 900, PROMPT, 12, log)
-            cold = equality_answers(self.port, concurrent_passes=2, engine=self.equality_engine)
-        time.sleep(1)
-        with self.restored("equality"):
-            restored = equality_answers(self.port, engine=self.equality_engine)
-        self.state["equality"] = {"prompts": EQUALITY_PROMPTS, "tokens": EQUALITY_TOKENS,
-                                  **equality_summary(cold, restored)}
-        print(render_summary({k: v for k, v in self.state["equality"].items() if isinstance(v, dict)}), flush=True)
-        self.save()
+        cold = self.cold_equality_answers()
+        key = "equality" + self.variant
+        summary = self.state.setdefault(key, {"prompts": EQUALITY_PROMPTS, "tokens": EQUALITY_TOKENS, "restores": 0,
+                                             "restore_phases": []})
+        for _ in range(self.args.equality_restores):
+            first = summary["restores"] == 0
+            with self.restored("equality") as phases:
+                restored = equality_answers(self.port, engine=self.equality_engine, concurrent_passes=1 if first else 0)
+            compared = equality_summary(cold, restored)
+            if first:
+                summary.update(compared)
+            else:
+                summary[f"one at a time: restore {summary['restores'] + 1} vs cold"] = compared["one at a time: restored vs cold"]
+            summary["restores"] += 1
+            summary["restore_phases"].append(phases)
+            self.save()
+        print(render_summary({k: v for k, v in summary.items() if isinstance(v, dict)}), flush=True)
 
     def sleep_cycle(self, kind: str, env: dict[str, str], *extra: str) -> None:
         index = len(self.state["runs"])
@@ -571,9 +611,10 @@ def render(state: dict) -> str:
     if restores:
         lines.append("  last warm restore's phases: " + ", ".join(f"{k} {v}" for k, v in restores[-1]["phases"].items()))
     budgets = {_label(r): r["phases"]["kv_cache_gib"] for r in state["runs"] if "kv_cache_gib" in r.get("phases", {})}
-    capture = state.get("capture")
-    if capture:
-        lines.append(f"  capture {capture['seconds']} s; image {capture['image_bytes'] / 2**30:.2f} GiB = "
+    for key, capture in state.items():
+        if not key.startswith("capture"):
+            continue
+        lines.append(f"  {key} {capture['seconds']} s; image {capture['image_bytes'] / 2**30:.2f} GiB = "
                      f"{capture['image_to_non_model']}× non-model memory; pack {capture['payload_bytes'] / 2**30:.2f} GiB")
         if "kv_cache_gib" in capture.get("engine_log", {}):
             budgets["coldsnap loader (capture)"] = capture["engine_log"]["kv_cache_gib"]
@@ -589,10 +630,15 @@ def render(state: dict) -> str:
                          f"restored/cold {values['restored / cold']}")
         lines.append(f"    same greedy token ids over {serving['prompts_checked']} prompts: {serving['same_prompt_tokens']}; "
                      f"same streamed text: {serving.get('same_streamed_text', serving.get('same_streamed_tokens'))}")
-    equality = state.get("equality")
-    if equality:
-        lines.append(f"  restored equals cold ({equality['prompts']} prompts, {equality['tokens']} greedy tokens):")
+    for key, equality in state.items():
+        if not key.startswith("equality"):
+            continue
+        lines.append(f"  restored equals cold{key[len('equality'):]} ({equality['prompts']} prompts, "
+                     f"{equality['tokens']} greedy tokens, {equality.get('restores', 1)} restore(s)):")
         lines += ["    " + line for line in render_summary({k: v for k, v in equality.items() if isinstance(v, dict)}).splitlines()]
+        if equality.get("restore_phases"):
+            lines.append("    restores, exec → canary matched (s): " + ", ".join(
+                str(round(p["exec → canary matched"], 3)) for p in equality["restore_phases"]))
     if any(not r.get("same_tokens", True) for r in state["runs"]):
         lines.append("  WARNING: some run's tokens differ from the first cold start's")
     else:
@@ -642,6 +688,7 @@ def main() -> int:
                         help="extra `coldsnap restore` argument for the restore steps (repeat; e.g. --restore-arg=--host-thp)")
     parser.add_argument("--serve-load", default=SERVE_LOAD, type=serve_load,
                         help=f"serving step: input tokens,output tokens,prompts,concurrency (default {SERVE_LOAD})")
+    add_variant_arguments(parser)
     parser.add_argument("--compile", action="store_true", help="cpu: keep torch.compile on (default --enforce-eager)")
     args, rest = parser.parse_known_args()
     if args.png_from:
@@ -659,6 +706,15 @@ def main() -> int:
     from coldsnap_vllm.compat import vllm_version
 
     return run_steps(Bench, parser, args, STEPS, "vllm", vllm_version())
+
+
+def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments both engines' startup benchmarks take for the artifact they capture and check."""
+    parser.add_argument("--graphs", choices=["retain", "recreate"],
+                        help="capture with `coldsnap capture --graphs POLICY` into DIR/artifact-POLICY (runs and results "
+                        "named graphs=POLICY); default: the driver's policy, into DIR/artifact")
+    parser.add_argument("--equality-restores", type=int, default=3,
+                        help="equality step: restores asked the prompts one at a time (default 3; the first also concurrently)")
 
 
 def run_steps(bench_class: type[Bench], parser: argparse.ArgumentParser, args: argparse.Namespace,

@@ -249,8 +249,8 @@ def main() -> int:
     parser.add_argument("engine", choices=sorted(PROFILES))
     parser.add_argument("bundle")
     parser.add_argument("--version", help="the engine's release (default: the profile's)")
-    # A device call carries 64 MiB in all, the checkout (~3 MB) included: 62 MiB parts no longer fit.
-    parser.add_argument("--part-mib", type=int, default=56)
+    # A device call carries 64 MiB in all, the checkout (~9 MB, 2026-12-03) included: 56 MiB parts no longer fit.
+    parser.add_argument("--part-mib", type=int, default=52)
     args = parser.parse_args()
     engine, profile = args.engine, PROFILES[args.engine]
     version = args.version or profile.version

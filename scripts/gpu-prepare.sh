@@ -13,7 +13,7 @@
 #
 # --vllm, also:
 # BUNDLE_DIR/vllm       vLLM 0.26.0 (the release whose torch is the host's 2.11.0+cu130) and the packages the
-#                       host lacks, slimmed and split into ≤ 56 MiB parts (scripts/gpu-prepare-engine.py);
+#                       host lacks, slimmed and split into ≤ 52 MiB parts (scripts/gpu-prepare-engine.py);
 #                       bring them one per device call and put them together with scripts/gpu-engine.sh vllm.
 # --sglang, also:
 # BUNDLE_DIR/sglang     SGLang 0.5.17 (likewise torch 2.11.0, CUDA 13), its sglang-kernel without FA3 and

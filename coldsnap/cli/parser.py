@@ -7,7 +7,7 @@ import argparse
 from typing import Any, NoReturn, get_args
 
 from coldsnap import __version__
-from coldsnap.contracts.common import EngineName, SnapshotDriverName
+from coldsnap.contracts.common import EngineName, GraphPolicyMode, SnapshotDriverName
 from coldsnap.contracts.placement import PLACEMENT_ABIS
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 
@@ -201,6 +201,11 @@ def _add_capture(commands: Any) -> None:
     p.add_argument("--ranks", type=int, metavar="N",
                    help="tensor-parallel ranks, one worker each (default: the command's --tp / "
                    "--tensor-parallel-size / --tp-size, else 1)")
+    p.add_argument("--graphs", choices=get_args(GraphPolicyMode), metavar="POLICY",
+                   help="CUDA graphs: retain (the captured graph executables restore with the process) or recreate "
+                   "(dropped before the checkpoint, a smaller image, and captured again after each restore, which "
+                   "costs what the engine's own graph capture costs); default: the driver's (n610: retain, n580: "
+                   "recreate)")
     p.add_argument("--no-verify", action="store_true",
                    help="commit without the capture's own restore of the capsule (COLDSNAP_CAPTURE_VERIFY=0); saves "
                    "one restore's time, and a capsule that cannot restore is then found out by its first restore")

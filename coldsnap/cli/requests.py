@@ -136,7 +136,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
     model = args.model or _option_value(command, "--model") or _option_value(command, "--model-path") or _served_model(command)
     if model is None and engine == "torch-lm":
         model = f"coldsnap-torch-lm-{_option_value(command, '--size') or 'tiny'}"
-    return {
+    request = {
         "format": 4,
         "operation": "capture",
         "operation_id": args.operation_id or new_operation_id("capture"),
@@ -149,6 +149,9 @@ def _capture_request(args: argparse.Namespace) -> dict:
                    "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
         "artifact": str(Path(args.out).resolve()),
     }
+    if args.graphs:
+        request["policy"] = {"graphs": {"mode": args.graphs}}
+    return request
 
 
 def new_operation_id(operation: str) -> str:

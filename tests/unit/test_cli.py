@@ -111,7 +111,7 @@ def test_capture_request_has_one_worker_per_rank(command, ranks):
     from coldsnap.cli import _capture_request
 
     args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None, placement_abi=None,
-                              operation_id="op", driver="n610")
+                              operation_id="op", driver="n610", graphs=None)
     workers = _capture_request(args)["units"][0]["workers"]
     assert [(w["rank"], w["device_slot"], w["worker_id"]) for w in workers] == [(r, r, f"worker-{r}") for r in range(ranks)]
 
@@ -136,7 +136,7 @@ def test_capture_request_names_the_served_model(command, model):
     from coldsnap.cli import _capture_request
 
     args = argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=None, model=None, ranks=None, preload=None, placement_abi=None,
-                              operation_id="op", driver="n610")
+                              operation_id="op", driver="n610", graphs=None)
     request = _capture_request(args)
     assert request["model"]["name"] == model and request["engine"] == "vllm"
 
@@ -178,7 +178,7 @@ def _capture_args(command: list[str], engine: str | None = None):
     import argparse
 
     return argparse.Namespace(out="/tmp/a", command=["--", *command], port=None, engine=engine, model=None, ranks=None,
-                              preload=None, placement_abi=None, operation_id="op", driver="n610")
+                              preload=None, placement_abi=None, operation_id="op", driver="n610", graphs=None)
 
 
 @pytest.mark.parametrize("command, engine", [
@@ -312,3 +312,20 @@ def test_every_bad_input_is_a_short_error_with_no_traceback(argv, bad_input_dir)
     lines = stderr.splitlines()
     assert 1 <= len(lines) <= 2 and (len(lines) == 1 or lines[1].startswith("see coldsnap")), stderr
     assert not (bad_input_dir / "X").exists()
+
+
+@pytest.mark.parametrize("graphs", [None, "retain", "recreate"])
+def test_capture_graphs_flag_sets_the_requests_graph_policy(graphs):
+    from coldsnap.cli import capture_request
+    from coldsnap.contracts.request import OperationRequest
+
+    flags = ["--graphs", graphs] if graphs else []
+    request = capture_request(["--out", "/tmp/a", *flags, "--", "vllm", "serve", "m", "--port", "8000"])
+    decoded = OperationRequest.model_validate_json(json.dumps(request))
+    assert decoded.policy.graphs.mode == graphs  # None: the driver's default, chosen at resolution
+
+
+def test_capture_graphs_flag_refuses_an_unknown_policy():
+    bad = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", "/tmp/x", "--graphs", "keep", "--",
+                          "vllm", "serve", "m", "--port", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--graphs" in bad.stderr and "Traceback" not in bad.stderr

@@ -35,3 +35,19 @@ def test_the_summary_names_the_concurrent_spread_of_the_cold_server():
     assert summary["concurrency 32: restored vs cold"]["differing"] == 1 == compare(a, b)["differing"]
     assert summary["concurrency 32: cold vs cold (same server, second pass)"]["differing"] == 1
     assert "0/1 prompts differ" in render_summary(summary)
+
+
+def test_the_startup_table_names_each_artifacts_capture_and_equality():
+    from benchmarks.vllm_startup import render
+
+    same = {"prompts": 256, "differing": 0, "largest_logprob_difference": 0.0, "differing_prompts": []}
+    capture = {"seconds": 120.0, "image_bytes": 2**31, "image_to_non_model": 0.1, "payload_bytes": 2**34}
+    state = {"vllm": "0.26.0", "shape": "8b", "device": "cuda", "runs": [], "capture": capture,
+             "capture graphs=recreate": capture,
+             "equality": {"prompts": 256, "tokens": 64, "restores": 3, "one at a time: restored vs cold": same,
+                          "restore_phases": [{"exec → canary matched": 1.9}]},
+             "equality graphs=recreate": {"prompts": 256, "tokens": 64, "restores": 1,
+                                          "one at a time: restored vs cold": same}}
+    table = render(state)
+    assert "capture graphs=recreate 120.0 s" in table and "restored equals cold graphs=recreate" in table
+    assert "3 restore(s)" in table and "exec → canary matched (s): 1.9" in table
