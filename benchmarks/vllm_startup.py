@@ -549,6 +549,8 @@ class Bench:
             first = summary["restores"] == 0
             with self.restored("equality") as phases:
                 restored = equality_answers(self.port, engine=self.equality_engine, concurrent_passes=1 if first else 0)
+            answers = self.work / f"equality-restored-answers{self.variant.replace(' ', '-')}-{summary['restores'] + 1}.json"
+            write_atomic(answers, json.dumps(restored).encode())  # beside the cold ones: where a prompt diverged, how
             compared = equality_summary(cold, restored)
             if first:
                 summary.update(compared)
