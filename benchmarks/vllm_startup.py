@@ -552,6 +552,7 @@ class Bench:
             answers = self.work / f"equality-restored-answers{self.variant.replace(' ', '-')}-{summary['restores'] + 1}.json"
             write_atomic(answers, json.dumps(restored).encode())  # beside the cold ones: where a prompt diverged, how
             compared = equality_summary(cold, restored)
+            summary["prompts"] = compared["one at a time: restored vs cold"]["prompts"]  # as asked
             if first:
                 summary.update(compared)
             else:
