@@ -52,11 +52,15 @@ def wait_group_gone(pgid: int, timeout: float) -> list[int]:
 def kill_group(pgid: int, timeout: float = 10) -> list[int]:
     """SIGKILL process group ``pgid`` (nothing to do if it has no members) and wait up to ``timeout`` s
     until none is left; the members still alive then (``[]``). Never raises: it runs in cleanups."""
+    socket_files = process_tree.bound_socket_files(group_members(pgid))
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
         return []
-    return wait_group_gone(pgid, timeout)
+    try:
+        return wait_group_gone(pgid, timeout)
+    finally:
+        process_tree.remove_socket_files(socket_files)  # (a SIGKILLed vLLM leaves its ZeroMQ ipc:// files)
 
 
 def launched_pid(receipt: dict[str, Any]) -> int | None:
@@ -101,12 +105,17 @@ def replica_members(artifact: str | os.PathLike[str], unit: str = "unit-0") -> l
 def kill_replicas(artifact: str | os.PathLike[str], timeout: float = 10) -> list[int]:
     """SIGKILL every process restored from ``artifact`` and wait up to ``timeout`` s until none is left;
     the ones still alive then (``[]``). Never raises: it runs in cleanups."""
-    for pid in replica_members(artifact):
+    members = replica_members(artifact)
+    socket_files = process_tree.bound_socket_files(members)
+    for pid in members:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    return wait_replicas_gone(artifact, timeout)
+    try:
+        return wait_replicas_gone(artifact, timeout)
+    finally:
+        process_tree.remove_socket_files(socket_files)
 
 
 def wait_replicas_gone(artifact: str | os.PathLike[str], timeout: float) -> list[int]:

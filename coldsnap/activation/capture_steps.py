@@ -46,7 +46,9 @@ from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.host_files import read_only_mtimes
 from coldsnap.snapshot.nvml import NvmlError, process_memory
-from coldsnap.snapshot.process_tree import anonymous_bytes, kill_tree, resident_bytes, tcp_connections, tree_pids
+from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files, kill_tree, remove_socket_files,
+                                            remove_stale_socket_files, resident_bytes, socket_files_in,
+                                            tcp_connections, tree_pids)
 
 RESTORE_CANARY_TOKENS = 2
 """Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
@@ -116,6 +118,8 @@ class CaptureSequence:
         self.before: set[str] | None = None  # the output directory's entries before (None: it did not exist)
         self.engine: ServingTree | None = None
         self.dumped = False
+        self.engine_tmp: Path | None = None  # the engine's temporary folder and the sockets it held before (launch)
+        self.engine_tmp_sockets: set[Path] = set()
         self.controls: list[str] = []
         self.statuses: list[StatusReply] = []
         self.canary: Canary | None = None
@@ -174,6 +178,9 @@ class CaptureSequence:
         with self.step("capture.launch", "capture.launch") as span:
             artifact.root.mkdir(parents=True, exist_ok=True)
             artifact.clear_uncommitted([unit.unit_id])
+            # The engine's temporary folder (its ZeroMQ ipc:// sockets): swept of what the tree left, at the end
+            self.engine_tmp = Path(unit.env.get("TMPDIR") or os.environ.get("TMPDIR") or "/tmp")
+            self.engine_tmp_sockets = socket_files_in(self.engine_tmp)
             self.engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), dict(unit.env))
             span["pid"] = self.engine.pid
         self.context.progress(f"started {unit.command[0]} (pid {self.engine.pid}); waiting for its coldsnap agent "
@@ -341,9 +348,14 @@ class CaptureSequence:
             span["tcp"] = tcp
             if connections.connected:
                 span["network_lock"] = lock
+            socket_files = bound_socket_files(pids)
             result = self.snapshotter.dump(engine.pid, self.artifact.images(self.unit.unit_id), owned_root=self.artifact.root)
             self.dumped = True
             engine.process.wait(timeout=30)
+            # The dump ended the tree; the socket files it had bound (vLLM's ZeroMQ ipc:// in /tmp) would stay.
+            # (Restores bind their own: <path>.port-P, coldsnap.snapshot.replica.path_socket_names.)
+            remove_socket_files(socket_files)
+            self.sweep_engine_tmp()
             span["image_bytes"] = result.image_bytes
             if result.census is not None:  # the zero pages left out, per process: pid:bytes:dropped
                 span["zero_bytes_dropped"] = result.census.dropped_bytes
@@ -469,12 +481,17 @@ class CaptureSequence:
                          if s.name.count(".") == 1 and s.duration_ns is not None})
         self.context.progress("the capture's own restore served the captured canary; committing")
 
+    def sweep_engine_tmp(self) -> None:
+        if self.engine_tmp is not None:
+            remove_stale_socket_files(self.engine_tmp, self.engine_tmp_sockets)
+
     def unwind(self) -> None:
         """After any failure (an interrupt included): the engine never keeps running, and nothing the
         capture created stays in the output directory; an earlier artifact is never touched."""
         engine = self.engine
         if engine is not None and (not self.dumped or engine.alive()):
             engine.kill()
+            self.sweep_engine_tmp()
         if self.artifact.committed():
             return
         # The engine's last lines go to the progress stream first, since its log goes too.

@@ -27,7 +27,7 @@ from coldsnap.atomic import write_atomic
 from coldsnap.host import PF_EXITING, stat_fields
 from coldsnap.snapshot.shm import SHM_DIR, copy_sparse, restore_shm
 
-__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "bound_socket_files", "remove_socket_files", "socket_files_in", "remove_stale_socket_files", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
            "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
@@ -67,10 +67,85 @@ def tree_pids(root: int) -> list[int]:
 
 
 def kill_tree(root: int, timeout: float = 10.0) -> None:
-    """SIGKILL the tree's process group (orphans too) and every descendant; wait until they are gone.
-    The tree and the group are listed before the kill: once the root dies its children are init's and
-    no longer in its tree, and returning while one of them is still exiting would leave it behind."""
+    """SIGKILL the tree's process group (orphans too) and every descendant; wait until they are gone,
+    then remove the socket files they had bound (:func:`bound_socket_files`: a SIGKILLed vLLM leaves its
+    ZeroMQ ``ipc://`` files in /tmp, and a host that restores all day would keep every one). The tree and
+    the group are listed before the kill: once the root dies its children are init's and no longer in
+    its tree, and returning while one of them is still exiting would leave it behind."""
     pids = set(tree_pids(root)) | set(group_members(root))
+    socket_files = bound_socket_files(pids)
+    try:
+        _kill_and_wait(root, pids, timeout)
+    finally:
+        remove_socket_files(socket_files)
+
+
+def bound_socket_files(pids: set[int] | list[int]) -> list[Path]:
+    """The files of the unix sockets that ``pids`` hold bound to a path (or accepted on one); not the
+    sockets they connected to elsewhere (a client's end has no name). From ``/proc/PID/fd`` and
+    ``/proc/net/unix`` (this network namespace's)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    if not inodes:
+        return []
+    try:
+        lines = Path("/proc/net/unix").read_text(errors="surrogateescape").splitlines()[1:]
+    except OSError:
+        return []
+    paths = set()
+    for line in lines:  # Num RefCount Protocol Flags Type St Inode Path
+        fields = line.split(None, 7)
+        if len(fields) == 8 and fields[7].startswith("/") and fields[6] in inodes:
+            paths.add(Path(fields[7]))
+    return sorted(paths)
+
+
+def remove_socket_files(paths: list[Path]) -> None:
+    """Unlink each of ``paths`` that is still a socket file (once its processes are gone nothing else can
+    have bound it: a bind fails on an existing file)."""
+    for path in paths:
+        try:
+            if stat.S_ISSOCK(path.lstat().st_mode):
+                path.unlink()
+        except OSError:
+            pass
+
+
+def socket_files_in(directory: Path) -> set[Path]:
+    """The socket files directly in ``directory`` (an engine's temporary folder)."""
+    try:
+        return {entry for entry in directory.iterdir() if stat.S_ISSOCK(entry.lstat().st_mode)}
+    except OSError:
+        return set()
+
+
+def remove_stale_socket_files(directory: Path, before: set[Path]) -> None:
+    """Unlink the socket files of ``directory`` that were not there ``before`` and that nothing listens on
+    (a connect is refused): what an engine's tree bound and closed without unlinking (vLLM's start-up
+    ZeroMQ handshake), which :func:`bound_socket_files` cannot see once no process holds it."""
+    for path in socket_files_in(directory) - before:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            probe.settimeout(1)
+            try:
+                probe.connect(str(path))
+            except ConnectionRefusedError:
+                path.unlink(missing_ok=True)
+            except OSError:
+                continue
+
+
+def _kill_and_wait(root: int, pids: set[int], timeout: float) -> None:
     try:
         os.killpg(root, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

@@ -8,7 +8,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -110,8 +109,10 @@ def served(command: list[str], port: int, log: Path, env: dict | None = None):
                 time.sleep(0.5)
         yield tokens, time.monotonic() - started
     finally:
+        from tests.processes import kill_group
+
         if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_group(process.pid)  # (and the socket files it bound)
         process.wait()
 
 
@@ -621,3 +622,40 @@ def test_load_options_vllm_cannot_start_from_stop_it_with_a_clear_error(model, t
                                 cases))
     for (_, options, reason), (tokens, log) in zip(cases, answers):
         assert tokens is None and reason in log, (options, log[-3000:])
+
+
+def _listing(*roots: Path) -> set[str]:
+    return {str(path) for root in roots for path in root.rglob("*")}
+
+
+def test_a_capture_restores_and_a_demo_leave_nothing_in_tmp_or_the_state_root(model, tmp_path):
+    """What a host that captures and restores all day keeps: the temporary folder the engines write in
+    (this run's TMPDIR: vLLM's ZeroMQ ipc:// sockets) and coldsnap's state root, listed before and after a
+    capture, two restores (each killed, as a fleet kills a server), the artifact's removal and a demo.
+    vLLM's own leftovers are named: the FileStore file of its CPU executor (``vllm_dist_*``, deleted only
+    by a clean shutdown; one per vLLM start, none per restore) and torch's compile cache."""
+    from tests.processes import kill_replicas
+
+    temporary, state = Path(os.environ["TMPDIR"]), Path(os.environ["COLDSNAP_STATE_DIR"])
+    before = _listing(temporary, state)
+    port = _free_port()
+    artifact = tmp_path / "artifact"
+    result = coldsnap("capture", "--out", str(artifact), "--", *serve(model, port, "--load-format", "coldsnap"))
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    for _ in range(2):
+        result = coldsnap("restore", str(artifact))
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        assert complete(port, PROMPT_2)
+        assert not kill_replicas(artifact)
+    shutil.rmtree(artifact)
+    demo = subprocess.run([sys.executable, "-m", "coldsnap", "demo", "--json", "--dir", str(tmp_path / "demo")],
+                          capture_output=True, timeout=900, env=ENV)
+    assert demo.returncode == 0, demo.stderr.decode()[-3000:]
+    new = sorted(_listing(temporary, state) - before)
+    # Host-wide records whose subjects still exist: CRIU's check of this host, the model folder's hashes.
+    kept = {state / "criu-check.json", state / "records", state / "records" / "external"}
+    new = [p for p in new if Path(p) not in kept and not p.startswith(str(state / "records" / "external") + "/")]
+    engine_own = [p for p in new if Path(p).name.startswith("vllm_dist_") or "torchinductor" in p]
+    assert len([p for p in engine_own if "vllm_dist_" in p]) <= 1  # the capture's start, not the restores'
+    left = [p for p in new if p not in engine_own]
+    assert left == [], '\n'.join(left)

@@ -159,3 +159,37 @@ def test_copy_sparse_keeps_the_bytes_and_writes_only_data(tmp_path):
     assert target.read_bytes() == source.read_bytes()
     assert written <= 2 << 20 and oct(target.stat().st_mode & 0o777) == "0o600"
     assert target.stat().st_blocks * 512 <= 4 << 20  # a sparse copy, not 64 MiB
+
+
+def test_killing_a_tree_removes_the_socket_files_it_bound_and_not_the_ones_it_connected_to(tmp_path):
+    import socket
+    import sys
+    import time
+
+    from coldsnap.snapshot.process_tree import bound_socket_files, kill_tree
+
+    outside = tmp_path / "outside.sock"  # a listener of someone else's (a journal, a launcher)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(outside))
+    listener.listen()
+    own = tmp_path / "own.sock"  # what a SIGKILLed vLLM leaves: its ZeroMQ ipc:// endpoint
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import socket, time
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); s.bind({str(own)!r}); s.listen()
+c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); c.connect({str(outside)!r})
+print("ready", flush=True); time.sleep(600)
+"""], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert child.stdout.readline() == b"ready\n"
+        accepted, _ = listener.accept()
+        assert bound_socket_files([child.pid]) == [own]
+        kill_tree(child.pid)
+        deadline = time.monotonic() + 5
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not own.exists() and outside.exists()
+        accepted.close()
+    finally:
+        if child.poll() is None:
+            child.kill()
+        listener.close()
