@@ -80,23 +80,24 @@ def kill_tree(root: int, timeout: float = 10.0) -> None:
         remove_socket_files(socket_files)
 
 
+def _fd_targets(pid: int) -> Iterator[tuple[str, str]]:
+    """``(fd, what it points at)`` for each open descriptor of ``pid`` (none once it is gone)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            yield fd, os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+
+
 def bound_socket_files(pids: set[int] | list[int]) -> list[Path]:
     """The files of the unix sockets that ``pids`` hold bound to a path (or accepted on one); not the
     sockets they connected to elsewhere (a client's end has no name). From ``/proc/PID/fd`` and
     ``/proc/net/unix`` (this network namespace's)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
+    inodes = {target[8:-1] for pid in pids for _, target in _fd_targets(pid) if target.startswith("socket:[")}
     if not inodes:
         return []
     try:
@@ -235,18 +236,13 @@ def scan_tree(root: int, keys: dict[str, str] | None = None) -> tuple[list[int],
     written: dict[str, int] = {}
     shm: set[str] = set()
     for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
+        for fd, target in _fd_targets(pid):
+            if target.startswith(f"{SHM_DIR}/"):
+                shm.add(target[len(str(SHM_DIR)) + 1:].removesuffix(" (deleted)"))
+                continue
+            if not target.startswith("/") or target.endswith(" (deleted)"):
+                continue
             try:
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if target.startswith(f"{SHM_DIR}/"):
-                    shm.add(target[len(str(SHM_DIR)) + 1:].removesuffix(" (deleted)"))
-                    continue
-                if not target.startswith("/") or target.endswith(" (deleted)"):
-                    continue
                 info = os.stat(f"/proc/{pid}/fd/{fd}")
                 if not stat.S_ISREG(info.st_mode):
                     continue
