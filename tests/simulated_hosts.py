@@ -34,8 +34,10 @@ class SimulatedHost:
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run on this host: in its network namespace, with its hostname and a /dev/shm of its own."""
         setup = f'hostname {self.hostname} && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec "$@"'
-        return ["ip", "netns", "exec", self.namespace, "unshare", "--uts", "--mount", "--propagation", "private",
-                "sh", "-c", setup, "simulated-host", *argv]
+        # nsenter, not `ip netns exec`: that also gives the process a mount namespace whose /run/netns mounts
+        # CRIU cannot dump ("unreachable sharing"); this one's only mount is /dev/shm's tmpfs.
+        return ["nsenter", f"--net=/var/run/netns/{self.namespace}", "unshare", "--uts", "--mount", "--propagation",
+                "private", "sh", "-c", setup, "simulated-host", *argv]
 
 
 def _ip(*args: str) -> None:
