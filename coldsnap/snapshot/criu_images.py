@@ -30,7 +30,8 @@ _REG, _INETSK, _UNIXSK = 1, 4, 5
 _REG_ID, _REG_FLAGS, _REG_NAME, _REG_SIZE, _REG_EXT, _REG_MODE = 1, 2, 6, 8, 9, 10
 _REMAP_ORIG_ID, _REMAP_TYPE, _REMAP_GHOST = 1, 3, 1
 # inet_sk_entry fields (images/sk-inet.proto)
-_ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_STATE, _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR = 2, 3, 4, 6, 7, 8, 11
+_ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_STATE, _ISK_SRC_PORT, _ISK_DST_PORT, _ISK_SRC_ADDR, _ISK_DST_ADDR = (
+    2, 3, 4, 6, 7, 8, 11, 12)
 # unix_sk_entry fields (images/sk-unix.proto)
 _USK_INO, _USK_STATE, _USK_NAME = 2, 4, 11
 
@@ -140,6 +141,7 @@ class InetSocket:
     src_port: int
     dst_port: int
     src_addr: bytes  # the address, packed (4 or 16 bytes)
+    dst_addr: bytes = b""  # the peer's (a connection's), packed; empty when unconnected
 
     LISTEN = 10
     CLOSE = 7
@@ -161,18 +163,45 @@ class UnixSocket:
         return self.name[:1] == b"\0"
 
 
-def _inet(fields: list[Field]) -> InetSocket:
-    words = [value for n, wire, value in fields if n == _ISK_SRC_ADDR]
-    if len(words) == 1 and isinstance(words[0], bytes):  # packed repeated field
-        packed, words, at = words[0], [], 0
-        while at < len(packed):
-            word, at = _varint(packed, at)
+def _address(fields: list[Field], number: int) -> tuple[bytes, bool]:
+    """The packed address of field ``number`` (src_addr or dst_addr), and whether it was written packed."""
+    words = [value for n, wire, value in fields if n == number]
+    packed = len(words) == 1 and isinstance(words[0], bytes)
+    if packed:  # packed repeated field
+        data, words, at = words[0], [], 0
+        while at < len(data):
+            word, at = _varint(data, at)
             words.append(word)
     # CRIU stores the address as the kernel's 32-bit words, in memory (network) order.
-    address = b"".join(struct.pack("<I", int(w)) for w in words)
+    return b"".join(struct.pack("<I", int(w)) for w in words), packed
+
+
+def _address_fields(number: int, address: bytes, packed: bool) -> list[Field]:
+    words = [struct.unpack("<I", address[at:at + 4])[0] for at in range(0, len(address), 4)]
+    if packed:
+        return [(number, _LENGTH, b"".join(_encode_varint(w) for w in words))]
+    return [(number, _VARINT, w) for w in words]
+
+
+def _inet(fields: list[Field]) -> InetSocket:
     ino, family, kind, state, src_port, dst_port = (int(_first(fields, n)) for n in (
         _ISK_INO, _ISK_FAMILY, _ISK_TYPE, _ISK_STATE, _ISK_SRC_PORT, _ISK_DST_PORT))
-    return InetSocket(ino, family, kind, state, src_port, dst_port, address)
+    return InetSocket(ino, family, kind, state, src_port, dst_port, _address(fields, _ISK_SRC_ADDR)[0],
+                      _address(fields, _ISK_DST_ADDR)[0])
+
+
+def _readdressed(fields: list[Field], addresses: dict[bytes, bytes]) -> list[Field]:
+    """``fields`` of an inet socket with its source and destination addresses mapped by ``addresses``
+    (packed old → packed new, the same length), each written in the form it had."""
+    for number in (_ISK_SRC_ADDR, _ISK_DST_ADDR):
+        address, packed = _address(fields, number)
+        if address in addresses:
+            if len(addresses[address]) != len(address):
+                raise ValueError(f"cannot map a {len(address)}-byte address onto a {len(addresses[address])}-byte one")
+            first = next(i for i, (n, _, _) in enumerate(fields) if n == number)
+            fields = [*[f for f in fields[:first] if f[0] != number], *_address_fields(number, addresses[address], packed),
+                      *[f for f in fields[first:] if f[0] != number]]
+    return fields
 
 
 def _unix(fields: list[Field]) -> UnixSocket:
@@ -258,11 +287,14 @@ def _remapped_ids(images: Path) -> set[int]:
 
 
 def rewrite_sockets(source: Path, target: Path, ports: Callable[[InetSocket], tuple[int | None, int | None]],
-                    unix_names: dict[bytes, bytes], ghost_suffix: bytes = b"") -> int:
+                    unix_names: dict[bytes, bytes], ghost_suffix: bytes = b"",
+                    addresses: dict[bytes, bytes] | None = None) -> int:
     """Copy ``source/files.img`` to ``target/files.img`` with each inet socket's source and destination
     ports replaced by ``ports(socket)`` (``None``: kept) and each unix socket named in ``unix_names``
-    renamed; with ``ghost_suffix``, each ghost file's path gets it too. Returns how many entries changed.
-    Every other byte of every entry is kept as it was.
+    renamed; with ``ghost_suffix``, each ghost file's path gets it too; with ``addresses`` (packed old →
+    packed new), each inet socket's source and destination address mapped (a unit restored onto another
+    host: a listener bound to the captured host's address cannot bind there, CRIU's "Cannot assign
+    requested address"). Returns how many entries changed. Every other byte of every entry is kept as it was.
 
     Why ghosts: CRIU re-creates a file deleted while open at ``<its path>.cr.<id>.ghost`` (exclusively)
     and links it at its path while it opens it, then removes both — so two restores of one image at once
@@ -289,6 +321,8 @@ def rewrite_sockets(source: Path, target: Path, ports: Callable[[InetSocket], tu
                 src, dst = ports(_inet(inner))
                 wanted = {n: p for n, p in ((_ISK_SRC_PORT, src), (_ISK_DST_PORT, dst)) if p is not None}
                 replacement: list[Field] = [(n, w, wanted.get(n, v)) for n, w, v in inner]
+                if addresses:
+                    replacement = _readdressed(replacement, addresses)
             else:
                 name = _unix(inner).name
                 replacement = [(n, w, unix_names[name] if n == _USK_NAME and name in unix_names else v)

@@ -183,3 +183,39 @@ def test_files_deleted_while_open_get_a_path_of_the_replicas_own(tmp_path):
     assert b"/tmp/other.sock.port" not in data
     assert rewrite_sockets(captured, replica, lambda s: (None, None), {}) == 0  # no suffix asked: unchanged
     assert (replica / "files.img").read_bytes() == (captured / "files.img").read_bytes()
+
+
+def _addressed_inet_entry(ino: int, port: int, src: bytes, dst: bytes = b"", state: int = 10, packed: bool = False) -> bytes:
+    def words(number: int, address: bytes) -> list:
+        values = [struct.unpack("<I", address[at:at + 4])[0] for at in range(0, len(address), 4)]
+        if packed:
+            from coldsnap.snapshot.criu_images import _encode_varint
+
+            return [(number, _LENGTH, b"".join(_encode_varint(v) for v in values))] if values else []
+        return [(number, _VARINT, v) for v in values]
+    isk = _encode([(1, _VARINT, ino), (2, _VARINT, ino), (3, _VARINT, socket.AF_INET), (4, _VARINT, socket.SOCK_STREAM),
+                   (6, _VARINT, state), (7, _VARINT, port), (8, _VARINT, 8000 if dst else 0), *words(11, src),
+                   *words(12, dst), (99, _LENGTH, b"kept")])
+    return _encode([(1, _VARINT, 4), (2, _VARINT, ino), (4, _LENGTH, isk)])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_unit_restored_onto_another_host_gets_its_addresses_mapped(tmp_path, packed):
+    captured, restored = tmp_path / "captured", tmp_path / "restored"
+    restored.mkdir()
+    host_a, host_b = socket.inet_aton("10.232.0.11"), socket.inet_aton("10.232.0.12")
+    peer_a, peer_b = socket.inet_aton("10.232.0.21"), socket.inet_aton("10.232.0.22")
+    _image(captured, _addressed_inet_entry(1, 8000, host_a, packed=packed),  # a listener bound to host A's address
+           _addressed_inet_entry(2, 41234, host_a, peer_a, state=1, packed=packed),  # a connection to the other unit
+           _addressed_inet_entry(3, 9000, socket.inet_aton("127.0.0.1"), packed=packed))  # loopback: not placement
+    assert rewrite_sockets(captured, restored, lambda s: (None, None), {}, addresses={}) == 0
+    assert (restored / "files.img").read_bytes() == (captured / "files.img").read_bytes()
+
+    changed = rewrite_sockets(captured, restored, lambda s: (None, None), {}, addresses={host_a: host_b, peer_a: peer_b})
+    inet, _ = read_sockets(restored)
+    assert changed == 2
+    assert [(s.src_addr, s.dst_addr, s.src_port) for s in inet] == [
+        (host_b, b"", 8000), (host_b, peer_b, 41234), (socket.inet_aton("127.0.0.1"), b"", 9000)]
+    assert (restored / "files.img").read_bytes().count(b"kept") == 3
+    with pytest.raises(ValueError, match="4-byte address onto a 16-byte"):
+        rewrite_sockets(captured, restored, lambda s: (None, None), {}, addresses={host_a: bytes(16)})
