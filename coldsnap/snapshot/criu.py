@@ -232,6 +232,19 @@ def checked_criu(cache_dir: Path | None = None) -> tuple[CriuVersion, CriuCheck]
 TcpMode = Literal["established", "close", "none"]
 
 
+EXTERNAL_NETNS_KEY = "coldsnap-netns"
+"""CRIU's key for a tree's network namespace dumped as external (``--external net[INODE]:KEY`` at dump,
+``--inherit-fd fd[N]:KEY`` at restore)."""
+
+
+def _network_namespace(pid: int) -> int | None:
+    """The inode of ``pid``'s network namespace (None when it cannot be read)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class SnapshotOptions:
     """How a tree is dumped and restored; the same options must be used for both."""
@@ -340,15 +353,21 @@ class CriuSnapshotter:
             for path in [p for p in written if Path(p).is_relative_to(root)]:
                 external[keys[path]] = {"path": str(Path(path).relative_to(root)), "size": written.pop(path)}
         shm_before = {p.name for p in process_tree.SHM_DIR.iterdir()} if process_tree.SHM_DIR.is_dir() else set()
+        # A tree in a network namespace other than ours (a launch unit on a host of its own): the namespace is
+        # placement, not part of the image. Dumped, it would come back as a copy of the capture host's devices,
+        # addresses and routes, reachable from nowhere; external, each restore puts the tree into its own host's.
+        netns = _network_namespace(root_pid)
+        external_netns = netns is not None and netns != _network_namespace(os.getpid())
+        netns_args = ["--external", f"net[{netns}]:{EXTERNAL_NETNS_KEY}"] if external_netns else []
         started = time.monotonic()
         # --link-remap: files unlinked while open (semaphores, temp files) are linked back under a new name.
         args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", "dump.log", "--link-remap", *self.options.args(),
-                *(argument for key in external for argument in ("--external", key)), *_log_level()]
+                *(argument for key in external for argument in ("--external", key)), *netns_args, *_log_level()]
         result = self.criu._run("dump", args, timeout=timeout)
         seconds = time.monotonic() - started
         if result.returncode != 0:
             raise CriuError("dump", result.returncode, _log_tail(images / "dump.log") or _tail(result.stderr))
-        process_tree.capture_tree_files(images, pids, written, shm, shm_before, external)
+        process_tree.capture_tree_files(images, pids, written, shm, shm_before, external, external_netns)
         census, compact_seconds = None, 0.0
         if compact:
             started = time.monotonic()
@@ -395,6 +414,8 @@ class CriuSnapshotter:
                 raise CriuError("restore", None,
                                 "the image has files of its artifact open (its log); restore needs the artifact's root")
             inherited = process_tree.inherited_files(state, owned_root, state_dir)
+        if state.external_netns:  # the tree goes into this process's network namespace: this host's
+            inherited[EXTERNAL_NETNS_KEY] = os.open("/proc/self/ns/net", os.O_RDONLY)
         args = ["restore", "-D", str(images), "-W", str(work), "-o", log, "--pidfile", str(pidfile),
                 *self.options.args(),
                 *(argument for key, fd in inherited.items() for argument in ("--inherit-fd", f"fd[{fd}]:{key}")),

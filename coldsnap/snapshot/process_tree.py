@@ -217,6 +217,9 @@ class TreeFiles:
     """CRIU key (``file[mnt_id:inode]``) → {"path": relative to the artifact, "size": at dump} of every
     file inside the artifact the tree had open for writing (the engine's log): dumped as external, so a
     restore hands the tree a file of its own instead of writing into the artifact (:func:`inherited_files`)."""
+    external_netns: bool = False
+    """The tree ran in a network namespace other than the dumping process's (a launch unit on a host of its
+    own): dumped as external, a restore puts it into the restoring process's network namespace."""
 
     def save(self, images: Path) -> None:
         write_atomic(images / STATE_FILE, (json.dumps(asdict(self), indent=1, sort_keys=True) + "\n").encode())
@@ -266,7 +269,8 @@ def scan_tree(root: int, keys: dict[str, str] | None = None) -> tuple[list[int],
 
 
 def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], shm_in_use: set[str],
-                       shm_before_dump: set[str], external: dict[str, dict[str, Any]] | None = None) -> TreeFiles:
+                       shm_before_dump: set[str], external: dict[str, dict[str, Any]] | None = None,
+                       external_netns: bool = False) -> TreeFiles:
     """After a successful dump: save the tree's /dev/shm files and the ones CRIU added (link_remap)."""
     created = {p.name for p in SHM_DIR.iterdir()} - shm_before_dump if SHM_DIR.is_dir() else set()
     names = sorted(n for n in (shm_in_use | created) if (SHM_DIR / n).is_file())
@@ -274,7 +278,7 @@ def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], s
         (images / "devshm").mkdir(exist_ok=True)
     for name in names:
         copy_sparse(SHM_DIR / name, images / "devshm" / name)
-    state = TreeFiles(pids=pids, appended=written, shm=names, external=external or {})
+    state = TreeFiles(pids=pids, appended=written, shm=names, external=external or {}, external_netns=external_netns)
     state.save(images)
     # The dumped tree is gone (CRIU kills it); its /dev/shm files live on in the image and are put back
     # before each restore. Left in /dev/shm they would only pile up (vLLM's are 400 MB each).

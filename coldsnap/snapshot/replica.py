@@ -199,9 +199,10 @@ def probe_abstract_names(names: list[bytes]) -> list[str]:
 
 
 def replica_images(images: Path, target: Path, generation: PortGeneration, unix_names: dict[bytes, bytes],
-                   ghost_suffix: bytes = b"") -> Path:
+                   ghost_suffix: bytes = b"", addresses: dict[bytes, bytes] | None = None) -> Path:
     """``target``, emptied and filled with links to every file of ``images`` and a ``files.img`` rewritten
-    for this replica (ports moved by ``generation``, unix sockets renamed by ``unix_names``, the paths of
+    for this replica (ports moved by ``generation``, inet addresses mapped by ``addresses`` (a unit placed on
+    another host), unix sockets renamed by ``unix_names``, the paths of
     files deleted while open suffixed with ``ghost_suffix``: see :func:`rewrite_sockets`)."""
     if target.exists():
         for entry in target.iterdir():
@@ -211,5 +212,5 @@ def replica_images(images: Path, target: Path, generation: PortGeneration, unix_
         if entry.name != FILES_IMAGE:
             os.symlink(entry.resolve(), target / entry.name)
     if (images / FILES_IMAGE).is_file():
-        rewrite_sockets(images, target, generation.ports, unix_names, ghost_suffix)
+        rewrite_sockets(images, target, generation.ports, unix_names, ghost_suffix, addresses)
     return target
