@@ -7,11 +7,12 @@ The process's device memory (``nvidia-smi``'s per-process use: CUDA context, mod
 with torch alone, with a live one-rank NCCL communicator after one all-reduce, after
 ``destroy_process_group`` and after ``empty_cache``. What stays after the destroy is part of every rank's
 device state that the CUDA checkpoint moves into the process image at TP > 1 (the 8b reference
-workload's TP 2 image holds ~0.6 GB more per rank than TP 1: benchmarks/README.md, image attribution).
+workload's TP 2 image holds ~0.6 GB more per rank than TP 1: docs/engine-images.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import time
@@ -28,9 +29,12 @@ def process_device_mib() -> int | None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     import torch
     import torch.distributed as dist
 
+    if not torch.cuda.is_available():
+        raise SystemExit("nccl_residue: needs a CUDA GPU and NCCL (run it on the GPU host)")
     torch.cuda.set_device(0)
     tensor = torch.ones(1 << 20, device="cuda")
     torch.cuda.synchronize()

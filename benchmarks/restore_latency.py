@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -33,19 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import drop_caches, pyplot, receipt_timeline
 from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
 from coldsnap.demo import cold_start, engine_commands, run_demo
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
-
-
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def run_operation(operation: str, request: dict, work: Path, index: int,
@@ -157,48 +148,10 @@ def capture_n580(request: dict, work: Path, variant: str) -> dict[str, Any]:
             "capture_warnings": receipt.get("warnings", [])}
 
 
-def receipt_timeline(receipt: dict, exec_ns: int, exit_ns: int) -> dict[str, float]:
-    """A restore (or wake) process's timeline in seconds, placed on the wall clock by the receipt's clock
-    origins: ``exec → admission start`` (interpreter start, imports, request decoding), each ``restore.*``
-    (``wake.*``) phase (admission summed), ``exec → canary matched`` (the restore as the user sees it: the
-    goal figure), ``canary → receipt`` and ``receipt → process exit`` (after the goal, but the process's
-    own time)."""
-    op = receipt["operation"]
-    origins = {c["clock_id"]: c["unix_origin_ns"] for c in receipt["timing"]["clocks"]}
-    spans = [s for s in receipt["timing"]["spans"] if s["placement"] == "timeline"]
-
-    def at(span: dict, end: bool = False) -> int:
-        return origins[span["clock_id"]] + span["start_ns"] + (span["duration_ns"] if end else 0)
-
-    admission = [s for s in spans if s["name"].startswith(f"{op}.admission.")]
-    canary = next(s for s in spans if s["name"] == f"{op}.canary")
-    timeline = {"exec → admission start": (min(at(s) for s in admission) - exec_ns) / 1e9,
-                f"{op}.admission": sum(s["duration_ns"] for s in admission) / 1e9}
-    timeline.update({s["name"]: s["duration_ns"] / 1e9 for s in spans
-                     if s["name"].startswith(f"{op}.") and not s["name"].startswith(f"{op}.admission.")})
-    timeline["exec → canary matched"] = (at(canary, end=True) - exec_ns) / 1e9
-    timeline["canary → receipt"] = (receipt["finished_unix_ns"] - at(canary, end=True)) / 1e9
-    timeline["receipt → process exit"] = (exit_ns - receipt["finished_unix_ns"]) / 1e9
-    return {name: round(value, 4) for name, value in timeline.items()}
-
-
 def medians(timelines: list[dict[str, float]]) -> dict[str, float]:
     """Each phase's median over the runs that have it."""
     names = list(dict.fromkeys(name for timeline in timelines for name in timeline))
     return {name: round(statistics.median(t[name] for t in timelines if name in t), 4) for name in names}
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot (Agg), or None with a note when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
-        return None
-    return plt
 
 
 # One color per phase, whichever operation's row it is in (restore.resume and wake.resume alike).

@@ -42,9 +42,8 @@ from coldsnap.activation.engine_process import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
-from benchmarks.restore_latency import receipt_timeline  # noqa: E402
+from benchmarks.common import draw_medians, receipt_timeline  # noqa: E402
 from benchmarks.sglang_startup import SGLANG_ARGS, SGLANG_ENV  # noqa: E402
-from benchmarks.vllm_startup import draw_medians  # noqa: E402
 
 STEPS = ("model", "cold", "capture", "restore", "drop")
 VARIANTS = ("spec", "plain")

@@ -76,7 +76,7 @@ from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from benchmarks.equality import EQUALITY_PROMPTS, EQUALITY_TOKENS, equality_answers, equality_summary, render_summary  # noqa: E402
 from benchmarks.image_attribution import capsule_attribution, render_capsule  # noqa: E402
-from benchmarks.restore_latency import drop_caches, pyplot, receipt_timeline  # noqa: E402
+from benchmarks.common import draw_medians, drop_caches, receipt_timeline  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-recovery", "restore-log", "race",
          "gpu-short", "cold-warm", "serving", "equality", "native", "sleep", "dropped")
@@ -652,25 +652,6 @@ def render(state: dict) -> str:
 def draw(state: dict, png: Path) -> bool:
     summary = {k: v for k, v in state["summary"].items() if not k.startswith("speedup")}
     return draw_medians(summary, f"{_engine(state)} {state['shape']} on {state['device']}: cold start vs coldsnap", png)
-
-
-def draw_medians(summary: dict[str, float], title: str, png: Path) -> bool:
-    """Median seconds per label as bars on a log scale, restores in red (False without matplotlib)."""
-    plt = pyplot()
-    if plt is None:
-        return False
-    figure, axis = plt.subplots(figsize=(10, 0.5 + 0.45 * len(summary)))
-    axis.barh(list(summary), list(summary.values()), color=["#d62728" if "restore" in k else "#999999" for k in summary])
-    for y, value in enumerate(summary.values()):
-        axis.text(value, y, f" {value:.2f} s", va="center", fontsize=8)
-    axis.set_xscale("log")
-    axis.invert_yaxis()
-    axis.set_xlabel("seconds to the first (validated) token, median, log scale")
-    axis.set_title(title, fontsize=9)
-    axis.tick_params(axis="y", labelsize=7)
-    figure.tight_layout()
-    figure.savefig(png, dpi=120)
-    return True
 
 
 def main() -> int:

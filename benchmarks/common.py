@@ -1,0 +1,80 @@
+"""What the benchmarks share: page-cache drops, a restore's timeline from its receipt, charts.
+
+The benchmark scripts import from here and from :mod:`benchmarks.equality` (the restored-equals-cold
+prompts and comparison); nothing here imports an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["drop_caches", "draw_medians", "pyplot", "receipt_timeline"]
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def receipt_timeline(receipt: dict, exec_ns: int, exit_ns: int) -> dict[str, float]:
+    """A restore (or wake) process's timeline in seconds, placed on the wall clock by the receipt's clock
+    origins: ``exec → admission start`` (interpreter start, imports, request decoding), each ``restore.*``
+    (``wake.*``) phase (admission summed), ``exec → canary matched`` (the restore as the user sees it: the
+    goal figure), ``canary → receipt`` and ``receipt → process exit`` (after the goal, but the process's
+    own time)."""
+    op = receipt["operation"]
+    origins = {c["clock_id"]: c["unix_origin_ns"] for c in receipt["timing"]["clocks"]}
+    spans = [s for s in receipt["timing"]["spans"] if s["placement"] == "timeline"]
+
+    def at(span: dict, end: bool = False) -> int:
+        return origins[span["clock_id"]] + span["start_ns"] + (span["duration_ns"] if end else 0)
+
+    admission = [s for s in spans if s["name"].startswith(f"{op}.admission.")]
+    canary = next(s for s in spans if s["name"] == f"{op}.canary")
+    timeline = {"exec → admission start": (min(at(s) for s in admission) - exec_ns) / 1e9,
+                f"{op}.admission": sum(s["duration_ns"] for s in admission) / 1e9}
+    timeline.update({s["name"]: s["duration_ns"] / 1e9 for s in spans
+                     if s["name"].startswith(f"{op}.") and not s["name"].startswith(f"{op}.admission.")})
+    timeline["exec → canary matched"] = (at(canary, end=True) - exec_ns) / 1e9
+    timeline["canary → receipt"] = (receipt["finished_unix_ns"] - at(canary, end=True)) / 1e9
+    timeline["receipt → process exit"] = (exit_ns - receipt["finished_unix_ns"]) / 1e9
+    return {name: round(value, 4) for name, value in timeline.items()}
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot (Agg), or None with a note when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no PNG (draw it later with --png-from)", file=sys.stderr)
+        return None
+    return plt
+
+
+def draw_medians(summary: dict[str, float], title: str, png: Path) -> bool:
+    """Median seconds per label as bars on a log scale, restores in red (False without matplotlib)."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    figure, axis = plt.subplots(figsize=(10, 0.5 + 0.45 * len(summary)))
+    axis.barh(list(summary), list(summary.values()), color=["#d62728" if "restore" in k else "#999999" for k in summary])
+    for y, value in enumerate(summary.values()):
+        axis.text(value, y, f" {value:.2f} s", va="center", fontsize=8)
+    axis.set_xscale("log")
+    axis.invert_yaxis()
+    axis.set_xlabel("seconds to the first (validated) token, median, log scale")
+    axis.set_title(title, fontsize=9)
+    axis.tick_params(axis="y", labelsize=7)
+    figure.tight_layout()
+    figure.savefig(png, dpi=120)
+    return True
