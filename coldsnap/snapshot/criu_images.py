@@ -165,15 +165,19 @@ class UnixSocket:
 
 def _address(fields: list[Field], number: int) -> tuple[bytes, bool]:
     """The packed address of field ``number`` (src_addr or dst_addr), and whether it was written packed."""
-    words = [value for n, wire, value in fields if n == number]
-    packed = len(words) == 1 and isinstance(words[0], bytes)
-    if packed:  # packed repeated field
-        data, words, at = words[0], [], 0
+    values = [value for n, wire, value in fields if n == number]
+    data = values[0] if len(values) == 1 else None
+    packed = isinstance(data, bytes)
+    words: list[int] = []
+    if isinstance(data, bytes):  # packed repeated field
+        at = 0
         while at < len(data):
             word, at = _varint(data, at)
             words.append(word)
+    else:
+        words = [int(v) for v in values]
     # CRIU stores the address as the kernel's 32-bit words, in memory (network) order.
-    return b"".join(struct.pack("<I", int(w)) for w in words), packed
+    return b"".join(struct.pack("<I", w) for w in words), packed
 
 
 def _address_fields(number: int, address: bytes, packed: bool) -> list[Field]:
