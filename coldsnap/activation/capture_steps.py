@@ -47,8 +47,8 @@ from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoin
 from coldsnap.snapshot.host_files import read_only_mtimes
 from coldsnap.snapshot.nvml import NvmlError, process_memory
 from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files, kill_tree, remove_socket_files,
-                                            remove_stale_socket_files, resident_bytes, socket_files_in,
-                                            tcp_connections, tree_pids)
+                                            resident_bytes, socket_files_in, tcp_connections, tree_pids)
+from coldsnap.snapshot.replica import probe_path_sockets
 
 RESTORE_CANARY_TOKENS = 2
 """Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
@@ -482,8 +482,13 @@ class CaptureSequence:
         self.context.progress("the capture's own restore served the captured canary; committing")
 
     def sweep_engine_tmp(self) -> None:
+        """Unlink the socket files new in the engine's temporary folder that nothing listens on: what its tree
+        bound and closed without unlinking (vLLM's start-up ZeroMQ handshake), which :func:`bound_socket_files`
+        cannot see once no process holds it."""
         if self.engine_tmp is not None:
-            remove_stale_socket_files(self.engine_tmp, self.engine_tmp_sockets)
+            new = socket_files_in(self.engine_tmp) - self.engine_tmp_sockets
+            for stale in probe_path_sockets([os.fsencode(path) for path in new])[1]:
+                stale.unlink(missing_ok=True)
 
     def unwind(self) -> None:
         """After any failure (an interrupt included): the engine never keeps running, and nothing the

@@ -166,16 +166,16 @@ class UnixSocket:
 def _address(fields: list[Field], number: int) -> tuple[bytes, bool]:
     """The packed address of field ``number`` (src_addr or dst_addr), and whether it was written packed."""
     values = [value for n, wire, value in fields if n == number]
-    data = values[0] if len(values) == 1 else None
-    packed = isinstance(data, bytes)
+    packed = len(values) == 1 and isinstance(values[0], bytes)  # a packed repeated field
     words: list[int] = []
-    if isinstance(data, bytes):  # packed repeated field
-        at = 0
-        while at < len(data):
-            word, at = _varint(data, at)
-            words.append(word)
-    else:
-        words = [int(v) for v in values]
+    for value in values:
+        if isinstance(value, bytes):
+            at = 0
+            while at < len(value):
+                word, at = _varint(value, at)
+                words.append(word)
+        else:
+            words.append(value)
     # CRIU stores the address as the kernel's 32-bit words, in memory (network) order.
     return b"".join(struct.pack("<I", w) for w in words), packed
 

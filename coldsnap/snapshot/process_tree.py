@@ -27,7 +27,7 @@ from coldsnap.atomic import write_atomic
 from coldsnap.host import PF_EXITING, stat_fields
 from coldsnap.snapshot.shm import SHM_DIR, copy_sparse, restore_shm
 
-__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "bound_socket_files", "remove_socket_files", "socket_files_in", "remove_stale_socket_files", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "bound_socket_files", "remove_socket_files", "socket_files_in", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
            "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
@@ -129,21 +129,6 @@ def socket_files_in(directory: Path) -> set[Path]:
         return {entry for entry in directory.iterdir() if stat.S_ISSOCK(entry.lstat().st_mode)}
     except OSError:
         return set()
-
-
-def remove_stale_socket_files(directory: Path, before: set[Path]) -> None:
-    """Unlink the socket files of ``directory`` that were not there ``before`` and that nothing listens on
-    (a connect is refused): what an engine's tree bound and closed without unlinking (vLLM's start-up
-    ZeroMQ handshake), which :func:`bound_socket_files` cannot see once no process holds it."""
-    for path in socket_files_in(directory) - before:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-            probe.settimeout(1)
-            try:
-                probe.connect(str(path))
-            except ConnectionRefusedError:
-                path.unlink(missing_ok=True)
-            except OSError:
-                continue
 
 
 def _kill_and_wait(root: int, pids: set[int], timeout: float) -> None:
