@@ -34,6 +34,9 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
                DIR/equality-cold-answers.json for the run's other artifact) and ``--equality-restores``
                restores (default 3, the first also concurrently): prompts that differ, largest logprob
                difference, per restore (benchmarks/equality.py)
+  equality-cold    a second cold start of the same command asked the equality prompts one at a time, vs the
+               first cold start's kept answers: how far two untouched starts differ
+  equality-native  the same for a plain start with ``--load-format coldsnap`` from the captured pack
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
   serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
                vLLM's own load client (``vllm bench serve``, random 512-token prompts, 128 tokens out,
@@ -79,7 +82,7 @@ from benchmarks.image_attribution import capsule_attribution, render_capsule  # 
 from benchmarks.common import draw_medians, drop_caches, receipt_timeline  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-recovery", "restore-log", "race",
-         "gpu-short", "cold-warm", "serving", "equality", "native", "sleep", "dropped")
+         "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-native", "native", "sleep", "dropped")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -562,6 +565,36 @@ class Bench:
             self.save()
         print(render_summary({k: v for k, v in summary.items() if isinstance(v, dict)}), flush=True)
 
+    def other_start_equality(self, label: str, *extra: str) -> None:
+        """Another server started plainly (``extra`` appended to the cold start's command) asked the equality
+        prompts one at a time, compared with the kept cold start's answers (``cold_equality_answers``): the
+        spread between two starts that coldsnap never touched, the bar a restore is held to."""
+        cold = self.cold_equality_answers()
+        log = self.work / f"equality-{label}-start.log"
+        with plain_server(self.serve_command(*self.args.vllm_args, *extra), self.env(), log) as (process, started):
+            first_answer(self.port, started, process, 900, PROMPT, 12, log)
+            other = equality_answers(self.port, engine=self.equality_engine, concurrent_passes=0)
+        write_atomic(self.work / f"equality-{label}-answers.json", json.dumps(other).encode())
+        compared = equality_summary(cold, other)["one at a time: restored vs cold"]
+        self.state.setdefault("equality starts", {})[f"one at a time: {label} vs cold"] = compared
+        self.save()
+        print(render_summary({f"one at a time: {label} vs cold": compared}), flush=True)
+        time.sleep(1)
+
+    def step_equality_cold(self) -> None:
+        """A second cold start (the same command) asked the equality prompts one at a time, vs the first's."""
+        self.other_start_equality("second cold start")
+
+    def step_equality_native(self) -> None:
+        """A plain start with ``--load-format coldsnap`` from the captured pack (no checkpoint, no restore)
+        asked the equality prompts one at a time, vs the default loader's cold start: does the loader alone
+        change the numbers?"""
+        packs = sorted((self.artifact / "payload").glob("*.pack"))
+        if not packs:
+            raise SystemExit("equality-native: capture first (no pack in the artifact)")
+        config = json.dumps({"mode": "native", "pack": str(packs[0])})
+        self.other_start_equality("native start", "--load-format", "coldsnap", "--model-loader-extra-config", config)
+
     def sleep_cycle(self, kind: str, env: dict[str, str], *extra: str) -> None:
         index = len(self.state["runs"])
         log = self.work / f"run{index}-{kind.replace(' ', '-')}.log"
@@ -634,7 +667,7 @@ def render(state: dict) -> str:
         lines.append(f"    same greedy token ids over {serving['prompts_checked']} prompts: {serving['same_prompt_tokens']}; "
                      f"same streamed text: {serving.get('same_streamed_text', serving.get('same_streamed_tokens'))}")
     for key, equality in state.items():
-        if not key.startswith("equality"):
+        if not key.startswith("equality") or key == "equality starts":
             continue
         lines.append(f"  restored equals cold{key[len('equality'):]} ({equality['prompts']} prompts, "
                      f"{equality['tokens']} greedy tokens, {equality.get('restores', 1)} restore(s)):")
@@ -642,6 +675,9 @@ def render(state: dict) -> str:
         if equality.get("restore_phases"):
             lines.append("    restores, exec → canary matched (s): " + ", ".join(
                 str(round(p["exec → canary matched"], 3)) for p in equality["restore_phases"]))
+    if state.get("equality starts"):
+        lines.append("  plain starts vs the cold start (equality prompts):")
+        lines += ["    " + line for line in render_summary(state["equality starts"]).splitlines()]
     if any(not r.get("same_tokens", True) for r in state["runs"]):
         lines.append("  WARNING: some run's tokens differ from the first cold start's")
     else:

@@ -360,11 +360,12 @@ def _cmd_coordinator(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="coldsnap coordinator: %(message)s", stream=sys.stderr)
     try:
         coordinator = Coordinator(args.listen, token, args.ranks, args.ttl,
-                                  Path(args.endpoint_file) if args.endpoint_file else None)
+                                  Path(args.endpoint_file) if args.endpoint_file else None, units=args.units)
     except (ValueError, OSError) as exc:
         print(f"coldsnap coordinator: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    print(f"coldsnap coordinator: listening on {coordinator.endpoint} for {args.ranks} ranks", file=sys.stderr)
+    units = f" and {args.units} launch units" if args.units else ""
+    print(f"coldsnap coordinator: listening on {coordinator.endpoint} for {args.ranks} ranks{units}", file=sys.stderr)
     reason = coordinator.serve()
     print(f"coldsnap coordinator: done ({reason}); {coordinator.rejected} frames rejected", file=sys.stderr)
     return EXIT_OK if reason == "complete" else EXIT_FAILED

@@ -372,13 +372,17 @@ def _add_coordinator(commands: Any) -> None:
     p = commands.add_parser(
         "coordinator",
         help="run the CSKV coordinator of one activation (authenticated barriers and small key/value)",
-        description="Serve barriers and small key/value (<= 64 KiB) to the N ranks of one activation over ZeroMQ. "
-        "Every frame is authenticated with HMAC-SHA256 keyed by the token and sequenced per connection; "
-        "anything else is dropped and logged. Ends when every rank said BYE (exit 0) or the TTL runs out (exit 1).",
+        description="Serve barriers and small key/value (<= 64 KiB) to the N ranks of one activation over ZeroMQ, "
+        "and with --units to the launchers of its launch units (a capture or restore of several units, each on its "
+        "own host, meets here: `coldsnap capture|restore --rendezvous HOST:PORT`). Every frame is authenticated "
+        "with HMAC-SHA256 keyed by the token and sequenced per connection; anything else is dropped and logged. "
+        "Ends when every unit (without --units: every rank) said BYE (exit 0) or the TTL runs out (exit 1).",
     )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen; port 0 picks a free one")
     p.add_argument("--token-file", required=True, metavar="F", help="file holding the activation token (>= 16 bytes)")
     p.add_argument("--ranks", required=True, type=_positive_int, metavar="N", help="number of ranks of the activation")
+    p.add_argument("--units", type=int, default=0, metavar="N",
+                   help="number of launch units whose launchers meet here (default 0: ranks only)")
     p.add_argument("--ttl", type=float, default=600.0, metavar="SECONDS", help="lifetime limit (default 600)")
     p.add_argument("--endpoint-file", metavar="PATH", help="write the chosen endpoint here, atomically (JSON)")
     p.set_defaults(func=_cmd_coordinator)

@@ -1,7 +1,9 @@
-"""A rank's connection to the CSKV coordinator (not thread-safe: one client per thread)."""
+"""A participant's connection to the CSKV coordinator: a rank's, or a launch unit's launcher's (one
+client per thread; its keepalive thread shares it under a lock)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -24,13 +26,24 @@ class CoordinatorError(RuntimeError):
 
 
 class CoordinatorClient:
+    """``role``: ``rank`` (an engine process) or ``unit`` (a launch unit's launcher, ``rank`` then its unit
+    index). ``keepalive``: heartbeat from a thread of its own all the time, not only while waiting, so the
+    coordinator notices within ``LOST_AFTER_S`` when this process dies during its own long steps (a unit's
+    CRIU restore) and fails the activation for every other participant at once."""
+
     def __init__(self, endpoint: str, token: bytes, rank: int, connect_timeout: float = 10.0,
-                 context: zmq.Context | None = None):
+                 context: zmq.Context | None = None, role: str = "rank", keepalive: bool = False):
         self.endpoint = endpoint
         self.token = token
         self.rank = rank
+        self.role = role
+        self.address: str | None = None
+        """This participant's address on the activation's network, where its peers reach it (the launcher's
+        placement; ``None``: as it was at capture)."""
         self._send_seq = 0
         self._recv_seq = 0
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
         self.context = context or zmq.Context.instance()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -41,7 +54,31 @@ class CoordinatorClient:
         self._connected_once = False
         self._gone = False
         self.socket.connect(endpoint)
-        self._call(Kind.HELLO, {}, connect_timeout, what="connect")
+        hello: dict[str, Any] = {"role": role} if role != "rank" else {}
+        if keepalive:
+            hello["keepalive"] = True
+        try:
+            self._call(Kind.HELLO, hello, connect_timeout, what="connect")
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._keepalive: threading.Thread | None = None
+        if keepalive:
+            self._keepalive = threading.Thread(target=self._beat, name="coldsnap-coordinator-keepalive", daemon=True)
+            self._keepalive.start()
+
+    def _beat(self) -> None:
+        """While no call runs (a call heartbeats itself), one heartbeat every :data:`_HEARTBEAT_S`."""
+        while not self._closed.wait(_HEARTBEAT_S):
+            if self._lock.acquire(blocking=False):
+                try:
+                    if not self._closed.is_set():
+                        self.socket.send(encode_frame(Frame(Kind.HEARTBEAT, self.rank, self._send_seq, {}), self.token))
+                        self._send_seq += 1
+                except zmq.ZMQError:
+                    return
+                finally:
+                    self._lock.release()
 
     def _watch(self) -> None:
         """Raise once the coordinator's connection dropped after it had been up and nothing it sent
@@ -57,6 +94,10 @@ class CoordinatorClient:
             raise CoordinatorError(f"the coordinator at {self.endpoint} went away")
 
     def _call(self, kind: Kind, body: dict[str, Any], timeout: float, what: str) -> Frame:
+        with self._lock:
+            return self._call_locked(kind, body, timeout, what)
+
+    def _call_locked(self, kind: Kind, body: dict[str, Any], timeout: float, what: str) -> Frame:
         frame = Frame(kind, self.rank, self._send_seq, body)
         self._send_seq += 1
         self.socket.send(encode_frame(frame, self.token))
@@ -98,15 +139,27 @@ class CoordinatorClient:
         reply = self._call(Kind.GET, {"key": key, "timeout_ms": int(timeout * 1000)}, timeout, what=f"get {key!r}")
         return str(reply.body["value"])
 
+    def abort(self, reason: str) -> None:
+        """Fail the activation for every participant: their pending and later barriers and gets answer
+        ``reason`` (prefixed with who aborted)."""
+        self._call(Kind.ABORT, {"reason": reason[:4096]}, 5.0, what="abort")
+
     def close(self, completed: bool = True) -> None:
-        """Say BYE when this rank's part of the activation is done, then disconnect."""
+        """Say BYE when this participant's part of the activation is done, then disconnect."""
         try:
             if completed:
                 self._call(Kind.BYE, {}, 5.0, what="bye")
         finally:
-            self.socket.disable_monitor()
-            self._monitor.close(0)
-            self.socket.close(0)
+            self._closed.set()
+            if self._keepalive is not None:
+                self._keepalive.join()
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._closed.set()
+        self.socket.disable_monitor()
+        self._monitor.close(0)
+        self.socket.close(0)
 
     def __enter__(self) -> "CoordinatorClient":
         return self

@@ -3,8 +3,8 @@
     offset  size  field
     0       4     magic  b"CSKV"
     4       1     version (1)
-    5       1     kind   (1 hello, 2 barrier, 3 put, 4 get, 5 bye, 6 heartbeat, 16 ok, 17 value,
-                  18 error)
+    5       1     kind   (1 hello, 2 barrier, 3 put, 4 get, 5 bye, 6 heartbeat, 7 abort, 16 ok,
+                  17 value, 18 error)
     6       2     flags  (0; reserved)
     8       4     rank   (u32; the sender's rank, or the addressed rank in replies)
     12      8     sequence (u64; per connection and direction, from 0, no gaps)
@@ -47,6 +47,7 @@ class Kind(enum.IntEnum):
     GET = 4
     BYE = 5
     HEARTBEAT = 6
+    ABORT = 7
     OK = 16
     VALUE = 17
     ERROR = 18

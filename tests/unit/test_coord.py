@@ -236,3 +236,119 @@ def test_the_last_bye_is_answered_although_the_coordinator_then_closes(coordinat
         assert errors == []
         server.thread.join(5)
         assert server.result["reason"] == "complete"
+
+
+@pytest.fixture
+def unit_coordinator():
+    started = []
+
+    def start(ranks: int, units: int, ttl: float = 60.0) -> Coordinator:
+        server = Coordinator("127.0.0.1:0", TOKEN, ranks, ttl, units=units)
+        result = {}
+        thread = threading.Thread(target=lambda: result.setdefault("reason", server.serve()), daemon=True)
+        thread.start()
+        started.append((server, thread))
+        server.result = result
+        server.thread = thread
+        return server
+
+    yield start
+    for server, thread in started:
+        server.stop()
+        thread.join(timeout=5)
+
+
+def test_units_and_ranks_meet_at_barriers_of_their_own(unit_coordinator):
+    """Two units' launchers and their four ranks: a unit barrier waits for both units only, a rank
+    barrier of the same name for all four ranks; a rank that said BYE joins again (a restored process);
+    the coordinator ends when both units said BYE, not when the ranks did."""
+    server = unit_coordinator(4, 2)
+    errors = []
+
+    def participant(role, index):
+        try:
+            if role == "unit":  # one connection for the whole operation
+                with CoordinatorClient(server.endpoint, TOKEN, index, role=role, keepalive=True) as client:
+                    for _ in range(2):
+                        client.barrier("dumped", timeout=20)
+                    client.barrier("committed", timeout=20)
+                return
+            for _ in range(2):  # capture, then the capture's check restore: the ranks connect again
+                with CoordinatorClient(server.endpoint, TOKEN, index, role=role) as client:
+                    client.barrier("dumped", timeout=20)
+        except Exception as exc:
+            errors.append((role, index, repr(exc)))
+
+    threads = [threading.Thread(target=participant, args=("rank", r)) for r in range(4)]
+    threads += [threading.Thread(target=participant, args=("unit", u)) for u in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    server.thread.join(10)
+    assert errors == []
+    assert server.result["reason"] == "complete"
+
+
+def test_a_coordinator_without_units_refuses_a_unit(unit_coordinator):
+    server = unit_coordinator(2, 0)
+    with pytest.raises(CoordinatorError, match="has no units"):
+        CoordinatorClient(server.endpoint, TOKEN, 0, role="unit")
+
+
+def test_a_unit_that_aborts_fails_every_other_participant_at_once(unit_coordinator):
+    server = unit_coordinator(2, 2)
+    outcome = {}
+
+    def waiter(role):
+        with CoordinatorClient(server.endpoint, TOKEN, 0, role=role) as client:
+            started = time.monotonic()
+            try:
+                client.barrier("restored", timeout=60)
+            except CoordinatorError as exc:
+                outcome[role] = (str(exc), time.monotonic() - started)
+
+    threads = [threading.Thread(target=waiter, args=(role,)) for role in ("unit", "rank")]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    with CoordinatorClient(server.endpoint, TOKEN, 1, role="unit") as failing:
+        failing.abort("admission.port: serving port 8000 is taken")
+        with pytest.raises(CoordinatorError, match="unit 1 aborted"):
+            failing.barrier("restored", timeout=60)  # later barriers answer it too
+    for thread in threads:
+        thread.join(10)
+    for role in ("unit", "rank"):
+        message, seconds = outcome[role]
+        assert "unit 1 aborted the activation: admission.port: serving port 8000 is taken" in message
+        assert seconds < 2
+
+
+def test_a_unit_killed_during_its_own_work_fails_the_others_within_two_seconds(unit_coordinator):
+    """The victim is in no barrier (a unit's CRIU restore): only its keepalive tells it is alive."""
+    server = unit_coordinator(2, 2)
+    victim = subprocess.Popen([sys.executable, "-c", (
+        "import time; from coldsnap.coord import CoordinatorClient\n"
+        f"c = CoordinatorClient({server.endpoint!r}, {TOKEN!r}, 1, role='unit', keepalive=True)\n"
+        "print('in', flush=True); time.sleep(60)")], stdout=subprocess.PIPE)
+    assert victim.stdout.readline().strip() == b"in"
+    outcome = {}
+
+    def waiter():
+        with CoordinatorClient(server.endpoint, TOKEN, 0, role="unit", keepalive=True) as client:
+            time.sleep(2.5)  # longer than LOST_AFTER_S outside any call: the keepalive keeps this one alive
+            started = time.monotonic()
+            try:
+                client.barrier("restored", timeout=60)
+            except CoordinatorError as exc:
+                outcome.update(error=str(exc), seconds=time.monotonic() - started)
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    time.sleep(0.5)
+    killed = time.monotonic()
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    thread.join(20)
+    assert "unit 1 stopped responding" in outcome["error"]
+    assert time.monotonic() - killed < 5 and outcome["seconds"] < 2
