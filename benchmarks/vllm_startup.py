@@ -570,11 +570,11 @@ class Bench:
         prompts one at a time, compared with the kept cold start's answers (``cold_equality_answers``): the
         spread between two starts that coldsnap never touched, the bar a restore is held to."""
         cold = self.cold_equality_answers()
-        log = self.work / f"equality-{label}-start.log"
+        log = self.work / f"equality-{label.replace(' ', '-')}.log"
         with plain_server(self.serve_command(*self.args.vllm_args, *extra), self.env(), log) as (process, started):
             first_answer(self.port, started, process, 900, PROMPT, 12, log)
             other = equality_answers(self.port, engine=self.equality_engine, concurrent_passes=0)
-        write_atomic(self.work / f"equality-{label}-answers.json", json.dumps(other).encode())
+        write_atomic(self.work / f"equality-{label.replace(' ', '-')}-answers.json", json.dumps(other).encode())
         compared = equality_summary(cold, other)["one at a time: restored vs cold"]
         self.state.setdefault("equality starts", {})[f"one at a time: {label} vs cold"] = compared
         self.save()
