@@ -26,7 +26,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable, Iterator, Literal, TypeVar
+from typing import IO, Any, Callable, Iterator, Literal, TypeVar
 
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.base import ContractError, decode_document
@@ -152,6 +152,10 @@ class OperationContext:
     """What the body writes under an artifact directory or a state root, claimed as it goes and handed to
     the operation's owner when the operation ends (after :attr:`held`, before the receipt)."""
 
+    units: Any = None
+    """One unit of several: this launcher's seat at the activation's coordinator
+    (:class:`coldsnap.activation.units.UnitRendezvous`, set while the operation runs); ``None`` for one unit."""
+
     def hold(self, resource: contextlib.AbstractContextManager[T]) -> T:
         """Enter ``resource`` now and exit it when the operation ends (:attr:`held`)."""
         return self.held.enter_context(resource)
@@ -164,7 +168,7 @@ class OperationContext:
         """The context of an operation this one runs inside itself (a capture's check restore): its own
         timer and warnings, this one's progress stream."""
         return OperationContext(request, request.canonical_sha256(), OperationTimer(None), self._stderr,
-                                hand_over=self.hand_over)
+                                hand_over=self.hand_over, units=self.units)
 
     def progress(self, message: str) -> None:
         """One progress line on stderr, always naming the operation and the snapshot driver."""

@@ -176,8 +176,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
         if descriptor.engine != context.request.engine or descriptor.snapshot_driver != context.request.snapshot_driver:
             raise OperationFailed("admission.driver", f"artifact is {descriptor.engine}/{descriptor.snapshot_driver}, "
                                   f"request asks {context.request.engine}/{context.request.snapshot_driver}")
-        if len(descriptor.units) != 1:
-            raise OperationFailed("admission.topology", "this build restores one launch unit")
+        index = _admit_topology(context, descriptor)
         refuse_gpus_for_a_cpu_artifact(context, artifact, descriptor.platform.gpu_model)
     # `criu check` (~0.1 s) and the CUDA probe (~0.15 s: driver init) run in threads while the capsule's
     # images are checked; their spans are the waits, in the order their failures are reported.
@@ -190,7 +189,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
             raise OperationFailed("admission.platform", f"captured on {descriptor.platform.arch}, this is {platform.machine()}")
         if context.request.policy.compatibility.kernel == "exact" and descriptor.platform.kernel != platform.release():
             raise OperationFailed("admission.kernel", f"captured on kernel {descriptor.platform.kernel}, this is {platform.release()}")
-    capsule, sources = _admit_capsule(context, artifact, unit := descriptor.units[0])
+    capsule, sources = _admit_capsule(context, artifact, unit := descriptor.units[index])
     if gpu_probe is not None:
         with timer.span(f"{op}.admission.gpu"):
             _admit_gpu(context, descriptor, gpu_probe.result())
@@ -224,6 +223,26 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
         if replica.generation.shift:
             span["port_shift"] = replica.generation.shift
     return Admitted(descriptor, capsule, sources, replica)
+
+
+def _admit_topology(context: OperationContext, descriptor: ArtifactDescriptor) -> int:
+    """The index of the unit this restore brings back: the only one, or the request's selection of one of
+    several, which must be the artifact's units (a subset of them is never restored: the others meet it
+    at the coordinator, each on its own host)."""
+    request = context.request
+    units = [u.unit_id for u in descriptor.units]
+    if len(units) == 1 and request.unit is None:
+        return 0
+    if request.unit is None:
+        raise OperationFailed("admission.topology", f"the artifact has {len(units)} launch units: restore each on its "
+                              f"own host, all at once (coldsnap restore --units {len(units)} --unit K --rendezvous "
+                              "HOST:PORT ...); a subset of the units is never restored")
+    if request.unit.units != len(units) or [u.unit_id for u in request.units] != units:
+        raise OperationFailed("admission.topology", f"the request's {request.unit.units} units "
+                              f"{[u.unit_id for u in request.units]} are not the artifact's {units}")
+    if context.units is None:
+        raise OperationFailed("admission.topology", "a unit of several is restored through its coordinator")
+    return units.index(request.unit.unit_id)
 
 
 WeightSource = Literal["native", "recovery"]
@@ -294,6 +313,7 @@ def launcher_stages(op: str, descriptor: ArtifactDescriptor, capsule: CapsuleMan
     """Whether the launcher of ``op`` will hydrate some rank's weights itself (a CUDA context of its own on
     that GPU): :func:`coldsnap.activation.staging.stages_rank` for any rank."""
     regions = {record.rank: record.regions for record in capsule.metadata.workers}
-    return any(stages_rank(op, sources.get(w.rank), w.payload, regions[w.rank]) for w in descriptor.units[0].workers)
+    unit = next(u for u in descriptor.units if u.unit_id == capsule.unit_id)
+    return any(stages_rank(op, sources.get(w.rank), w.payload, regions[w.rank]) for w in unit.workers)
 
 

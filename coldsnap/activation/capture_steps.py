@@ -27,6 +27,7 @@ from coldsnap.activation.canary_probes import PROBES, ask_probe, bits_of, probe_
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
+from coldsnap.activation.units import artifact_request, selected_unit
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
 from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, PinnedFile, PlatformRecord,
@@ -49,6 +50,10 @@ from coldsnap.snapshot.nvml import NvmlError, process_memory
 from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files, kill_tree, remove_socket_files,
                                             resident_bytes, socket_files_in, tcp_connections, tree_pids)
 from coldsnap.snapshot.replica import probe_path_sockets
+
+UNIT_BARRIERS = {"wait_until_ready": "ready", "dump": "dumped"}
+"""One unit of several: after these steps it waits for every unit (``capture.units.<barrier>``): every
+engine serves before unit 0 asks the canary; every tree is dumped before any restores its check."""
 
 RESTORE_CANARY_TOKENS = 2
 """Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
@@ -111,8 +116,11 @@ class CaptureSequence:
         self.request = context.request
         self.timer = context.timer
         self.artifact = artifact
-        self.unit = self.request.units[0]
+        self.units = context.units  # one unit of several: its seat at the activation's coordinator
+        self.index = selected_unit(self.request) or 0
+        self.unit = self.request.units[self.index]
         self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
+        self.world = sum(len(u.workers) for u in self.request.units)  # the engine's ranks, over every unit
         self.ready_timeout = ready_timeout
         self.agent_after_http = AGENT_AFTER_HTTP_S
         self.before: set[str] | None = None  # the output directory's entries before (None: it did not exist)
@@ -134,8 +142,15 @@ class CaptureSequence:
 
     @property
     def port(self) -> int:
-        assert self.unit.serving_port is not None  # checked before the sequence
-        return self.unit.serving_port
+        """The unit's serving port; a unit of several that serves nothing has the activation's (unit 0's),
+        which names its replicas and moves its ports by the activation's one generation."""
+        port = self.unit.serving_port or self.request.units[0].serving_port
+        assert port is not None  # checked before the sequence
+        return port
+
+    @property
+    def serves(self) -> bool:
+        return self.unit.serving_port is not None
 
     def step(self, span: str, code: str) -> ContextManager[dict[str, str | int | bool]]:
         """One step (:func:`coldsnap.operation.step`): a failure of what it calls is reported with its
@@ -149,6 +164,9 @@ class CaptureSequence:
         try:
             for name in steps:
                 getattr(self, name)()
+                if self.units is not None and name in UNIT_BARRIERS:
+                    with self.timer.span(f"capture.units.{UNIT_BARRIERS[name]}"):
+                        self.units.barrier(f"capture.{UNIT_BARRIERS[name]}")
             self.finish()
         except BaseException:
             self.unwind()
@@ -190,12 +208,13 @@ class CaptureSequence:
         """Rank 0's agent, with the HTTP port polled meanwhile (answering while no agent has for
         :data:`AGENT_AFTER_HTTP_S`: ``capture.agent``), then every other rank's agent (the engine runs as
         many ranks as the request lists), then HTTP ``/health``."""
-        engine, world = self.engine, len(self.workers)
+        engine, world = self.engine, self.world
         assert engine is not None
         with self.step("capture.ready", "capture.ready") as span:
             self.controls = [rank_control(engine.control, w.rank) for w in self.workers]
             try:
-                status = wait_for_agent(engine.control, engine.alive, self.ready_timeout, http_port=self.port,
+                status = wait_for_agent(self.controls[0], engine.alive, self.ready_timeout,
+                                        http_port=self.port if self.serves else None,
                                         agent_after_http=self.agent_after_http, on_http=lambda: self.context.progress(
                                             f"HTTP answers on port {self.port}; waiting for the coldsnap agent (at "
                                             f"most {self.agent_after_http:.0f} s more)"))
@@ -205,9 +224,10 @@ class CaptureSequence:
                                           "(coldsnap capture --ranks N)")
                 self.statuses = [status] + [wait_for_agent(control, engine.alive, self.ready_timeout)
                                             for control in self.controls[1:]]
-                self.context.progress(f"coldsnap agent answered ({world} rank(s)); waiting for HTTP /health on "
-                                      f"port {self.port}")
-                wait_for_http(self.port, engine.alive, self.ready_timeout)
+                if self.serves:
+                    self.context.progress(f"coldsnap agent answered ({len(self.workers)} rank(s)); waiting for HTTP "
+                                          f"/health on port {self.port}")
+                    wait_for_http(self.port, engine.alive, self.ready_timeout)
             except AgentMissing as exc:
                 raise OperationFailed("capture.agent", f"{exc}: {AGENT_MISSING_CAUSES[self.request.engine]}") from None
             except LaunchError as exc:
@@ -227,6 +247,21 @@ class CaptureSequence:
     def record_canary(self) -> None:
         """The canary's answer, and where the engine gives them, its prefill's top-1 predictions at every
         prompt position: a restore then checks those plus the first :data:`RESTORE_CANARY_TOKENS` tokens."""
+        if self.units is not None and self.index != 0:  # unit 0 serves and asks; the others follow its ranks
+            with self.step("capture.canary", "capture.canary"):
+                shared = self.units.get("capture/canary")
+            self.canary = Canary(text=shared["text"], token_ids=shared["token_ids"], seconds=0.0,
+                                 prompt_argmax=shared["prompt_argmax"])
+            self.probes = [CanaryProbe.model_validate(p) for p in shared["probes"]]
+            return
+        self._ask_canary()
+        if self.units is not None:
+            assert self.canary is not None
+            self.units.put("capture/canary", {"text": self.canary.text, "token_ids": self.canary.token_ids,
+                                              "prompt_argmax": self.canary.prompt_argmax,
+                                              "probes": [p.to_json_value() for p in self.probes]})
+
+    def _ask_canary(self) -> None:
         validation = self.request.policy.validation
         assert validation.prompt is not None and validation.max_tokens is not None  # resolve_request fills both
         with self.step("capture.canary", "capture.canary") as span:
@@ -258,7 +293,8 @@ class CaptureSequence:
         assert self.engine is not None
         pids = tree_pids(self.engine.pid)
         self.serving_gpu_bytes = self._gpu_use(pids) if gpu_processes(pids) else {}
-        with self.step("capture.prepare", "capture.prepare") as span, ActivationCoordinator(len(self.workers)) as coordinator:
+        with self.step("capture.prepare", "capture.prepare") as span, \
+                ActivationCoordinator(len(self.workers), self.units) as coordinator:
             bars = PhaseProgress(f"coldsnap capture [{self.request.engine}/{self.request.snapshot_driver}]: ")
             command = Prepare(pack_dir=str(self.artifact.payload_dir), native=native, graph_policy=graph_policy,
                               coordinator=coordinator.command_field())
@@ -269,8 +305,8 @@ class CaptureSequence:
                      for w, c in zip(self.workers, self.controls)], coordinator)
             finally:
                 bars.finish()
-            for rank, prepared in enumerate(self.prepared):
-                prefix = rank_prefix(rank)
+            for w, prepared in zip(self.workers, self.prepared):
+                prefix = rank_prefix(w.rank)
                 span.update({f"{prefix}{k}_ns": int(v * 1e9) for k, v in prepared.seconds.items()})
                 # torch's caching allocator on the GPU, before and after its cache was emptied: image attribution
                 span.update({f"{prefix}torch_reserved_before_empty_bytes": prepared.device_bytes_before_empty,
@@ -402,6 +438,7 @@ class CaptureSequence:
             criu_options=snapshotter.options.args(), criu_tcp=self.criu_tcp,
             gpu_pids=self.gpu_pids, gpu_uuids=[d["uuid"] for d in self.gpus],
             host_file_mtimes_ns=read_only_mtimes(self.artifact.images(self.unit.unit_id)), gpu_memory=self.gpu_memory,
+            address=self.units.address if self.units is not None else None,
         )
 
     def commit(self, verify: bool = False) -> None:
@@ -425,37 +462,61 @@ class CaptureSequence:
                                    if pinned and p.recovery_plan and p.recovery_gap else None),
                     recovery_gap=(file_ref(artifact, Path(p.recovery_gap.path), p.recovery_gap.sha256)
                                   if pinned and p.recovery_plan and p.recovery_gap else None)))
-            artifact.request_path.write_bytes(canonical_json(request_.to_json_value()) + b"\n")
-            driver = nvidia_kernel_driver()
-            descriptor = ArtifactDescriptor(
-                format=9,
-                artifact_id=f"{request_.operation_id}",
-                created_unix_ns=time.time_ns(),
-                engine=request_.engine,
-                snapshot_driver=request_.snapshot_driver,
-                request_sha256=self.context.request_sha256,
-                semantic_manifest_sha256=SemanticManifest.from_request(request_).canonical_sha256(),
-                model=request_.model,
-                graph_policy=request_.policy.graphs.mode or "retain",
-                platform=PlatformRecord(
-                    arch=platform.machine(), kernel=platform.release(), nvidia_driver=driver,
-                    nvidia_driver_floor=int(driver.split(".")[0]) if driver else None,
-                    gpu_model=self.gpus[0]["name"] if self.gpus else None,
-                    compute_capability=self.gpus[0]["compute_capability"] if self.gpus else None,
-                    criu_version=".".join(map(str, snapshotter.criu.version().numbers)),
-                ),
-                canary=CanaryRecord(prompt=self.request.policy.validation.prompt or "", expected_response=canary.text,
-                                    token_ids=canary.token_ids, prompt_argmax=canary.prompt_argmax,
-                                    restore_tokens=(min(RESTORE_CANARY_TOKENS, len(canary.token_ids))
-                                                    if canary.prompt_argmax and canary.token_ids else None),
-                                    probes=self.probes),
-                units=[UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records)],
-            )
+            recorded = artifact_request(request_)  # the whole activation, no unit's selection
+            artifact.request_path.write_bytes(canonical_json(recorded.to_json_value()) + b"\n")
+            unit_record = UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records)
+            records = [unit_record]
+            if self.units is not None:  # every unit's record, in one descriptor: unit 0's, committed by each unit
+                records = [UnitRecord.model_validate(r)
+                           for r in self.units.every_unit("capture/record", unit_record.to_json_value())]
+            descriptor = (self._descriptor(recorded, records) if self.units is None or self.index == 0 else
+                          decode_document(ArtifactDescriptor, self.units.get("capture/descriptor"), "unit 0's descriptor"))
+            if self.units is not None and self.index == 0:
+                self.units.put("capture/descriptor", descriptor.to_json_value())
+            elif descriptor.units != records:
+                raise OperationFailed("capture.commit", "unit 0's descriptor does not bind this unit's capsule")
             target = artifact.pending() if verify else artifact
             target.commit(descriptor)
         if verify:
             self.verify(target)
+            self._units_verified()
             artifact.promote(target)
+
+    def _descriptor(self, recorded: OperationRequest, records: list[UnitRecord]) -> ArtifactDescriptor:
+        """The artifact descriptor of this capture (one unit's, or every unit's records from unit 0)."""
+        request_, canary, snapshotter = self.request, self.canary, self.snapshotter
+        assert canary is not None and snapshotter is not None
+        driver = nvidia_kernel_driver()
+        return ArtifactDescriptor(
+            format=9,
+            artifact_id=f"{request_.operation_id}",
+            created_unix_ns=time.time_ns(),
+            engine=request_.engine,
+            snapshot_driver=request_.snapshot_driver,
+            request_sha256=recorded.canonical_sha256(),
+            semantic_manifest_sha256=SemanticManifest.from_request(recorded).canonical_sha256(),
+            model=request_.model,
+            graph_policy=request_.policy.graphs.mode or "retain",
+            platform=PlatformRecord(
+                arch=platform.machine(), kernel=platform.release(), nvidia_driver=driver,
+                nvidia_driver_floor=int(driver.split(".")[0]) if driver else None,
+                gpu_model=self.gpus[0]["name"] if self.gpus else None,
+                compute_capability=self.gpus[0]["compute_capability"] if self.gpus else None,
+                criu_version=".".join(map(str, snapshotter.criu.version().numbers)),
+            ),
+            canary=CanaryRecord(prompt=self.request.policy.validation.prompt or "", expected_response=canary.text,
+                                token_ids=canary.token_ids, prompt_argmax=canary.prompt_argmax,
+                                restore_tokens=(min(RESTORE_CANARY_TOKENS, len(canary.token_ids))
+                                                if canary.prompt_argmax and canary.token_ids else None),
+                                probes=self.probes),
+            units=records,
+        )
+
+    def _units_verified(self) -> None:
+        """One unit of several commits only once every unit's check restore served (all or none)."""
+        if self.units is not None:
+            with self.timer.span("capture.units.verified"):
+                self.units.barrier("capture.verified")
 
     def verify(self, pending: ArtifactDir) -> None:
         """Restore the capsule once, as ``coldsnap restore`` of it would (same request, same weights policy,

@@ -25,6 +25,7 @@ from coldsnap.activation.drivers import driver_for
 from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
 from coldsnap.activation.state import artifact_id
+from coldsnap.activation.units import join_capture_request, selected_unit, unit_activation
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 
@@ -32,37 +33,54 @@ __all__ = ["capture", "restore", "warm", "wake"]
 
 
 def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
-    request_ = context.request
-    driver = driver_for(request_.snapshot_driver)
-    if len(request_.units) != 1:
-        raise OperationFailed("capture.topology", "this build captures one launch unit (one process tree)")
-    port = request_.units[0].serving_port
-    if port is None:
-        raise OperationFailed("capture.port", "the unit has no serving_port: the canary needs the engine's HTTP port")
-    artifact = ArtifactDir(Path(request_.artifact))
-    if artifact.committed():
+    driver = driver_for(context.request.snapshot_driver)
+    if len(context.request.units) != 1 and context.request.unit is None:
+        raise OperationFailed("capture.topology", f"a capture of {len(context.request.units)} launch units runs on "
+                              "each unit's host, one unit each: give every one the request's `unit` selection "
+                              "(coldsnap capture --units N --unit K --rendezvous HOST:PORT ...)")
+    if context.request.unit is not None and driver.name != "n610":
+        raise OperationFailed("capture.topology", f"snapshot driver {driver.name} captures one launch unit")
+    artifact = ArtifactDir(Path(context.request.artifact))
+    if artifact.committed():  # (before any unit waits for the others)
         raise OperationFailed("capture.exists", f"{artifact.root} already holds a committed artifact; capture into a new directory")
-    # One operation per port: a restore or capture onto it meanwhile loses at its admission.
-    hold_port(context, port, str(artifact.root), code="capture.port")
-    if port_taken(port):  # the canary would ask whatever holds it
-        raise OperationFailed("capture.port", f"serving port {port} is taken: stop what listens there, or serve on "
-                              "another port")
-    artifact.claim(context.hand_over)
-    claim_state(context.hand_over)  # (the pinned safetensors' records; the check restore claims its own)
-    return driver.capture(context, artifact, ready_timeout, restore)
+    with unit_activation(context) as units:
+        if units is not None:
+            context.request = join_capture_request(context, units)
+        request_ = context.request
+        index = selected_unit(request_) or 0
+        port = request_.units[index].serving_port
+        if port is None and index == 0:
+            raise OperationFailed("capture.port", "the unit has no serving_port: the canary needs the engine's HTTP port")
+        if port is not None:
+            # One operation per port: a restore or capture onto it meanwhile loses at its admission.
+            hold_port(context, port, str(artifact.root), code="capture.port")
+            if port_taken(port):  # the canary would ask whatever holds it
+                raise OperationFailed("capture.port", f"serving port {port} is taken: stop what listens there, or "
+                                      "serve on another port")
+        artifact.claim(context.hand_over)
+        claim_state(context.hand_over)  # (the pinned safetensors' records; the check restore claims its own)
+        return driver.capture(context, artifact, ready_timeout, restore)
 
 
 def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> OperationOutcome:
     """``artifact``: the request's by default; a capture's check restore passes its pending one."""
     artifact = artifact or ArtifactDir(Path(context.request.artifact))
-    claim_state(context.hand_over, artifact)
-    admitted = admit(context, artifact)
-    driver = driver_for(admitted.descriptor.snapshot_driver)
-    placement = driver.admit_placement(context, artifact, admitted)
-    if context.request.prepare_only:
-        context.progress("admission passed; --prepare-only: nothing started")
-        return OperationOutcome(artifact=str(artifact.root))
-    return driver.restore(context, artifact, admitted, placement)
+    with unit_activation(context) as units:
+        claim_state(context.hand_over, artifact)
+        admitted = admit(context, artifact)
+        driver = driver_for(admitted.descriptor.snapshot_driver)
+        placement = driver.admit_placement(context, artifact, admitted)
+        if units is not None:  # every unit admitted, at one port generation, before any starts
+            with context.timer.span(f"{context.request.operation}.units.admitted"):
+                shifts = units.every_unit("restore/port_shift", admitted.replica.generation.shift)
+                if len(set(shifts)) != 1:
+                    raise OperationFailed("admission.port", f"the units' port generations differ (shifts {shifts}): "
+                                          "restore every unit onto the same serving port")
+                units.barrier("restore.admitted")
+        if context.request.prepare_only:
+            context.progress("admission passed; --prepare-only: nothing started")
+            return OperationOutcome(artifact=str(artifact.root))
+        return driver.restore(context, artifact, admitted, placement)
 
 
 def warm(context: OperationContext) -> OperationOutcome:

@@ -34,15 +34,18 @@ class ActivationCoordinator:
     """A CSKV coordinator on loopback for the ranks of one unit, served from a thread of the launcher
     while one command runs on every rank (nothing for a single rank)."""
 
-    def __init__(self, world: int):
+    def __init__(self, world: int, shared: Any = None):
+        """``shared``: this unit's seat at the coordinator of an activation of several units
+        (:class:`coldsnap.activation.units.UnitRendezvous`): the ranks join that one instead."""
         self.world = world
+        self.shared = shared
         self.token = secrets.token_bytes(32)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self._context: Any = None
 
     def __enter__(self) -> "ActivationCoordinator":
-        if self.world > 1:
+        if self.world > 1 and self.shared is None:
             import zmq
 
             from coldsnap.coord import Coordinator
@@ -55,11 +58,15 @@ class ActivationCoordinator:
 
     def command_field(self) -> CoordinatorRef | None:
         """What an agent command carries so the rank can join (``None`` for one rank)."""
+        if self.shared is not None:
+            return self.shared.ref()
         if self._server is None:
             return None
         return CoordinatorRef(endpoint=self._server.endpoint, token=self.token.hex(), world=self.world)
 
     def abort(self, reason: str) -> None:
+        if self.shared is not None:
+            self.shared.abort(reason)
         if self._server is not None:
             self._server.abort(reason)
 

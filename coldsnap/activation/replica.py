@@ -13,6 +13,7 @@ from typing import Callable
 
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.state import host_cache_dir
+from coldsnap.activation.units import selected_unit
 from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
@@ -38,7 +39,10 @@ def port_free(port: int) -> bool:
 def serving_port(context: OperationContext, capsule: CapsuleManifest) -> int:
     """Where the restored server will listen: the request's serving port, else the captured one (an n610
     image gets there by its port generation, an n580 template by its placement)."""
-    return context.request.units[0].serving_port or capsule.metadata.serving_port
+    unit = next((u for u in context.request.units if u.unit_id == capsule.unit_id), context.request.units[0])
+    # (a unit of several that serves nothing moves its ports as unit 0's serving port does)
+    asked = unit.serving_port or (context.request.units[0].serving_port if context.request.unit is not None else None)
+    return asked or capsule.metadata.serving_port
 
 
 @dataclass(frozen=True)
@@ -173,11 +177,11 @@ def gpu_remap(captured: list[str], captured_visible: str | None, current: list[s
     return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(gpu) for i, gpu in enumerate(target)})
 
 
-def captured_visible_devices(artifact: ArtifactDir) -> str | None:
+def captured_visible_devices(artifact: ArtifactDir, unit: int = 0) -> str | None:
     """The ``CUDA_VISIBLE_DEVICES`` the capture gave the engine (None: unset, or no readable request)."""
     try:
         captured_request = json.loads(artifact.request_path.read_text())
-        return (captured_request.get("units") or [{}])[0].get("env", {}).get("CUDA_VISIBLE_DEVICES")
+        return (captured_request.get("units") or [{}])[unit].get("env", {}).get("CUDA_VISIBLE_DEVICES")
     except (OSError, ValueError, AttributeError):
         return None
 
@@ -186,8 +190,9 @@ def refuse_gpus_for_a_cpu_artifact(context: OperationContext, artifact: Artifact
     """``admission.gpu`` when the request places the engine on GPUs (``--gpu``: a ``CUDA_VISIBLE_DEVICES``
     other than the capture's) and the artifact was captured without a GPU (no ``gpu_model`` recorded):
     nothing of it would run there, so admitting it would promise what the restore does not do."""
-    asked = context.request.units[0].env.get("CUDA_VISIBLE_DEVICES")
-    if gpu_model is None and asked is not None and asked != captured_visible_devices(artifact):
+    index = selected_unit(context.request) or 0
+    asked = context.request.units[index].env.get("CUDA_VISIBLE_DEVICES")
+    if gpu_model is None and asked is not None and asked != captured_visible_devices(artifact, index):
         raise OperationFailed("admission.gpu", f"GPU {asked} asked for (--gpu), but {artifact.root} was captured "
                               "without a GPU: it restores on the CPU, as captured; restore it without --gpu")
 
@@ -199,8 +204,9 @@ def gpu_placement(context: OperationContext, artifact: ArtifactDir, capsule: Cap
     if not metadata.gpu_pids:
         return GpuPlacement(pairs=[], launcher_ordinals={})
     try:
-        return gpu_remap(metadata.gpu_uuids, captured_visible_devices(artifact),
+        index = selected_unit(context.request) or 0
+        return gpu_remap(metadata.gpu_uuids, captured_visible_devices(artifact, index),
                          [d["uuid"] for d in cuda_devices(host_cache_dir())],
-                         context.request.units[0].env.get("CUDA_VISIBLE_DEVICES"))
+                         context.request.units[index].env.get("CUDA_VISIBLE_DEVICES"))
     except ValueError as exc:
         raise OperationFailed("admission.gpu", str(exc)) from None

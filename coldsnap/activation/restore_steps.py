@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import ipaddress
 import os
 import threading
 import time
@@ -46,7 +47,12 @@ from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.snapshot.replica import probe_path_sockets, replica_images
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill
 
-__all__ = ["RestoreSequence"]
+__all__ = ["RestoreSequence", "UNIT_BARRIERS"]
+
+UNIT_BARRIERS = {"restore_tree": "network_unlock", "check_canary": "released"}
+"""One unit of several: after these steps it waits for every unit (``restore.units.<barrier>``): no rank
+rebuilds its connections to another host before every unit's tree is restored; no unit lets its tree go
+before unit 0's canary matched (one failure is every unit's)."""
 
 
 class RestoreSequence:
@@ -70,7 +76,9 @@ class RestoreSequence:
         self.timer = context.timer
         self.artifact = artifact
         self.descriptor = descriptor
-        self.unit = descriptor.units[0]
+        self.unit = next(u for u in descriptor.units if u.unit_id == capsule.unit_id)
+        self.units = context.units  # one unit of several: its seat at the activation's coordinator
+        self.first_unit = self.unit.unit_id == descriptor.units[0].unit_id  # serves HTTP, answers the canary
         self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
         self.metadata = capsule.metadata
         self.replica = replica
@@ -102,7 +110,13 @@ class RestoreSequence:
         the process is on its own. Any failure: :meth:`unwind`. Either way: :meth:`release`."""
         try:
             for name in steps:
-                getattr(self, name)()
+                if self.units is not None and name == "check_canary" and not self.first_unit:
+                    pass  # unit 0 asks the canary through its serving port; its answer needs this unit's ranks
+                else:
+                    getattr(self, name)()
+                if self.units is not None and name in UNIT_BARRIERS:
+                    with self.timer.span(f"{self.op}.units.{UNIT_BARRIERS[name]}"):
+                        self.units.barrier(f"{self.op}.{UNIT_BARRIERS[name]}")
             assert self.lease is not None
             self.lease.release()  # the process is on its own now
         except BaseException:
@@ -113,8 +127,9 @@ class RestoreSequence:
         # housekeeping after the canary matched, off the restore's path: the state of artifacts deleted since
         forget_removed_artifacts(self.artifact.state_path().parent)
         warnings = [f"prefetch failed: {e}" for e in self.prefetch_errors]
-        self.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {self.restored_pid}, port "
-                              f"{self.serving_port}{'' if self.op == 'warm' else ', canary matched'}")
+        matched = "" if self.op == "warm" else ", canary matched" if self.first_unit else ", unit 0's canary matched"
+        where = f"port {self.serving_port}" if self.units is None or self.first_unit else f"unit {self.units.index}"
+        self.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {self.restored_pid}, {where}{matched}")
         return OperationOutcome(artifact=str(self.artifact.root), warnings=warnings)
 
     def release(self) -> None:
@@ -167,7 +182,22 @@ class RestoreSequence:
             stale.unlink(missing_ok=True)
         return replica_images(self.artifact.images(self.unit.unit_id), state_dir / "images",
                               self.replica.generation, self.replica.unix_names,
-                              f".{self.replica.name}".encode())
+                              f".{self.replica.name}".encode(), self.moved_addresses())
+
+    def moved_addresses(self) -> dict[bytes, bytes] | None:
+        """One unit of several placed on a host of another address than its capture's: that address, packed,
+        onto this one's (every socket of the tree bound to it, or connected from it)."""
+        captured, now = self.metadata.address, self.units.address if self.units is not None else None
+        if captured is None or now is None or captured == now:
+            return None
+        try:
+            old, new = ipaddress.ip_address(captured), ipaddress.ip_address(now)
+        except ValueError:
+            return None  # (a host name: nothing in the images to map)
+        if old.version != new.version:
+            raise OperationFailed("restore.placement", f"the unit was captured at {captured}, placed at {now}: "
+                                  "an address of the same family is needed")
+        return {old.packed: new.packed}
 
     def state_dir(self) -> Path:
         """This replica's state directory under the artifact's, made if needed (``restore.state_dir`` when
@@ -268,7 +298,7 @@ class RestoreSequence:
     def resume_ranks(self) -> None:
         """Every rank at once: map and fill its regions, zero the KV cache, rebuild NCCL, recapture graphs."""
         with self.step(f"{self.op}.resume", "restore.resume") as span, \
-                ActivationCoordinator(len(self.workers)) as coordinator:
+                ActivationCoordinator(len(self.workers), self.units) as coordinator:
             bars = PhaseProgress(f"coldsnap {self.op} [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")
 
             def resume(w: Any) -> ResumeReply:
@@ -285,8 +315,8 @@ class RestoreSequence:
                 for stager in self.stagers.values():
                     stager.release()
                 span["release_staged_ns"] = time.monotonic_ns() - released  # (the launcher's mappings)
-            for rank, resumed in enumerate(resumed_ranks):
-                prefix = rank_prefix(rank)
+            for w, resumed in zip(self.workers, resumed_ranks):
+                prefix = rank_prefix(w.rank)
                 hydrated = resumed.hydrate
                 span.update({f"{prefix}bytes": hydrated.bytes, f"{prefix}source": hydrated.source,
                              f"{prefix}staged": hydrated.staged, f"{prefix}pinned": hydrated.stats.get("pinned") is True})

@@ -56,11 +56,14 @@ class Message(BaseModel):
 
 
 class CoordinatorRef(Message):
-    """Where a rank joins the activation's coordinator (multi-rank units only)."""
+    """Where a rank joins the activation's coordinator (multi-rank activations only)."""
 
     endpoint: str
     token: str  # hex
     world: int
+    address: str | None = None
+    """The rank's unit's address on the activation's network now (an activation of several units: where
+    the rank's peers on other hosts reach it once it rebuilds its collectives); ``None``: unchanged."""
 
 
 class Status(Message):

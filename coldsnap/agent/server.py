@@ -560,6 +560,7 @@ def _rendezvous(coordinator: CoordinatorRef | None, rank: int, world: int) -> It
     context = zmq.Context()
     try:
         client = CoordinatorClient(coordinator.endpoint, bytes.fromhex(coordinator.token), rank, context=context)
+        client.address = coordinator.address
         completed = False
         try:
             yield client

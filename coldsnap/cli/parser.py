@@ -163,6 +163,24 @@ def _add_payload(commands: Any) -> None:
     p.set_defaults(func=_cmd_payload_verify)
 
 
+def _add_unit_flags(p: argparse.ArgumentParser) -> None:
+    """Unit K of an activation of N launch units, each on its own host, meeting at a coordinator."""
+    units = p.add_argument_group(
+        "one unit of several (each unit's host runs its own `coldsnap` with its own --unit; like torchrun's "
+        "--nnodes/--node-rank/--rdzv-endpoint)")
+    units.add_argument("--units", type=_positive_int, metavar="N", help="the activation's launch units (2 or more)")
+    units.add_argument("--unit", type=int, metavar="K", help="the unit this host runs, 0..N-1 (unit 0 serves HTTP "
+                       "and answers the canary)")
+    units.add_argument("--rendezvous", metavar="HOST:PORT", help="the activation's coordinator every unit joins "
+                       "(`coldsnap coordinator --units N`, or unit 0's --serve-rendezvous)")
+    units.add_argument("--rendezvous-token-file", metavar="F", help="the activation's token (>= 16 bytes), the same "
+                       "file content on every unit's host")
+    units.add_argument("--serve-rendezvous", metavar="HOST:PORT", help="this unit serves the coordinator itself, "
+                       "listening there (e.g. 0.0.0.0:29600 on unit 0); --rendezvous then defaults to --address:PORT")
+    units.add_argument("--address", metavar="ADDR", help="this unit's address, where the other units reach it "
+                       "(default: this host's address on its route to --rendezvous)")
+
+
 def _add_capture(commands: Any) -> None:
     p = commands.add_parser(
         "capture",
@@ -209,6 +227,7 @@ def _add_capture(commands: Any) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="commit without the capture's own restore of the capsule (COLDSNAP_CAPTURE_VERIFY=0); saves "
                    "one restore's time, and a capsule that cannot restore is then found out by its first restore")
+    _add_unit_flags(p)
     _add_operation_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the serving command")
     p.set_defaults(func=_cmd_capture)
@@ -241,6 +260,7 @@ def _add_restore(commands: Any) -> None:
     _add_weights_flag(p)
     _add_host_thp_flag(p)
     _add_state_dir_flag(p)
+    _add_unit_flags(p)
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="restore")
 

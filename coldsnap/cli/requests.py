@@ -116,10 +116,14 @@ def _capture_request(args: argparse.Namespace) -> dict:
         command = command[1:]
     if not command:
         raise UsageError("give the serving command after --, e.g. coldsnap capture --out DIR -- vllm serve MODEL ...")
+    selection = unit_selection(args)
+    index = selection["index"] if selection else 0
     given_port = args.port if args.port is not None else _option_value(command, "--port")
-    if given_port is None:
+    port: int | None = None  # one unit of several: only unit 0 serves (the canary asks it), whatever CMD binds
+    if given_port is not None and index == 0:
+        port = port_number(given_port, "--port" if args.port is not None else "the command's --port")
+    elif index == 0:
         raise UsageError("cannot tell the serving port: pass --port P (or give the command a --port option)")
-    port = port_number(given_port, "--port" if args.port is not None else "the command's --port")
     ranks = args.ranks
     if ranks is None:
         given = next((v for v in (_option_value(command, o) for o in TP_OPTIONS) if v is not None), "1")
@@ -127,6 +131,11 @@ def _capture_request(args: argparse.Namespace) -> dict:
             ranks = int(given)
         except ValueError:
             raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
+        if selection:  # the command's tensor-parallel size spans every unit (`--tp 2 --nnodes 2`: one rank here)
+            if ranks % selection["unit"]["units"]:
+                raise UsageError(f"the command's tensor-parallel size {ranks} does not split over "
+                                 f"{selection['unit']['units']} units: pass --ranks N (this unit's ranks)")
+            ranks //= selection["unit"]["units"]
     if ranks < 1:
         raise UsageError("--ranks must be at least 1")
     engine = args.engine or _infer_engine(command)
@@ -143,15 +152,51 @@ def _capture_request(args: argparse.Namespace) -> dict:
         "engine": engine,
         "snapshot_driver": args.driver,
         "model": {"name": model or command[0], "revision": None},
-        "units": [{"unit_id": "unit-0", "command": command, "serving_port": port,
+        # unit K of N: its ranks are K*R .. K*R+R-1 of the activation's (every unit runs --ranks R)
+        "units": [{"unit_id": f"unit-{index}", "command": command, "serving_port": port,
                    "env": {**({PRELOAD_ENV: args.preload} if args.preload is not None else {}),
                            **({PLACEMENT_ABI_ENV: str(args.placement_abi)} if args.placement_abi is not None else {})},
-                   "workers": [{"worker_id": f"worker-{r}", "rank": r, "device_slot": r} for r in range(ranks)]}],
+                   "workers": [{"worker_id": f"worker-{index * ranks + r}", "rank": index * ranks + r, "device_slot": r}
+                               for r in range(ranks)]}],
         "artifact": str(Path(args.out).resolve()),
     }
+    if selection:
+        request["unit"] = selection["unit"] | {"unit_id": f"unit-{index}"}
     if args.graphs:
         request["policy"] = {"graphs": {"mode": args.graphs}}
     return request
+
+
+def unit_selection(args: argparse.Namespace) -> dict | None:
+    """``--units N --unit K --rendezvous ...`` as the request's ``unit`` selection (its ``unit_id`` left for
+    the caller) and K, or None without ``--units``; a :class:`UsageError` for an incomplete set."""
+    given = [name for name in ("unit", "rendezvous", "rendezvous_token_file", "serve_rendezvous", "address")
+             if getattr(args, name, None) is not None]
+    if getattr(args, "units", None) is None:
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} is for one unit of several: give --units N and --unit K too")
+        return None
+    if args.units < 2:
+        raise UsageError("--units N is for an activation of 2 or more launch units (one unit needs none of these flags)")
+    if args.unit is None or not 0 <= args.unit < args.units:
+        raise UsageError(f"--units {args.units} needs --unit K with K in 0..{args.units - 1}")
+    if args.rendezvous_token_file is None:
+        raise UsageError("--units needs --rendezvous-token-file F: the activation's token, the same on every unit's host")
+    rendezvous = args.rendezvous
+    if rendezvous is None:
+        if args.serve_rendezvous is None:
+            raise UsageError("--units needs --rendezvous HOST:PORT (or --serve-rendezvous HOST:PORT on the unit that "
+                             "serves the coordinator)")
+        host, _, listen_port = args.serve_rendezvous.rpartition(":")
+        if host in ("0.0.0.0", "*", "", "[::]") and args.address is None:
+            raise UsageError(f"--serve-rendezvous {args.serve_rendezvous} listens on every address: give --address "
+                             "(this unit's address the others reach it at) or --rendezvous HOST:PORT")
+        rendezvous = f"{args.address or host}:{listen_port}"
+    return {"index": args.unit, "unit": {
+        "index": args.unit, "units": args.units, "rendezvous": rendezvous,
+        "rendezvous_token_file": str(Path(args.rendezvous_token_file).resolve()),
+        **({"serve_rendezvous": args.serve_rendezvous} if args.serve_rendezvous else {}),
+        **({"address": args.address} if args.address else {})}}
 
 
 def new_operation_id(operation: str) -> str:
@@ -186,9 +231,22 @@ def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
     captured.update(operation=operation, operation_id=args.operation_id or new_operation_id(operation),
                     artifact=str(directory))
     captured.pop("owner", None)  # the capture's caller's: this operation's owner is its own caller's
+    selection = unit_selection(args) if operation == "restore" else None
+    units = captured.get("units") or [{}]
+    if selection:
+        if selection["unit"]["units"] != len(units):
+            raise UsageError(f"--units {selection['unit']['units']}, but {directory} is an artifact of {len(units)} "
+                             "launch unit(s)")
+        captured["unit"] = selection["unit"] | {"unit_id": units[selection["index"]].get("unit_id")}
+    elif len(units) > 1 and operation in ("restore", "warm", "wake"):
+        raise UsageError(f"{directory} is an artifact of {len(units)} launch units: restore each on its own host with "
+                         f"--units {len(units)} --unit K --rendezvous HOST:PORT --rendezvous-token-file F (all at once; "
+                         "a subset of the units is never restored)" if operation == "restore" else
+                         f"{directory} is an artifact of {len(units)} launch units: {operation} of several units is "
+                         "not built yet (restore them with --units)")
     if operation == "restore":
         captured["prepare_only"] = args.prepare_only
-        unit = (captured.get("units") or [{}])[0]
+        unit = units[selection["index"]] if selection else units[0]
         if args.port is not None:
             unit["serving_port"] = args.port
         if args.gpu is not None:

@@ -35,3 +35,7 @@ class Backend(Protocol):
 
     def connect(self, unique_id: bytes, world: int, rank: int) -> Communicator:
         """Join the communicator ``unique_id`` as ``rank`` of ``world`` (blocks until all joined)."""
+
+    def relocate(self, address: str) -> None:
+        """Rank 0's process now runs on a host with ``address`` (restored elsewhere): the unique ids it
+        makes from now on name that address (NCCL finds its own interfaces: nothing to do)."""

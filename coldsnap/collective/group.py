@@ -20,6 +20,9 @@ class Rendezvous(Protocol):
 
     def get(self, key: str, timeout: float = 60.0) -> str: ...
 
+    address: str | None
+    """This rank's host's address on the activation's network now (``None``: as it was)."""
+
 
 class DistributedState(Protocol):
     """What the agent tears down before a snapshot and rebuilds after it: :class:`RankCollectives`, or
@@ -120,12 +123,16 @@ class RankCollectives:
     def rebuild(self, rendezvous: Rendezvous, seconds: dict[str, float], timeout: float = 300.0) -> None:
         """Create every communicator again: rank 0 makes each unique id and publishes it through the
         coordinator, every rank joins, and a last barrier acknowledges the whole group at once."""
+        address = getattr(rendezvous, "address", None)
+
         def connect_all() -> None:
             try:
                 for name in sorted(self.communicators):
                     managed = self.communicators[name]
                     if managed.current is not None:
                         raise CollectiveError(f"communicator {name!r} was not torn down")
+                    if address is not None and self.rank == 0:  # restored on another host: listen at its address
+                        managed.backend.relocate(address)
                     unique_id = share_unique_id(rendezvous, f"collective/{name}/{managed.generation + 1}/unique_id",
                                                 self.rank == 0, managed.backend.create_unique_id, timeout)
                     managed.current = managed.backend.connect(unique_id, self.world, self.rank)

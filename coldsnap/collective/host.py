@@ -55,6 +55,10 @@ class HostCommunicator:
 
     def close(self) -> None:
         for peer in self.peers.values():
+            try:  # wakes a thread of this process blocked reading it (a follower's request channel)
+                peer.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             peer.close()
         self.peers.clear()
 
@@ -74,6 +78,9 @@ class HostBackend:
         self.host = host
         self.timeout = timeout
         self._listeners: dict[bytes, tuple[socket.socket, bytes]] = {}
+
+    def relocate(self, address: str) -> None:
+        self.host = address
 
     def create_unique_id(self) -> bytes:
         listener = socket.create_server((self.host, 0))

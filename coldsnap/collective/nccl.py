@@ -96,6 +96,9 @@ class NcclBackend:
         except C.NcclError as exc:
             raise CollectiveError(str(exc)) from None
 
+    def relocate(self, address: str) -> None:
+        """NCCL's unique id names the interface NCCL picks when it is made: nothing to move."""
+
     def create_unique_id(self) -> bytes:
         C = native()
         try:

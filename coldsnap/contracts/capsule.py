@@ -125,6 +125,9 @@ class ActivationMetadata(Contract):
     host_file_mtimes_ns: dict[str, int] = Field(default_factory=dict)
     """Modification time (ns) at capture of each regular host file the image opens read-only by path:
     restore admission names any that changed (``admission.files``) before CRIU runs."""
+    address: str | None = None
+    """One unit of several: the unit's address on the activation's network at capture. A restore onto a
+    host of another address maps it in its copy of the socket images (placement, not identity)."""
     template: TemplateRecord | None = None
     """n580: the image is this template, not the serving process (``workers`` then describe the
     capture's run of the engine, from which its packs were written)."""

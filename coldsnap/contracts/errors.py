@@ -18,7 +18,12 @@ ERROR_CODES: dict[str, str] = {
     "interrupted": "SIGINT/SIGTERM: what the operation had started was stopped and removed",
     "internal": "a bug: the message names the exception; nothing the operation started is left running",
     # Capture
-    "capture.topology": "the request's workers do not match the engine's ranks, or more than one launch unit",
+    "capture.topology": "the request's workers do not match the engine's ranks; a request of several launch units "
+                        "without one unit's selection; or the units' own requests disagree (engine, model, policy, "
+                        "their ranks)",
+    "unit.rendezvous": "one unit of several: the activation's coordinator could not be served or joined, or another "
+                       "unit failed or stopped responding (the message names it and its error), or a unit-level "
+                       "barrier timed out naming the units missing",
     "capture.port": "the unit has no serving port for the canary, or the port is taken or locked by another "
                     "operation (the message names its operation id and pid)",
     "capture.exists": "the output directory already holds a committed artifact",
@@ -50,7 +55,8 @@ ERROR_CODES: dict[str, str] = {
     # Restore admission: nothing has started
     "admission.artifact": "no committed artifact at the path, or its descriptor does not decode",
     "admission.driver": "the artifact was captured for another engine or snapshot driver than the request names",
-    "admission.topology": "the artifact has more than one launch unit",
+    "admission.topology": "the artifact has several launch units and the request selects none of them (each unit "
+                          "is restored on its own host, all at once), or its units are not the artifact's",
     "admission.platform": "the artifact was captured on another CPU architecture",
     "admission.kernel": "another kernel release, with compatibility.kernel=exact",
     "admission.cuda": "the artifact needs a GPU and the CUDA checkpoint API, which this host lacks",
@@ -81,6 +87,7 @@ ERROR_CODES: dict[str, str] = {
     # Restore: each failure kills what was restored and leaves the artifact as it was
     "restore.state_dir": "the runtime state directory cannot be created (choose one with --state-dir)",
     "restore.criu": "CRIU could not restore the process tree",
+    "restore.placement": "one unit of several is placed at an address of another family than its capture's",
     "restore.lease": "the restored agents did not take the launcher's lease",
     "restore.place": "n580: the restored template refused the placement or did not answer",
     "restore.engine_start": "n580: the placed engine exited or its agent / HTTP server did not answer in time",

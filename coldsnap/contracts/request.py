@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from coldsnap.contracts.base import Contract, Identifier
 from coldsnap.contracts.common import (
@@ -33,6 +33,7 @@ __all__ = [
     "ValidationPolicy",
     "Policy",
     "FileOwner",
+    "UnitSelection",
     "OperationRequest",
 ]
 
@@ -148,6 +149,40 @@ class FileOwner(Contract):
     """Group id they are handed to."""
 
 
+Endpoint = Annotated[str, Field(pattern=r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):[0-9]{1,5}$")]
+"""``HOST:PORT`` (an IPv6 literal in brackets)."""
+
+
+def _absolute(path: str) -> str:
+    if not path.startswith("/"):
+        raise ValueError(f"{path!r} must be an absolute path")
+    return path
+
+
+class UnitSelection(Contract):
+    """Which unit of an activation of several launch units this launcher runs, on this unit's host, and
+    where the units meet (the activation's CSKV coordinator, like torchrun's rendezvous endpoint). Every
+    unit's launcher gets the same request but for this selection. Placement, not identity: left out of
+    the artifact's request and of its digest."""
+
+    unit_id: Identifier
+    """The unit this launcher captures or restores (one of ``units``)."""
+    index: int = Field(ge=0, le=1023)
+    """The unit's place in the activation, 0..units-1 (unit 0 serves HTTP and answers the canary): where it
+    is in ``units`` when the request lists them all."""
+    units: int = Field(ge=2, le=1024)
+    """How many launch units the activation has; a restore of an artifact of another count is refused."""
+    rendezvous: Endpoint
+    """The coordinator every unit joins (``HOST:PORT``)."""
+    rendezvous_token_file: Annotated[str, AfterValidator(_absolute)]
+    """A file holding the activation's token (>= 16 bytes), the same on every unit's host."""
+    serve_rendezvous: Endpoint | None = None
+    """This unit serves the coordinator itself, listening there (typically unit 0: ``0.0.0.0:29600``)."""
+    address: str | None = Field(default=None, min_length=1, max_length=64)
+    """This unit's address on the activation's network, where the other units reach it (default: the
+    address of this host's route to ``rendezvous``)."""
+
+
 class OperationRequest(Contract):
     """A capture, restore or lifecycle request (request format 4)."""
 
@@ -182,6 +217,17 @@ class OperationRequest(Contract):
     UID:GID`` overrides it; without either, the caller's ``SUDO_UID``/``SUDO_GID`` under sudo, else nothing
     changes owner. Left out of the canonical form when absent, so requests without it keep their digests."""
 
+    unit: UnitSelection | None = None
+    """One unit of several: this launcher runs ``unit.unit_id`` on its host and meets the others at
+    ``unit.rendezvous`` (:mod:`coldsnap.activation.units`). A capture's request may list only that unit
+    (``coldsnap capture --units N --unit K``): the units' own requests are joined at the rendezvous. Left
+    out of the canonical form when absent."""
+
+    @property
+    def partial(self) -> bool:
+        """A capture request of one unit of several that lists only that unit."""
+        return self.unit is not None and len(self.units) == 1
+
     @model_validator(mode="after")
     def _check_topology(self) -> "OperationRequest":
         unit_ids = [u.unit_id for u in self.units]
@@ -192,7 +238,22 @@ class OperationRequest(Contract):
         if len(set(worker_ids)) != len(worker_ids):
             raise ValueError(f"units: duplicate worker_id in {worker_ids}")
         ranks = sorted(w.rank for w in workers)
-        if ranks != list(range(len(workers))):
+        if self.unit is not None:
+            if self.unit.unit_id not in unit_ids:
+                raise ValueError(f"unit: {self.unit.unit_id!r} is not one of the units {unit_ids}")
+            if len(self.units) not in (1, self.unit.units):
+                raise ValueError(f"unit: the request lists {len(self.units)} units, unit.units says {self.unit.units}")
+            if len(self.units) == 1 and self.operation != "capture":
+                raise ValueError(f"unit: a {self.operation} request lists every unit of the activation (the artifact's)")
+            if self.unit.index >= self.unit.units:
+                raise ValueError(f"unit: index {self.unit.index} is not in 0..{self.unit.units - 1}")
+            if len(self.units) > 1 and self.units[self.unit.index].unit_id != self.unit.unit_id:
+                raise ValueError(f"unit: units[{self.unit.index}] is {self.units[self.unit.index].unit_id!r}, "
+                                 f"not {self.unit.unit_id!r}")
+        if self.partial:  # its ranks are the unit's global ones; the joined request has them all
+            if len(set(ranks)) != len(ranks):
+                raise ValueError(f"units: a rank appears twice in {ranks}")
+        elif ranks != list(range(len(workers))):
             raise ValueError(f"units: worker ranks must be 0..{len(workers) - 1} exactly once, got {ranks}")
         for unit in self.units:
             slots = [w.device_slot for w in unit.workers]
@@ -206,7 +267,7 @@ class OperationRequest(Contract):
 
     def to_json_value(self) -> dict[str, Any]:
         value = super().to_json_value()
-        for optional in ("standby_ttl_s", "owner"):
+        for optional in ("standby_ttl_s", "owner", "unit"):
             if value.get(optional) is None:
                 value.pop(optional, None)
         return value

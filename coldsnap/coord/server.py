@@ -168,8 +168,8 @@ class Coordinator:
         if frame.kind == Kind.BARRIER:
             name = str(frame.body.get("name", ""))
             timeout = int(frame.body.get("timeout_ms", 60_000)) / 1000
-            key = (role, name)
-            barrier = self.barriers.setdefault(key, _Barrier(deadline=time.monotonic() + timeout))
+            scope = (role, name)
+            barrier = self.barriers.setdefault(scope, _Barrier(deadline=time.monotonic() + timeout))
             if barrier.failed:
                 self._reply(identity, Kind.ERROR, reason=barrier.failed)
                 return
@@ -178,7 +178,7 @@ class Coordinator:
             if len(barrier.waiting) == self.sizes[role]:
                 for waiter in barrier.waiting.values():
                     self._reply(waiter, Kind.OK, name=name)
-                del self.barriers[key]  # a name can be reused for the next round
+                del self.barriers[scope]  # a name can be reused for the next round
         elif frame.kind == Kind.PUT:
             key, value = str(frame.body.get("key", "")), frame.body.get("value")
             if not isinstance(value, str) or len(value.encode()) > MAX_VALUE_BYTES:
@@ -206,15 +206,15 @@ class Coordinator:
 
     def _expire(self) -> None:
         now = time.monotonic()
-        for key, barrier in list(self.barriers.items()):
-            role, name = key
+        for scope, barrier in list(self.barriers.items()):
+            role, name = scope
             lost = sorted(i for i in barrier.waiting if now - self.last_seen.get((role, i), now) > LOST_AFTER_S)
             if not barrier.failed and lost:
-                self._fail_barrier(key, f"barrier {name!r} failed: {role} {lost} stopped responding "
+                self._fail_barrier(scope, f"barrier {name!r} failed: {role} {lost} stopped responding "
                                         f"(no heartbeat for {LOST_AFTER_S} s)")
             elif not barrier.failed and barrier.waiting and now > barrier.deadline:
                 missing = sorted(set(range(self.sizes[role])) - set(barrier.waiting))
-                self._fail_barrier(key, f"barrier {name!r} timed out: missing {_plural(role)} {missing}")
+                self._fail_barrier(scope, f"barrier {name!r} timed out: missing {_plural(role)} {missing}")
         if self._abort_reason is None:
             silent = sorted(m for m in self.watched if now - self.last_seen.get(m, now) > LOST_AFTER_S)
             if silent:
@@ -235,9 +235,9 @@ class Coordinator:
         reason = self._abort_reason
         if reason is None:
             return
-        for key, barrier in list(self.barriers.items()):
+        for scope, barrier in list(self.barriers.items()):
             if not barrier.failed:
-                self._fail_barrier(key, reason)
+                self._fail_barrier(scope, reason)
         for pending in list(self.gets):
             self.gets.remove(pending)
             self._reply(pending[2], Kind.ERROR, reason=reason)

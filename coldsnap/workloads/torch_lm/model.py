@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -118,7 +118,7 @@ class TorchLM:
     ``followers`` (rank 0 only) are the channels every request is forwarded on before it runs."""
 
     def __init__(self, size: str, device: str, seed: int = 0, max_seq: int | None = None, cuda_graphs: bool = True,
-                 rank: int = 0, world: int = 1, communicator: Any = None, followers: list[socket.socket] | None = None,
+                 rank: int = 0, world: int = 1, communicator: Any = None, followers: Iterable[socket.socket] | None = None,
                  weights_file: Path | None = None, native_pack: Path | None = None, defer_graphs: bool = False):
         self.size = size
         self.shape = SIZES[size]

@@ -17,17 +17,25 @@ import sys
 __all__ = ["supervise"]
 
 
-def supervise(argv: list[str], world: int) -> int:
-    pairs = [socket.socketpair() for _ in range(world - 1)]
+def supervise(argv: list[str], world: int, first: int = 0, local: int | None = None, channels: bool = True) -> int:
+    """Run ranks ``first .. first+local-1`` of ``world`` (all of them by default); with ``channels``, rank 0's
+    request channels to the others are socket pairs made here (one host), else the ranks meet rank 0 at
+    ``--master-addr`` (``--nnodes``)."""
+    local = world if local is None else local
+    pairs = [socket.socketpair() for _ in range(world - 1)] if channels else []
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", *argv]
     ranks: list[subprocess.Popen] = []
     try:
-        leader_fds = [leader.fileno() for leader, _ in pairs]
-        ranks.append(subprocess.Popen(command + ["--rank", "0", "--channels", ",".join(map(str, leader_fds))],
-                                      pass_fds=leader_fds))
-        for rank, (_, follower) in enumerate(pairs, start=1):
-            ranks.append(subprocess.Popen(command + ["--rank", str(rank), "--channels", str(follower.fileno())],
-                                          pass_fds=[follower.fileno()]))
+        if channels:
+            leader_fds = [leader.fileno() for leader, _ in pairs]
+            ranks.append(subprocess.Popen(command + ["--rank", "0", "--channels", ",".join(map(str, leader_fds))],
+                                          pass_fds=leader_fds))
+            for rank, (_, follower) in enumerate(pairs, start=1):
+                ranks.append(subprocess.Popen(command + ["--rank", str(rank), "--channels", str(follower.fileno())],
+                                              pass_fds=[follower.fileno()]))
+        else:
+            for rank in range(first, first + local):
+                ranks.append(subprocess.Popen(command + ["--rank", str(rank)]))
     except OSError as exc:
         for process in ranks:
             process.kill()
@@ -45,7 +53,7 @@ def supervise(argv: list[str], world: int) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    by_pid = {process.pid: rank for rank, process in enumerate(ranks)}
+    by_pid = {process.pid: first + index for index, process in enumerate(ranks)}
     while True:
         try:
             pid, status = os.wait()

@@ -10,7 +10,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Iterator
 
 import torch
 
@@ -82,6 +82,97 @@ def _read_line(reader: BinaryIO, what: str) -> bytes:
     return line.strip()
 
 
+BOOTSTRAP_TIMEOUT_S = 600.0
+"""How long the ranks of ``--nnodes`` hosts wait for each other at their first meeting."""
+
+
+def _bootstrap(args: argparse.Namespace, rank: int, world: int, create: list) -> list[bytes]:
+    """``--nnodes`` > 1, at the first start only: rank 0 listens on ``--master-addr:--master-port`` until every
+    other rank connected and sends each the unique ids of the communicators (``create``: rank 0 makes them);
+    then every connection and the listener are closed. Nothing crosses hosts afterwards but those
+    communicators, which a snapshot tears down and rebuilds through the activation's coordinator."""
+    deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
+    if rank == 0:
+        ids = [make() for make in create]
+        line = (" ".join(i.hex() for i in ids) + "\n").encode()
+        joined: dict[int, socket.socket] = {}
+        with socket.create_server((args.master_addr, args.master_port)) as listener:
+            listener.settimeout(BOOTSTRAP_TIMEOUT_S)
+            while len(joined) < world - 1:
+                connection, _ = listener.accept()
+                try:
+                    peer = int(_read_line(connection.makefile("rb"), "its rank"))
+                except (ValueError, SystemExit, OSError):
+                    connection.close()  # not one of ours
+                    continue
+                connection.sendall(line)
+                joined[peer] = connection
+        for connection in joined.values():
+            connection.close()
+        return ids
+    while True:
+        try:
+            connection = socket.create_connection((args.master_addr, args.master_port), timeout=10)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"torch_lm: rank {rank}: rank 0 at {args.master_addr}:{args.master_port} did not "
+                                 f"answer within {BOOTSTRAP_TIMEOUT_S:.0f} s")
+            time.sleep(0.2)
+    with connection:
+        connection.sendall(f"{rank}\n".encode())
+        return [bytes.fromhex(h) for h in _read_line(connection.makefile("rb"), "the communicator ids").decode().split()]
+
+
+class _RequestChannels:
+    """Rank 0's channels to the other ranks across hosts: the connections of the ``requests``
+    communicator, whichever generation of it is live (a snapshot rebuilds it)."""
+
+    def __init__(self, requests: Any):
+        self.requests = requests
+
+    def __iter__(self) -> Iterator[socket.socket]:
+        peers = self.requests._live().peers
+        return iter([peers[r] for r in sorted(peers)])
+
+
+def _lines(connection: socket.socket) -> Iterator[bytes]:
+    """Lines from ``connection`` until it ends (EOF, or shut down under this thread by a teardown)."""
+    buffered = b""
+    while True:
+        try:
+            chunk = connection.recv(65536)
+        except TimeoutError:  # (the communicator's collectives time out; an idle channel is not dead)
+            continue
+        except OSError:
+            return
+        if not chunk:
+            return
+        buffered += chunk
+        while b"\n" in buffered:
+            line, buffered = buffered.split(b"\n", 1)
+            yield line
+
+
+def _follow_requests(model: TorchLM, requests: Any) -> int:
+    """Ranks > 0 on ``--nnodes`` hosts: run every request rank 0 forwards, in step with it; when the channel
+    ends because a snapshot tore the communicators down, wait for their rebuild and go on."""
+    while True:
+        communicator = requests.current
+        if communicator is None:  # torn down: the process is being snapshotted, or was just restored
+            time.sleep(0.02)
+            continue
+        for line in _lines(communicator.peers[0]):
+            request = json.loads(line)
+            model.generate(request["prompt"], int(request["max_tokens"]))
+        deadline = time.monotonic() + 10  # a teardown sets current to None around the close that ended it
+        while requests.current is communicator and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if requests.current is communicator:
+            sys.stderr.write(f"torch_lm: rank {model.rank}: rank 0 closed its channel; exiting\n")
+            return 1
+
+
 def _follow(model: TorchLM, reader: BinaryIO) -> int:
     """Ranks > 0: run every request rank 0 forwards, in order, in step with it."""
     for line in reader:
@@ -107,24 +198,34 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     started = time.perf_counter()
     channels = [socket.socket(fileno=int(fd)) for fd in args.channels.split(",") if fd]
     readers = [channel.makefile("rb") for channel in channels]
-    collectives = communicator = None
+    collectives = communicator = requests = None
     if world > 1:
         from coldsnap.collective import HostBackend, NcclBackend, RankCollectives
 
-        backend = NcclBackend(torch.device(device).index) if device.startswith("cuda") else HostBackend()
+        nodes = args.nnodes > 1  # across hosts: rank 0's address, not loopback
+        host = HostBackend(args.master_addr) if nodes else HostBackend()
+        backend = NcclBackend(torch.device(device).index) if device.startswith("cuda") else host
         collectives = RankCollectives(rank, world)
-        if rank == 0:
-            unique_id = backend.create_unique_id()
-            for channel in channels:
-                channel.sendall(unique_id.hex().encode() + b"\n")
+        if nodes:
+            request_backend = HostBackend(args.master_addr)
+            tp_id, requests_id = _bootstrap(args, rank, world, [backend.create_unique_id, request_backend.create_unique_id])
+            communicator = collectives.connect("tp", backend, tp_id)
+            requests = collectives.connect("requests", request_backend, requests_id)
+            channels = []
         else:
-            unique_id = bytes.fromhex(_read_line(readers[0], "the communicator id").decode())
-        communicator = collectives.connect("tp", backend, unique_id)
+            if rank == 0:
+                unique_id = backend.create_unique_id()
+                for channel in channels:
+                    channel.sendall(unique_id.hex().encode() + b"\n")
+            else:
+                unique_id = bytes.fromhex(_read_line(readers[0], "the communicator id").decode())
+            communicator = collectives.connect("tp", backend, unique_id)
     weights_file = Path(args.weights).resolve() / "model.safetensors" if args.weights else None
     # An n580 restore's placement names the capture's native pack (single rank: the pack is rank 0's).
     pack = os.environ.get(NATIVE_PACK_ENV) if os.environ.get(WEIGHTS_MODE_ENV) != "recovery" and world == 1 else None
     model = TorchLM(args.size, device, args.seed, args.max_seq, cuda_graphs=not args.no_cuda_graphs,
-                    rank=rank, world=world, communicator=communicator, followers=channels if rank == 0 else None,
+                    rank=rank, world=world, communicator=communicator,
+                    followers=(_RequestChannels(requests) if requests is not None else channels) if rank == 0 else None,
                     weights_file=weights_file, native_pack=Path(pack) if pack else None,
                     defer_graphs=os.environ.get(GRAPHS_ENV) == GRAPHS_AFTER_READY)
     if args.write_safetensors:
@@ -151,11 +252,13 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     attach(ModelMemory(model.layout, regions), serving_lock=model.lock, port=args.port if rank == 0 else None,
            hooks=hooks, rank=rank, world=world, collectives=collectives)  # starts the agent under coldsnap only
     where = f"{args.host}:{args.port}" if rank == 0 else "rank 0's channel"
+    if args.nnodes > 1:
+        where += f" (node {args.node_rank} of {args.nnodes})"
     gpu = f" (GPU-{torch.cuda.get_device_properties(model.device).uuid})" if model.device.type == "cuda" else ""
     sys.stderr.write(f"torch_lm: {args.size} rank {rank}/{world} on {device}{gpu} ready on {where} "
                      f"in {time.perf_counter() - started:.2f} s\n")
     sys.stderr.flush()
     if server is None:
-        return _follow(model, readers[0])
+        return _follow_requests(model, requests) if requests is not None else _follow(model, readers[0])
     server.serve_forever()
     return 0
