@@ -29,11 +29,8 @@ from coldsnap.contracts.request import OperationRequest, UnitSelection
 from coldsnap.operation import OperationFailed
 
 __all__ = ["UnitRendezvous", "artifact_request", "join_capture_request", "join_units", "selected_unit", "unit_activation",
-           "JOIN_TIMEOUT_S", "STEP_TIMEOUT_S"]
+           "STEP_TIMEOUT_S"]
 
-JOIN_TIMEOUT_S = 60.0
-"""How long a unit waits for the coordinator to answer its first HELLO (a worker pod may start before the
-leader that serves it)."""
 STEP_TIMEOUT_S = 1800.0
 """A unit-level barrier's limit: the slowest unit's step (a capture's engine start, a cold hydration)."""
 COORDINATOR_TTL_S = 7200.0
@@ -137,8 +134,9 @@ class UnitRendezvous:
             pass
         if self.served is not None:
             # The coordinator this unit serves stays until every unit said BYE (or the others were told)
+            # (after a failure only long enough to hand out the abort: nobody says BYE to a failed activation)
             if self._thread is not None:
-                self._thread.join(timeout=10 if completed else 3)
+                self._thread.join(timeout=10 if completed and not self.aborted else 0.3)
             self.served.stop()
             if self._thread is not None:
                 self._thread.join(timeout=5)
@@ -190,7 +188,7 @@ def join_units(request: OperationRequest, progress: Any) -> UnitRendezvous | Non
                  f"{world} ranks")
     address = selection.address or local_address_towards(endpoint)
     try:
-        client = CoordinatorClient(endpoint, token, index, connect_timeout=JOIN_TIMEOUT_S, context=context, role="unit",
+        client = CoordinatorClient(endpoint, token, index, connect_timeout=selection.join_timeout_s, context=context, role="unit",
                                    keepalive=True)
     except CoordinatorError as exc:
         if served is not None:

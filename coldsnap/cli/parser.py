@@ -177,6 +177,8 @@ def _add_unit_flags(p: argparse.ArgumentParser) -> None:
                        "file content on every unit's host")
     units.add_argument("--serve-rendezvous", metavar="HOST:PORT", help="this unit serves the coordinator itself, "
                        "listening there (e.g. 0.0.0.0:29600 on unit 0); --rendezvous then defaults to --address:PORT")
+    units.add_argument("--rendezvous-timeout", type=_positive_int, metavar="SECONDS", help="how long to wait for the "
+                       "coordinator to answer first (default 60: a unit may start before the one serving it)")
     units.add_argument("--address", metavar="ADDR", help="this unit's address, where the other units reach it "
                        "(default: this host's address on its route to --rendezvous)")
 

@@ -170,7 +170,8 @@ def _capture_request(args: argparse.Namespace) -> dict:
 def unit_selection(args: argparse.Namespace) -> dict | None:
     """``--units N --unit K --rendezvous ...`` as the request's ``unit`` selection (its ``unit_id`` left for
     the caller) and K, or None without ``--units``; a :class:`UsageError` for an incomplete set."""
-    given = [name for name in ("unit", "rendezvous", "rendezvous_token_file", "serve_rendezvous", "address")
+    given = [name for name in ("unit", "rendezvous", "rendezvous_token_file", "serve_rendezvous", "address",
+                               "rendezvous_timeout")
              if getattr(args, name, None) is not None]
     if getattr(args, "units", None) is None:
         if given:
@@ -196,7 +197,8 @@ def unit_selection(args: argparse.Namespace) -> dict | None:
         "index": args.unit, "units": args.units, "rendezvous": rendezvous,
         "rendezvous_token_file": str(Path(args.rendezvous_token_file).resolve()),
         **({"serve_rendezvous": args.serve_rendezvous} if args.serve_rendezvous else {}),
-        **({"address": args.address} if args.address else {})}}
+        **({"address": args.address} if args.address else {}),
+        **({"join_timeout_s": args.rendezvous_timeout} if args.rendezvous_timeout else {})}}
 
 
 def new_operation_id(operation: str) -> str:

@@ -178,6 +178,9 @@ class UnitSelection(Contract):
     """A file holding the activation's token (>= 16 bytes), the same on every unit's host."""
     serve_rendezvous: Endpoint | None = None
     """This unit serves the coordinator itself, listening there (typically unit 0: ``0.0.0.0:29600``)."""
+    join_timeout_s: int = Field(default=60, ge=1, le=3600)
+    """How long this unit waits for the coordinator to answer its first HELLO (a unit may start before the
+    one that serves it): ``unit.rendezvous`` after that."""
     address: str | None = Field(default=None, min_length=1, max_length=64)
     """This unit's address on the activation's network, where the other units reach it (default: the
     address of this host's route to ``rendezvous``)."""

@@ -1,0 +1,231 @@
+"""Two launch units on simulated hosts (tests/simulated_hosts.py), real CRIU: the reference workload's two
+ranks on two hosts (``--tp 2 --nnodes 2``), captured unit by unit (``coldsnap capture --units 2 --unit K``)
+meeting at the coordinator unit 0 serves, and restored onto two *other* hosts with other addresses. The
+restored pair answers as a cold start of the pair; a unit that fails, is killed or finds its port taken
+fails both within ~2 s, named, and leaves nothing running on any host."""
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.simulated_hosts import simulated_hosts
+
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.skipif(os.geteuid() != 0, reason="CRIU and network namespaces need root"),
+    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("nsenter") is None, reason="no iproute2 / nsenter"),
+]
+pytest.importorskip("zmq")
+pytest.importorskip("torch")
+REPO = Path(__file__).resolve().parents[2]
+PORT, MASTER_PORT, RENDEZVOUS_PORT = 18601, 29511, 29600
+PROMPTS = ["hello world", "The history of the river is",
+           "A longer prompt, so that the prefill crosses more of the cache: " + "the quick brown fox jumps over it; " * 8]
+
+
+def _engine(node: int, master: str) -> list[str]:
+    return [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--tp", "2", "--nnodes", "2",
+            "--node-rank", str(node), "--master-addr", master, "--master-port", str(MASTER_PORT), "--host", "0.0.0.0",
+            "--port", str(PORT)]
+
+
+def _env(work: Path, host) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "COLDSNAP_STATE_DIR": str(work / f"state-{host.hostname}")}
+
+
+def _unit_flags(k: int, host, leader, token: Path) -> list[str]:
+    flags = ["--units", "2", "--unit", str(k), "--rendezvous", f"{leader.address}:{RENDEZVOUS_PORT}",
+             "--rendezvous-token-file", str(token), "--address", host.address]
+    return flags + (["--serve-rendezvous", f"0.0.0.0:{RENDEZVOUS_PORT}"] if k == 0 else [])
+
+
+def _start(work: Path, label: str, hosts, argv_of) -> list[subprocess.Popen]:
+    return [subprocess.Popen(h.command(argv_of(k, h)), stdout=open(work / f"{label}-{k}.log", "w"),
+                             stderr=subprocess.STDOUT, env=_env(work, h)) for k, h in enumerate(hosts)]
+
+
+def _receipt(work: Path, name: str) -> dict:
+    return json.loads((work / name).read_text())
+
+
+def _ask(client, address: str, prompt: str) -> list[int]:
+    body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0})
+    done = subprocess.run(["nsenter", f"--net=/var/run/netns/{client.namespace}", sys.executable, "-c",
+                           "import sys, urllib.request; print(urllib.request.urlopen(urllib.request.Request("
+                           f"'http://{address}:{PORT}/v1/completions', data=sys.argv[1].encode()), timeout=60).read()"
+                           ".decode())", body], capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout)["choices"][0]["token_ids"]
+
+
+def _wait_for_http(client, address: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        probe = subprocess.run(["nsenter", f"--net=/var/run/netns/{client.namespace}", sys.executable, "-c",
+                                f"import socket; socket.create_connection(('{address}', {PORT}), timeout=1)"],
+                               capture_output=True)
+        if probe.returncode == 0:
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"nothing answered on {address}:{PORT}")
+
+
+def _namespace_pids(host) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True, timeout=30)
+    return [int(p) for p in listed.stdout.split()]
+
+
+@pytest.fixture(scope="module")
+def two_units(tmp_path_factory):
+    """Six hosts: A and B run the cold start and the capture, C and D the restores, E the failure cases'
+    second pair, and a client. The cold pair's answers to PROMPTS, and the capture's two artifact
+    directories (one per host, as on two machines)."""
+    work = tmp_path_factory.mktemp("two-units")
+    token = work / "token"
+    token.write_text(secrets.token_hex(32))
+    with simulated_hosts(6) as (a, b, c, d, e, client):
+        cold = _start(work, "cold", [a, b], lambda k, h: _engine(k, a.address))
+        try:
+            _wait_for_http(client, a.address)
+            expected = [_ask(client, a.address, prompt) for prompt in PROMPTS]
+        finally:
+            for process in cold:
+                process.kill()
+                process.wait()
+        started = time.monotonic()
+        capture = _start(work, "capture", [a, b], lambda k, h: [
+            sys.executable, "-m", "coldsnap", "capture", "--out", str(work / f"artifact-unit{k}"),
+            *_unit_flags(k, h, a, token), "--receipt-json", str(work / f"capture-{k}.json"), "--",
+            *_engine(k, a.address)])
+        codes = [p.wait(timeout=600) for p in capture]
+        logs = "\n".join((work / f"capture-{k}.log").read_text()[-3000:] for k in range(2))
+        assert codes == [0, 0], logs
+        yield {"work": work, "token": token, "hosts": (a, b, c, d, e, client), "expected": expected,
+               "capture_s": time.monotonic() - started}
+
+
+def _restore_argv(work: Path, token: Path, leader, label: str, extra=()):
+    return lambda k, h: [sys.executable, "-m", "coldsnap", "restore", str(work / f"artifact-unit{k}"),
+                         *_unit_flags(k, h, leader, token), "--receipt-json", str(work / f"{label}-receipt-{k}.json"),
+                         *extra]
+
+
+def test_two_units_restored_on_two_other_hosts_answer_as_the_cold_pair(two_units):
+    work, token, expected = two_units["work"], two_units["token"], two_units["expected"]
+    a, b, c, d, e, client = two_units["hosts"]
+    descriptor = json.loads((work / "artifact-unit0" / "artifact.json").read_text())
+    assert [u["unit_id"] for u in descriptor["units"]] == ["unit-0", "unit-1"]
+    assert (work / "artifact-unit1" / "artifact.json").read_bytes() == (work / "artifact-unit0" / "artifact.json").read_bytes()
+    assert not (work / "artifact-unit0" / "units" / "unit-1").exists()  # each host holds its own unit's capsule
+    captured = [_receipt(work, f"capture-{k}.json") for k in range(2)]
+    assert all(r["state"] == "succeeded" for r in captured)
+    spans = {s["name"] for s in captured[1]["timing"]["spans"]}
+    assert {"capture.units.ready", "capture.units.dumped", "capture.units.verified"} <= spans
+
+    started = time.monotonic()
+    restores = _start(work, "restore", [c, d], _restore_argv(work, token, c, "restore"))
+    codes = [p.wait(timeout=300) for p in restores]
+    seconds = time.monotonic() - started
+    logs = "\n".join((work / f"restore-{k}.log").read_text()[-3000:] for k in range(2))
+    assert codes == [0, 0], logs
+    try:
+        receipts = [_receipt(work, f"restore-receipt-{k}.json") for k in range(2)]
+        assert [r["state"] for r in receipts] == ["succeeded", "succeeded"]
+        for receipt in receipts:  # one clock per unit: each unit's own receipt times its own steps
+            names = {s["name"] for s in receipt["timing"]["spans"]}
+            assert {"restore.criu_restore", "restore.units.network_unlock", "restore.units.released"} <= names
+        assert [_ask(client, c.address, prompt) for prompt in PROMPTS] == expected  # at host C's address
+        assert seconds < 60
+    finally:
+        for host in (c, d):
+            for pid in _namespace_pids(host):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_restoring_a_subset_of_the_units_is_refused_before_anything_starts(two_units):
+    work, token = two_units["work"], two_units["token"]
+    a, b, c, d, e, client = two_units["hosts"]
+    plain = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(work / "artifact-unit0")],
+                           capture_output=True, text=True, timeout=60, env=_env(work, c))
+    assert plain.returncode == 2 and "2 launch units" in plain.stderr and "Traceback" not in plain.stderr
+    wrong = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(work / "artifact-unit0"), "--units", "3",
+                            "--unit", "0", "--rendezvous", "127.0.0.1:1", "--rendezvous-token-file", str(token)],
+                           capture_output=True, text=True, timeout=60, env=_env(work, c))
+    assert wrong.returncode == 2 and "artifact of 2 launch unit(s)" in wrong.stderr
+
+
+def _failed_within(work: Path, processes, victim_index: int, label: str) -> tuple[list[int], float]:
+    """Wait for the launchers; the survivors' exit time after the victim's, in seconds."""
+    victim = processes[victim_index]
+    victim.wait(timeout=120)
+    gone = time.monotonic()
+    codes = [p.wait(timeout=120) for p in processes]
+    return codes, time.monotonic() - gone
+
+
+def test_a_unit_whose_port_is_taken_fails_both_named(two_units):
+    work, token = two_units["work"], two_units["token"]
+    a, b, c, d, e, client = two_units["hosts"]
+    blocker = subprocess.Popen(c.command([sys.executable, "-c", (
+        f"import socket, time; s = socket.create_server(('0.0.0.0', {PORT})); print('bound', flush=True); time.sleep(300)")]),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert blocker.stdout.readline().strip() == "bound"
+        processes = _start(work, "port-taken", [c, e], _restore_argv(work, token, c, "port-taken"))
+        codes, after = _failed_within(work, processes, 0, "port-taken")
+        assert codes == [1, 1]
+        mine = _receipt(work, "port-taken-receipt-0.json")["error"]
+        theirs = _receipt(work, "port-taken-receipt-1.json")["error"]
+        assert mine["code"] == "admission.port"
+        assert theirs["code"] == "unit.rendezvous" and "unit 0" in theirs["message"] and "admission.port" in theirs["message"]
+        assert after < 2.5
+        assert _namespace_pids(e) == []  # nothing restored on the other host
+    finally:
+        blocker.kill()
+        blocker.wait()
+
+
+@pytest.mark.parametrize("victim", [0, 1], ids=["the unit serving the coordinator", "the other unit"])
+def test_a_unit_killed_mid_restore_fails_the_other_within_two_seconds(two_units, victim):
+    work, token = two_units["work"], two_units["token"]
+    a, b, c, d, e, client = two_units["hosts"]
+    hosts = (c, e)
+    processes = _start(work, f"killed-{victim}", hosts, _restore_argv(work, token, c, f"killed-{victim}"))
+    logs = [work / f"killed-{victim}-{k}.log" for k in range(2)]
+    deadline = time.monotonic() + 60  # both joined: then the victim is killed during its admission or restore
+    while not all("joined the coordinator" in log.read_text() for log in logs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    processes[victim].send_signal(signal.SIGKILL)  # (the host's sh exec'd into the launcher)
+    codes, after = _failed_within(work, processes, victim, f"killed-{victim}")
+    survivor = 1 - victim
+    assert codes[survivor] == 1, (work / f"killed-{victim}-{survivor}.log").read_text()[-2000:]
+    error = _receipt(work, f"killed-{victim}-receipt-{survivor}.json")["error"]
+    assert error["code"] == "unit.rendezvous"
+    assert ("unit 1 stopped responding" if victim == 1 else "went away") in error["message"]
+    assert after < 2.5
+    time.sleep(1)  # a restored tree whose launcher died follows it (its lease)
+    for host in hosts:
+        assert _namespace_pids(host) == [], f"left running on {host.hostname}"
+
+
+def test_a_coordinator_that_never_answers_fails_the_unit_named(two_units):
+    work, token = two_units["work"], two_units["token"]
+    a, b, c, d, e, client = two_units["hosts"]
+    started = time.monotonic()
+    alone = subprocess.run(e.command([sys.executable, "-m", "coldsnap", "restore", str(work / "artifact-unit1"),
+                                      "--units", "2", "--unit", "1", "--rendezvous", f"{c.address}:{RENDEZVOUS_PORT}",
+                                      "--rendezvous-token-file", str(token), "--rendezvous-timeout", "2",
+                                      "--receipt-json", str(work / "alone-receipt.json")]),
+                           capture_output=True, text=True, timeout=60, env=_env(work, e))
+    assert alone.returncode == 1 and time.monotonic() - started < 15
+    error = _receipt(work, "alone-receipt.json")["error"]
+    assert error["code"] == "unit.rendezvous" and f"{c.address}:{RENDEZVOUS_PORT}" in error["message"]
+    assert _namespace_pids(e) == []
