@@ -39,9 +39,9 @@ def port_free(port: int) -> bool:
 def serving_port(context: OperationContext, capsule: CapsuleManifest) -> int:
     """Where the restored server will listen: the request's serving port, else the captured one (an n610
     image gets there by its port generation, an n580 template by its placement)."""
-    unit = next((u for u in context.request.units if u.unit_id == capsule.unit_id), context.request.units[0])
+    units, selection = context.request.units, context.request.unit
     # (a unit of several that serves nothing moves its ports as unit 0's serving port does)
-    asked = unit.serving_port or (context.request.units[0].serving_port if context.request.unit is not None else None)
+    asked = units[0].serving_port if selection is None else units[selection.index].serving_port or units[0].serving_port
     return asked or capsule.metadata.serving_port
 
 

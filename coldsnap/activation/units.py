@@ -147,9 +147,9 @@ def read_token(path: str) -> bytes:
     try:
         token = Path(path).read_bytes().strip()
     except OSError as exc:
-        raise OperationFailed("request.invalid", f"rendezvous token file {path}: {exc.strerror or exc}") from None
+        raise OperationFailed("unit.rendezvous", f"rendezvous token file {path}: {exc.strerror or exc}") from None
     if len(token) < 16:
-        raise OperationFailed("request.invalid", f"rendezvous token file {path}: the token must be at least 16 bytes")
+        raise OperationFailed("unit.rendezvous", f"rendezvous token file {path}: the token must be at least 16 bytes")
     return token
 
 

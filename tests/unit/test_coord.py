@@ -264,6 +264,7 @@ def test_units_and_ranks_meet_at_barriers_of_their_own(unit_coordinator):
     the coordinator ends when both units said BYE, not when the ranks did."""
     server = unit_coordinator(4, 2)
     errors = []
+    ranks_done = threading.Barrier(4 + 2)  # a unit's launcher ends after its ranks did
 
     def participant(role, index):
         try:
@@ -271,11 +272,13 @@ def test_units_and_ranks_meet_at_barriers_of_their_own(unit_coordinator):
                 with CoordinatorClient(server.endpoint, TOKEN, index, role=role, keepalive=True) as client:
                     for _ in range(2):
                         client.barrier("dumped", timeout=20)
+                    ranks_done.wait(20)
                     client.barrier("committed", timeout=20)
                 return
             for _ in range(2):  # capture, then the capture's check restore: the ranks connect again
                 with CoordinatorClient(server.endpoint, TOKEN, index, role=role) as client:
                     client.barrier("dumped", timeout=20)
+            ranks_done.wait(20)
         except Exception as exc:
             errors.append((role, index, repr(exc)))
 

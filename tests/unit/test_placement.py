@@ -58,7 +58,7 @@ def _restore_scene(tmp_path, abi=2, driver="580.159.04", port=9100, env=None, gr
     worker = NS(rank=0, payload=NS(path="payload/abc.pack"))
     descriptor = NS(units=[NS(workers=[worker])])
     unit = NS(serving_port=port, env=env or {})
-    context = NS(request=NS(units=[unit], policy=NS(graphs=NS(mode=graphs))))
+    context = NS(request=NS(units=[unit], unit=None, policy=NS(graphs=NS(mode=graphs))))
     return context, NS(root=tmp_path), descriptor, capsule
 
 
@@ -98,7 +98,7 @@ def test_a_restore_serves_on_the_requested_port_else_the_captured_one():
     from coldsnap.activation.replica import serving_port
 
     def port(requested, template=None):
-        context = NS(request=NS(units=[NS(serving_port=requested)]))
+        context = NS(request=NS(units=[NS(serving_port=requested)], unit=None))
         return serving_port(context, NS(metadata=NS(serving_port=8000, template=template)))
 
     assert port(None) == port(8000) == 8000
