@@ -287,21 +287,27 @@ def test_each_unit_runs_coldsnap_with_its_place_in_the_group(file, verb):
 
 
 def test_capture_and_restore_name_the_same_artifact():
-    """The restore reads the directory the capture wrote: the same path on the same claim, read-only there."""
-    def artifact(file: str, verb: str) -> set[tuple[str, str, bool]]:
-        found = set()
-        for template in _templates(_lws(file)).values():
+    """Unit K's restore reads the directory unit K's capture wrote (``unit-K`` under one artifact folder, as on
+    two machines: the one descriptor and that unit's capsule): the same path on the same claim, read-only there."""
+    def artifact(file: str, verb: str) -> dict[str, tuple[str, str, bool]]:
+        found = {}
+        for name, template in _templates(_lws(file)).items():
             container = _main(template)
             out, options, _ = _coldsnap(_script(container), verb)
             directory = Path(_expand(options["--out"] if verb == "capture" else out, container))
             (mount,) = [m for m in container["volumeMounts"] if directory.is_relative_to(m["mountPath"])]
             (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
-            found.add((str(directory), volume["persistentVolumeClaim"]["claimName"], bool(mount.get("readOnly"))))
+            found[name] = (str(directory), volume["persistentVolumeClaim"]["claimName"], bool(mount.get("readOnly")))
         return found
 
-    (captured,), (restored,) = artifact("capture-two-unit.yaml", "capture"), artifact("restore-two-unit.yaml", "restore")
-    assert "$" not in captured[0] and captured[:2] == restored[:2]
-    assert not captured[2] and restored[2], "the capture writes the artifact; the restore only reads it"
+    captured, restored = artifact("capture-two-unit.yaml", "capture"), artifact("restore-two-unit.yaml", "restore")
+    assert set(captured) == set(restored)
+    for name in captured:
+        assert captured[name][:2] == restored[name][:2], name
+        assert not captured[name][2] and restored[name][2], "the capture writes the artifact; the restore only reads it"
+    units = sorted(Path(directory).name for directory, _, _ in captured.values())
+    assert units == ["unit-$(LWS_WORKER_INDEX)", "unit-0"]
+    assert len({Path(directory).parent for directory, _, _ in captured.values()}) == 1
 
 
 @pytest.mark.parametrize("file", ["capture-two-unit.yaml", "restore-two-unit.yaml"])
