@@ -329,3 +329,37 @@ def test_capture_graphs_flag_refuses_an_unknown_policy():
     bad = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", "/tmp/x", "--graphs", "keep", "--",
                           "vllm", "serve", "m", "--port", "1"], capture_output=True, text=True)
     assert bad.returncode == 2 and "--graphs" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_capture_of_one_unit_of_several_lists_its_own_ranks_and_selection(tmp_path):
+    from coldsnap.cli import capture_request
+    from coldsnap.contracts.request import OperationRequest
+
+    token = tmp_path / "token"
+    command = ["python", "-m", "coldsnap.workloads.torch_lm", "--tp", "4", "--nnodes", "2", "--port", "8000"]
+    unit1 = capture_request(["--out", str(tmp_path / "a"), "--units", "2", "--unit", "1", "--rendezvous", "10.0.0.1:29600",
+                             "--rendezvous-token-file", str(token), "--", *command])
+    decoded = OperationRequest.model_validate_json(json.dumps(unit1))
+    assert decoded.partial and decoded.unit.index == 1 and decoded.unit.unit_id == "unit-1"
+    # --tp 4 over 2 units: ranks 2 and 3 here; only unit 0 serves (the command's --port is not unit 1's to serve)
+    assert [w.rank for w in decoded.units[0].workers] == [2, 3] and decoded.units[0].serving_port is None
+    unit0 = capture_request(["--out", str(tmp_path / "a"), "--units", "2", "--unit", "0", "--serve-rendezvous",
+                             "0.0.0.0:29600", "--address", "10.0.0.1", "--rendezvous-token-file", str(token), "--", *command])
+    decoded = OperationRequest.model_validate_json(json.dumps(unit0))
+    assert decoded.unit.rendezvous == "10.0.0.1:29600" and decoded.units[0].serving_port == 8000
+    assert "unit" not in OperationRequest.model_validate_json(json.dumps({**unit0, "unit": None})).to_json_value()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--unit", "1"], "--unit is for one unit of several"),
+    (["--units", "1", "--unit", "0"], "2 or more"),
+    (["--units", "2"], "--unit K with K in 0..1"),
+    (["--units", "2", "--unit", "2"], "--unit K with K in 0..1"),
+    (["--units", "2", "--unit", "0", "--rendezvous", "h:1"], "--rendezvous-token-file"),
+    (["--units", "2", "--unit", "0", "--rendezvous-token-file", "/t"], "--rendezvous HOST:PORT"),
+    (["--units", "2", "--unit", "0", "--rendezvous-token-file", "/t", "--serve-rendezvous", "0.0.0.0:29600"], "--address"),
+])
+def test_unit_flags_that_do_not_add_up_are_usage_errors(flags, message):
+    bad = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", "/tmp/x", *flags, "--", "vllm", "serve",
+                          "m", "--port", "1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
