@@ -23,8 +23,8 @@ TOKEN = b"activation-token-0123456789abcdef"
 def coordinator():
     started = []
 
-    def start(ranks: int, ttl: float = 60.0) -> Coordinator:
-        server = Coordinator("127.0.0.1:0", TOKEN, ranks, ttl)
+    def start(ranks: int, ttl: float = 60.0, units: int = 0) -> Coordinator:
+        server = Coordinator("127.0.0.1:0", TOKEN, ranks, ttl, units=units)
         result = {}
         thread = threading.Thread(target=lambda: result.setdefault("reason", server.serve()), daemon=True)
         thread.start()
@@ -238,31 +238,11 @@ def test_the_last_bye_is_answered_although_the_coordinator_then_closes(coordinat
         assert server.result["reason"] == "complete"
 
 
-@pytest.fixture
-def unit_coordinator():
-    started = []
-
-    def start(ranks: int, units: int, ttl: float = 60.0) -> Coordinator:
-        server = Coordinator("127.0.0.1:0", TOKEN, ranks, ttl, units=units)
-        result = {}
-        thread = threading.Thread(target=lambda: result.setdefault("reason", server.serve()), daemon=True)
-        thread.start()
-        started.append((server, thread))
-        server.result = result
-        server.thread = thread
-        return server
-
-    yield start
-    for server, thread in started:
-        server.stop()
-        thread.join(timeout=5)
-
-
-def test_units_and_ranks_meet_at_barriers_of_their_own(unit_coordinator):
+def test_units_and_ranks_meet_at_barriers_of_their_own(coordinator):
     """Two units' launchers and their four ranks: a unit barrier waits for both units only, a rank
     barrier of the same name for all four ranks; a rank that said BYE joins again (a restored process);
     the coordinator ends when both units said BYE, not when the ranks did."""
-    server = unit_coordinator(4, 2)
+    server = coordinator(4, units=2)
     errors = []
     ranks_done = threading.Barrier(4 + 2)  # a unit's launcher ends after its ranks did
 
@@ -293,14 +273,14 @@ def test_units_and_ranks_meet_at_barriers_of_their_own(unit_coordinator):
     assert server.result["reason"] == "complete"
 
 
-def test_a_coordinator_without_units_refuses_a_unit(unit_coordinator):
-    server = unit_coordinator(2, 0)
+def test_a_coordinator_without_units_refuses_a_unit(coordinator):
+    server = coordinator(2, units=0)
     with pytest.raises(CoordinatorError, match="has no units"):
         CoordinatorClient(server.endpoint, TOKEN, 0, role="unit")
 
 
-def test_a_unit_that_aborts_fails_every_other_participant_at_once(unit_coordinator):
-    server = unit_coordinator(2, 2)
+def test_a_unit_that_aborts_fails_every_other_participant_at_once(coordinator):
+    server = coordinator(2, units=2)
     outcome = {}
 
     def waiter(role):
@@ -327,9 +307,9 @@ def test_a_unit_that_aborts_fails_every_other_participant_at_once(unit_coordinat
         assert seconds < 2
 
 
-def test_a_unit_killed_during_its_own_work_fails_the_others_within_two_seconds(unit_coordinator):
+def test_a_unit_killed_during_its_own_work_fails_the_others_within_two_seconds(coordinator):
     """The victim is in no barrier (a unit's CRIU restore): only its keepalive tells it is alive."""
-    server = unit_coordinator(2, 2)
+    server = coordinator(2, units=2)
     victim = subprocess.Popen([sys.executable, "-c", (
         "import time; from coldsnap.coord import CoordinatorClient\n"
         f"c = CoordinatorClient({server.endpoint!r}, {TOKEN!r}, 1, role='unit', keepalive=True)\n"

@@ -26,9 +26,10 @@ KUBERNETES_VERSION = "v1.35.0"
 MANIFESTS = sorted(DEPLOY.glob("*.yaml"))
 
 
-def _documents() -> list[tuple[str, dict]]:
+def _documents(manifests: list[Path] = MANIFESTS) -> list[tuple[str, dict]]:
+    """Every YAML document of ``manifests``, named ``FILE#INDEX:KIND``."""
     found = []
-    for path in MANIFESTS:
+    for path in manifests:
         for index, document in enumerate(yaml.safe_load_all(path.read_text())):
             if document is not None:
                 found.append((f"{path.name}#{index}:{document.get('kind')}", document))

@@ -22,10 +22,9 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-import yaml
 from jsonschema.exceptions import ValidationError
 
-from tests.unit.test_kubernetes_manifests import ROOT, SCHEMAS, _containers, _env, _problems, _registry
+from tests.unit.test_kubernetes_manifests import ROOT, SCHEMAS, _containers, _documents, _env, _problems, _registry
 
 LWS_DIR = ROOT / "deploy" / "kubernetes" / "lws"
 LWS_VERSION = "lws-v0.10.0"
@@ -35,16 +34,7 @@ LWS_ENV = {"LWS_LEADER_ADDRESS", "LWS_GROUP_SIZE", "LWS_WORKER_INDEX"}  # what L
 TOKEN_SECRET, TOKEN_KEY = "coldsnap-rendezvous", "token"
 
 
-def _documents() -> list[tuple[str, dict]]:
-    found = []
-    for path in MANIFESTS:
-        for index, document in enumerate(yaml.safe_load_all(path.read_text())):
-            if document is not None:
-                found.append((f"{path.name}#{index}:{document.get('kind')}", document))
-    return found
-
-
-DOCUMENTS = _documents()
+DOCUMENTS = _documents(MANIFESTS)
 
 
 def _lws(file: str) -> dict:
