@@ -110,9 +110,8 @@ class RestoreSequence:
         the process is on its own. Any failure: :meth:`unwind`. Either way: :meth:`release`."""
         try:
             for name in steps:
-                if self.units is not None and name == "check_canary" and not self.first_unit:
-                    pass  # unit 0 asks the canary through its serving port; its answer needs this unit's ranks
-                else:
+                # (unit 0 alone asks the canary, through its serving port; its answer needs every unit's ranks)
+                if name != "check_canary" or self.units is None or self.first_unit:
                     getattr(self, name)()
                 if self.units is not None and name in UNIT_BARRIERS:
                     with self.timer.span(f"{self.op}.units.{UNIT_BARRIERS[name]}"):

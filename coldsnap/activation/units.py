@@ -17,10 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import secrets
 import socket
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -52,7 +51,8 @@ def local_address_towards(endpoint: str) -> str:
 
 @dataclass
 class UnitRendezvous:
-    """This unit's launcher at the activation's coordinator (served here too when this unit serves it)."""
+    """This unit's launcher at the activation's coordinator (served here too when this unit serves it). Its
+    ``client`` serializes the calls of this launcher's threads (a rank's abort, the steps' barriers)."""
 
     index: int
     units: int
@@ -65,35 +65,30 @@ class UnitRendezvous:
     _thread: threading.Thread | None = None
     _context: Any = None
     aborted: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @contextlib.contextmanager
+    def _failing_as_rendezvous(self) -> Iterator[None]:
+        """A coordinator call of this unit: its failure is ``unit.rendezvous``, naming this unit and why (the
+        unit that failed first, the barrier's missing units, a coordinator gone)."""
+        from coldsnap.coord import CoordinatorError
+
+        try:
+            yield
+        except CoordinatorError as exc:
+            raise OperationFailed("unit.rendezvous", f"unit {self.index} of {self.units}: {exc}") from None
 
     def barrier(self, name: str, timeout: float = STEP_TIMEOUT_S) -> None:
-        """Every unit reached ``name``; else ``unit.rendezvous`` naming why (the unit that failed, first)."""
-        from coldsnap.coord import CoordinatorError
-
-        try:
-            with self._lock:
-                self.client.barrier(name, timeout)
-        except CoordinatorError as exc:
-            raise OperationFailed("unit.rendezvous", f"unit {self.index} of {self.units}: {exc}") from None
+        """Every unit reached ``name``."""
+        with self._failing_as_rendezvous():
+            self.client.barrier(name, timeout)
 
     def put(self, key: str, value: Any) -> None:
-        from coldsnap.coord import CoordinatorError
-
-        try:
-            with self._lock:
-                self.client.put(key, json.dumps(value, sort_keys=True))
-        except CoordinatorError as exc:
-            raise OperationFailed("unit.rendezvous", f"unit {self.index} of {self.units}: {exc}") from None
+        with self._failing_as_rendezvous():
+            self.client.put(key, json.dumps(value, sort_keys=True))
 
     def get(self, key: str, timeout: float = STEP_TIMEOUT_S) -> Any:
-        from coldsnap.coord import CoordinatorError
-
-        try:
-            with self._lock:
-                return json.loads(self.client.get(key, timeout))
-        except CoordinatorError as exc:
-            raise OperationFailed("unit.rendezvous", f"unit {self.index} of {self.units}: {exc}") from None
+        with self._failing_as_rendezvous():
+            return json.loads(self.client.get(key, timeout))
 
     def every_unit(self, key: str, value: Any) -> list[Any]:
         """Publish this unit's ``value`` under ``key`` and return every unit's, in unit order."""
@@ -120,8 +115,7 @@ class UnitRendezvous:
             return
         self.aborted = True
         try:
-            with self._lock:
-                self.client.abort(f"unit {self.index}: {reason}")
+            self.client.abort(f"unit {self.index}: {reason}")
         except (CoordinatorError, OSError):
             pass
 
@@ -157,9 +151,9 @@ def join_units(request: OperationRequest, progress: Any) -> UnitRendezvous | Non
     """This launcher's seat at the activation's coordinator for a request that selects one unit of several
     (``None`` otherwise): the coordinator served here first when the selection says so, then joined."""
     selection: UnitSelection | None = request.unit
-    index = selected_unit(request)
-    if selection is None or index is None:
+    if selection is None:
         return None
+    index = selection.index
     try:
         import zmq
 
@@ -201,11 +195,6 @@ def join_units(request: OperationRequest, progress: Any) -> UnitRendezvous | Non
     progress(f"unit {index} of {count} ({selection.unit_id}, address {address}) joined the coordinator at {endpoint}")
     return UnitRendezvous(index=index, units=count, world=world, endpoint=endpoint, token=token,
                           address=address, client=client, served=served, _thread=thread, _context=context)
-
-
-def new_token() -> bytes:
-    """A fresh activation token (hex, as a token file holds it)."""
-    return secrets.token_hex(32).encode()
 
 
 @contextlib.contextmanager
