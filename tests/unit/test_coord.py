@@ -118,13 +118,20 @@ def test_duplicate_rank_is_refused(coordinator):
             CoordinatorClient(server.endpoint, TOKEN, 0)
 
 
+def _participant_in_a_process(server, arguments: str, then: str) -> subprocess.Popen:
+    """A participant in a process of its own (to be killed), joined with ``CoordinatorClient(endpoint, token,
+    ARGUMENTS)`` and then running ``then``."""
+    victim = subprocess.Popen([sys.executable, "-c", (
+        "import time; from coldsnap.coord import CoordinatorClient\n"
+        f"c = CoordinatorClient({server.endpoint!r}, {TOKEN!r}, {arguments})\n"
+        f"print('in', flush=True); {then}")], stdout=subprocess.PIPE)
+    assert victim.stdout.readline().strip() == b"in"
+    return victim
+
+
 def test_rank_killed_mid_barrier_fails_the_others_fast(coordinator):
     server = coordinator(3, ttl=60)
-    victim = subprocess.Popen([sys.executable, "-c", (
-        "import sys; from coldsnap.coord import CoordinatorClient\n"
-        f"c = CoordinatorClient({server.endpoint!r}, {TOKEN!r}, 2)\n"
-        "print('in', flush=True); c.barrier('cuda-restored', timeout=60)")], stdout=subprocess.PIPE)
-    assert victim.stdout.readline().strip() == b"in"
+    victim = _participant_in_a_process(server, "2", "c.barrier('cuda-restored', timeout=60)")
     outcome = {}
 
     def waiter():
@@ -310,11 +317,7 @@ def test_a_unit_that_aborts_fails_every_other_participant_at_once(coordinator):
 def test_a_unit_killed_during_its_own_work_fails_the_others_within_two_seconds(coordinator):
     """The victim is in no barrier (a unit's CRIU restore): only its keepalive tells it is alive."""
     server = coordinator(2, units=2)
-    victim = subprocess.Popen([sys.executable, "-c", (
-        "import time; from coldsnap.coord import CoordinatorClient\n"
-        f"c = CoordinatorClient({server.endpoint!r}, {TOKEN!r}, 1, role='unit', keepalive=True)\n"
-        "print('in', flush=True); time.sleep(60)")], stdout=subprocess.PIPE)
-    assert victim.stdout.readline().strip() == b"in"
+    victim = _participant_in_a_process(server, "1, role='unit', keepalive=True", "time.sleep(60)")
     outcome = {}
 
     def waiter():
