@@ -90,6 +90,11 @@ AGENT_MISSING_CAUSES: dict[str, str] = {
 }
 
 
+def _host_of(endpoint: str) -> str:
+    """``address:port`` (``[v6]:port``) → the address."""
+    return endpoint.rpartition(":")[0].strip("[]")
+
+
 def port_taken(port: int) -> bool:
     """Whether a socket is bound to ``port`` on the loopback address now (a privileged port this user may
     not bind is not taken: the engine's own bind says so)."""
@@ -320,16 +325,30 @@ class CaptureSequence:
         """No TCP connection to a peer outside the tree: a restore could not take it up again (the peer
         moved on, and every replica would hold the same connection). Refused while the tree still runs,
         before the CUDA checkpoint and the dump, so the unwind only kills it. Connections between the
-        tree's own processes are dumped with it (see :meth:`dump`)."""
+        tree's own processes are dumped with it (see :meth:`dump`); so are, for one launch unit of several,
+        those to another unit's tree (an engine's store, gloo pairs, ZeroMQ queues between its nodes): every
+        unit dumps them established, under the network lock, and every restore rewrites both ends for the
+        units' new addresses and holds them until all units are back (``restore.units.network_unlock``)."""
         assert self.engine is not None
         with self.step("capture.connections", "capture.connections") as span:
             connections = tcp_connections(tree_pids(self.engine.pid))
             span["connected"] = connections.connected
-            if connections.outside:
-                raise OperationFailed("capture.connections", f"the serving tree holds {len(connections.outside)} TCP "
+            units = self._unit_addresses()
+            between_units = [c for c in connections.outside if _host_of(c.remote) in units]
+            outside = [c for c in connections.outside if _host_of(c.remote) not in units]
+            if between_units:
+                span["between_units"] = len(between_units)
+            if outside:
+                raise OperationFailed("capture.connections", f"the serving tree holds {len(outside)} TCP "
                                       "connection(s) to peers outside it, which no restore could take up again: "
-                                      f"{'; '.join(map(str, connections.outside))}; close them before the capture "
+                                      f"{'; '.join(map(str, outside))}; close them before the capture "
                                       "(open them after a restore instead)")
+
+    def _unit_addresses(self) -> set[str]:
+        """The other launch units' addresses (one unit of several; none otherwise), as every unit said."""
+        if self.units is None:
+            return set()
+        return {a for a in self.units.every_unit("capture/address", self.units.address) if a != self.units.address}
 
     def checkpoint_cuda(self) -> None:
         """n610: the initialized CUDA state goes into the image; weights and KV were released, so only

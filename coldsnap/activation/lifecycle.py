@@ -25,9 +25,10 @@ from coldsnap.activation.drivers import driver_for
 from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
 from coldsnap.activation.state import artifact_id
-from coldsnap.activation.units import join_capture_request, selected_unit, unit_activation
+from coldsnap.activation.units import join_capture_request, packed_addresses, selected_unit, unit_activation
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.snapshot.replica import connections_to
 
 __all__ = ["capture", "restore", "warm", "wake"]
 
@@ -76,6 +77,12 @@ def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> O
                 if len(set(shifts)) != 1:
                     raise OperationFailed("admission.port", f"the units' port generations differ (shifts {shifts}): "
                                           "restore every unit onto the same serving port")
+                captured = admitted.capsule.metadata.address
+                others = {a for a in units.place(captured) if a != captured}
+                if shifts[0] and connections_to(artifact.images(admitted.capsule.unit_id), packed_addresses(others)):
+                    raise OperationFailed("admission.port", f"the units' trees are connected to each other, which "
+                                          f"ties their ports to the capture's: restore onto the captured serving port "
+                                          f"{admitted.capsule.metadata.serving_port}, not with a shift of {shifts[0]}")
                 units.barrier("restore.admitted")
         if context.request.prepare_only:
             context.progress("admission passed; --prepare-only: nothing started")

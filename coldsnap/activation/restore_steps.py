@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import ipaddress
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, ContextManager, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 from coldsnap.activation.admission import WeightSource
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
@@ -32,6 +31,7 @@ from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, ra
 from coldsnap.activation.replica import GpuPlacement, Replica
 from coldsnap.activation.staging import WeightStager, stages_rank
 from coldsnap.activation.state import forget_removed_artifacts
+from coldsnap.activation.units import moved_addresses
 from coldsnap.agent.client import AgentClient, AgentError, Lease
 from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
@@ -49,10 +49,10 @@ from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_t
 
 __all__ = ["RestoreSequence", "UNIT_BARRIERS"]
 
-UNIT_BARRIERS = {"restore_tree": "network_unlock", "check_canary": "released"}
-"""One unit of several: after these steps it waits for every unit (``restore.units.<barrier>``): no rank
-rebuilds its connections to another host before every unit's tree is restored; no unit lets its tree go
-before unit 0's canary matched (one failure is every unit's)."""
+UNIT_BARRIERS = {"check_canary": "released"}
+"""One unit of several: after these steps it waits for every unit (``restore.units.<barrier>``): no unit lets
+its tree go before unit 0's canary matched (one failure is every unit's). The ``network_unlock`` barrier is
+inside the CRIU restore (:meth:`RestoreSequence.restore_tree`)."""
 
 
 class RestoreSequence:
@@ -165,12 +165,27 @@ class RestoreSequence:
                         span["host_thp_before"] = window.enter_context(huge_pages_for_the_fill(state_root()))
                     except ThpError as exc:
                         raise OperationFailed("admission.host_thp", str(exc)) from None
-                result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True)
+                result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True,
+                                                                  before_unlock=self._network_unlock_barrier())
             self.restored_pid = span["pid"] = result.pid
             span["thp_fill"] = result.thp_fill  # (CRIU fills huge pages where its build and the host's mode allow)
             span["fill_threads"] = result.fill_threads  # (helpers per process, where CRIU's build has them)
             self.host_pids = result.host_pids
         self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
+
+    def _network_unlock_barrier(self) -> Callable[[], None] | None:
+        """One unit of several: CRIU holds the restored tree, its connections still in repair mode, until every
+        unit's tree is restored (``restore.units.network_unlock``): a connection to another unit's tree then
+        finds its peer's socket there, and no rank talks to another host before all are back."""
+        units = self.units
+        if units is None:
+            return None
+
+        def barrier() -> None:
+            with self.timer.span(f"{self.op}.units.network_unlock"):
+                units.barrier(f"{self.op}.network_unlock")
+
+        return barrier
 
     def replica_images(self, state_dir: Path) -> Path:
         """The images CRIU restores this replica from: the capture's, with ``files.img`` rewritten for its
@@ -184,19 +199,12 @@ class RestoreSequence:
                               f".{self.replica.name}".encode(), self.moved_addresses())
 
     def moved_addresses(self) -> dict[bytes, bytes] | None:
-        """One unit of several placed on a host of another address than its capture's: that address, packed,
-        onto this one's (every socket of the tree bound to it, or connected from it)."""
-        captured, now = self.metadata.address, self.units.address if self.units is not None else None
-        if captured is None or now is None or captured == now:
+        """One unit of several placed on other hosts: every unit's captured address, packed, onto its new one
+        (admission's :meth:`~coldsnap.activation.units.UnitRendezvous.place`), for every socket of the tree
+        bound to one or connected to one: its own listeners and the connections between the units' trees."""
+        if self.units is None:
             return None
-        try:
-            old, new = ipaddress.ip_address(captured), ipaddress.ip_address(now)
-        except ValueError:
-            return None  # (a host name: nothing in the images to map)
-        if old.version != new.version:
-            raise OperationFailed("restore.placement", f"the unit was captured at {captured}, placed at {now}: "
-                                  "an address of the same family is needed")
-        return {old.packed: new.packed}
+        return moved_addresses(self.units.placed) or None
 
     def state_dir(self) -> Path:
         """This replica's state directory under the artifact's, made if needed (``restore.state_dir`` when

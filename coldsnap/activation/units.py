@@ -10,16 +10,18 @@ step failed (it ABORTs with its error code and message), fails every other unit 
 
 Small values travel through the coordinator's key/value: the units' capsule records for the one
 descriptor every unit commits, unit 0's canary, the port generation every unit must accept, each
-unit's address.
+unit's address (at capture and now: the TCP connections between units' trees are dumped established
+and rewritten for the new addresses in every unit's per-restore socket images).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -27,7 +29,8 @@ from coldsnap.agent.protocol import CoordinatorRef
 from coldsnap.contracts.request import OperationRequest, UnitSelection
 from coldsnap.operation import OperationFailed
 
-__all__ = ["UnitRendezvous", "artifact_request", "join_capture_request", "join_units", "selected_unit", "unit_activation",
+__all__ = ["UnitRendezvous", "artifact_request", "join_capture_request", "join_units", "moved_addresses",
+           "packed_addresses", "selected_unit", "unit_activation",
            "STEP_TIMEOUT_S"]
 
 STEP_TIMEOUT_S = 1800.0
@@ -65,6 +68,9 @@ class UnitRendezvous:
     _thread: threading.Thread | None = None
     _context: Any = None
     aborted: bool = False
+    placed: dict[str, str] = field(default_factory=dict)
+    """Every unit's address at capture → its address now (a restore's, from :meth:`place`): the restored
+    connections between units are rewritten with it on both ends."""
 
     @contextlib.contextmanager
     def _failing_as_rendezvous(self) -> Iterator[None]:
@@ -102,6 +108,13 @@ class UnitRendezvous:
             return value
         return self.get(key)
 
+    def place(self, captured: str | None) -> dict[str, str]:
+        """Publish this unit's captured address and its address now; every unit's, captured → now (the same
+        map on every unit: a connection between two units is rewritten alike at both ends)."""
+        pairs = self.every_unit("restore/placement", [captured, self.address])
+        self.placed = {before: now for before, now in pairs if before is not None}
+        return self.placed
+
     def ref(self) -> CoordinatorRef:
         """What this unit's ranks join: the shared coordinator, the activation's whole world, this unit's address."""
         return CoordinatorRef(endpoint=self.endpoint, token=self.token.hex(), world=self.world, address=self.address)
@@ -135,6 +148,41 @@ class UnitRendezvous:
             if self._thread is not None:
                 self._thread.join(timeout=5)
             self._context.term()
+
+
+def packed_addresses(addresses: set[str]) -> set[bytes]:
+    """``addresses`` (IP addresses; host names are left out) packed as a socket image holds them, an IPv4
+    one also in its IPv4-mapped IPv6 form (a dual-stack listener's accepted connections)."""
+    packed: set[bytes] = set()
+    for address in addresses:
+        try:
+            ip = ipaddress.ip_address(address)
+        except ValueError:
+            continue
+        packed.add(ip.packed)
+        if ip.version == 4:
+            packed.add(ipaddress.IPv6Address(f"::ffff:{ip}").packed)
+    return packed
+
+
+def moved_addresses(placed: dict[str, str]) -> dict[bytes, bytes]:
+    """Every unit's captured IP address, packed, onto its address now (IPv4 ones in both forms, see
+    :func:`packed_addresses`); ``restore.placement`` when a unit moves to an address of another family."""
+    moved: dict[bytes, bytes] = {}
+    for captured, now in placed.items():
+        if captured == now:
+            continue
+        try:
+            old, new = ipaddress.ip_address(captured), ipaddress.ip_address(now)
+        except ValueError:
+            continue  # (a host name: nothing in the images to map)
+        if old.version != new.version:
+            raise OperationFailed("restore.placement", f"a unit was captured at {captured}, placed at {now}: "
+                                  "an address of the same family is needed")
+        moved[old.packed] = new.packed
+        if old.version == 4:
+            moved[ipaddress.IPv6Address(f"::ffff:{old}").packed] = ipaddress.IPv6Address(f"::ffff:{new}").packed
+    return moved
 
 
 def read_token(path: str) -> bytes:

@@ -17,6 +17,7 @@ A stock CRIU ignores both variables. ``criu --version`` names the build (GitID
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import select
@@ -27,7 +28,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Callable, Literal
 
 from coldsnap.snapshot.criu_images import ImageFormatError
 from coldsnap.snapshot.criu_pages import ImageCensus, compact_image
@@ -380,7 +381,8 @@ class CriuSnapshotter:
                           compact_seconds=compact_seconds)
 
     def restore(self, images: Path, state_dir: Path, owned_root: Path | None = None, timeout: float = 600,
-                wait_for_pids_s: float = 10.0, replica: bool = True, own_images: bool = False) -> RestoreResult:
+                wait_for_pids_s: float = 10.0, replica: bool = True, own_images: bool = False,
+                before_unlock: Callable[[], None] | None = None) -> RestoreResult:
         """Restore the tree detached (it keeps running after this returns); returns its root pid.
 
         Nothing is written into ``images``: CRIU's log, stats and pidfile go to ``state_dir/criu``, and
@@ -395,8 +397,18 @@ class CriuSnapshotter:
         namespace (the CUDA driver's) are renamed for the new one. Without ``replica``, the tree takes
         back its captured pids in the host's namespace (waiting up to ``wait_for_pids_s`` for a previous
         incarnation to go).
+
+        ``before_unlock`` (a replica only): called once every process and socket of the tree is restored, but
+        before CRIU takes the restored TCP connections out of repair mode and lets the tree run (CRIU's
+        ``post-restore`` action, :data:`UNLOCK_HOLD_SCRIPT`). One launch unit of several waits there for the
+        others: a connection to another unit's tree must not send (leaving repair mode sends a window probe)
+        before the peer's socket exists, or the peer's host resets it. If it raises, CRIU is told to abort:
+        the tree is killed and the exception raised from here.
         """
         from coldsnap.snapshot import process_tree
+
+        if before_unlock is not None and not replica:
+            raise ValueError("before_unlock needs a replica restore")
 
         try:
             state = process_tree.prepare_restore(images, wait_for_pids_s, host_namespace=not replica)
@@ -429,7 +441,7 @@ class CriuSnapshotter:
         try:
             if replica:
                 pid, pids = self._restore_replica(images, state.pids[0], args, work / log, timeout, inherited,
-                                                  own_images, env)
+                                                  own_images, env, before_unlock)
             else:
                 pid, pids = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited, env), {}
         finally:
@@ -449,10 +461,21 @@ class CriuSnapshotter:
             raise CriuError("restore", None, f"CRIU reported success but wrote no pid to {pidfile}") from None
 
     def _restore_replica(self, images: Path, root_pid: int, args: list[str], log: Path, timeout: float,
-                         inherited: dict[str, int], own_images: bool,
-                         env: dict[str, str]) -> tuple[int, dict[int, int]]:
+                         inherited: dict[str, int], own_images: bool, env: dict[str, str],
+                         before_unlock: Callable[[], None] | None = None) -> tuple[int, dict[int, int]]:
         """CRIU as the first process of new pid and mount namespaces (``unshare``); returns the root's pid
         on this host and every restored pid's host pid by its captured one."""
+        with contextlib.ExitStack() as held:
+            hold = held.enter_context(_UnlockHold(log.parent)) if before_unlock is not None else None
+            if hold is not None:
+                args = [*args, "--action-script", str(hold.script)]
+                env = {**env, UNLOCK_HOLD_ENV: str(log.parent)}
+            return self._run_replica(images, root_pid, args, log, timeout, inherited, own_images, env, hold,
+                                     before_unlock)
+
+    def _run_replica(self, images: Path, root_pid: int, args: list[str], log: Path, timeout: float,
+                     inherited: dict[str, int], own_images: bool, env: dict[str, str], hold: "_UnlockHold | None",
+                     before_unlock: Callable[[], None] | None) -> tuple[int, dict[int, int]]:
         from coldsnap.snapshot import process_tree
         from coldsnap.snapshot.replica_init import READY
 
@@ -473,7 +496,35 @@ class CriuSnapshotter:
         except OSError as exc:
             raise CriuError("restore", exc.errno, str(exc)) from None
         assert launcher.stdout is not None and launcher.stderr is not None
-        ready = select.select([launcher.stdout], [], [], timeout)[0] and launcher.stdout.readline() == READY
+        held_back: BaseException | None = None  # what before_unlock raised: CRIU was told to abort
+        deadline = time.monotonic() + timeout
+        watched: list[Any] = [launcher.stdout, *([hold.restored] if hold is not None else [])]
+        while True:
+            readable = select.select(watched, [], [], max(0.0, deadline - time.monotonic()))[0]
+            if hold is None or hold.restored not in readable:
+                break
+            os.read(hold.restored, 64)  # the script's "restored": every process and socket is back
+            watched.remove(hold.restored)
+            waited = time.monotonic()
+            try:
+                assert before_unlock is not None
+                before_unlock()
+            except BaseException as exc:
+                held_back = exc
+                os.write(hold.go, b"abort\n")  # the script fails, CRIU kills the tree and exits non-zero
+                try:
+                    launcher.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(launcher.pid, signal.SIGKILL)
+                    launcher.wait()
+                break
+            os.write(hold.go, b"go\n")
+            deadline += time.monotonic() - waited  # (the other units' time is not CRIU's)
+        ready = bool(readable) and held_back is None and launcher.stdout.readline() == READY
+        if held_back is not None:
+            launcher.stdout.close()
+            launcher.stderr.close()
+            raise held_back
         if not ready:  # CRIU failed (pid 1 gone: unshare exits with its status) or ran out of time
             try:
                 status = launcher.wait(timeout=10)
@@ -494,6 +545,51 @@ class CriuSnapshotter:
             raise CriuError("restore", None, "CRIU reported the tree restored, but its root is gone")
         pids = {process_tree.namespace_pid(pid): pid for pid in process_tree.tree_pids(roots[0])}
         return roots[0], pids
+
+
+UNLOCK_HOLD_ENV = "COLDSNAP_UNLOCK_HOLD"
+UNLOCK_HOLD_SCRIPT = """#!/bin/sh
+# CRIU's action script of a held restore (coldsnap.snapshot.criu): at post-restore, with the tree restored
+# and its TCP connections still in repair mode, tell the launcher and wait for its word.
+[ "$CRTOOLS_SCRIPT_ACTION" = post-restore ] || exit 0
+echo restored > "$COLDSNAP_UNLOCK_HOLD/unlock-restored"
+read -r answer < "$COLDSNAP_UNLOCK_HOLD/unlock-go"
+[ "$answer" = go ]
+"""
+"""Two FIFOs in CRIU's work directory: ``unlock-restored`` (the script says the tree is back) and ``unlock-go``
+(the launcher says ``go`` or ``abort``). The launcher holds both open for reading and writing from before CRIU
+starts, so neither side's open blocks; if the launcher dies, the script reads end of file and fails, and CRIU
+kills the tree."""
+
+
+class _UnlockHold:
+    """The FIFOs and the script of :data:`UNLOCK_HOLD_SCRIPT` in ``work``, removed on exit."""
+
+    def __init__(self, work: Path):
+        self.script = work / "unlock-hold.sh"
+        self.paths = [work / "unlock-restored", work / "unlock-go"]
+        self.restored = self.go = -1
+
+    def __enter__(self) -> "_UnlockHold":
+        try:
+            for path in self.paths:
+                path.unlink(missing_ok=True)
+                os.mkfifo(path, 0o600)
+            self.restored, self.go = (os.open(path, os.O_RDWR | os.O_NONBLOCK) for path in self.paths)
+            self.script.write_text(UNLOCK_HOLD_SCRIPT)
+            self.script.chmod(0o700)
+        except OSError as exc:
+            self.__exit__()
+            raise CriuError("restore", exc.errno, f"cannot make the network-unlock hold in {self.script.parent}: {exc}") from None
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for fd in (self.restored, self.go):
+            if fd >= 0:
+                os.close(fd)
+        self.restored = self.go = -1
+        for path in [*self.paths, self.script]:
+            path.unlink(missing_ok=True)
 
 
 KEPT_RESTORE_LOGS = 8

@@ -70,6 +70,14 @@ def tree_sockets(images: Path) -> tuple[list[InetSocket], list[bytes]]:
     return [s for s in inet if s.src_port], sorted({s.name for s in unix if s.name})
 
 
+def connections_to(images: Path, addresses: set[bytes]) -> list[InetSocket]:
+    """The tree's connected inet sockets whose peer is at one of ``addresses`` (packed): its connections to
+    other launch units' trees."""
+    if not addresses or not (images / FILES_IMAGE).is_file():
+        return []
+    return [s for s in read_sockets(images)[0] if s.dst_port and s.dst_addr in addresses]
+
+
 def port_generation(sockets: list[InetSocket], captured_serving: int, serving: int) -> PortGeneration:
     """The generation that moves ``captured_serving`` to ``serving``; ``ValueError`` when it would push
     one of the ports the tree listens on out of range. A connection's own local port (an ephemeral one:
