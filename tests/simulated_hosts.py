@@ -30,6 +30,7 @@ class SimulatedHost:
     namespace: str  # the network namespace's name (ip netns)
     hostname: str
     address: str
+    interface: str = ""  # its veth end, its one interface besides lo (what GLOO_SOCKET_IFNAME names)
 
     def command(self, argv: list[str]) -> list[str]:
         """``argv`` run on this host: in its network namespace, with its hostname and a /dev/shm of its own."""
@@ -59,10 +60,10 @@ def simulated_hosts(count: int) -> Iterator[list[SimulatedHost]]:
         _ip("link", "set", bridge, "up")
         for index in range(count):
             host = SimulatedHost(namespace=f"{tag}h{index}", hostname=f"coldsnap-host-{index}",
-                                 address=f"10.231.{run}.{11 + index}")
+                                 address=f"10.231.{run}.{11 + index}", interface=f"{tag}v{index}")
             _ip("netns", "add", host.namespace)
             hosts.append(host)
-            inside, outside = f"{tag}v{index}", f"{tag}p{index}"
+            inside, outside = host.interface, f"{tag}p{index}"
             _ip("link", "add", inside, "type", "veth", "peer", "name", outside)
             links.append(outside)
             _ip("link", "set", inside, "netns", host.namespace)

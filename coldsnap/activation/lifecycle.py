@@ -78,7 +78,7 @@ def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> O
                     raise OperationFailed("admission.port", f"the units' port generations differ (shifts {shifts}): "
                                           "restore every unit onto the same serving port")
                 captured = admitted.capsule.metadata.address
-                others = {a for a in units.place(captured) if a != captured}
+                others = {a for a in units.placed if a != captured}  # (published at admission: plan_replica)
                 if shifts[0] and connections_to(artifact.images(admitted.capsule.unit_id), packed_addresses(others)):
                     raise OperationFailed("admission.port", f"the units' trees are connected to each other, which "
                                           f"ties their ports to the capture's: restore onto the captured serving port "

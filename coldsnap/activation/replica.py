@@ -13,7 +13,7 @@ from typing import Callable
 
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.state import host_cache_dir
-from coldsnap.activation.units import selected_unit
+from coldsnap.activation.units import moved_addresses, selected_unit
 from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
@@ -91,7 +91,10 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
         generation = port_generation(sockets, metadata.serving_port, port)
     except ValueError as exc:
         raise OperationFailed("admission.port", str(exc)) from None
-    taken = probe_binds(sockets, generation)
+    # One unit of several: every unit's captured address → its new one, published here (every unit admits
+    # at once), so the probe binds where the restore will.
+    moved = moved_addresses(context.units.place(metadata.address)) if context.units is not None else None
+    taken = probe_binds(sockets, generation, moved)
     # A template's engine (or a tree holding no socket of it) binds the serving port only once started.
     listens = metadata.template is None and any(s.src_port == metadata.serving_port for s in sockets)
     if not listens and not port_free(port):

@@ -20,6 +20,7 @@ the replica's by :mod:`coldsnap.snapshot.replica_init`.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import re
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from coldsnap.snapshot.criu_images import FILES_IMAGE, InetSocket, read_sockets, rewrite_sockets
 
-__all__ = ["PortGeneration", "port_generation", "probe_binds", "replica_images", "tree_sockets",
+__all__ = ["PortGeneration", "connections_to", "port_generation", "probe_binds", "replica_images", "tree_sockets",
            "namespace_socket_names", "probe_abstract_names", "path_socket_names",
            "probe_path_sockets"]
 
@@ -107,13 +108,17 @@ def _address(sock: InetSocket) -> tuple[int, str]:
     return socket.AF_INET, str(ipaddress.IPv4Address(sock.src_addr or bytes(4)))
 
 
-def probe_binds(sockets: list[InetSocket], generation: PortGeneration) -> list[str]:
+def probe_binds(sockets: list[InetSocket], generation: PortGeneration,
+                addresses: dict[bytes, bytes] | None = None) -> list[str]:
     """Bind every socket of the generation as the tree will (family, type, address, port) and say which
     cannot be bound now; an empty list means all of them can. Listeners set ``SO_REUSEADDR`` as servers
-    do, so a port whose last connection lingers in TIME_WAIT counts as free, as it will for the tree."""
+    do, so a port whose last connection lingers in TIME_WAIT counts as free, as it will for the tree.
+    ``addresses``: packed captured → new, the addresses the restore maps (a unit placed on another host)."""
     taken = []
     probed: set[tuple[int, int, str, int]] = set()
     for sock in sorted(sockets, key=lambda s: not s.bound):  # a listener first: its connections share its port
+        if addresses and sock.src_addr in addresses:
+            sock = dataclasses.replace(sock, src_addr=addresses[sock.src_addr])
         port = generation.port(sock.src_port)
         family, address = _address(sock)
         if (family, sock.kind, address, port) in probed:
