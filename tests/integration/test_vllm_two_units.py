@@ -3,7 +3,7 @@
 (`coldsnap capture --units 2 --unit K`) and restored onto two *other* hosts with other addresses, real CRIU.
 The connections vLLM holds between its nodes (torch's TCPStore, gloo pairs, ZeroMQ queues) are dumped
 established and rewritten for the new addresses; the restored pair answers as the cold pair does, on
-prompts long and short."""
+28 prompts of 2 to 200 tokens."""
 
 import json
 import os
@@ -54,15 +54,31 @@ def _start(work: Path, label: str, hosts, argv_of, node_of=lambda k: k) -> list[
                              stderr=subprocess.STDOUT, env=_env(work, h, node_of(k))) for k, h in enumerate(hosts)]
 
 
-def _ask(client, address: str, prompt: str) -> list[int]:
-    body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True})
-    done = subprocess.run(["nsenter", f"--net=/var/run/netns/{client.namespace}", sys.executable, "-c",
-                           "import sys, urllib.request; print(urllib.request.urlopen(urllib.request.Request("
-                           f"'http://{address}:{PORT}/v1/completions', data=sys.argv[1].encode(), headers="
-                           "{'Content-Type': 'application/json'}), timeout=120).read().decode())", body],
-                          capture_output=True, text=True, timeout=150)
+def _prompts() -> list:
+    """The text prompts and 24 of benchmarks/equality.py's, token ids of 8 to 200 tokens (the context is 256)."""
+    from benchmarks.equality import equality_prompts
+
+    return [*PROMPTS, *equality_prompts(24, longest=200)]
+
+
+_ASK_ALL = """
+import json, sys, urllib.request
+address, answers = sys.argv[1], []
+for prompt in json.loads(sys.stdin.read()):
+    body = json.dumps({"prompt": prompt, "max_tokens": 16, "temperature": 0, "return_token_ids": True}).encode()
+    request = urllib.request.Request(f"http://{address}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    answers.append(json.loads(urllib.request.urlopen(request, timeout=120).read())["choices"][0]["token_ids"])
+print(json.dumps(answers))
+"""
+
+
+def _ask_all(client, address: str, prompts: list) -> list[list[int]]:
+    """The greedy answers to ``prompts``, asked one at a time from the client host."""
+    done = subprocess.run(["nsenter", f"--net=/var/run/netns/{client.namespace}", sys.executable, "-c", _ASK_ALL,
+                           f"{address}:{PORT}"], input=json.dumps(prompts), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout)["choices"][0]["token_ids"]
+    return json.loads(done.stdout)
 
 
 def _wait_for_answer(client, address: str, processes, timeout: float = 600) -> None:
@@ -112,7 +128,7 @@ def test_vllm_nnodes_2_restored_on_two_other_hosts_answers_as_the_cold_pair(mode
         cold = _start(work, "cold", [a, b], lambda k, h: _serve(model, k, a.address))
         try:
             _wait_for_answer(client, a.address, cold)
-            expected = [_ask(client, a.address, prompt) for prompt in PROMPTS]
+            expected = _ask_all(client, a.address, _prompts())
         except BaseException:
             print(_logs(work, "cold"))
             raise
@@ -144,8 +160,9 @@ def test_vllm_nnodes_2_restored_on_two_other_hosts_answers_as_the_cold_pair(mode
         seconds = time.monotonic() - started
         try:
             assert codes == [0, 0], _logs(work, "restore")
-            answers = [_ask(client, c.address, prompt) for prompt in PROMPTS]  # at host C's address
-            assert answers == expected
+            answers = _ask_all(client, c.address, _prompts())  # at host C's address
+            assert len(answers) == len(expected) == 28
+            assert [i for i, (x, y) in enumerate(zip(answers, expected)) if x != y] == []
             print(f"vLLM --nnodes 2: two-unit restore {seconds:.1f} s (both launchers, exec to exit)")
         finally:
             _kill_hosts(c, d)
