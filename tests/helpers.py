@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -16,10 +17,23 @@ __all__ = ["free_port", "coldsnap_receipt", "file_digests", "run_ranks_with_coor
 
 
 def free_port() -> int:
-    """A TCP port nothing listens on now (the kernel's pick for an ephemeral bind on the loopback)."""
+    """A TCP port free now, below the kernel's ephemeral range: a test captures a server on it and restores
+    the server on it later, and a port of that range can be taken in between as the local end of any
+    process's outgoing connection (then the restore's admission rightly says the port is taken)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    while True:
+        port = random.randrange(10000, low - 1)
+        if _bindable(port) and _bindable(port + 1):  # (a replica's neighbour too)
+            return port
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+        return True
 
 
 def coldsnap_receipt(command: str, *args: str, env: dict | None = None,

@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,6 +22,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+from tests.helpers import free_port
 
 __all__ = ["LocalRegistry", "local_registry", "missing_tools"]
 
@@ -33,11 +33,6 @@ TOOLS = ("docker-registry", "htpasswd", "openssl")
 def missing_tools() -> list[str]:
     return [tool for tool in TOOLS if shutil.which(tool) is None]
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass
@@ -88,7 +83,7 @@ def _make_tls(folder: Path) -> None:
 def local_registry(folder: Path, tls: bool = True, auth: bool = True) -> Iterator[LocalRegistry]:
     """Start a registry serving from ``folder`` (created; removed with everything in it at the end)."""
     folder.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
+    port = free_port()
     registry = LocalRegistry(f"127.0.0.1:{port}", folder, tls, auth)
     config = {"version": 0.1, "log": {"level": "error", "accesslog": {"disabled": True}},
               "storage": {"filesystem": {"rootdirectory": str(registry.storage)}, "delete": {"enabled": True}},

@@ -105,9 +105,9 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
             if pid is not None:
                 raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this "
                                       f"artifact (pid {pid}): `coldsnap wake {artifact.root}` makes it serve")
-        moved = "" if generation.shift == 0 else f" (the capture's ports moved by {generation.shift:+d})"
+        shifted = "" if generation.shift == 0 else f" (the capture's ports moved by {generation.shift:+d})"
         raise OperationFailed("admission.port", f"serving port {port}: the tree's port(s) {', '.join(taken)} are "
-                              f"taken{moved}")
+                              f"taken{shifted}")
     token = uuid.uuid4().hex[:16]
     controls = {w.rank: _replica_control(w.control, token) for w in metadata.workers}
     template_control = _replica_control(metadata.template.control, token) if metadata.template is not None else None

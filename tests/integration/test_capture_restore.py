@@ -18,6 +18,7 @@ import pytest
 from coldsnap.snapshot.process_tree import namespace_pid
 from tests.processes import (capsule_root_pid, group_members, kill_group, kill_replicas, launched_pid, replica_members,
                              restore_killed_at, wait_replicas_gone)
+from tests.helpers import free_port
 
 pytest.importorskip("torch")
 pytestmark = [
@@ -27,11 +28,6 @@ pytestmark = [
 
 PROMPT_2 = "The second prompt, asked after the restore."
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def coldsnap(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -69,7 +65,7 @@ def cold_start_tokens(command: list[str], port: int) -> list[int]:
 def captured(tmp_path_factory):
     """One capture for the module: (artifact dir, port, reference tokens of PROMPT_2 from a plain cold start)."""
     root = tmp_path_factory.mktemp("capture")
-    port = _free_port()
+    port = free_port()
     expected = cold_start_tokens(workload(port), port)
     artifact = root / "artifact"
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"), "--", *workload(port))
@@ -247,7 +243,7 @@ def test_capture_refuses_a_directory_with_an_artifact(captured):
 
 
 def test_failed_capture_commits_nothing(tmp_path):
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "artifact"
     result = coldsnap("capture", "--engine", "torch-lm", "--out", str(out), "--receipt-json", "-", "--",
                       sys.executable, "-c", "import sys; sys.exit(3)", "--port", str(port))
@@ -273,7 +269,7 @@ def test_a_capture_into_a_full_disk_fails_and_removes_what_it_wrote(tmp_path):
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        port = _free_port()
+        port = free_port()
         out = disk / "artifact"
         result = coldsnap("capture", "--out", str(out), "--receipt-json", "-", "--", *workload(port))
         assert result.returncode == 1, result.stderr.decode()[-2000:]
@@ -299,7 +295,7 @@ def test_a_restored_tree_nobody_resumes_stops_itself(tmp_path):
     """The launcher SIGKILLed between CRIU restore and resume: the agent's watchdog ends the tree."""
     from coldsnap.snapshot.criu import CriuSnapshotter
 
-    port = _free_port()
+    port = free_port()
     request = {
         "format": 4, "operation": "capture", "operation_id": "watchdog", "engine": "torch-lm", "snapshot_driver": "n610",
         "model": {"name": "tiny", "revision": None},
@@ -494,7 +490,7 @@ def test_a_changed_host_file_the_tree_holds_is_refused_by_name(tmp_path):
     restore names it at admission (``admission.files``) and starts nothing; as captured again, it admits."""
     held = tmp_path / "held-open.bin"
     held.write_bytes(b"x" * 4096)
-    port = _free_port()
+    port = free_port()
     command = ["sh", "-c", f'exec 9<"{held}"; exec "$@"', "sh", *workload(port)]  # fd 9 stays open in the server
     artifact = tmp_path / "artifact"
     done = coldsnap("capture", "--engine", "torch-lm", "--port", str(port), "--out", str(artifact), "--", *command)
@@ -521,7 +517,7 @@ def test_a_capsule_that_cannot_restore_is_never_committed(tmp_path):
     """The capture restores its capsule once before committing it: here its restore is refused (a stand-in
     GPU with no room, COLDSNAP_STANDIN_GPU_FREE_BYTES=1), so the capture fails with ``capture.verify``
     naming the restore's error and commits nothing; with the check's restore passing, the receipt times it."""
-    port = _free_port()
+    port = free_port()
     artifact = tmp_path / "artifact"
     done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--receipt-json", "-", "--out", str(artifact),
                            "--", *workload(port)], capture_output=True, timeout=300,
@@ -589,7 +585,7 @@ def test_an_owned_capture_and_restore_hand_everything_they_write_to_the_owner(ca
     artifact's validation records still vouch for its packs and images (the restore hashes nothing); the
     restored engine keeps appending to its handed-over log."""
     reference, _, expected, _ = captured
-    port = _free_port()
+    port = free_port()
     artifact = tmp_path / "made" / "artifact"
     done = _with_state(tmp_path / "state" / "capture", "capture", "--owner", "12345:12345", "--out", str(artifact),
                        "--receipt-json", str(tmp_path / "capture.json"), "--", *workload(port))
@@ -638,7 +634,7 @@ def test_failed_operations_hand_over_what_they_wrote_and_nothing_else(captured, 
     (found / "notes.txt").write_text("the operator's")
     done = _with_state(tmp_path / "capture-state", "capture", "--owner", "12345:12345", "--engine", "torch-lm", "--out",
                        str(found), "--receipt-json", "-", "--", sys.executable, "-c", "import sys; sys.exit(3)",
-                       "--port", str(_free_port()))
+                       "--port", str(free_port()))
     assert done.returncode == 1 and json.loads(done.stdout)["error"]["code"] == "capture.launch"
     assert sorted(p.name for p in found.iterdir()) == ["logs", "notes.txt"]
     owners = _owners(found)

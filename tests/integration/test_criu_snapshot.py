@@ -12,6 +12,7 @@ import pytest
 
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.process_tree import kill_tree, namespace_pid
+from tests.helpers import free_port
 
 pytestmark = [
     pytest.mark.criu,
@@ -19,11 +20,6 @@ pytestmark = [
 ]
 REPO = Path(__file__).resolve().parents[2]
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _ask(port: int, timeout: float = 10.0, command: bytes = b"inc") -> str:
@@ -46,7 +42,7 @@ def workload_args() -> list[str]:
 
 @pytest.fixture
 def server(tmp_path, workload_args):
-    port = _free_port()
+    port = free_port()
     state = tmp_path / "state"
     state.mkdir()
     process = subprocess.Popen(
@@ -234,7 +230,7 @@ def test_zero_pages_left_out_restore_the_same_memory(tmp_path):
     zeros written over a file-backed private mapping's bytes, short and long zero runs)."""
     from coldsnap.snapshot.criu_pages import image_census
 
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tests.integration.zero_pages_workload", str(port)], cwd=REPO,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -299,7 +295,7 @@ def test_huge_page_fill_gives_the_same_memory_and_takes_back_its_advice(tmp_path
         pytest.fail("the installed CRIU is not the one scripts/build-criu.sh builds (run scripts/install-criu.sh)")
     if thp_mode() != "madvise":
         pytest.skip(f"the host's THP mode is {thp_mode()!r}: the fill only changes anything under 'madvise'")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tests.integration.thp_fill_workload", str(port)], cwd=REPO,
                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                start_new_session=True)
@@ -352,7 +348,7 @@ def test_parallel_fill_gives_the_same_memory_threads_and_pids(tmp_path, monkeypa
     monkeypatch.setenv("COLDSNAP_CRIU_LOG_LEVEL", "3")  # (info: the fill's line)
     if not Criu().version().fills_in_parallel:
         pytest.fail("the installed CRIU is not the one scripts/build-criu.sh builds (run scripts/install-criu.sh)")
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "tests.integration.thp_fill_workload", str(port), "512", "4"],
                                cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)

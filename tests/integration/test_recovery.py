@@ -14,19 +14,13 @@ from pathlib import Path
 import pytest
 
 from tests.processes import group_members, kill_group, kill_replicas, launched_pid, replica_members
+from tests.helpers import free_port
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.criu, pytest.mark.skipif(os.geteuid() != 0, reason="CRIU needs root")]
 
 PROMPT = "The second prompt, asked after the restore."
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def coldsnap(*args: str) -> tuple[int, dict]:
@@ -51,7 +45,7 @@ def recoverable(tmp_path_factory):
     """torch_lm started from its own safetensors, captured: (artifact, port, the cold start's tokens, the
     safetensors file, the captured root pid = the restored tree's process group)."""
     root = tmp_path_factory.mktemp("recovery")
-    port = _free_port()
+    port = free_port()
     module = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu"]
     subprocess.run([*module, "--write-safetensors", str(root / "model")], check=True, capture_output=True)
     command = [*module, "--port", str(port), "--weights", str(root / "model")]
@@ -157,7 +151,7 @@ def test_changed_safetensors_are_refused_before_anything_starts(recoverable, tmp
 
 
 def test_a_recovery_capture_of_an_engine_without_safetensors_fails(tmp_path):
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", "tiny", "--device", "cpu", "--port", str(port)]
     from coldsnap.cli import capture_request
 

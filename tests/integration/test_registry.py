@@ -14,7 +14,8 @@ from coldsnap.registry import client as registry_client
 from coldsnap.registry.client import DigestMismatch, client_for
 from coldsnap.registry.pull import PullError, pull, staging_dir
 from coldsnap.registry.reference import parse_reference
-from tests.integration.test_capture_restore import PROMPT_2, _free_port, cold_start_tokens, complete, workload
+from tests.integration.test_capture_restore import PROMPT_2, cold_start_tokens, complete, workload
+from tests.helpers import free_port
 from tests.processes import kill_replicas
 from tests.registry_server import local_registry, missing_tools
 
@@ -41,7 +42,7 @@ def registry(tmp_path_factory):
 def published(tmp_path_factory, registry):
     """A capture of the reference workload, published: (artifact, pinned reference, port, cold-start tokens)."""
     root = tmp_path_factory.mktemp("published")
-    port = _free_port()
+    port = free_port()
     expected = cold_start_tokens(workload(port), port)
     artifact = root / "artifact"
     env = {"COLDSNAP_STATE_DIR": str(root / "capture-state")}

@@ -22,7 +22,7 @@ from coldsnap.contracts.receipt import restored_pid
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.snapshot.process_tree import namespace_pid
-from tests.helpers import coldsnap_receipt, file_digests
+from tests.helpers import coldsnap_receipt, file_digests, free_port
 from tests.processes import capsule_root_pid, kill_replicas, replica_members
 
 pytestmark = [
@@ -33,13 +33,10 @@ pytest.importorskip("torch")
 
 
 def _free_ports(count: int) -> list[int]:
-    """``count`` ports free now, and free with the next one each (a replica's port and a neighbour)."""
+    """``count`` different ports free now, and free with the next one each (a replica's port and a neighbour)."""
     ports: list[int] = []
     while len(ports) < count:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        if port < 65535 and port_free(port + 1) and port not in ports:
+        if (port := free_port()) not in ports:
             ports.append(port)
     return ports
 

@@ -21,6 +21,7 @@ from coldsnap.activation.engine_process import ask_canary
 from coldsnap.snapshot.criu import CriuSnapshotter
 from coldsnap.snapshot.nvidia_mappings import nvidia_userspace_state
 from coldsnap.snapshot.process_tree import kill_tree, tree_pids
+from tests.helpers import free_port
 
 pytestmark = [
     pytest.mark.criu,
@@ -30,11 +31,6 @@ pytest.importorskip("torch")
 REPO = Path(__file__).resolve().parents[2]
 PROMPT = "The template's prompt."
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _ask(control: str, request: dict, timeout: float = 30.0) -> dict:
@@ -70,7 +66,7 @@ def _workload(port: int) -> list[str]:
 
 
 def test_a_restored_template_is_placed_on_another_port_and_serves_the_cold_starts_tokens(tmp_path):
-    cold_port = _free_port()
+    cold_port = free_port()
     cold = subprocess.Popen(_workload(cold_port), cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     try:
@@ -101,7 +97,7 @@ def test_a_restored_template_is_placed_on_another_port_and_serves_the_cold_start
             roots.append(restored.pid)
             refused = _ask(control, {"op": "place", "placement": {"abi": 1, "serving_port": 1}})
             assert refused["ok"] is False and "placement ABI 1 sent to a template of placement ABI 2" in refused["error"]
-            port = _free_port()
+            port = free_port()
             placed = _ask(control, {"op": "place", "placement": {"abi": 2, "serving_port": port,
                                                                   "env": {"COLDSNAP_TEMPLATE_TEST": "1"}}})
             assert placed == {"ok": True}
@@ -133,7 +129,7 @@ def test_a_placed_template_dies_with_the_launcher_that_placed_it_before_the_hand
     from coldsnap.agent.client import TemplateClient
 
     control = f"@coldsnap-template-test-{uuid.uuid4().hex[:12]}"
-    port = _free_port()
+    port = free_port()
     template = subprocess.Popen(
         [sys.executable, "-m", "coldsnap.agent.template", "--control", control, "--preload", "torch", "--",
          *_workload(port)], cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,

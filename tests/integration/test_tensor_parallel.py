@@ -18,7 +18,8 @@ pytestmark = [
 ]
 
 from tests.integration.test_capture_restore import (  # noqa: E402
-    PROMPT_2, _free_port, cold_start_tokens, coldsnap, complete)
+    PROMPT_2, cold_start_tokens, coldsnap, complete)
+from tests.helpers import free_port  # noqa: E402
 from tests.processes import (capsule_root_pid, group_members, kill_group, kill_replicas, launched_pid,  # noqa: E402
                              replica_members)
 
@@ -31,7 +32,7 @@ def workload(port: int) -> list[str]:
 @pytest.fixture(scope="module")
 def tp_captured(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-capture")
-    port = _free_port()
+    port = free_port()
     expected = cold_start_tokens(workload(port), port)
     artifact = root / "artifact"
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture-receipt.json"),
@@ -82,8 +83,6 @@ def test_two_tp2_replicas_restored_at_once_each_keep_their_ranks_connections(tp_
     two replicas at once on ports of their own move both ends of every such connection by their port
     generation, so each replica's ranks stay joined to each other, and both serve the cold start's tokens."""
     import threading
-
-    from tests.helpers import free_port
 
     artifact, _, expected, _ = tp_captured
     ports = [free_port(), free_port()]
@@ -161,7 +160,7 @@ def test_one_rank_failing_its_resume_fails_both_at_once(tp_captured, tmp_path, m
 def test_one_rank_failing_its_prepare_commits_nothing(tmp_path, monkeypatch):
     capture_module = importlib.import_module("coldsnap.activation.capture_steps")
 
-    port = _free_port()
+    port = free_port()
     class Rank1CannotWrite(capture_module.AgentClient):
         def prepare(self, command, **kwargs):
             if self.control.endswith(".rank1"):  # not a directory anyone can create
@@ -179,7 +178,7 @@ def test_one_rank_failing_its_prepare_commits_nothing(tmp_path, monkeypatch):
 
 
 def test_capture_refuses_a_rank_count_the_engine_does_not_run(tmp_path):
-    port = _free_port()
+    port = free_port()
     result = coldsnap("capture", "--out", str(tmp_path / "a"), "--ranks", "1", "--receipt-json", "-", "--", *workload(port))
     assert result.returncode == 1
     receipt = json.loads(result.stdout)

