@@ -219,8 +219,9 @@ def _add_capture(commands: Any) -> None:
                    "driver's libraries (a preloaded CUDA torch does) and restores under this driver version only")
     p.add_argument("--model", help="model name recorded in the artifact (default: from the command)")
     p.add_argument("--ranks", type=int, metavar="N",
-                   help="tensor-parallel ranks, one worker each (default: the command's --tp / "
-                   "--tensor-parallel-size / --tp-size, else 1)")
+                   help="ranks, one worker each (with --units: this unit's; default: the command's --tp / "
+                   "--tensor-parallel-size / --tp-size times its --pipeline-parallel-size / --pp-size, else 1, "
+                   "over --units)")
     p.add_argument("--graphs", choices=get_args(GraphPolicyMode), metavar="POLICY",
                    help="CUDA graphs: retain (the captured graph executables restore with the process) or recreate "
                    "(dropped before the checkpoint, a smaller image, and captured again after each restore, which "

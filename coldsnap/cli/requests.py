@@ -103,8 +103,49 @@ def _option_value(command: list[str], name: str) -> str | None:
     return None
 
 
-# How serving commands spell their tensor-parallel size (torch_lm and SGLang --tp, vLLM -tp, ...).
+# How serving commands spell their tensor- and pipeline-parallel sizes (torch_lm and SGLang --tp, vLLM -tp,
+# ...): the activation's ranks are their product, split evenly over its units.
 TP_OPTIONS = ("--tp", "--tensor-parallel-size", "-tp", "--tp-size")
+PP_OPTIONS = ("--pipeline-parallel-size", "-pp", "--pp-size", "--pp")
+# How they spell their multi-node placement (vLLM, SGLang and torch_lm alike): checked against --units/--unit.
+NODES_OPTION, NODE_RANK_OPTION = "--nnodes", "--node-rank"
+
+
+def _first_option_value(command: list[str], names: tuple[str, ...]) -> str | None:
+    return next((v for v in (_option_value(command, o) for o in names) if v is not None), None)
+
+
+def _command_ranks(command: list[str]) -> int:
+    """The activation's ranks as the command states them: tensor- times pipeline-parallel size (1 each
+    when not given)."""
+    ranks = 1
+    for names in (TP_OPTIONS, PP_OPTIONS):
+        given = _first_option_value(command, names) or "1"
+        try:
+            ranks *= int(given)
+        except ValueError:
+            raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
+    return ranks
+
+
+def _check_command_nodes(command: list[str], selection: dict | None) -> None:
+    """A multi-node command (``--nnodes N --node-rank K``) is one unit of N: its own flags and coldsnap's
+    must name the same unit, or the capsule would be recorded as a unit its engine is not."""
+    nodes, node_rank = _option_value(command, NODES_OPTION), _option_value(command, NODE_RANK_OPTION)
+    if nodes is None:
+        return  # a launcher that places its nodes its own way (environment, a config file): coldsnap's flags rule
+    units, index = (selection["unit"]["units"], selection["index"]) if selection else (1, 0)
+    try:
+        stated = (int(nodes), int(node_rank) if node_rank is not None else 0)
+    except ValueError:
+        return  # torchrun's elastic `--nnodes 1:2`, or a bad flag the engine refuses with its own words
+    if stated[0] > 1 and selection is None:
+        raise UsageError(f"the command runs on {stated[0]} nodes (--nnodes {stated[0]}): capture it as one unit "
+                         f"of several, on each node: --units {stated[0]} --unit K (K: its --node-rank) "
+                         "--rendezvous-token-file F and --rendezvous HOST:PORT or --serve-rendezvous HOST:PORT")
+    if selection is not None and stated != (units, index):
+        raise UsageError(f"--units {units} --unit {index} but the command says --nnodes {stated[0]} --node-rank "
+                         f"{stated[1]}: give each node's command the --node-rank of its --unit")
 
 
 def _capture_request(args: argparse.Namespace) -> dict:
@@ -124,17 +165,14 @@ def _capture_request(args: argparse.Namespace) -> dict:
         port = port_number(given_port, "--port" if args.port is not None else "the command's --port")
     elif index == 0:
         raise UsageError("cannot tell the serving port: pass --port P (or give the command a --port option)")
+    _check_command_nodes(command, selection)
     ranks = args.ranks
     if ranks is None:
-        given = next((v for v in (_option_value(command, o) for o in TP_OPTIONS) if v is not None), "1")
-        try:
-            ranks = int(given)
-        except ValueError:
-            raise UsageError(f"cannot tell the number of ranks from {given!r}: pass --ranks N") from None
-        if selection:  # the command's tensor-parallel size spans every unit (`--tp 2 --nnodes 2`: one rank here)
+        ranks = _command_ranks(command)
+        if selection:  # the command's ranks span every unit (`--tp 2 --nnodes 2`: one rank here)
             if ranks % selection["unit"]["units"]:
-                raise UsageError(f"the command's tensor-parallel size {ranks} does not split over "
-                                 f"{selection['unit']['units']} units: pass --ranks N (this unit's ranks)")
+                raise UsageError(f"the command's {ranks} ranks (tensor- times pipeline-parallel size) do not split "
+                                 f"over {selection['unit']['units']} units: pass --ranks N (this unit's ranks)")
             ranks //= selection["unit"]["units"]
     if ranks < 1:
         raise UsageError("--ranks must be at least 1")

@@ -338,7 +338,7 @@ def test_capture_of_one_unit_of_several_lists_its_own_ranks_and_selection(tmp_pa
     token = tmp_path / "token"
     command = ["python", "-m", "coldsnap.workloads.torch_lm", "--tp", "4", "--nnodes", "2", "--port", "8000"]
     unit1 = capture_request(["--out", str(tmp_path / "a"), "--units", "2", "--unit", "1", "--rendezvous", "10.0.0.1:29600",
-                             "--rendezvous-token-file", str(token), "--", *command])
+                             "--rendezvous-token-file", str(token), "--", *command, "--node-rank", "1"])
     decoded = OperationRequest.model_validate_json(json.dumps(unit1))
     assert decoded.partial and decoded.unit.index == 1 and decoded.unit.unit_id == "unit-1"
     # --tp 4 over 2 units: ranks 2 and 3 here; only unit 0 serves (the command's --port is not unit 1's to serve)
@@ -363,3 +363,51 @@ def test_unit_flags_that_do_not_add_up_are_usage_errors(flags, message):
     bad = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", "/tmp/x", *flags, "--", "vllm", "serve",
                           "m", "--port", "1"], capture_output=True, text=True)
     assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _unit_request(tmp_path, unit: int, command: list[str]):
+    from coldsnap.cli import capture_request
+    from coldsnap.contracts.request import OperationRequest
+
+    request = capture_request(["--out", str(tmp_path / "a"), "--units", "2", "--unit", str(unit), "--rendezvous",
+                               "10.0.0.1:29600", "--rendezvous-token-file", str(tmp_path / "token"), "--", *command])
+    return OperationRequest.model_validate_json(json.dumps(request))
+
+
+def test_sglang_node_1_of_2_is_unit_1_with_its_half_of_the_tensor_parallel_ranks(tmp_path):
+    """SGLang's own multi-node flags (``--tp-size 2 --nnodes 2 --node-rank 1 --dist-init-addr``): node 1 holds
+    rank 1 on its first GPU and serves nothing the canary asks (its --port is a health check only)."""
+    decoded = _unit_request(tmp_path, 1, ["python", "-m", "sglang.launch_server", "--model-path", "m", "--tp-size", "2",
+                                          "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000",
+                                          "--port", "30000"])
+    assert decoded.engine == "sglang" and decoded.unit.unit_id == "unit-1"
+    assert [(w.rank, w.device_slot) for w in decoded.units[0].workers] == [(1, 0)]
+    assert decoded.units[0].serving_port is None
+
+
+def test_pipeline_parallel_ranks_split_over_the_units(tmp_path):
+    """vLLM ``--pipeline-parallel-size 2 --nnodes 2``: one stage, one rank, per unit; TP × PP in general."""
+    command = ["vllm", "serve", "m", "--port", "8000", "--pipeline-parallel-size", "2", "--tensor-parallel-size", "2",
+               "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1"]
+    assert [w.rank for w in _unit_request(tmp_path, 1, command).units[0].workers] == [2, 3]
+    command[command.index("--tensor-parallel-size") + 1] = "1"
+    assert [w.rank for w in _unit_request(tmp_path, 1, command).units[0].workers] == [1]
+
+
+@pytest.mark.parametrize("flags, command, message", [
+    ([], ["--nnodes", "2", "--node-rank", "0"], "capture it as one unit of several"),
+    (["--units", "2", "--unit", "1"], ["--nnodes", "2", "--node-rank", "0"], "--node-rank of its --unit"),
+    (["--units", "2", "--unit", "1"], ["--nnodes", "2"], "--node-rank of its --unit"),
+    (["--units", "2", "--unit", "0"], ["--nnodes", "3", "--node-rank", "0"], "--nnodes 3"),
+])
+def test_a_command_whose_nodes_are_not_the_units_is_a_usage_error(tmp_path, flags, command, message):
+    """The engine's --nnodes/--node-rank and coldsnap's --units/--unit must name the same unit: a capsule
+    recorded as unit 1 of a node-0 process would be restored in the wrong place."""
+    token = tmp_path / "token"
+    token.write_text("t")
+    rendezvous = ["--rendezvous", "10.0.0.1:29600", "--rendezvous-token-file", str(token)] if flags else []
+    bad = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(tmp_path / "x"), *flags, *rendezvous,
+                          "--", "vllm", "serve", "m", "--port", "8000", "--tensor-parallel-size", "2", *command],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    assert not (tmp_path / "x").exists()

@@ -367,3 +367,50 @@ def test_the_docs_name_the_manifests_and_the_token_secret():
     assert all(path.name in docs for path in MANIFESTS) and "lws/" in readme
     command = f"kubectl create secret generic {TOKEN_SECRET} --from-literal={TOKEN_KEY}="
     assert command in docs and all(command in path.read_text() for path in MANIFESTS)
+
+
+def _kubelet(text: str, container: dict, worker_index: int) -> str:
+    """``$(VAR)`` as the kubelet substitutes it in the Pod of group member ``worker_index`` (the leader: 0),
+    then ``$VAR`` from the container's env as bash would."""
+    pod = {"LWS_LEADER_ADDRESS": "coldsnap-capture-tp2-0.coldsnap-capture-tp2", "LWS_WORKER_INDEX": str(worker_index),
+           "POD_IP": f"10.1.0.{10 + worker_index}"}
+    return _expand(re.sub(r"\$\((\w+)\)", lambda m: pod.get(m.group(1), m.group(0)), text), container)
+
+
+def test_each_units_capture_line_is_a_request_of_coldsnaps_own_parser():
+    """The leader's and the worker's ``coldsnap capture`` lines, as their Pods run them, go through the CLI's
+    own parser into strict requests: unit K of 2 with the vLLM node rank K, one tensor-parallel rank each,
+    and only the leader serving."""
+    from coldsnap.cli import capture_request
+    from coldsnap.contracts.request import OperationRequest
+
+    for role, template in _templates(_lws("capture-two-unit.yaml")).items():
+        container, index = _main(template), 0 if role == "leader" else 1
+        (line,) = [line for line in _script(container).replace("\\\n", " ").splitlines()
+                   if line.strip().startswith("coldsnap capture ")]
+        words = shlex.split(_kubelet(line, container, index))
+        words = words[2:words.index("||")] if "||" in words else words[2:]
+        decoded = OperationRequest.model_validate_json(json.dumps(capture_request(words)))
+        assert decoded.engine == "vllm" and decoded.partial
+        assert (decoded.unit.index, decoded.unit.units, decoded.unit.unit_id) == (index, 2, f"unit-{index}")
+        assert decoded.unit.rendezvous == "coldsnap-capture-tp2-0.coldsnap-capture-tp2:29600"
+        assert decoded.unit.address == f"10.1.0.{10 + index}"
+        assert [w.rank for w in decoded.units[0].workers] == [index]
+        assert decoded.units[0].serving_port == (8000 if index == 0 else None)
+
+
+def test_each_units_restore_line_parses_as_unit_k_of_2():
+    """The ``coldsnap restore`` lines through the CLI's own parser: unit K of 2 at the leader's coordinator
+    (the leader serving it), at the Pod's own address."""
+    from coldsnap.cli.parser import build_parser
+    from coldsnap.cli.requests import unit_selection
+
+    for role, template in _templates(_lws("restore-two-unit.yaml")).items():
+        container, index = _main(template), 0 if role == "leader" else 1
+        (line,) = [line for line in _script(container).replace("\\\n", " ").splitlines()
+                   if line.strip().startswith("coldsnap restore ")]
+        words = shlex.split(_kubelet(line, container, index).replace('"$gpu"', "0").replace('"$receipt"', "/tmp/r"))
+        selection = unit_selection(build_parser().parse_args(words[1:words.index("&")]))
+        assert selection is not None and selection["index"] == index and selection["unit"]["units"] == 2
+        assert selection["unit"]["address"] == f"10.1.0.{10 + index}"
+        assert ("serve_rendezvous" in selection["unit"]) == (index == 0)
