@@ -167,7 +167,7 @@ class Bench:
 def _phases(receipt: dict) -> dict[str, float]:
     """A unit's receipt: its controller span and each top-level phase, seconds on that unit's clock."""
     return {s["name"]: round(s["duration_ns"] / 1e9, 3) for s in receipt["timing"]["spans"]
-            if s.get("duration_ns") and (s["name"].startswith("controller.") or s["name"].count(".") == 1
+            if s.get("duration_ns") and s["clock_id"] == "controller" and (s["name"].startswith("controller.") or s["name"].count(".") == 1
                                          or ".units." in s["name"])}
 
 

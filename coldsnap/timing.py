@@ -15,7 +15,7 @@ import time
 from typing import IO, Any, Callable, Iterator, TypeVar
 
 from coldsnap.contracts.canonical import canonical_json, canonical_sha256
-from coldsnap.contracts.receipt import MAX_SPANS, Clock, Span, TimingEnvelope
+from coldsnap.contracts.receipt import MAX_CLOCKS, MAX_SPANS, Clock, Span, TimingEnvelope
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_FORMAT
 
 __all__ = ["OperationTimer", "TimingEventStream", "timed"]
@@ -157,6 +157,34 @@ class OperationTimer:
         self.add_span(Span(span_id=f"s{next(self._ids)}", parent_id=self._stack[-1] if self._stack else None,
                            name=name, clock_id=self.CONTROLLER_CLOCK, placement="timeline", start_ns=start_ns,
                            duration_ns=max(0, end_ns - start_ns), attributes=dict(attributes)))
+
+    def import_envelope(self, envelope: TimingEnvelope, prefix: str, description: str) -> None:
+        """Another launcher's whole envelope (a unit of the same activation, on its own host), each of its
+        clocks kept as a clock of its own (``PREFIX``, ``PREFIX.CLOCK``) with its own Unix origin; its root
+        spans nested under the current span as foreign-clock attribution, never added to this clock's."""
+        clocks = {c.clock_id: prefix if c.clock_id == self.CONTROLLER_CLOCK else f"{prefix}.{c.clock_id}"
+                  for c in envelope.clocks}
+        if len(self._clocks) + len(clocks) > MAX_CLOCKS:
+            self.warnings.append(f"timing: more than {MAX_CLOCKS} clocks; {prefix}'s spans dropped")
+            return
+        for clock in envelope.clocks:
+            self.add_clock(clock.model_copy(update={
+                "clock_id": clocks[clock.clock_id],
+                "owner": "unit" if clock.clock_id == self.CONTROLLER_CLOCK else clock.owner,
+                "description": description if clock.clock_id == self.CONTROLLER_CLOCK else f"{prefix}: {clock.description}"}))
+        parent = self._stack[-1] if self._stack else None
+        for span in envelope.spans:
+            self.add_span(span.model_copy(update={
+                "span_id": f"{prefix}.{span.span_id}", "clock_id": clocks[span.clock_id],
+                "parent_id": f"{prefix}.{span.parent_id}" if span.parent_id is not None else parent}))
+
+    def envelope_so_far(self) -> TimingEnvelope:
+        """The envelope while spans are still open (the operation's own, when a unit hands its spans to unit
+        0): the closed spans, those whose parent is open made roots."""
+        closed = {span.span_id for span in self._spans}
+        return TimingEnvelope(clocks=list(self._clocks), spans=[
+            span if span.parent_id is None or span.parent_id in closed else span.model_copy(update={"parent_id": None})
+            for span in self._spans])
 
     def envelope(self) -> TimingEnvelope:
         return TimingEnvelope(clocks=list(self._clocks), spans=list(self._spans))

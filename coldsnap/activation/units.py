@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from coldsnap.agent.protocol import CoordinatorRef
+from coldsnap.coord.frames import MAX_VALUE_BYTES
 from coldsnap.contracts.request import OperationRequest, UnitSelection
 from coldsnap.operation import OperationFailed
 
@@ -263,6 +264,7 @@ def unit_activation(context: Any) -> Iterator[UnitRendezvous | None]:
     try:
         yield units
         completed = True
+        share_timing(context.timer, units)
     except OperationFailed as exc:
         if exc.code != "unit.rendezvous":  # (that one came from the others, or from the coordinator)
             units.abort(f"{exc.code}: {exc.message}")
@@ -273,6 +275,43 @@ def unit_activation(context: Any) -> Iterator[UnitRendezvous | None]:
     finally:
         units.close(completed)
         context.units = None
+
+
+TIMING_WAIT_S = 2.0
+"""How long unit 0 waits for another unit's spans after the last barrier (they are diagnostics: a unit
+slow to send them costs a timing warning, never the operation)."""
+TIMING_CHUNK_BYTES = MAX_VALUE_BYTES - 1024
+
+
+def share_timing(timer: Any, units: UnitRendezvous) -> None:
+    """After the operation's last barrier: every other unit hands unit 0 its timing envelope, which unit 0's
+    receipt carries on one clock per unit (``unit-K``, its own Unix origin; the seeds' timing envelope). An
+    envelope travels in chunks under the coordinator's value limit."""
+    from coldsnap.contracts import ContractError
+    from coldsnap.contracts.receipt import TimingEnvelope
+
+    if units.index != 0:
+        text = json.dumps(timer.envelope_so_far().to_json_value(), sort_keys=True)
+        chunks = [text[i:i + TIMING_CHUNK_BYTES] for i in range(0, len(text), TIMING_CHUNK_BYTES)] or [""]
+        try:
+            for number, chunk in enumerate(chunks):
+                units.client.put(f"timing/{units.index}/{number}", chunk)
+            units.client.put(f"timing/{units.index}", str(len(chunks)))
+        except Exception as exc:  # (diagnostics: the operation succeeded)
+            timer.warnings.append(f"timing: unit {units.index}'s spans were not handed to unit 0: {exc}")
+        return
+    for k in range(1, units.units):
+        try:
+            count = int(units.client.get(f"timing/{k}", TIMING_WAIT_S))
+            text = "".join(units.client.get(f"timing/{k}/{n}", TIMING_WAIT_S) for n in range(count))
+            envelope = TimingEnvelope.model_validate_json(text)
+        except (ContractError, ValueError) as exc:
+            timer.warnings.append(f"timing: unit {k}'s spans are not a timing envelope: {str(exc)[:200]}")
+            continue
+        except Exception as exc:
+            timer.warnings.append(f"timing: unit {k}'s spans did not arrive within {TIMING_WAIT_S:g} s: {exc}")
+            continue
+        timer.import_envelope(envelope, f"unit-{k}", f"unit {k}'s launcher (its own host and clock)")
 
 
 def artifact_request(request: OperationRequest) -> OperationRequest:

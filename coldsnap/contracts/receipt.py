@@ -25,6 +25,7 @@ from coldsnap.contracts.common import (
 __all__ = [
     "RECEIPT_FORMAT",
     "MAX_SPANS",
+    "MAX_CLOCKS",
     "Clock",
     "Span",
     "TimingEnvelope",
