@@ -18,14 +18,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coldsnap.activation.admission import admit, weight_sources
+from coldsnap.activation.admission import Admitted, admit, weight_sources
 from coldsnap.activation.artifact_dir import ArtifactDir, claim_state
 from coldsnap.activation.capture_steps import READY_TIMEOUT_S, port_taken
 from coldsnap.activation.drivers import driver_for
 from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
 from coldsnap.activation.state import artifact_id
-from coldsnap.activation.units import join_capture_request, packed_addresses, selected_unit, unit_activation
+from coldsnap.activation.units import (UnitRendezvous, join_capture_request, packed_addresses, selected_unit,
+                                      unit_activation)
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 from coldsnap.snapshot.replica import connections_to
@@ -71,23 +72,29 @@ def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> O
         admitted = admit(context, artifact)
         driver = driver_for(admitted.descriptor.snapshot_driver)
         placement = driver.admit_placement(context, artifact, admitted)
-        if units is not None:  # every unit admitted, at one port generation, before any starts
-            with context.timer.span(f"{context.request.operation}.units.admitted"):
-                shifts = units.every_unit("restore/port_shift", admitted.replica.generation.shift)
-                if len(set(shifts)) != 1:
-                    raise OperationFailed("admission.port", f"the units' port generations differ (shifts {shifts}): "
-                                          "restore every unit onto the same serving port")
-                captured = admitted.capsule.metadata.address
-                others = {a for a in units.placed if a != captured}  # (published at admission: plan_replica)
-                if shifts[0] and connections_to(artifact.images(admitted.capsule.unit_id), packed_addresses(others)):
-                    raise OperationFailed("admission.port", f"the units' trees are connected to each other, which "
-                                          f"ties their ports to the capture's: restore onto the captured serving port "
-                                          f"{admitted.capsule.metadata.serving_port}, not with a shift of {shifts[0]}")
-                units.barrier("restore.admitted")
+        if units is not None:
+            _every_unit_admitted(context, units, artifact, admitted)
         if context.request.prepare_only:
             context.progress("admission passed; --prepare-only: nothing started")
             return OperationOutcome(artifact=str(artifact.root))
         return driver.restore(context, artifact, admitted, placement)
+
+
+def _every_unit_admitted(context: OperationContext, units: UnitRendezvous, artifact: ArtifactDir,
+                         admitted: Admitted) -> None:
+    """Every unit admitted, at one port generation, before any starts (restore and warm)."""
+    with context.timer.span(f"{context.request.operation}.units.admitted"):
+        shifts = units.every_unit("restore/port_shift", admitted.replica.generation.shift)
+        if len(set(shifts)) != 1:
+            raise OperationFailed("admission.port", f"the units' port generations differ (shifts {shifts}): "
+                                  "restore every unit onto the same serving port")
+        captured = admitted.capsule.metadata.address
+        others = {a for a in units.placed if a != captured}  # (published at admission: plan_replica)
+        if shifts[0] and connections_to(artifact.images(admitted.capsule.unit_id), packed_addresses(others)):
+            raise OperationFailed("admission.port", f"the units' trees are connected to each other, which "
+                                  f"ties their ports to the capture's: restore onto the captured serving port "
+                                  f"{admitted.capsule.metadata.serving_port}, not with a shift of {shifts[0]}")
+        units.barrier(f"{context.request.operation}.admitted")
 
 
 def warm(context: OperationContext) -> OperationOutcome:
@@ -95,18 +102,27 @@ def warm(context: OperationContext) -> OperationOutcome:
     driver = driver_for(context.request.snapshot_driver)
     if driver.warm is None:  # (the request profiles refuse this before it gets here)
         raise OperationFailed("request.unsupported", f"snapshot driver {driver.name} has no warm standby")
-    claim_state(context.hand_over, artifact)
-    if artifact.committed():  # one standby per artifact: a second warm of it meanwhile, on any port, loses here
-        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
-    existing = live_standby(artifact) if artifact.committed() else None
-    if existing is not None:  # convergent: the standby asked for is there
-        context.progress(f"already warm: pid {existing.pid}, port {existing.serving_port} (warmed by "
-                         f"{existing.operation_id})")
-        return OperationOutcome(artifact=str(artifact.root), warnings=[
-            f"a warm standby of this artifact already runs (pid {existing.pid}); no second one was started"])
-    admitted = admit(context, artifact)
-    placement = driver.admit_placement(context, artifact, admitted)
-    return driver.warm(context, artifact, admitted, placement, context.request.standby_ttl_s or DEFAULT_TTL_S)
+    with unit_activation(context) as units:
+        claim_state(context.hand_over, artifact)
+        if artifact.committed():  # one standby per artifact: a second warm of it meanwhile, on any port, loses here
+            hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
+        existing = live_standby(artifact) if artifact.committed() else None
+        if units is not None:  # converged only when every unit's standby is there
+            present = units.every_unit("warm/standby", existing is not None)
+            if any(present) and not all(present):
+                raise OperationFailed("admission.standby", f"units {[k for k, p in enumerate(present) if p]} of "
+                                      f"{units.units} hold a warm standby of this artifact, the others none: wake or "
+                                      "stop those first, then warm every unit together")
+        if existing is not None:  # convergent: the standby asked for is there
+            context.progress(f"already warm: pid {existing.pid}, port {existing.serving_port} (warmed by "
+                             f"{existing.operation_id})")
+            return OperationOutcome(artifact=str(artifact.root), warnings=[
+                f"a warm standby of this artifact already runs (pid {existing.pid}); no second one was started"])
+        admitted = admit(context, artifact)
+        placement = driver.admit_placement(context, artifact, admitted)
+        if units is not None:
+            _every_unit_admitted(context, units, artifact, admitted)
+        return driver.warm(context, artifact, admitted, placement, context.request.standby_ttl_s or DEFAULT_TTL_S)
 
 
 def wake(context: OperationContext) -> OperationOutcome:
@@ -114,25 +130,30 @@ def wake(context: OperationContext) -> OperationOutcome:
     driver = driver_for(context.request.snapshot_driver)
     if driver.wake is None:
         raise OperationFailed("request.unsupported", f"snapshot driver {driver.name} has no warm standby")
-    claim_state(context.hand_over, artifact)
-    with context.timer.span("wake.admission.standby") as span:
-        if not artifact.committed():
-            raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")
-        record = live_standby(artifact)
-        if record is None:
-            raise OperationFailed("wake.standby", f"no live warm standby of {artifact.root} (`coldsnap warm` it first; "
-                                  "`coldsnap status` lists the standbys)")
-        span["pid"] = record.pid
-        try:
-            descriptor = artifact.load()
-            capsule = artifact.read_capsule(descriptor.units[0].unit_id)
-        except (OSError, ContractError) as exc:
-            raise OperationFailed("admission.artifact", f"{artifact.root}: {exc}") from None
-        # A second wake of it loses here; the winner of such a race may have woken it meanwhile.
-        hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
-        hold_port(context, record.serving_port or capsule.metadata.serving_port, str(artifact.root))
-        if live_standby(artifact) is None:
-            raise OperationFailed("wake.standby", f"the warm standby of {artifact.root} was woken or stopped meanwhile")
-    with context.timer.span("wake.admission.payload") as span:
-        sources = weight_sources(context, artifact, descriptor.units[0].workers, span)
-    return driver.wake(context, artifact, descriptor, capsule, sources, record)
+    with unit_activation(context) as units:
+        claim_state(context.hand_over, artifact)
+        with context.timer.span("wake.admission.standby") as span:
+            if not artifact.committed():
+                raise OperationFailed("admission.artifact", f"{artifact.root} holds no committed artifact (no artifact.json)")
+            record = live_standby(artifact)
+            if record is None:
+                raise OperationFailed("wake.standby", f"no live warm standby of {artifact.root} (`coldsnap warm` it "
+                                      "first; `coldsnap status` lists the standbys)")
+            span["pid"] = record.pid
+            try:
+                descriptor = artifact.load()
+                unit = descriptor.units[selected_unit(context.request) or 0]  # (one unit of several: this host's)
+                capsule = artifact.read_capsule(unit.unit_id)
+            except (OSError, ContractError) as exc:
+                raise OperationFailed("admission.artifact", f"{artifact.root}: {exc}") from None
+            # A second wake of it loses here; the winner of such a race may have woken it meanwhile.
+            hold_standby(context, artifact_id(artifact.root), str(artifact.root), "admission.standby")
+            hold_port(context, record.serving_port or capsule.metadata.serving_port, str(artifact.root))
+            if live_standby(artifact) is None:
+                raise OperationFailed("wake.standby", f"the warm standby of {artifact.root} was woken or stopped meanwhile")
+        with context.timer.span("wake.admission.payload") as span:
+            sources = weight_sources(context, artifact, unit.workers, span)
+        if units is not None:  # every unit's standby is there before any rank hydrates
+            with context.timer.span("wake.units.admitted"):
+                units.barrier("wake.admitted")
+        return driver.wake(context, artifact, descriptor, capsule, sources, record)

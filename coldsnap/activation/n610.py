@@ -100,7 +100,7 @@ def park(sequence: "StandbySequence") -> None:
     path = record_path(sequence.artifact)
     controls = [sequence.controls[w.rank] for w in sequence.workers]
     with sequence.step("warm.standby", "warm.standby") as span, \
-            ActivationCoordinator(len(sequence.workers)) as coordinator:
+            ActivationCoordinator(len(sequence.workers), sequence.units) as coordinator:
         calls: list[tuple[int, Callable[[], StandbyReply]]] = [(w.rank, functools.partial(AgentClient(control).standby, Standby(
                     ttl_s=ttl_s, record=str(path), coordinator=coordinator.command_field(),
                     pin_payload=_pinnable_payload(sequence, w))))

@@ -49,10 +49,10 @@ from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_t
 
 __all__ = ["RestoreSequence", "UNIT_BARRIERS"]
 
-UNIT_BARRIERS = {"check_canary": "released"}
+UNIT_BARRIERS = {"check_canary": "released", "park": "parked"}
 """One unit of several: after these steps it waits for every unit (``restore.units.<barrier>``): no unit lets
-its tree go before unit 0's canary matched (one failure is every unit's). The ``network_unlock`` barrier is
-inside the CRIU restore (:meth:`RestoreSequence.restore_tree`)."""
+its tree go before unit 0's canary matched, nor leaves a standby before every unit's is parked (one failure
+is every unit's). The ``network_unlock`` barrier is inside the CRIU restore (:meth:`RestoreSequence.restore_tree`)."""
 
 
 class RestoreSequence:
@@ -84,7 +84,8 @@ class RestoreSequence:
         self.replica = replica
         self.serving_port = replica.serving_port if replica is not None else capsule.metadata.serving_port
         self.records = {record.rank: record for record in self.metadata.workers}
-        self.controls = (dict(enumerate(controls)) if controls is not None else replica.controls if replica is not None
+        # (a standby's record lists its agents in this unit's rank order: unit K's ranks are not 0..R-1)
+        self.controls = (dict(zip((w.rank for w in self.workers), controls)) if controls is not None else replica.controls if replica is not None
                          else {rank: record.control for rank, record in self.records.items()})
         self.gpus = gpus
         self.host_pids: dict[int, int] = {}  # captured pid → its pid on this host (a replica's namespace)
@@ -113,9 +114,10 @@ class RestoreSequence:
                 # (unit 0 alone asks the canary, through its serving port; its answer needs every unit's ranks)
                 if name != "check_canary" or self.units is None or self.first_unit:
                     getattr(self, name)()
-                if self.units is not None and name in UNIT_BARRIERS:
-                    with self.timer.span(f"{self.op}.units.{UNIT_BARRIERS[name]}"):
-                        self.units.barrier(f"{self.op}.{UNIT_BARRIERS[name]}")
+                barrier = UNIT_BARRIERS.get(name)
+                if self.units is not None and barrier is not None:
+                    with self.timer.span(f"{self.op}.units.{barrier}"):
+                        self.units.barrier(f"{self.op}.{barrier}")
             assert self.lease is not None
             self.lease.release()  # the process is on its own now
         except BaseException:

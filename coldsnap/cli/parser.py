@@ -286,6 +286,7 @@ def _add_warm(commands: Any) -> None:
     _add_weights_flag(p)
     _add_host_thp_flag(p)
     _add_state_dir_flag(p)
+    _add_unit_flags(p)
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="warm")
 
@@ -305,6 +306,7 @@ def _add_wake(commands: Any) -> None:
     p.add_argument("artifact", nargs="?", metavar="DIR|ID", help="artifact directory, or a standby id from coldsnap status")
     _add_weights_flag(p)
     _add_state_dir_flag(p)
+    _add_unit_flags(p)
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="wake")
 

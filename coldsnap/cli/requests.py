@@ -271,19 +271,17 @@ def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
     captured.update(operation=operation, operation_id=args.operation_id or new_operation_id(operation),
                     artifact=str(directory))
     captured.pop("owner", None)  # the capture's caller's: this operation's owner is its own caller's
-    selection = unit_selection(args) if operation == "restore" else None
+    selection = unit_selection(args)
     units = captured.get("units") or [{}]
     if selection:
         if selection["unit"]["units"] != len(units):
             raise UsageError(f"--units {selection['unit']['units']}, but {directory} is an artifact of {len(units)} "
                              "launch unit(s)")
         captured["unit"] = selection["unit"] | {"unit_id": units[selection["index"]].get("unit_id")}
-    elif len(units) > 1 and operation in ("restore", "warm", "wake"):
-        raise UsageError(f"{directory} is an artifact of {len(units)} launch units: restore each on its own host with "
-                         f"--units {len(units)} --unit K --rendezvous HOST:PORT --rendezvous-token-file F (all at once; "
-                         "a subset of the units is never restored)" if operation == "restore" else
-                         f"{directory} is an artifact of {len(units)} launch units: {operation} of several units is "
-                         "not built yet (restore them with --units)")
+    elif len(units) > 1:
+        raise UsageError(f"{directory} is an artifact of {len(units)} launch units: {operation} each on its own host "
+                         f"with --units {len(units)} --unit K --rendezvous HOST:PORT --rendezvous-token-file F (all at "
+                         f"once; a subset of the units is never {'woken' if operation == 'wake' else operation + 'ed'})")
     if operation == "restore":
         captured["prepare_only"] = args.prepare_only
         unit = units[selection["index"]] if selection else units[0]

@@ -155,6 +155,44 @@ def test_two_units_restored_on_two_other_hosts_answer_as_the_cold_pair(two_units
                 os.kill(pid, signal.SIGKILL)
 
 
+def _unit_argv(work: Path, token: Path, leader, operation: str, label: str, extra=()):
+    return lambda k, h: [sys.executable, "-m", "coldsnap", operation, str(work / f"artifact-unit{k}"),
+                         *_unit_flags(k, h, leader, token), "--receipt-json", str(work / f"{label}-receipt-{k}.json"),
+                         *extra]
+
+
+def test_two_units_warmed_on_two_other_hosts_wake_together_and_answer_as_the_cold_pair(two_units):
+    """``coldsnap warm`` of each unit parks both trees (their communicator rebuilt across the hosts at warm);
+    ``coldsnap wake`` of each makes the pair serve: unit 0's canary, then the cold pair's tokens."""
+    work, token, expected = two_units["work"], two_units["token"], two_units["expected"]
+    a, b, c, d, e, client = two_units["hosts"]
+    try:
+        warms = _start(work, "warm", [c, d], _unit_argv(work, token, c, "warm", "warm", ["--ttl", "300"]))
+        codes = [p.wait(timeout=300) for p in warms]
+        assert codes == [0, 0], "\n".join((work / f"warm-{k}.log").read_text()[-3000:] for k in range(2))
+        for k, host in enumerate((c, d)):
+            names = {s["name"] for s in _receipt(work, f"warm-receipt-{k}.json")["timing"]["spans"]}
+            assert {"warm.units.admitted", "warm.units.network_unlock", "warm.standby", "warm.units.parked"} <= names
+            # (in the host's network namespace: the agents' control sockets are abstract, one set per namespace)
+            listed = subprocess.run(host.command([sys.executable, "-m", "coldsnap", "status", "--json"]),
+                                    capture_output=True, text=True, timeout=60, env=_env(work, host))
+            assert [s["state"] for s in json.loads(listed.stdout)["standbys"]] == ["standby"], listed.stdout
+        plain = subprocess.run([sys.executable, "-m", "coldsnap", "wake", str(work / "artifact-unit0")],
+                               capture_output=True, text=True, timeout=60, env=_env(work, c))
+        assert plain.returncode == 2 and "2 launch units" in plain.stderr and "Traceback" not in plain.stderr
+        wakes = _start(work, "wake", [c, d], _unit_argv(work, token, c, "wake", "wake"))
+        codes = [p.wait(timeout=300) for p in wakes]
+        assert codes == [0, 0], "\n".join((work / f"wake-{k}.log").read_text()[-3000:] for k in range(2))
+        for k in range(2):
+            names = {s["name"] for s in _receipt(work, f"wake-receipt-{k}.json")["timing"]["spans"]}
+            assert {"wake.units.admitted", "wake.resume", "wake.units.released"} <= names
+        assert [_ask(client, c.address, prompt) for prompt in PROMPTS] == expected
+    finally:
+        for host in (c, d):
+            for pid in _namespace_pids(host):
+                os.kill(pid, signal.SIGKILL)
+
+
 def test_restoring_a_subset_of_the_units_is_refused_before_anything_starts(two_units):
     work, token = two_units["work"], two_units["token"]
     a, b, c, d, e, client = two_units["hosts"]
