@@ -11,6 +11,8 @@ The reference workload (``coldsnap.workloads.torch_lm``, ``--size``) at tensor-p
                  host, timed from its exec to its exit (the canary matched)
   two units      captured unit by unit on two hosts (``--units 2 --unit K``, unit 0 serving the coordinator),
                  restored onto two other hosts with other addresses: from the two execs to the last exit
+  wake           each of the two captures warmed into standbys (untimed), then ``coldsnap wake`` of each
+                 unit at once, timed as a restore is
 
 Every restore is then asked the same prompts as the cold start (greedy token ids must be equal). Each host
 is a network, UTS and mount namespace of its own (tests/simulated_hosts.py): a second machine is what this
@@ -115,9 +117,16 @@ class Bench:
             raise SystemExit(f"capture {label} failed: see {self.work}/capture-{label}-*.log")
         print(json.dumps({"capture": label, "seconds": round(time.monotonic() - started, 2)}), flush=True)
 
-    def restore(self, kind: str, units: list, argv_of) -> None:
+    def restore(self, kind: str, units: list, argv_of, warm_argv_of=None) -> None:
+        """``argv_of`` timed on every unit at once (a restore, or a wake of the standbys ``warm_argv_of``
+        parked first, untimed)."""
         index = len(self.runs)
         receipts = [self.work / f"restore-{index}-{k}.json" for k in range(len(units))]
+        if warm_argv_of is not None:
+            warms = [self.start(h, warm_argv_of(k, h), f"warm-{index}-{k}.log") for k, h in enumerate(units)]
+            if [p.wait(timeout=300) for p in warms] != [0] * len(units):
+                self.kill_all(*units)
+                raise SystemExit(f"{kind}: warm failed: see {self.work}/warm-{index}-*.log")
         started = time.monotonic()
         processes = [self.start(h, [*argv_of(k, h), "--receipt-json", str(receipts[k])], f"restore-{index}-{k}.log")
                      for k, h in enumerate(units)]
@@ -151,13 +160,21 @@ class Bench:
                          lambda k, h: [*coldsnap, "restore", str(self.work / "one-unit")])
             self.restore("restore, two units on two other hosts", [self.c, self.d], lambda k, h: [
                 *coldsnap, "restore", str(self.work / f"two-units-{k}"), *self.unit_flags(k, h, self.c)])
+        for _ in range(self.args.repeat):  # warm standbys (parked untimed), then the wake timed
+            self.restore("wake, one unit", [self.c], lambda k, h: [*coldsnap, "wake", str(self.work / "one-unit")],
+                         lambda k, h: [*coldsnap, "warm", str(self.work / "one-unit")])
+            self.restore("wake, two units", [self.c, self.d], lambda k, h: [
+                *coldsnap, "wake", str(self.work / f"two-units-{k}"), *self.unit_flags(k, h, self.c)],
+                lambda k, h: [*coldsnap, "warm", str(self.work / f"two-units-{k}"), *self.unit_flags(k, h, self.c)])
         groups: dict[str, list[float]] = {}
         for run in self.runs:
             groups.setdefault(run["kind"], []).append(run["seconds"])
         summary = {kind: round(statistics.median(values), 3) for kind, values in groups.items()}
         one, two = (summary.get("restore, one unit (both ranks on one host)"),
                     summary.get("restore, two units on two other hosts"))
+        woke_one, woke_two = summary.get("wake, one unit"), summary.get("wake, two units")
         ratios = {"two units / one unit": round(two / one, 2) if one and two else None,
+                  "wake: two units / one unit": round(woke_two / woke_one, 2) if woke_one and woke_two else None,
                   "cold start / two units": round(summary["cold start, two nodes"] / two, 1) if two else None}
         return {"benchmark": "two_units", "size": self.args.size, "repeat": self.args.repeat, "runs": self.runs,
                 "summary": summary, "ratios": ratios, "cpus": os.cpu_count(),

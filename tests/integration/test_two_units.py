@@ -112,10 +112,15 @@ def two_units(tmp_path_factory):
                "capture_s": time.monotonic() - started}
 
 
-def _restore_argv(work: Path, token: Path, leader, label: str, extra=()):
-    return lambda k, h: [sys.executable, "-m", "coldsnap", "restore", str(work / f"artifact-unit{k}"),
+def _unit_argv(work: Path, token: Path, leader, operation: str, label: str, extra=()):
+    """``coldsnap OPERATION`` of unit K's artifact directory on host h, unit 0 at ``leader``."""
+    return lambda k, h: [sys.executable, "-m", "coldsnap", operation, str(work / f"artifact-unit{k}"),
                          *_unit_flags(k, h, leader, token), "--receipt-json", str(work / f"{label}-receipt-{k}.json"),
                          *extra]
+
+
+def _restore_argv(work: Path, token: Path, leader, label: str, extra=()):
+    return _unit_argv(work, token, leader, "restore", label, extra)
 
 
 def test_two_units_restored_on_two_other_hosts_answer_as_the_cold_pair(two_units):
@@ -155,12 +160,6 @@ def test_two_units_restored_on_two_other_hosts_answer_as_the_cold_pair(two_units
                 os.kill(pid, signal.SIGKILL)
 
 
-def _unit_argv(work: Path, token: Path, leader, operation: str, label: str, extra=()):
-    return lambda k, h: [sys.executable, "-m", "coldsnap", operation, str(work / f"artifact-unit{k}"),
-                         *_unit_flags(k, h, leader, token), "--receipt-json", str(work / f"{label}-receipt-{k}.json"),
-                         *extra]
-
-
 def test_two_units_warmed_on_two_other_hosts_wake_together_and_answer_as_the_cold_pair(two_units):
     """``coldsnap warm`` of each unit parks both trees (their communicator rebuilt across the hosts at warm);
     ``coldsnap wake`` of each makes the pair serve: unit 0's canary, then the cold pair's tokens."""
@@ -177,6 +176,9 @@ def test_two_units_warmed_on_two_other_hosts_wake_together_and_answer_as_the_col
             listed = subprocess.run(host.command([sys.executable, "-m", "coldsnap", "status", "--json"]),
                                     capture_output=True, text=True, timeout=60, env=_env(work, host))
             assert [s["state"] for s in json.loads(listed.stdout)["standbys"]] == ["standby"], listed.stdout
+        again = _start(work, "warm-again", [c, d], _unit_argv(work, token, c, "warm", "warm-again"))
+        assert [p.wait(timeout=120) for p in again] == [0, 0]  # convergent: every unit's standby is there
+        assert all("already runs" in " ".join(_receipt(work, f"warm-again-receipt-{k}.json")["warnings"]) for k in range(2))
         plain = subprocess.run([sys.executable, "-m", "coldsnap", "wake", str(work / "artifact-unit0")],
                                capture_output=True, text=True, timeout=60, env=_env(work, c))
         assert plain.returncode == 2 and "2 launch units" in plain.stderr and "Traceback" not in plain.stderr

@@ -1,5 +1,5 @@
-"""vLLM's own multi-node serving on its CPU build, `--tensor-parallel-size 2 --nnodes 2` (mp backend, node 1
-`--headless`), one rank on each of two simulated hosts (tests/simulated_hosts.py), captured unit by unit
+"""vLLM's own multi-node serving on its CPU build, `--tensor-parallel-size 2 --nnodes 2` and
+`--pipeline-parallel-size 2 --nnodes 2` (mp backend, node 1 `--headless`), one rank on each of two simulated hosts (tests/simulated_hosts.py), captured unit by unit
 (`coldsnap capture --units 2 --unit K`) and restored onto two *other* hosts with other addresses, real CRIU.
 The connections vLLM holds between its nodes (torch's TCPStore, gloo pairs, ZeroMQ queues) are dumped
 established and rewritten for the new addresses; the restored pair answers as the cold pair does, on
@@ -35,9 +35,11 @@ pytestmark = [
 ]
 
 
-def _serve(model: Path, node: int, master: str, *extra: str) -> list[str]:
-    return [str(VLLM), "serve", str(model), "--host", "0.0.0.0", "--port", str(PORT), "--enforce-eager",
-            "--max-model-len", "256", "--tensor-parallel-size", "2", "--nnodes", "2", "--node-rank", str(node),
+def _serve(model: Path, node: int, master: str, parallel: str, *extra: str) -> list[str]:
+    # (PP on vLLM's CPU build needs its compiled path: eager mode's last stage finds no intermediate tensors)
+    eager = ["--enforce-eager"] if parallel == "--tensor-parallel-size" else []
+    return [str(VLLM), "serve", str(model), "--host", "0.0.0.0", "--port", str(PORT), *eager,
+            "--max-model-len", "256", parallel, "2", "--nnodes", "2", "--node-rank", str(node),
             "--master-addr", master, "--master-port", str(MASTER_PORT), "--distributed-executor-backend", "mp",
             *(["--headless"] if node else []), *extra]
 
@@ -120,12 +122,13 @@ def _logs(work: Path, label: str) -> str:
     return "\n".join(f"--- {label}-{k}\n" + (work / f"{label}-{k}.log").read_text()[-4000:] for k in range(2))
 
 
-def test_vllm_nnodes_2_restored_on_two_other_hosts_answers_as_the_cold_pair(model, tmp_path):
+@pytest.mark.parametrize("parallel", ["--tensor-parallel-size", "--pipeline-parallel-size"], ids=["tp2", "pp2"])
+def test_vllm_nnodes_2_restored_on_two_other_hosts_answers_as_the_cold_pair(model, tmp_path, parallel):
     work = tmp_path
     token = work / "token"
     token.write_text(secrets.token_hex(32))
     with simulated_hosts(5) as (a, b, c, d, client):
-        cold = _start(work, "cold", [a, b], lambda k, h: _serve(model, k, a.address))
+        cold = _start(work, "cold", [a, b], lambda k, h: _serve(model, k, a.address, parallel))
         try:
             _wait_for_answer(client, a.address, cold)
             expected = _ask_all(client, a.address, _prompts())
@@ -144,8 +147,8 @@ def test_vllm_nnodes_2_restored_on_two_other_hosts_answers_as_the_cold_pair(mode
 
         capture = _start(work, "capture", [a, b], lambda k, h: [
             sys.executable, "-m", "coldsnap", "capture", "--out", str(work / f"artifact-unit{k}"), *unit_flags(k, h, a),
-            "--receipt-json", str(work / f"capture-{k}.json"), "--", *_serve(model, k, a.address, "--load-format",
-                                                                             "coldsnap")])
+            "--receipt-json", str(work / f"capture-{k}.json"), "--", *_serve(model, k, a.address, parallel,
+                                                                             "--load-format", "coldsnap")])
         codes = [p.wait(timeout=900) for p in capture]
         assert codes == [0, 0], _logs(work, "capture")
         connections = [next(s for s in json.loads((work / f"capture-{k}.json").read_text())["timing"]["spans"]
@@ -163,6 +166,6 @@ def test_vllm_nnodes_2_restored_on_two_other_hosts_answers_as_the_cold_pair(mode
             answers = _ask_all(client, c.address, _prompts())  # at host C's address
             assert len(answers) == len(expected) == 28
             assert [i for i, (x, y) in enumerate(zip(answers, expected)) if x != y] == []
-            print(f"vLLM --nnodes 2: two-unit restore {seconds:.1f} s (both launchers, exec to exit)")
+            print(f"vLLM {parallel} 2 --nnodes 2: two-unit restore {seconds:.1f} s (both launchers, exec to exit)")
         finally:
             _kill_hosts(c, d)
