@@ -285,7 +285,7 @@ TIMING_CHUNK_BYTES = MAX_VALUE_BYTES - 1024
 
 def share_timing(timer: Any, units: UnitRendezvous) -> None:
     """After the operation's last barrier: every other unit hands unit 0 its timing envelope, which unit 0's
-    receipt carries on one clock per unit (``unit-K``, its own Unix origin; the seeds' timing envelope). An
+    receipt carries on one clock per unit (``unit-K``, its own Unix origin; docs/contracts.md's timing envelope). An
     envelope travels in chunks under the coordinator's value limit."""
     from coldsnap.contracts import ContractError
     from coldsnap.contracts.receipt import TimingEnvelope

@@ -147,7 +147,7 @@ def test_two_units_restored_on_two_other_hosts_answer_as_the_cold_pair(two_units
         for receipt in receipts:  # one clock per unit: each unit's own receipt times its own steps
             names = {s["name"] for s in receipt["timing"]["spans"]}
             assert {"restore.criu_restore", "restore.units.network_unlock", "restore.units.released"} <= names
-        # ... and unit 0's carries unit 1's too, on unit 1's clock (its own Unix origin), as the seeds' envelope
+        # ... and unit 0's carries unit 1's too, on unit 1's clock (its own Unix origin) (receipt format 2's clocks)
         clocks = {c["clock_id"]: c for c in receipts[0]["timing"]["clocks"]}
         (unit_1_clock,) = [c for c in receipts[1]["timing"]["clocks"] if c["clock_id"] == "controller"]
         assert clocks["unit-1"]["owner"] == "unit" and clocks["unit-1"]["unix_origin_ns"] == unit_1_clock["unix_origin_ns"]

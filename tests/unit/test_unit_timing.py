@@ -1,5 +1,5 @@
 """One clock per unit: the other units hand unit 0 their timing envelopes at the activation's real
-coordinator, and unit 0's receipt envelope carries each on clocks of its own (the seeds' timing envelope)."""
+coordinator, and unit 0's receipt envelope carries each on clocks of its own (receipt format 2's timing envelope)."""
 
 import json
 import threading
