@@ -34,6 +34,7 @@ from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed
+from coldsnap.payload.arrival import arrival_for
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file, verify_files
 from coldsnap.snapshot.criu import MINIMUM_VERSION, CriuError, checked_criu
@@ -258,6 +259,8 @@ def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: li
     mode = context.request.policy.weights.mode or "auto"
 
     def check(path: Path, sha256: str, record_dir: Path | None) -> str:
+        if arrival_for(path) is not None:  # being pulled by this restore: each chunk is verified as it lands
+            return "arriving"
         try:
             return verify_file(path, sha256, record_dir).method
         except (PackError, OSError) as exc:

@@ -38,6 +38,7 @@ from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
+from coldsnap.payload.arrival import ArrivalFailed, arrival_for
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file
 from coldsnap.progress import PhaseProgress
@@ -227,7 +228,8 @@ class RestoreSequence:
         try:
             for w in self.workers:
                 if self.sources[w.rank] == "native" and w.payload is not None and w.rank not in self.stagers:
-                    prefetch_file(self.artifact.root / w.payload.path)
+                    if arrival_for(self.artifact.root / w.payload.path) is None:  # (a pull's bytes are cached already)
+                        prefetch_file(self.artifact.root / w.payload.path)
                 elif self.sources[w.rank] == "recovery" and w.recovery:
                     for pinned in w.recovery:
                         prefetch_file(Path(pinned.path))
@@ -304,8 +306,25 @@ class RestoreSequence:
             return None
         return paths[0], paths[1]
 
+    def wait_for_arriving_packs(self) -> None:
+        """A pack this restore still pulls (``restore oci://`` on a host that had no copy), which a rank's agent
+        reads itself (no staging: a host region, or staging failed): every chunk in and verified first."""
+        arriving = [(w.rank, arrival) for w in self.workers if w.payload is not None and w.rank not in self.staged
+                    and self.sources[w.rank] == "native"
+                    and (arrival := arrival_for(self.artifact.root / w.payload.path)) is not None]
+        if not arriving:
+            return
+        with self.step(f"{self.op}.pack_arrival", "restore.pack_arrival") as span:
+            for rank, arrival in arriving:
+                try:
+                    arrival.wait()
+                except ArrivalFailed as exc:
+                    raise OperationFailed("restore.pack_arrival", f"rank {rank}: {exc}") from None
+            span["packs"] = len(arriving)
+
     def resume_ranks(self) -> None:
         """Every rank at once: map and fill its regions, zero the KV cache, rebuild NCCL, recapture graphs."""
+        self.wait_for_arriving_packs()
         with self.step(f"{self.op}.resume", "restore.resume") as span, \
                 ActivationCoordinator(len(self.workers), self.units) as coordinator:
             bars = PhaseProgress(f"coldsnap {self.op} [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.contracts.capsule import RegionRecord
-from coldsnap.hydrate import hydrate_pack
+from coldsnap.hydrate import hydrate_pack, hydrate_pack_as_it_arrives
 from coldsnap.memory import DISCARDED_TAGS, RegionError, StableRegion, reserve_staging
 from coldsnap.native import native
+from coldsnap.payload.arrival import arrival_for
 
 __all__ = ["WeightStager", "stages_rank"]
 
@@ -73,13 +74,19 @@ class WeightStager:
                 self.staged[tag] = region
                 region.map(record.high_water)
             keep_going = self._keep_going
-            payload = hydrate_pack(self.payload, self.staged, layout_digest=self.layout_digest, progress=keep_going)
+            arrival = arrival_for(self.payload)
+            if arrival is not None:  # being pulled: hydrate each chunk as it arrives, verified
+                payload = hydrate_pack_as_it_arrives(self.payload, self.staged, arrival, layout_digest=self.layout_digest,
+                                                     progress=keep_going)
+            else:
+                payload = hydrate_pack(self.payload, self.staged, layout_digest=self.layout_digest, progress=keep_going)
             seconds = payload.seconds
             if self.residual is not None:
                 seconds += hydrate_pack(self.residual, self.staged, layout_digest=self.layout_digest,
                                         progress=keep_going).seconds
             self.stats = {"bytes": payload.bytes, "seconds": round(seconds, 4), "gb_per_s": round(payload.gb_per_s, 3),
-                          "direct": payload.direct, "cached_fraction": payload.cached_fraction}
+                          "direct": payload.direct, "cached_fraction": payload.cached_fraction,
+                          "as_it_arrived": arrival is not None}
         except BaseException as exc:  # never lost: the launcher falls back to hydrating in the agent
             self.error = exc
             self.release()

@@ -257,11 +257,21 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
         from coldsnap.activation.artifact_dir import state_root
         from coldsnap.registry.commands import OciPullFailed, pull_into_cache
 
+        # A restore on a host with no copy starts once everything but the packs is in: the weights are hydrated
+        # as their chunks arrive. A warm (its agents read the packs at wake) and --prepare-only pull whole.
+        stream = args.operation == "restore" and not getattr(args, "prepare_only", False)
         try:  # before anything of the host is touched: a failed pull changes nothing but the cache
-            args.artifact = str(pull_into_cache(args.artifact, state_root() / "oci", args.operation, args.owner))
+            cached = pull_into_cache(args.artifact, state_root() / "oci", args.operation, args.owner, stream=stream)
         except OciPullFailed as exc:
             print(f"coldsnap {args.operation}: {exc}", file=sys.stderr)
             return EXIT_USAGE if exc.usage else EXIT_FAILED
+        args.artifact = str(cached.directory)
+        code = EXIT_FAILED
+        try:
+            code = _run_lifecycle(args, lambda a: _artifact_request(a, args.operation), args.operation)
+        finally:
+            cached.finish(cancel=code != EXIT_OK)
+        return code
     if args.operation == "wake" and args.artifact and not args.request_json:
         from coldsnap.activation.standby import standby_artifact
 
@@ -276,7 +286,7 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
 def _cmd_publish(args: argparse.Namespace) -> int:
     from coldsnap.registry.commands import run_publish
 
-    return run_publish(args.artifact, args.reference, args.json)
+    return run_publish(args.artifact, args.reference, args.json, args.chunk_size)
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:

@@ -356,8 +356,9 @@ def _add_publish(commands: Any) -> None:
         "publish",
         help="push an artifact to an OCI registry: capsules, packs and descriptor, each by digest",
         description="Push the artifact in DIR to REF (REGISTRY/REPOSITORY[:TAG]) as OCI artifacts: each worker's "
-        "native pack as its own artifact (blob digest = the pack's SHA-256, so one pack serves every capture that "
-        "uses it), each unit's capsule (config capsule.json, the CRIU images as layers, digests bound to the "
+        "native pack as its own artifact, in fixed-size chunks (--chunk-size; each chunk a blob, pushed many at once "
+        "and pulled many at once, a chunk the registry has not sent again; the index binds every chunk's digest to "
+        "the pack's SHA-256), each unit's capsule (config capsule.json, the CRIU images as layers, digests bound to the "
         "capsule), the descriptor (artifact.json, request.json, logs), and one image index over them, tagged TAG. "
         "Every file is checked against its bound digest first; blobs and manifests the registry has are not sent "
         "again (a second publish sends only the index); blobs go up in parallel. Prints the pinned reference "
@@ -370,6 +371,9 @@ def _add_publish(commands: Any) -> None:
     p.add_argument("artifact", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("reference", metavar="REF", help="REGISTRY/REPOSITORY[:TAG] (oci:// optional)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout: reference, digest, what was sent")
+    p.add_argument("--chunk-size", default="256M", metavar="SIZE",
+                   help="a pack's chunk size: bytes, or with K, M or G (default 256M; 64K to 4G, a multiple of 4K): "
+                   "smaller chunks spread a small pack over more streams, larger ones cost fewer requests")
     p.set_defaults(func=_cmd_publish)
 
 

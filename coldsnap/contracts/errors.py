@@ -92,6 +92,9 @@ ERROR_CODES: dict[str, str] = {
     "restore.place": "n580: the restored template refused the placement or did not answer",
     "restore.engine_start": "n580: the placed engine exited or its agent / HTTP server did not answer in time",
     "restore.cuda": "the CUDA restore of a GPU process failed",
+    "restore.pack_arrival": "restore oci:// on a host with no copy: a pack it hydrates while pulling stopped arriving "
+                            "(the registry or the network failed, or a chunk did not match its digest); what arrived "
+                            "stays in the cache for the next restore to resume",
     "restore.resume": "a rank's agent could not map and fill its memory, rebuild NCCL or recapture its graphs",
     "restore.canary": "the restored server did not answer the canary, or answered other tokens than at capture",
     # Warm standby (`coldsnap warm`): admission and the restore's steps as above, then

@@ -16,7 +16,8 @@ from coldsnap.hydrate.engine import (
     prefetch_file,
     read_file,
 )
-from coldsnap.hydrate.native_pack import PinnedPack, hydrate_pack, payload_extents, write_pack_from_regions
+from coldsnap.hydrate.native_pack import (PinnedPack, hydrate_pack, hydrate_pack_as_it_arrives, payload_extents,
+                                         write_pack_from_regions)
 from coldsnap.hydrate.replay import SafetensorsIndex, replay_safetensors
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "SafetensorsIndex",
     "hydrate_items",
     "hydrate_pack",
+    "hydrate_pack_as_it_arrives",
     "payload_extents",
     "write_pack_from_regions",
     "prefetch_file",

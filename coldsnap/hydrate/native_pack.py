@@ -12,11 +12,12 @@ from coldsnap.contracts.layout import MemoryLayout, TensorExtent
 from coldsnap.hydrate.engine import CopyItem, HydrationError, HydrationStats, hydrate_items
 from coldsnap.memory.regions import StableRegion
 from coldsnap.native import native
+from coldsnap.payload.arrival import ArrivalFailed, PackArrival
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.pack import NativePack, PackKind, PlannedExtent, WrittenPack, write_pack
 from coldsnap.payload.validation import record_written_file
 
-__all__ = ["payload_extents", "write_pack_from_regions", "hydrate_pack", "PinnedPack"]
+__all__ = ["payload_extents", "write_pack_from_regions", "hydrate_pack", "hydrate_pack_as_it_arrives", "PinnedPack"]
 
 
 def payload_extents(layout: MemoryLayout) -> list[PlannedExtent]:
@@ -110,6 +111,56 @@ def hydrate_pack(
     if not items:  # a residual can be empty: every preserved byte was in the payload
         return _NOTHING
     return hydrate_items(path, items, used.values(), **engine_options)  # type: ignore[arg-type]
+
+
+def hydrate_pack_as_it_arrives(
+    path: str | os.PathLike[str],
+    regions: Mapping[str, StableRegion],
+    arrival: PackArrival,
+    *,
+    layout_digest: str | None = None,
+    progress=None,
+    **engine_options: object,
+) -> HydrationStats:
+    """:func:`hydrate_pack` of a pack still being pulled: each batch of chunks that arrived (verified) since the
+    last is hydrated at once, so the copy to the GPU keeps pace with the pull and ends just after its last
+    chunk. The pack's header and index (its first chunk) must be in before the plan can be read. The bytes
+    were just written through the page cache: they are read from there (buffered), not from the disk."""
+    keep_going = (lambda: progress(0, 0) is not False) if progress is not None else (lambda: True)
+    try:
+        arrival.wait(0, 1, keep_going)  # the first chunk: the header and (nearly always all of) the extents table
+        try:
+            items, used = _plan(path, regions, layout_digest)
+        except HydrationError:  # a table longer than the first chunk: read once the whole pack is in
+            arrival.wait(keep_going=keep_going)
+            items, used = _plan(path, regions, layout_digest)
+    except ArrivalFailed as exc:
+        raise HydrationError(str(exc)) from None
+    by_chunk: dict[int, list[CopyItem]] = {}
+    for item in items:  # each item cut at chunk boundaries, filed under the chunk that holds it
+        offset, end, dst = item.file_offset, item.file_offset + item.length, item.dst
+        for index in arrival.chunks_of(item.file_offset, item.length):
+            lo, hi = arrival.chunk_range(index)
+            piece = min(end, hi) - max(offset, lo)
+            by_chunk.setdefault(index, []).append(CopyItem(offset, piece, dst))
+            offset, dst = offset + piece, dst + piece
+    started = time.perf_counter()
+    total = HydrationStats(bytes=0, items=0, seconds=0.0, threads=0, chunk_bytes=0, pinned_bytes=0, direct=False,
+                           cached_fraction=-1.0)
+    try:
+        for batch in arrival.as_they_arrive(keep_going):
+            work = [item for index in batch for item in by_chunk.get(index, [])]
+            if not work:
+                continue
+            stats = hydrate_items(path, work, used.values(), direct=False, progress=progress, **engine_options)  # type: ignore[arg-type]
+            total = HydrationStats(bytes=total.bytes + stats.bytes, items=total.items + stats.items, seconds=0.0,
+                                   threads=stats.threads, chunk_bytes=stats.chunk_bytes, pinned_bytes=stats.pinned_bytes,
+                                   direct=False, cached_fraction=-1.0)
+    except ArrivalFailed as exc:
+        raise HydrationError(str(exc)) from None
+    return HydrationStats(bytes=total.bytes, items=total.items, seconds=time.perf_counter() - started,
+                          threads=total.threads, chunk_bytes=total.chunk_bytes, pinned_bytes=total.pinned_bytes,
+                          direct=False, cached_fraction=-1.0)
 
 
 class PinnedPack:

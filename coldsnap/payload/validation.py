@@ -45,6 +45,7 @@ __all__ = [
     "ValidationEntry",
     "ValidationRecord",
     "Verification",
+    "recorded",
     "verify_file",
     "verify_files",
     "read_validation_record",
@@ -155,6 +156,17 @@ def _expected_digest(path: Path, expected: str | None) -> str:
     if not isinstance(expected, str) or not _SHA256_HEX.match(expected.lower()):
         raise ExpectedDigestError(f"{path}: expected digest {expected!r} is not a hex SHA-256")
     return expected.lower()
+
+
+def recorded(path: str | Path, sha256: str) -> bool:
+    """Whether the file's directory's record vouches for ``path`` holding ``sha256`` now; never hashes (a
+    pull asking whether a file it fetched before is whole: without a record it fetches it again)."""
+    path = Path(path)
+    try:
+        now = _identity(os.stat(path))
+    except OSError:
+        return False
+    return _trusted(_load_record(path.parent, warn=False).files.get(path.name), now, sha256)
 
 
 def read_validation_record(directory: str | Path) -> ValidationRecord:

@@ -293,8 +293,9 @@ class RegistryClient:
         return response.status == 200
 
     def push_blob(self, digest: str, *, data: bytes | None = None, path: Path | None = None, size: int = 0,
-                  on_bytes: OnBytes | None = None) -> None:
-        """Upload one blob, monolithically (POST then PUT with the digest): the registry checks the digest."""
+                  offset: int = 0, on_bytes: OnBytes | None = None) -> None:
+        """Upload one blob, monolithically (POST then PUT with the digest): the registry checks the digest.
+        From a file: its ``size`` bytes at ``offset`` (a chunk of a pack)."""
         start = self._request("POST", f"/v2/{self.repository}/blobs/uploads/", expect=(202,), body=b"",
                               what="a blob upload")
         start.read()
@@ -313,7 +314,7 @@ class RegistryClient:
             assert path is not None
             fd = os.open(path, os.O_RDONLY)
             try:
-                self._request("PUT", target, headers=headers, send_file=(fd, 0, size), expect=(201,),
+                self._request("PUT", target, headers=headers, send_file=(fd, offset, size), expect=(201,),
                               what=f"blob {digest}").read()
             finally:
                 os.close(fd)
@@ -380,6 +381,34 @@ class RegistryClient:
             self._fetch_stream(digest, size, destination, expected, on_bytes)
         else:
             self._fetch_ranges(digest, size, destination, expected, on_bytes, parallel)
+
+    def fetch_chunk(self, digest: str, size: int, fd: int, offset: int, *, on_bytes: OnBytes | None = None) -> None:
+        """Stream blob ``digest`` (``size`` bytes) into the open file ``fd`` at ``offset``, hashing it on this
+        thread as it lands (many chunks at once hash on as many cores). Raises :class:`DigestMismatch`
+        when the bytes are not the digest's; what was written is then the caller's to discard."""
+        response = self._blob_response(digest, {})
+        hasher = hashlib.sha256()
+        buffer = bytearray(min(BUFFER_BYTES, max(size, 1)))
+        view = memoryview(buffer)
+        got = 0
+        while got < size:
+            n = response.readinto(view[:min(len(buffer), size - got)])
+            if not n:
+                break
+            hasher.update(view[:n])
+            written = 0
+            while written < n:
+                written += os.pwrite(fd, view[written:n], offset + got + written)
+            got += n
+            if on_bytes:
+                on_bytes(n)
+        extra = response.read(1)
+        response.read()
+        actual = hasher.hexdigest()
+        if got != size or extra or actual != digest.removeprefix("sha256:"):
+            raise DigestMismatch(f"{self.registry}/{self.repository}: blob {digest} arrived as "
+                                 f"{got + len(extra)}{'+' if extra else ''} bytes with SHA-256 {actual[:16]}…, "
+                                 f"expected {size} bytes")
 
     def _fetch_stream(self, digest: str, size: int, destination: Path, expected: str, on_bytes: OnBytes | None) -> None:
         response = self._blob_response(digest, {})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from coldsnap.contracts.base import ContractError
@@ -18,11 +19,11 @@ from coldsnap.progress import ProgressBar
 from coldsnap.registry.client import RegistryError, client_for
 from coldsnap.registry.credentials import CredentialsError
 from coldsnap.registry.layout import LayoutError
-from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, lock_path, pull, staging_dir
+from coldsnap.registry.pull import (DestinationTaken, PullError, PullResult, PullSession, incomplete, lock_path, staging_dir)
 from coldsnap.registry.publish import publish
 from coldsnap.registry.reference import OCI_SCHEME, BadReference, parse_reference
 
-__all__ = ["OCI_SCHEME", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
+__all__ = ["OCI_SCHEME", "CachedArtifact", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -31,8 +32,26 @@ def _say(command: str, text: str) -> None:
     print(f"coldsnap {command}: {text}", file=sys.stderr)
 
 
-def run_publish(directory: str, reference_text: str, as_json: bool = False) -> int:
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def chunk_size(text: str) -> int | None:
+    """``--chunk-size``: bytes, or a number with K, M or G; None unless 64 KiB to 4 GiB and a multiple of 4 KiB."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in ("K", "M", "G") else ""
+    number = text[:-1] if unit else text
+    if not number.isdigit():
+        return None
+    size = int(number) * _UNITS[unit]
+    return size if 64 << 10 <= size <= 4 << 30 and size % 4096 == 0 else None
+
+
+def run_publish(directory: str, reference_text: str, as_json: bool = False, chunk_text: str = "256M") -> int:
     root = Path(directory)
+    chunk_bytes = chunk_size(chunk_text)
+    if chunk_bytes is None:
+        _say("publish", f"--chunk-size {chunk_text!r}: give 64K to 4G, a multiple of 4K (e.g. 256M)")
+        return EXIT_USAGE
     if not (root / "artifact.json").is_file():
         _say("publish", f"{directory} is not a coldsnap artifact (no artifact.json)")
         return EXIT_USAGE
@@ -47,7 +66,8 @@ def run_publish(directory: str, reference_text: str, as_json: bool = False) -> i
     bar = ProgressBar("coldsnap publish: sending")
     try:
         client = client_for(reference, push=True)
-        result = publish(root, reference, client, on_progress=bar.update, log=lambda text: _say("publish", text))
+        result = publish(root, reference, client, on_progress=bar.update, log=lambda text: _say("publish", text),
+                         chunk_bytes=chunk_bytes)
     except (ContractError, PackError, ValueError) as exc:
         bar.finish()
         _say("publish", f"{directory} cannot be published: {exc}")
@@ -77,9 +97,12 @@ class OciPullFailed(Exception):
         self.usage = usage
 
 
-def _pull(reference_text: str, destination: Path, command: str, owner: Owner | str | None = None) -> PullResult:
+def _pull(reference_text: str, destination: Path, command: str, owner: Owner | str | None = None,
+          stream: bool = False) -> tuple[PullResult | None, PullSession | None, HandOver]:
     """Pull into ``destination``; what the pull wrote (DIR, or on failure its staging folder, its lock file and
-    the folders it made) is handed to the owner (``--owner``, else the sudo caller), whatever the outcome."""
+    the folders it made) is handed to the owner (``--owner``, else the sudo caller), whatever the outcome.
+    ``stream``: return as soon as DIR holds everything but the packs' chunks, with the session still pulling
+    them (its owner's hand-over then comes with :meth:`CachedArtifact.finish`)."""
     try:
         reference = parse_reference(reference_text)
         hand_over = HandOver(resolve_owner(owner))
@@ -89,9 +112,15 @@ def _pull(reference_text: str, destination: Path, command: str, owner: Owner | s
     hand_over.claim_new(staging_dir(destination))
     hand_over.claim_written(lock_path(destination))
     bar = ProgressBar(f"coldsnap {command}: pulling")
+    session = PullSession(reference, destination, client_for(reference), on_progress=None if stream else bar.update,
+                          log=lambda text: _say(command, text))
+    handed = False
     try:
-        return pull(reference, destination, client_for(reference), on_progress=bar.update,
-                    log=lambda text: _say(command, text))
+        if stream:
+            session.start().usable()
+            handed = True
+            return None, session, hand_over
+        return session.run(), None, hand_over
     except DestinationTaken as exc:
         raise OciPullFailed(str(exc), usage=True) from None
     except (RegistryError, CredentialsError, LayoutError, PullError) as exc:
@@ -100,15 +129,52 @@ def _pull(reference_text: str, destination: Path, command: str, owner: Owner | s
         raise OciPullFailed(f"writing {destination}: {exc.strerror or exc}") from None
     finally:
         bar.finish()
-        report = hand_over.apply()
-        for warning in report.warnings() if report else []:
-            _say(command, warning)
+        if not handed:
+            _hand_over(hand_over, command)
+
+
+def _hand_over(hand_over: HandOver, command: str) -> None:
+    report = hand_over.apply()
+    for warning in report.warnings() if report else []:
+        _say(command, warning)
+
+
+@dataclass
+class CachedArtifact:
+    """The artifact an ``oci://`` reference names, in the host's cache: whole, or (a streaming restore on a
+    host that had no copy) with its packs still arriving through ``session``."""
+
+    directory: Path
+    command: str
+    session: PullSession | None = None
+    hand_over: HandOver | None = None
+
+    def finish(self, cancel: bool = False) -> None:
+        """Wait for the rest of the pull (``cancel``: stop it; what arrived stays for the next pull to resume),
+        then hand what it wrote to its owner. A failure is said, not raised: the operation has its own outcome."""
+        if self.session is None:
+            return
+        if cancel:
+            self.session.cancel()
+        try:
+            result = self.session.finish()
+            _say(self.command, f"the pull finished: {result.bytes_fetched / 1e9:.2f} GB in {result.seconds:.2f} s "
+                 f"({result.bytes_fetched / max(result.seconds, 1e-9) / 1e9:.2f} GB/s), every chunk verified; kept in "
+                 f"{self.directory}")
+        except (RegistryError, CredentialsError, LayoutError, PullError, OSError) as exc:
+            _say(self.command, f"{'the pull was stopped' if cancel else 'the pull did not finish'} ({exc}); what arrived "
+                 f"stays in {self.directory} and the next restore of it pulls the rest")
+        finally:
+            if self.hand_over is not None:
+                _hand_over(self.hand_over, self.command)
+            self.session = None
 
 
 def run_pull(reference_text: str, directory: str, as_json: bool = False, owner: str | None = None) -> int:
     destination = Path(directory).absolute()
     try:
-        result = _pull(reference_text, destination, "pull", owner)
+        result, _, _ = _pull(reference_text, destination, "pull", owner)
+        assert result is not None
     except OciPullFailed as exc:
         _say("pull", str(exc))
         return EXIT_USAGE if exc.usage else EXIT_FAILED
@@ -127,10 +193,12 @@ def run_pull(reference_text: str, directory: str, as_json: bool = False, owner: 
     return EXIT_OK
 
 
-def pull_into_cache(reference_text: str, cache_root: Path, command: str, owner: Owner | None = None) -> Path:
+def pull_into_cache(reference_text: str, cache_root: Path, command: str, owner: Owner | None = None,
+                    stream: bool = False) -> CachedArtifact:
     """The artifact ``oci://REF`` names, pulled (or found) under ``cache_root`` (``STATE/oci``) in a folder named by
     its index digest: a pinned reference restores from disk after its first pull; a tag is asked again
-    each time and pulled anew when it moved."""
+    each time and pulled anew when it moved. ``stream``: hand the folder over while the packs' chunks still
+    arrive (:meth:`CachedArtifact.finish` waits for them)."""
     try:
         reference = parse_reference(reference_text)
         if reference.digest is None:  # a tag: ask where it points now
@@ -142,11 +210,14 @@ def pull_into_cache(reference_text: str, cache_root: Path, command: str, owner: 
         raise OciPullFailed(str(exc)) from None
     cache_root.mkdir(parents=True, exist_ok=True)
     destination = cache_root / reference.digest.removeprefix("sha256:")[:32]  # type: ignore[union-attr]
-    if (destination / "artifact.json").is_file():
+    if (destination / "artifact.json").is_file() and not incomplete(destination):
         # a folder there was renamed into place only after every file matched this index: no registry needed
         _say(command, f"{reference_text} is already on this host ({destination})")
-        return destination
-    result = _pull(OCI_SCHEME + str(reference), destination, command, owner)
-    if result.already_there:
+        return CachedArtifact(destination, command)
+    result, session, hand_over = _pull(OCI_SCHEME + str(reference), destination, command, owner, stream)
+    if result is not None and result.already_there:
         _say(command, f"{reference_text} is already on this host ({destination})")
-    return destination
+    if session is not None:
+        _say(command, f"{destination}: every file but the packs is here and verified; their chunks go on arriving "
+             "while the restore starts")
+    return CachedArtifact(destination, command, session, hand_over)

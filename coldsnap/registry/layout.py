@@ -21,7 +21,10 @@ __all__ = [
     "MANIFEST_MEDIA_TYPE",
     "EMPTY_CONFIG",
     "Blob",
+    "CHUNK_TYPE",
+    "Chunk",
     "LayoutError",
+    "chunked_pack_manifest_bytes",
     "manifest_bytes",
     "index_bytes",
     "read_index",
@@ -38,10 +41,15 @@ PACK_TYPE = "application/vnd.coldsnap.pack.v1"
 DESCRIPTOR_CONFIG_TYPE = "application/vnd.coldsnap.artifact-descriptor.v9+json"
 CAPSULE_CONFIG_TYPE = "application/vnd.coldsnap.capsule-manifest.v1+json"
 FILE_TYPE = "application/vnd.coldsnap.file.v1"
+CHUNK_TYPE = "application/vnd.coldsnap.pack.chunk.v1"
+"""A layer of a pack manifest that is one fixed-size piece of the pack (its offset annotated)."""
 EMPTY_CONFIG_TYPE = "application/vnd.oci.empty.v1+json"
 EMPTY_CONFIG = b"{}"
 TITLE = "org.opencontainers.image.title"
 MODE = "vnd.coldsnap.file.mode"
+PACK_SHA256 = "vnd.coldsnap.pack.sha256"
+PACK_SIZE = "vnd.coldsnap.pack.size"
+CHUNK_OFFSET = "vnd.coldsnap.chunk.offset"
 
 _relative_path: TypeAdapter[str] = TypeAdapter(RelativePath)
 
@@ -51,14 +59,26 @@ class LayoutError(ValueError):
 
 
 @dataclass(frozen=True)
+class Chunk:
+    """``size`` bytes of a pack at ``offset``, published as their own blob ``digest`` (``sha256:<hex>``)."""
+
+    offset: int
+    digest: str
+    size: int
+
+
+@dataclass(frozen=True)
 class Blob:
-    """One file of the artifact as a blob: where it goes, its digest (``sha256:<hex>``), size, mode."""
+    """One file of the artifact as a blob: where it goes, its digest (``sha256:<hex>``), size, mode. A
+    chunked pack is one file of several blobs: ``chunks``, in order, cover its bytes exactly, and its
+    ``digest`` (the pack's SHA-256, as the descriptor binds it) is no blob of its own."""
 
     path: str
     digest: str
     size: int
     mode: int = 0o644
     media_type: str = FILE_TYPE
+    chunks: tuple[Chunk, ...] = ()
 
     def descriptor(self) -> dict[str, Any]:
         return {"mediaType": self.media_type, "digest": self.digest, "size": self.size,
@@ -77,6 +97,19 @@ def manifest_bytes(artifact_type: str, config: Blob | None, layers: list[Blob], 
     return _canonical({"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE, "artifactType": artifact_type,
                        "config": config_descriptor, "layers": [layer.descriptor() for layer in layers],
                        "annotations": annotations})
+
+
+def chunked_pack_manifest_bytes(pack: Blob) -> bytes:
+    """A pack's manifest with one layer per chunk: each layer's digest is its chunk's SHA-256 and says where
+    in the pack it goes; the manifest names the pack's own SHA-256 and size. The index pins this manifest,
+    so it binds every chunk's digest to the pack the descriptor names."""
+    layers = [{"mediaType": CHUNK_TYPE, "digest": c.digest, "size": c.size,
+               "annotations": {TITLE: pack.path, MODE: f"{pack.mode:04o}", CHUNK_OFFSET: str(c.offset)}}
+              for c in pack.chunks]
+    return _canonical({"schemaVersion": 2, "mediaType": MANIFEST_MEDIA_TYPE, "artifactType": PACK_TYPE,
+                       "config": {"mediaType": EMPTY_CONFIG_TYPE, "digest": _empty_digest(), "size": len(EMPTY_CONFIG)},
+                       "layers": layers,
+                       "annotations": {PACK_SHA256: pack.digest[7:], PACK_SIZE: str(pack.size)}})
 
 
 def index_bytes(manifests: list[tuple[bytes, str, dict[str, str]]], annotations: dict[str, str]) -> bytes:
@@ -156,4 +189,28 @@ def read_manifest(data: bytes, kind: str, what: str) -> list[Blob]:
         if mode & ~0o777:
             raise LayoutError(f"{what}: {path} has mode {mode:o}: only permission bits travel")
         blobs.append(Blob(path, digest, size, mode, entry.get("mediaType") or FILE_TYPE))
+    if kind == PACK_TYPE and any(b.media_type == CHUNK_TYPE for b in blobs):
+        return [_chunked_pack(manifest, layers, blobs, what)]
     return blobs
+
+
+def _chunked_pack(manifest: dict[str, Any], layers: list[Any], blobs: list[Blob], what: str) -> Blob:
+    """The one file a chunked pack manifest carries: its chunks must all be chunks of one path, cover it
+    from 0 without gap or overlap, and add up to the size it names."""
+    notes = manifest.get("annotations") or {}
+    sha256, size = notes.get(PACK_SHA256), notes.get(PACK_SIZE)
+    if not isinstance(sha256, str) or len(sha256) != 64 or not all(c in "0123456789abcdef" for c in sha256) \
+            or not isinstance(size, str) or not size.isdigit():
+        raise LayoutError(f"{what}: a chunked pack needs {PACK_SHA256} (64 hex digits) and {PACK_SIZE}")
+    if {b.media_type for b in blobs} != {CHUNK_TYPE} or len({(b.path, b.mode) for b in blobs}) != 1:
+        raise LayoutError(f"{what}: a chunked pack's layers must all be chunks of one file")
+    chunks, expected = [], 0
+    for n, (layer, blob) in enumerate(zip(layers, blobs)):
+        offset = (layer.get("annotations") or {}).get(CHUNK_OFFSET)
+        if not isinstance(offset, str) or not offset.isdigit() or int(offset) != expected or blob.size == 0:
+            raise LayoutError(f"{what}: chunk {n} is not at offset {expected}, where the chunks before it end")
+        chunks.append(Chunk(expected, blob.digest, blob.size))
+        expected += blob.size
+    if expected != int(size):
+        raise LayoutError(f"{what}: the chunks hold {expected} bytes, the pack {size}")
+    return Blob(blobs[0].path, "sha256:" + sha256, expected, blobs[0].mode, PACK_TYPE, tuple(chunks))

@@ -4,10 +4,17 @@ Nothing is sent that the registry has: every blob and manifest is asked for firs
 second publish of the same artifact (or of another capture that uses the same pack) sends only what
 is new — at most the index. Every file is checked against the digest the descriptor or capsule binds
 before it goes out (the validation records make that cheap), so a damaged artifact is never published.
+
+A native pack goes up as fixed-size chunks (:data:`CHUNK_BYTES`, 256 MiB), each its own blob, many at once:
+the registry hashes each upload on its own core, a pull fetches and hashes them on all of its cores, and
+a pack that shares chunks with one the registry has (the same bytes at the same place) sends only the
+others. The chunks are hashed in one parallel read of the pack, right after it was verified whole.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import stat
 import threading
 import time
@@ -22,13 +29,17 @@ from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, sha256_file, verify_files
 from coldsnap.registry.client import RegistryClient, sha256_digest
 from coldsnap.registry.layout import (CAPSULE_TYPE, DESCRIPTOR_CONFIG_TYPE, CAPSULE_CONFIG_TYPE, DESCRIPTOR_TYPE,
-                                      EMPTY_CONFIG, INDEX_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PACK_TYPE, Blob, index_bytes,
-                                      manifest_bytes)
+                                      EMPTY_CONFIG, INDEX_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PACK_TYPE, Blob, Chunk,
+                                      chunked_pack_manifest_bytes, index_bytes, manifest_bytes)
 from coldsnap.registry.reference import Reference
 
-__all__ = ["PublishResult", "publish"]
+__all__ = ["CHUNK_BYTES", "PublishResult", "publish"]
 
-PARALLEL_BLOBS = 4
+PARALLEL_BLOBS = min(16, max(4, os.cpu_count() or 1))
+"""Uploads at once: the registry hashes each on its own goroutine, so more of them use more of its cores."""
+CHUNK_BYTES = 256 << 20
+"""A pack's chunk size (``--chunk-mib``): large enough that a chunk's request costs nothing against its
+bytes, small enough that a 16 GB pack is 60 of them to spread over every core."""
 _SKIPPED_NAMES = (VALIDATION_RECORD_NAME, "artifact.pending.json")
 
 
@@ -108,11 +119,40 @@ def _plan(root: Path) -> _Plan:
                  [_blob(root, ref.path, ref.sha256, PACK_TYPE) for _, ref in sorted(packs.items())])
 
 
+def _chunk_digests(path: Path, size: int, chunk_bytes: int) -> tuple[Chunk, ...]:
+    """The pack's chunks with their SHA-256s, hashed in parallel (hashlib lets go of the GIL)."""
+
+    def digest(offset: int) -> Chunk:
+        length = min(chunk_bytes, size - offset)
+        hasher = hashlib.sha256()
+        buffer = bytearray(min(8 << 20, length))
+        view = memoryview(buffer)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            position, left = offset, length
+            while left:
+                n = os.preadv(fd, [view[:min(left, len(buffer))]], position)
+                if n <= 0:
+                    raise ValueError(f"{path.name} got shorter while it was read")
+                hasher.update(view[:n])
+                position += n
+                left -= n
+        finally:
+            os.close(fd)
+        return Chunk(offset, "sha256:" + hasher.hexdigest(), length)
+
+    with ThreadPoolExecutor(min(PARALLEL_BLOBS, max(1, -(-size // chunk_bytes))), thread_name_prefix="coldsnap-chunk") as pool:
+        return tuple(pool.map(digest, range(0, size, chunk_bytes)))
+
+
 def publish(root: Path, reference: Reference, client: RegistryClient,
-            on_progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda _: None) -> PublishResult:
+            on_progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda _: None,
+            chunk_bytes: int = CHUNK_BYTES) -> PublishResult:
     """Publish the artifact at ``root``; returns the index digest and what was sent."""
     started = time.monotonic()
     plan = _plan(root)
+    plan.packs = [Blob(p.path, p.digest, p.size, p.mode, p.media_type, _chunk_digests(root / p.path, p.size, chunk_bytes))
+                  for p in plan.packs]
     artifact_id = plan.artifact_id
     manifests: list[tuple[bytes, str, dict[str, str]]] = []
     descriptor_config, *descriptor_layers = plan.descriptor
@@ -122,20 +162,22 @@ def publish(root: Path, reference: Reference, client: RegistryClient,
         manifests.append((manifest_bytes(CAPSULE_TYPE, unit_blobs[0], unit_blobs[1:], {"vnd.coldsnap.unit.id": unit_id}),
                           CAPSULE_TYPE, {"vnd.coldsnap.unit.id": unit_id}))
     for pack in plan.packs:
-        manifests.append((manifest_bytes(PACK_TYPE, None, [pack], {}), PACK_TYPE, {"vnd.coldsnap.pack.sha256": pack.digest[7:]}))
+        manifests.append((chunked_pack_manifest_bytes(pack), PACK_TYPE, {"vnd.coldsnap.pack.sha256": pack.digest[7:]}))
     index = index_bytes(manifests, {"vnd.coldsnap.artifact.id": artifact_id})
 
     client.check()
-    blobs = {b.digest: b for b in [*plan.descriptor, *(b for bs in plan.capsules.values() for b in bs), *plan.packs]}
+    # every blob as (file, offset, size): a chunk is a piece of its pack's file
+    blobs = {b.digest: (b.path, 0, b.size) for b in [*plan.descriptor, *(b for bs in plan.capsules.values() for b in bs)]}
+    blobs.update({c.digest: (p.path, c.offset, c.size) for p in plan.packs for c in p.chunks})
     result = PublishResult(reference, sha256_digest(index), blobs=len(blobs),
-                           bytes_total=sum(b.size for b in blobs.values()), packs=[p.digest for p in plan.packs])
+                           bytes_total=sum(size for _, _, size in blobs.values()), packs=[p.digest for p in plan.packs])
     with ThreadPoolExecutor(PARALLEL_BLOBS, thread_name_prefix="coldsnap-publish") as pool:
         present = dict(zip(blobs, pool.map(client.blob_exists, blobs)))
         if not client.blob_exists(sha256_digest(EMPTY_CONFIG)):
             client.push_blob(sha256_digest(EMPTY_CONFIG), data=EMPTY_CONFIG)
-        missing = [b for d, b in blobs.items() if not present[d]]
+        missing = [(d, *where) for d, where in blobs.items() if not present[d]]
         result.blobs_sent = len(missing)
-        to_send = sum(b.size for b in missing)
+        to_send = sum(size for _, _, _, size in missing)
         log(f"{len(blobs) - len(missing)} of {len(blobs)} blobs already in {reference.registry}; "
             f"sending {len(missing)} ({to_send / 1e9:.2f} GB)")
         sent = [0]
@@ -147,9 +189,9 @@ def publish(root: Path, reference: Reference, client: RegistryClient,
                 if on_progress:
                     on_progress(sent[0], to_send)
 
-        # the largest first, so one big pack does not start last and run alone
-        for future in [pool.submit(client.push_blob, b.digest, path=root / b.path, size=b.size, on_bytes=count)
-                       for b in sorted(missing, key=lambda b: -b.size)]:
+        # the largest first, so one big file does not start last and run alone
+        for future in [pool.submit(client.push_blob, digest, path=root / path, offset=offset, size=size, on_bytes=count)
+                       for digest, path, offset, size in sorted(missing, key=lambda m: -m[3])]:
             future.result()
         result.bytes_sent = sent[0]
     for data, _, _ in manifests:

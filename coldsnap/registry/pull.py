@@ -8,17 +8,35 @@ fetches only what is missing (and the missing ranges of a large blob), and the f
 the records instead of hashing the pack again. Only when every file matches, the descriptor decodes and
 binds exactly the files that arrived, the staging folder is renamed to DIR: a reader sees no artifact
 or the whole one.
+
+A chunked pack (:mod:`coldsnap.registry.publish`) comes down as its chunks, many at once, each written
+with ``pwrite`` into its place in the final file and hashed on the thread that received it, so a pull
+hashes on every core; the disk is told to start writing each chunk back as soon as it is in
+(``sync_file_range``), so the last ``fsync`` finds little left to write and the page cache holds no
+long tail of dirty pages. The index binds every chunk's digest to the pack's SHA-256 the descriptor
+names, and a coldsnap publish derives both from one read of a file it verified whole: a pack whose
+every chunk matched is recorded as that SHA-256 without hashing it again in order (which one core
+would do at ~2 GB/s, slower than the disk).
+
+:class:`PullSession` can also hand the artifact over before its packs are complete (``restore
+oci://REF`` on a host with no copy): once every other file is in and checked, the staging folder is
+renamed to DIR with the pull's state file still inside it (``.coldsnap-pull.json``: an incomplete DIR,
+which a later pull resumes in place), and each pack's :class:`~coldsnap.payload.arrival.PackArrival`
+says which chunks a reader may use.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fcntl
+import hashlib
 import json
 import os
 import shutil
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,15 +45,18 @@ from coldsnap.atomic import fsync_directory
 from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError, load_document
 from coldsnap.contracts.capsule import CapsuleManifest
-from coldsnap.payload.errors import PackDigestMismatch, PackUnreadable
-from coldsnap.payload.validation import record_written_file, verify_file
+from coldsnap.payload.arrival import PackArrival, arriving, forget_arrival
+from coldsnap.payload.validation import record_written_file, recorded
 from coldsnap.registry.client import RANGE_BYTES, RegistryClient, sha256_digest
-from coldsnap.registry.layout import DESCRIPTOR_TYPE, Blob, LayoutError, read_index, read_manifest
+from coldsnap.registry.layout import DESCRIPTOR_TYPE, Blob, Chunk, LayoutError, read_index, read_manifest
 from coldsnap.registry.reference import Reference
 
-__all__ = ["DestinationTaken", "PullError", "PullResult", "lock_path", "pull", "staging_dir"]
+__all__ = ["DestinationTaken", "PullError", "PullResult", "PullSession", "incomplete", "lock_path", "pull", "staging_dir"]
 
 PARALLEL_BLOBS = 4
+PARALLEL_STREAMS = int(os.environ.get("COLDSNAP_PULL_STREAMS") or min(16, max(4, 2 * (os.cpu_count() or 1))))
+"""Chunks (and ranges of a large file) fetched at once: each stream receives, hashes and writes on its own
+thread, so more streams use more cores, up to what the link and the registry give."""
 _STATE = ".coldsnap-pull.json"
 
 
@@ -68,6 +89,12 @@ def lock_path(destination: Path) -> Path:
     return destination.parent / f".{destination.name}.coldsnap-pull.lock"
 
 
+def incomplete(directory: Path) -> bool:
+    """Whether ``directory`` is an artifact a streaming pull handed over before its packs were complete,
+    and which it did not finish (interrupted): a later pull resumes it in place."""
+    return (directory / _STATE).exists()
+
+
 def _contents(client: RegistryClient, reference: Reference) -> tuple[str, list[Blob]]:
     """The index digest and every file of the artifact, the descriptor's ``artifact.json`` first."""
     data, _, digest = client.get_manifest(reference.pinned)
@@ -87,53 +114,270 @@ def _contents(client: RegistryClient, reference: Reference) -> tuple[str, list[B
 
 def pull(reference: Reference, destination: Path, client: RegistryClient,
          on_progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda _: None) -> PullResult:
-    started = time.monotonic()
-    digest, blobs = _contents(client, reference)
-    result = PullResult(destination, digest, blobs=len(blobs), bytes_total=sum(b.size for b in blobs))
-    staging = staging_dir(destination)
-    with _locked(destination, log):
-        if destination.exists():  # checked under the lock: a pull that held it may just have renamed its staging here
-            if _same_artifact(destination, blobs[0]):
-                result.already_there, result.seconds = True, time.monotonic() - started
-                return result
-            raise DestinationTaken(f"{destination} already exists and is not this artifact: pull into a new directory")
-        staging.mkdir(parents=True, exist_ok=True)
-        _reset_if_other(staging, digest)
-        todo = [b for b in blobs if not _arrived(staging, b)]
-        result.blobs_fetched = len(todo)
-        to_fetch = sum(b.size for b in todo)
-        if len(todo) < len(blobs):
-            log(f"resuming: {len(blobs) - len(todo)} of {len(blobs)} files already here")
-        got = [0]
-        lock = threading.Lock()
+    """Pull the artifact into ``destination``, whole and verified, before returning."""
+    return PullSession(reference, destination, client, on_progress, log).run()
 
-        def count(n: int) -> None:
-            with lock:
-                got[0] += n
-                if on_progress:
-                    on_progress(got[0], to_fetch)
+
+_SYNC_FILE_RANGE_WRITE = 2
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+def _start_writeback(fd: int, offset: int, length: int) -> None:
+    """Ask the kernel to start writing these bytes to disk now (returns at once; best effort)."""
+    try:
+        _libc.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_FILE_RANGE_WRITE)
+    except (AttributeError, OSError):
+        pass
+
+
+class PullSession:
+    """One pull: :meth:`run` to pull whole, or :meth:`start` → :meth:`usable` (DIR there, packs arriving)
+    → :meth:`finish` to hand DIR over early. :meth:`cancel` stops it; what arrived stays for a resume."""
+
+    def __init__(self, reference: Reference, destination: Path, client: RegistryClient,
+                 on_progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda _: None):
+        self.reference = reference
+        self.destination = destination
+        self.client = client
+        self.on_progress = on_progress
+        self.log = log
+        self.result: PullResult | None = None
+        self.arrivals: dict[str, PackArrival] = {}
+        """Each chunked pack being fetched, by its path in the artifact."""
+        self.handed_over = threading.Event()
+        self._dir_ready = False  # DIR holds every file but the packs' chunks, checked
+        self._stream = False
+        self._error: BaseException | None = None
+        self._cancelled = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._root_lock = threading.Lock()
+        self._root = destination  # where the files are now: the staging folder, then DIR
+        self._got = 0
+        self._to_fetch = 0
+        self._count_lock = threading.Lock()
+
+    # --- the two ways to run it --------------------------------------------------------------------
+
+    def run(self) -> PullResult:
+        self._pull()
+        assert self.result is not None
+        return self.result
+
+    def start(self) -> "PullSession":
+        self._stream = True
+        self._thread = threading.Thread(target=self._in_background, name="coldsnap-pull", daemon=True)
+        self._thread.start()
+        return self
+
+    def _in_background(self) -> None:
+        try:
+            self._pull()
+        except BaseException as exc:  # the caller's: usable() and finish() raise it
+            self._error = exc
+            for arrival in self.arrivals.values():
+                arrival.fail(f"{type(exc).__name__}: {exc}")
+        finally:
+            for arrival in self.arrivals.values():
+                forget_arrival(arrival.path)
+            self.handed_over.set()
+
+    def usable(self) -> Path:
+        """Wait until DIR holds the artifact with every file but the packs' chunks verified; raises the pull's
+        error when it failed first."""
+        self.handed_over.wait()
+        if self._error is not None and not self._dir_ready:
+            raise self._error
+        return self.destination
+
+    def finish(self) -> PullResult:
+        """Wait for the last chunk, the records and the final rename; raises the pull's error."""
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self.result is not None
+        return self.result
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        for arrival in self.arrivals.values():
+            arrival.fail("the pull was cancelled")
+
+    # --- the pull ----------------------------------------------------------------------------------------
+
+    def _count(self, n: int) -> None:
+        with self._count_lock:
+            self._got += n
+            if self.on_progress:
+                self.on_progress(self._got, self._to_fetch)
+
+    def _pull(self) -> None:
+        started = time.monotonic()
+        digest, blobs = _contents(self.client, self.reference)
+        destination = self.destination
+        result = self.result = PullResult(destination, digest, blobs=len(blobs), bytes_total=sum(b.size for b in blobs))
+        with _locked(destination, self.log):
+            if destination.exists() and not incomplete(destination):  # checked under the lock: a pull that held
+                if _same_artifact(destination, blobs[0]):             # it may just have renamed its staging here
+                    result.already_there, result.seconds = True, time.monotonic() - started
+                    return
+                raise DestinationTaken(f"{destination} already exists and is not this artifact: pull into a new directory")
+            if destination.exists() and _state_digest(destination) != digest:
+                raise DestinationTaken(f"{destination} holds an unfinished pull of another artifact: pull into a new "
+                                       "directory, or remove it")
+            work = destination if destination.exists() else staging_dir(destination)
+            work.mkdir(parents=True, exist_ok=True)
+            _reset_if_other(work, digest)
+            self._root = work
+            files = [b for b in blobs if not b.chunks and not _arrived(work, b)]
+            packs = [b for b in blobs if b.chunks and not _arrived(work, b)]
+            result.blobs_fetched = len(files) + sum(len(p.chunks) for p in packs)
+            fetched_before = sum(b.size for b in blobs) - sum(b.size for b in files) - sum(p.size for p in packs)
+            if fetched_before:
+                self.log(f"resuming: {fetched_before / 1e9:.2f} of {result.bytes_total / 1e9:.2f} GB already here")
+            self._to_fetch = sum(b.size for b in files) + sum(p.size for p in packs)
+            fds: dict[str, int] = {}
+            try:
+                for pack in packs:  # opened now: the descriptors stay valid when the folder is renamed
+                    target = work / pack.path
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    fds[pack.path] = fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
+                    if os.fstat(fd).st_size != pack.size:
+                        os.ftruncate(fd, pack.size)
+                    self.arrivals[pack.path] = arrival = PackArrival(destination / pack.path,
+                                                                     [c.offset for c in pack.chunks], pack.size)
+                    if self._stream:
+                        arriving(arrival)
+                self._fetch_files(work, files)
+                _check_artifact(work, blobs, f"{self.reference.registry}/{self.reference.repository}@{digest}")
+                if self._stream and packs and work != destination:  # hand DIR over: the packs go on arriving
+                    os.rename(work, destination)
+                    fsync_directory(destination.parent)
+                    with self._root_lock:
+                        self._root = work = destination
+                self._dir_ready = True
+                self.handed_over.set()
+                self._fetch_chunks(packs, fds)
+                for pack in packs:
+                    os.fsync(fds[pack.path])
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+            with self._root_lock:
+                for pack in packs:
+                    target = work / pack.path
+                    os.chmod(target, pack.mode)
+                    record_written_file(target, pack.digest[7:])  # the chunks matched: see the module's note
+                    _chunk_progress(target).unlink(missing_ok=True)
+                    forget_arrival(self.arrivals[pack.path].path)
+                (work / _STATE).unlink(missing_ok=True)
+                if work != destination:
+                    os.rename(work, destination)
+            fsync_directory(destination.parent)
+            self._dir_ready = True
+        result.bytes_fetched = self._got
+        result.seconds = time.monotonic() - started
+
+    def _fetch_files(self, work: Path, files: list[Blob]) -> None:
+        """Every file but the packs: the large ones (a capsule's page images) one at a time in parallel ranges,
+        the rest several at once."""
 
         def fetch(blob: Blob) -> None:
-            target = staging / blob.path
+            if self._cancelled.is_set():
+                raise PullError("the pull was cancelled")
+            target = work / blob.path
             target.parent.mkdir(parents=True, exist_ok=True)
-            client.fetch_blob(blob.digest, blob.size, target, on_bytes=count)
+            self.client.fetch_blob(blob.digest, blob.size, target, on_bytes=self._count, parallel=PARALLEL_STREAMS)
             os.chmod(target, blob.mode)  # before the record: a chmod changes the ctime the record binds
             record_written_file(target, blob.digest[7:])
 
-        large = [b for b in todo if b.size > RANGE_BYTES]  # fetched one at a time, each in parallel ranges
         with ThreadPoolExecutor(PARALLEL_BLOBS, thread_name_prefix="coldsnap-pull") as pool:
-            small = [pool.submit(fetch, b) for b in todo if b.size <= RANGE_BYTES]
-            for blob in large:
-                fetch(blob)
+            small = [pool.submit(fetch, b) for b in files if b.size <= RANGE_BYTES]
+            for blob in files:
+                if blob.size > RANGE_BYTES:
+                    fetch(blob)
             for future in small:
                 future.result()
-        result.bytes_fetched = got[0]
-        _check_artifact(staging, blobs, f"{reference.registry}/{reference.repository}@{digest}")
-        (staging / _STATE).unlink(missing_ok=True)
-        os.rename(staging, destination)
-    fsync_directory(destination.parent)
-    result.seconds = time.monotonic() - started
-    return result
+
+    def _fetch_chunks(self, packs: list[Blob], fds: dict[str, int]) -> None:
+        """Every chunk not already here, :data:`PARALLEL_STREAMS` at once, each marked arrived the moment its
+        digest matched; a chunk an interrupted pull left is hashed again from disk before it counts."""
+        failures: list[BaseException] = []
+
+        def fetch(pack: Blob, index: int, chunk: Chunk, resumed: bool) -> None:
+            if failures or self._cancelled.is_set():
+                return
+            fd = fds[pack.path]
+            try:
+                if not (resumed and _chunk_on_disk(fd, chunk)):
+                    self.client.fetch_chunk(chunk.digest, chunk.size, fd, chunk.offset, on_bytes=self._count)
+                    _start_writeback(fd, chunk.offset, chunk.size)
+                else:
+                    self._count(chunk.size)
+                self.arrivals[pack.path].arrived(index)
+                self._note_progress(pack, index)
+            except BaseException as exc:
+                failures.append(exc)
+                self.arrivals[pack.path].fail(f"{type(exc).__name__}: {exc}")
+
+        with ThreadPoolExecutor(PARALLEL_STREAMS, thread_name_prefix="coldsnap-pull-chunk") as pool:
+            futures = []
+            for pack in packs:
+                with self._root_lock:
+                    done = _load_chunk_progress(self._root / pack.path, pack)
+                futures += [pool.submit(fetch, pack, i, c, i in done) for i, c in enumerate(pack.chunks)]
+            wait(futures)
+        if failures:
+            raise failures[0]
+        if self._cancelled.is_set():
+            raise PullError("the pull was cancelled")
+
+    def _note_progress(self, pack: Blob, index: int) -> None:
+        """The chunks of ``pack`` that arrived, beside it (``<pack>.chunks``), for a pull run again."""
+        arrival = self.arrivals[pack.path]
+        with self._root_lock:
+            done = [i for i in range(len(pack.chunks)) if arrival._arrived[i]]
+            path = _chunk_progress(self._root / pack.path)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps({"sha256": pack.digest[7:], "chunks": [c.digest for c in pack.chunks], "done": done}))
+            os.replace(tmp, path)
+
+
+def _chunk_progress(pack: Path) -> Path:
+    return pack.with_name(pack.name + ".chunks")
+
+
+def _load_chunk_progress(pack: Path, blob: Blob) -> set[int]:
+    try:
+        state = json.loads(_chunk_progress(pack).read_text())
+        if state["sha256"] == blob.digest[7:] and state["chunks"] == [c.digest for c in blob.chunks]:
+            return {int(i) for i in state["done"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return set()
+
+
+def _chunk_on_disk(fd: int, chunk: Chunk) -> bool:
+    """Whether the file already holds this chunk's bytes (an interrupted pull wrote it)."""
+    hasher = hashlib.sha256()
+    buffer = bytearray(min(8 << 20, chunk.size))
+    view = memoryview(buffer)
+    position, left = chunk.offset, chunk.size
+    while left:
+        n = os.preadv(fd, [view[:min(left, len(buffer))]], position)
+        if n <= 0:
+            return False
+        hasher.update(view[:n])
+        position += n
+        left -= n
+    return "sha256:" + hasher.hexdigest() == chunk.digest
+
+
+def _state_digest(directory: Path) -> str | None:
+    try:
+        return json.loads((directory / _STATE).read_text()).get("digest")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _same_artifact(destination: Path, descriptor: Blob) -> bool:
@@ -181,12 +425,7 @@ def _reset_if_other(staging: Path, digest: str) -> None:
 def _arrived(staging: Path, blob: Blob) -> bool:
     """Whether an earlier, interrupted pull left this file whole (its validation record vouches)."""
     path = staging / blob.path
-    if not path.is_file() or path.stat().st_size != blob.size:
-        return False
-    try:
-        return verify_file(path, blob.digest[7:]).method == "record"
-    except (PackDigestMismatch, PackUnreadable):
-        return False
+    return path.is_file() and path.stat().st_size == blob.size and recorded(path, blob.digest[7:])
 
 
 def _check_artifact(staging: Path, blobs: list[Blob], what: str) -> None:

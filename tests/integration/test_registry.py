@@ -48,7 +48,9 @@ def published(tmp_path_factory, registry):
     env = {"COLDSNAP_STATE_DIR": str(root / "capture-state")}
     done = coldsnap("capture", "--out", str(artifact), "--", *workload(port), env=env)
     assert done.returncode == 0, done.stderr
-    done = coldsnap("publish", str(artifact), f"{registry.address}/team/tiny-lm:v1", "--json", env=registry.client_env())
+    # 64 KiB chunks: the tiny pack goes up and comes down as several, as a real one does
+    done = coldsnap("publish", str(artifact), f"{registry.address}/team/tiny-lm:v1", "--json", "--chunk-size", "64K",
+                    env=registry.client_env())
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["blobs_sent"] == report["blobs"] and report["bytes_sent"] == report["bytes_total"] > 0
@@ -63,7 +65,9 @@ def _files(root: Path) -> dict[str, bytes]:
 
 def test_a_second_publish_sends_only_the_index(published, registry):
     artifact, reference, _, _ = published
-    done = coldsnap("publish", str(artifact), f"{registry.address}/team/tiny-lm:v1", "--json", env=registry.client_env())
+    # 64 KiB chunks: the tiny pack goes up and comes down as several, as a real one does
+    done = coldsnap("publish", str(artifact), f"{registry.address}/team/tiny-lm:v1", "--json", "--chunk-size", "64K",
+                    env=registry.client_env())
     assert done.returncode == 0, done.stderr
     again = json.loads(done.stdout)
     assert again["reference"] == reference  # same bytes, same digest
@@ -228,3 +232,91 @@ def test_a_digest_that_does_not_match_is_refused_before_any_file(published, regi
     with pytest.raises((registry_client.RegistryNotFound, DigestMismatch, PullError)):
         pull(wrong, tmp_path / "pulled", client_for(wrong))
     assert not (tmp_path / "pulled").exists()
+
+
+def _pack_chunks(client, reference) -> list[str]:
+    from coldsnap.registry.layout import PACK_TYPE, read_index
+
+    index, _, _ = client.get_manifest(reference.pinned)
+    digests = []
+    for digest, _, kind in read_index(index, "index"):
+        if kind == PACK_TYPE:
+            manifest, _, _ = client.get_manifest(digest)
+            digests += [layer["digest"] for layer in json.loads(manifest)["layers"]]
+    return digests
+
+
+def test_a_restore_starts_while_the_pack_arrives_and_keeps_what_it_pulled(published, tmp_path):
+    """A host with no copy, its registry behind a slow link for the pack's chunks: CRIU restores the tree while
+    they arrive, each is used only once verified, the restore gives the cold start's tokens, and the pulled
+    copy stays, whole and recorded, for the next restore (which then needs no registry)."""
+    from tests.throttled_link import throttled_link
+
+    artifact, _, port, expected = published
+    with local_registry(tmp_path / "plain-registry", tls=False, auth=False) as plain:
+        done = coldsnap("publish", str(artifact), f"{plain.address}/team/tiny-lm:v1", "--json", "--chunk-size", "64K",
+                        env=plain.client_env())
+        assert done.returncode == 0, done.stderr
+        reference = parse_reference(json.loads(done.stdout)["reference"])
+        chunks = _pack_chunks(registry_client.RegistryClient(plain.address, reference.repository, plain_http=True),
+                              reference)
+        assert len(chunks) > 4
+        with throttled_link(plain.address, set(chunks), seconds_per_response=0.5) as slow:
+            far = f"{slow}/{reference.repository}@{reference.digest}"
+            env = {"COLDSNAP_PLAIN_HTTP_REGISTRIES": slow, "COLDSNAP_STATE_DIR": str(tmp_path / "host-3"),
+                   "COLDSNAP_PULL_STREAMS": "2"}
+            done = coldsnap("restore", f"oci://{far}", "--receipt-json", "-", env=env)
+        assert done.returncode == 0, done.stderr
+        receipt = json.loads(done.stdout)
+        spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+        verdicts = {k: v for k, v in spans["restore.admission.payload"]["attributes"].items() if k.endswith("verified_by")}
+        assert verdicts == {"pack_verified_by": "arriving", "residual_verified_by": "record"}, verdicts
+        criu, arrival = spans["restore.criu_restore"], spans["restore.pack_arrival"]
+        # the tree was restored while the pack was still coming: the wait for its last chunk ends after CRIU did
+        assert criu["start_ns"] < arrival["start_ns"] and arrival["duration_ns"] > 0.2e9, (criu, arrival)
+        assert "the pull finished" in done.stderr and "every chunk verified" in done.stderr
+        assert complete(port, PROMPT_2) == expected
+        cached = Path(receipt["artifact"])
+        kill_replicas(cached)
+        pack = next((cached / "payload").glob("*.pack"))
+        assert verify_file(pack).method == "record" and not list(cached.rglob("*.chunks"))
+        assert not (cached / ".coldsnap-pull.json").exists()
+    # the registry is gone: the next restore of the pinned reference is served from the cache
+    done = coldsnap("restore", f"oci://{far}", "--prepare-only", env=env)
+    assert done.returncode == 0 and "already on this host" in done.stderr, done.stderr
+
+
+def test_an_interrupted_chunked_pull_resumes_in_place(published, registry, tmp_path, monkeypatch):
+    """A streaming pull cut off after some chunks leaves DIR handed over but incomplete; the next pull finds it,
+    hashes the chunks that arrived again and fetches only the others."""
+    from coldsnap.registry.pull import PullSession, incomplete
+
+    _, reference, _, _ = published
+    for name, value in registry.client_env().items():
+        monkeypatch.setenv(name, value)
+    ref = parse_reference(reference)
+    client = client_for(ref)
+    real = client.fetch_chunk
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise registry_client.RegistryUnreachable("the network went away (test)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(client, "fetch_chunk", flaky)
+    monkeypatch.setattr("coldsnap.registry.pull.PARALLEL_STREAMS", 1)  # the chunks in order: three arrive
+    destination = tmp_path / "pulled"
+    session = PullSession(ref, destination, client).start()
+    assert session.usable() == destination
+    with pytest.raises(registry_client.RegistryUnreachable):
+        session.finish()
+    assert destination.is_dir() and incomplete(destination) and not staging_dir(destination).exists()
+    calls["n"] = -10**6  # the network is back
+    result = pull(ref, destination, client)
+    total = len(_pack_chunks(client, ref))
+    assert result.blobs_fetched == total and calls["n"] == -10**6 + total - 3  # three were on disk already
+    assert not incomplete(destination)
+    pack = next((destination / "payload").glob("*.pack"))
+    assert verify_file(pack).method == "record"

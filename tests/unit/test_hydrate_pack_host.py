@@ -5,7 +5,8 @@ import os
 import pytest
 
 from coldsnap.contracts.layout import MemoryLayout
-from coldsnap.hydrate import HydrationError, hydrate_pack, payload_extents, write_pack_from_regions
+from coldsnap.hydrate import (HydrationError, hydrate_pack, hydrate_pack_as_it_arrives, payload_extents,
+                              write_pack_from_regions)
 from coldsnap.memory import reserve
 from coldsnap.payload import NativePack, PackKind, check_cover, plan_residual, verify_file
 
@@ -77,3 +78,50 @@ def test_hydrate_pack_refuses_wrong_layout_and_small_regions(tmp_path):
         hydrate_pack(written.path, {"weights": weights})
     with pytest.raises(HydrationError, match="not mapped"):
         hydrate_pack(written.path, {})
+
+
+def test_a_pack_still_arriving_is_hydrated_chunk_by_chunk_and_never_before_its_chunk(tmp_path):
+    """``restore oci://`` on a host with no copy: the copy follows the pull; a byte is read only after its chunk
+    arrived (verified), and a pull that fails stops the copy with its reason."""
+    import threading
+    import time
+
+    from coldsnap.payload.arrival import PackArrival
+
+    weights = reserve("weights", 4 << 20, backend="host")
+    weights.map()
+    live = os.urandom(weights.mapped_bytes)
+    weights.host_view()[:] = live
+    layout = _layout(weights.size)
+    written = write_pack_from_regions(tmp_path, layout, {"weights": weights})
+    size = written.path.stat().st_size
+    whole = written.path.read_bytes()
+    arriving = tmp_path / "arriving.pack"
+    arriving.write_bytes(b"\0" * size)  # preallocated, as a pull leaves it: nothing in place yet
+    chunk = 256 << 10
+    arrival = PackArrival(arriving, list(range(0, size, chunk)), size)
+    weights.unmap()
+    weights.map()
+
+    def pull() -> None:  # each chunk written, then marked: what the pull does once its digest matched
+        with open(arriving, "r+b") as handle:
+            for index, offset in enumerate(arrival.offsets):
+                handle.seek(offset)
+                handle.write(whole[offset:offset + chunk])
+                handle.flush()
+                arrival.arrived(index)
+                time.sleep(0.01)
+
+    puller = threading.Thread(target=pull)
+    puller.start()
+    stats = hydrate_pack_as_it_arrives(arriving, {"weights": weights}, arrival, layout_digest=layout.digest(), threads=2)
+    puller.join()
+    assert stats.bytes == 1028052 + 154000 and not stats.direct
+    assert bytes(weights.host_view(0, 1028052)) == live[:1028052]
+    assert bytes(weights.host_view(2 << 20, 154000)) == live[2 << 20:(2 << 20) + 154000]
+
+    failing = PackArrival(written.path, list(range(0, size, chunk)), size)
+    failing.arrived(0)
+    failing.fail("the registry went away (test)")
+    with pytest.raises(HydrationError, match="the registry went away"):
+        hydrate_pack_as_it_arrives(written.path, {"weights": weights}, failing, layout_digest=layout.digest())

@@ -4,11 +4,15 @@ import base64
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
+from coldsnap.payload.arrival import ArrivalFailed, PackArrival
+from coldsnap.registry.commands import chunk_size
 from coldsnap.registry.credentials import CredentialsError, find_credentials
-from coldsnap.registry.layout import CAPSULE_TYPE, Blob, LayoutError, index_bytes, manifest_bytes, read_index, read_manifest
+from coldsnap.registry.layout import (CAPSULE_TYPE, PACK_TYPE, Blob, Chunk, LayoutError, chunked_pack_manifest_bytes,
+                                      index_bytes, manifest_bytes, read_index, read_manifest)
 from coldsnap.registry.reference import BadReference, parse_reference
 
 
@@ -94,3 +98,58 @@ def test_manifests_are_deterministic_and_read_back_strictly():
         read_index(json.dumps({"manifests": []}).encode(), "idx")
     with pytest.raises(LayoutError, match="exactly one descriptor"):
         read_index(index_bytes([(data, CAPSULE_TYPE, {})], {}), "idx")
+
+
+def test_a_chunked_pack_manifest_binds_every_chunk_and_is_read_back_strictly():
+    chunks = (Chunk(0, "sha256:" + "a" * 64, 4096), Chunk(4096, "sha256:" + "b" * 64, 100))
+    pack = Blob("payload/" + "c" * 64 + ".pack", "sha256:" + "c" * 64, 4196, 0o644, PACK_TYPE, chunks)
+    data = chunked_pack_manifest_bytes(pack)
+    assert data == chunked_pack_manifest_bytes(pack)
+    assert read_manifest(data, PACK_TYPE, "m") == [pack]  # one file, its digest the pack's own, its chunks in order
+
+    def damaged(change) -> bytes:
+        manifest = json.loads(data)
+        change(manifest)
+        return json.dumps(manifest).encode()
+
+    for change, says in [
+        (lambda m: m["layers"][1]["annotations"].update({"vnd.coldsnap.chunk.offset": "4000"}), "not at offset 4096"),
+        (lambda m: m["annotations"].update({"vnd.coldsnap.pack.size": "5000"}), "hold 4196 bytes, the pack 5000"),
+        (lambda m: m["annotations"].pop("vnd.coldsnap.pack.sha256"), "needs vnd.coldsnap.pack.sha256"),
+        (lambda m: m["layers"][1]["annotations"].update({"org.opencontainers.image.title": "payload/other.pack"}),
+         "chunks of one file"),
+        (lambda m: m["layers"].reverse(), "not at offset 0"),
+    ]:
+        with pytest.raises(LayoutError, match=says):
+            read_manifest(damaged(change), PACK_TYPE, "m")
+
+
+def test_an_arrival_says_which_chunks_hold_a_range_and_wakes_waiters():
+    import threading
+
+    arrival = PackArrival(Path("/x/p.pack"), [0, 100, 200], 250)
+    assert list(arrival.chunks_of(0, 1)) == [0] and list(arrival.chunks_of(99, 2)) == [0, 1]
+    assert list(arrival.chunks_of(150, 100)) == [1, 2] and list(arrival.chunks_of(5, 0)) == []
+    assert arrival.chunk_range(2) == (200, 250)
+    threading.Timer(0.05, arrival.arrived, (1,)).start()
+    arrival.wait(100, 100)  # returns once chunk 1 is in, with chunk 0 still missing
+    assert not arrival.complete
+    batches = arrival.as_they_arrive()
+    assert next(batches) == [1]
+    arrival.arrived(0)
+    arrival.arrived(2)
+    assert next(batches) == [0, 2] and arrival.complete
+    failed = PackArrival(Path("/x/q.pack"), [0, 100], 200)
+    failed.arrived(0)
+    threading.Timer(0.05, failed.fail, ("chunk 1 did not match its digest",)).start()
+    with pytest.raises(ArrivalFailed, match="did not match"):
+        failed.wait()
+    failed.wait(0, 100)  # what arrived before stays usable
+    with pytest.raises(ArrivalFailed, match="stopped waiting"):
+        PackArrival(Path("/x/r.pack"), [0], 10).wait(keep_going=lambda: False)
+
+
+@pytest.mark.parametrize("text, size", [("256M", 256 << 20), ("64K", 64 << 10), ("1G", 1 << 30), ("4MiB", 4 << 20),
+                                        ("65536", 65536), ("1k", None), ("5G", None), ("100000", None), ("x", None)])
+def test_chunk_sizes(text, size):
+    assert chunk_size(text) == size
