@@ -47,6 +47,11 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
                through coldsnap's sleep backend (``COLDSNAP_VLLM_SLEEP_BACKEND=coldsnap``), whose
                /wake_up answers only after the canary matched
   dropped      page cache dropped (root): one restore and one cold start
+  fresh-node   a node that holds nothing (benchmarks/fresh_node.py): the disk's O_DIRECT rates, cp of the artifact,
+               publish into Debian's docker-registry on loopback (storage in /dev/shm where it fits), ``--repeat``
+               pulls, ``--repeat`` `restore oci://` under a new state root with the page cache dropped, ``--repeat``
+               cold-disk restores of the local artifact; and vLLM's cold start with the page cache dropped. Every
+               restore answers FRESH_NODE_PROMPTS prompts as that cold start did; fresh-node.{json,md} beside --out
 
 ``--graphs recreate`` captures into DIR/artifact-recreate with `coldsnap capture --graphs recreate` (the
 CUDA graphs dropped before the checkpoint, captured again by every restore); the steps then work on that
@@ -63,6 +68,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -82,7 +88,7 @@ from benchmarks.image_attribution import capsule_attribution, render_capsule  # 
 from benchmarks.common import draw_medians, drop_caches, receipt_timeline  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-recovery", "restore-log", "race",
-         "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-native", "native", "sleep", "dropped")
+         "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-native", "native", "sleep", "dropped", "fresh-node")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -93,6 +99,9 @@ LOG_PHASES = {  # vLLM 0.26's own log lines → phase names
 }
 KV_LINE = r"Available KV cache memory: ([0-9.]+) GiB"
 
+
+FRESH_NODE_PROMPTS = 8
+"""Prompts (of the serving check's) every fresh-node and cold-disk restore answers as vLLM's cold start did."""
 
 SERVE_LOAD = "512,128,256,64"
 """The serving step's load: input tokens, output tokens, prompts, concurrency (``--serve-load``)."""
@@ -432,6 +441,36 @@ class Bench:
         self.cold_start("cold start", "cold", self.env(), *self.args.vllm_args)
         self.state["runs"][-1]["compile_cache"] = "warm"
         self.save()
+
+    def step_fresh_node(self) -> None:
+        """A fresh node, beside vLLM's cold start from the same (cold) disk in the same run."""
+        from benchmarks.fresh_node import measure, table
+
+        if not (self.artifact / "artifact.json").exists():
+            raise SystemExit("fresh-node: capture first")
+        if not drop_caches():
+            print("fresh-node: cannot drop the page cache (not root): skipped", file=sys.stderr)
+            return
+        prompts = serving_prompts()[:FRESH_NODE_PROMPTS]
+        log = self.work / "fresh-node-cold-start.log"
+        with plain_server(self.serve_command(*self.args.vllm_args), self.env(), log) as (process, started):
+            cold_seconds, first = first_answer(self.port, started, process, 900, PROMPT, 12, log)
+            cold = [tokens_of(self.port, p) for p in prompts]
+        time.sleep(1)
+        artifact_bytes = sum(f.stat().st_size for f in self.artifact.rglob("*") if f.is_file())
+        shm = Path("/dev/shm")
+        in_memory = shm.is_dir() and shutil.disk_usage(shm).free > 1.2 * artifact_bytes
+        storage = shm / "coldsnap-fresh-registry" if in_memory else self.work / "registry"
+        result = measure(self.artifact, self.work, storage, self.args.repeat,
+                         lambda: tokens(self.port) == first and [tokens_of(self.port, p) for p in prompts] == cold,
+                         env=self.env())
+        result.update(cold_start_s=round(cold_seconds, 3), registry_in_memory=in_memory, prompts_checked=len(prompts) + 1)
+        self.state["fresh_node"] = result
+        self.save()
+        out = Path(self.args.out).parent if self.args.out else self.work
+        (out / "fresh-node.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        (out / "fresh-node.md").write_text(table(result) + "\n")
+        print(table(result), flush=True)
 
     # serving speed after a restore ---------------------------------------------------------------
 

@@ -23,7 +23,8 @@
 #                                                        COLDSNAP_BENCH_SHAPE (8b-spec or small-spec) and its draft
 #
 # The benchmarks share one model (/tmp/coldsnap-llama-SHAPE; COLDSNAP_BENCH_SHAPE, default 8b, is what setup
-# writes). Carry .gpu-bundle/wheels and .gpu-bundle/criu-debs with the first call, the ENGINE-site.json
+# writes). Carry .gpu-bundle/wheels, .gpu-bundle/criu-debs and .gpu-bundle/registry (Debian's docker-registry .deb,
+# for the fresh-node step: scripts/gpu-prepare.sh) with the first call, the ENGINE-site.json
 # manifests with every call, and at most one ≤ 52 MiB part per call. COLDSNAP_BENCH_ARGS: more benchmark
 # arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64). COLDSNAP_BENCH_TP=N (nvidia-h200-x2
 # and up): the engine serves at tensor-parallel size N (vLLM --tensor-parallel-size with its all-reduce + RMSNorm
@@ -45,7 +46,7 @@ mkdir -p "$out"
 
 engine_path() {  # install the engine from its parts once; its PYTHONPATH, as benchmarks/README.md runs it
     local engine=$1 site=/tmp/coldsnap-$1-site
-    export COLDSNAP_CRIU=/tmp/coldsnap-criu/bin/criu PYTHONUNBUFFERED=1
+    export COLDSNAP_CRIU=/tmp/coldsnap-criu/bin/criu PYTHONUNBUFFERED=1 PATH="/tmp/coldsnap-registry/usr/bin:$PATH"
     [ -d "$site" ] || bash scripts/gpu-engine.sh "$engine" install
     # vLLM's site after coldsnap's, SGLang's before (its pinned transformers and tokenizers must win over the host's)
     if [ "$engine" = vllm ]; then
@@ -85,6 +86,11 @@ case "${1:-}" in
         cp -r .gpu-bundle/wheels .gpu-bundle/criu-debs /tmp/coldsnap-bundle/
         [ -d .gpu-bundle/bench-wheels ] && cp -r .gpu-bundle/bench-wheels /tmp/coldsnap-bundle/
         COLDSNAP_GPU_BUNDLE=/tmp/coldsnap-bundle COLDSNAP_GPU_SETUP_ONLY=1 bash scripts/gpu-test.sh "$out/setup"
+        # Debian's docker-registry (a static Go binary) for the fresh-node step's registry on loopback: unpacked, not
+        # installed (the host's image has no apt sources to satisfy the package's dependencies)
+        if ls .gpu-bundle/registry/docker-registry_*.deb >/dev/null 2>&1 && [ ! -x /tmp/coldsnap-registry/usr/bin/docker-registry ]; then
+            dpkg-deb -x .gpu-bundle/registry/docker-registry_*.deb /tmp/coldsnap-registry
+        fi
         if [ ! -f "$model/coldsnap-tiny-model.json" ] && ! pgrep -f "coldsnap.workloads.tiny_llama $model" >/dev/null; then
             log "writing the $shape-shaped model into $model in the background"
             PYTHONPATH="$repo" setsid nohup python3 -m coldsnap.workloads.tiny_llama "$model" --shape "$shape" \

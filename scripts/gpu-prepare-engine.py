@@ -191,8 +191,9 @@ def resolve(engine: str, profile: Profile, version: str, cache: Path) -> dict[st
     index, and the host has torch anyway), so this resolves only the packages the host lacks: start
     from the newest release each allows under the engine's specifiers and those of the packages it pins
     exactly (sglang's transformers==5.12.1 bounds tokenizers); while some chosen wheel requires another
-    chosen package at a version it does not have, step the requiring package down to its next older
-    release (the engine's own pins stay fixed)."""
+    chosen package at a version it does not have, step one of them down (the engine's own pins stay
+    fixed): the required package to the newest release the requirement allows where an older one does
+    (it is too new: a pin or upper bound), else the requiring package to its next older release."""
     engine_wheel = _wheel(cache, engine, Version(version))
     if engine_wheel is None:
         raise SystemExit(f"gpu-prepare: no wheel of {engine}=={version}")
@@ -220,6 +221,17 @@ def resolve(engine: str, profile: Profile, version: str, cache: Path) -> dict[st
         if conflict is None:
             return {engine: engine_wheel, **chosen}
         requiring, requirement = conflict
+        required = normalize(requirement.name)
+        # Stepping the requiring package down never mends a required one that is too new: opentelemetry-api
+        # 1.45.3 came out without an sdk, and every opentelemetry-sdk pins the api of its own release
+        # (==1.45.2), so no older sdk takes 1.45.3 and the sdk ran out of releases. Step the required down.
+        allowed = [v for v in candidates[required] if v in requirement.specifier]
+        if allowed:
+            print(f"gpu-prepare: {chosen[requiring].name} needs {requirement}: trying {required} {allowed[0]}",
+                  file=sys.stderr)
+            del candidates[required][:candidates[required].index(allowed[0])]
+            chosen[required] = _next_wheel(cache, required, candidates)
+            continue
         print(f"gpu-prepare: {chosen[requiring].name} needs {requirement}: trying an older {requiring}", file=sys.stderr)
         chosen[requiring] = _next_wheel(cache, requiring, candidates)
     raise SystemExit("gpu-prepare: the requirements between the chosen wheels do not settle")

@@ -14,6 +14,7 @@ others. The chunks are hashed in one parallel read of the pack, right after it w
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
 import threading
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
 from coldsnap.contracts.capsule import CapsuleManifest
@@ -119,8 +121,49 @@ def _plan(root: Path) -> _Plan:
                  [_blob(root, ref.path, ref.sha256, PACK_TYPE) for _, ref in sorted(packs.items())])
 
 
+CHUNK_RECORD_NAME = ".coldsnap-chunks.json"
+"""Beside a pack: its chunks' digests by chunk size, bound to the file's stat identity, so a second publish
+(or one after a pull, which knows them) does not read the pack again. Never published (a dot file)."""
+
+
+def _identity(path: Path) -> list[int]:
+    status = path.stat()
+    return [status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns]
+
+
+def recorded_chunks(path: Path, chunk_bytes: int) -> tuple[Chunk, ...] | None:
+    """The chunks recorded for ``path`` at this chunk size while the file is unchanged (None otherwise)."""
+    try:
+        entry = json.loads((path.parent / CHUNK_RECORD_NAME).read_text())[path.name]
+        if entry["identity"] != _identity(path) or entry["chunk_bytes"] != chunk_bytes:
+            return None
+        return tuple(Chunk(int(o), str(d), int(n)) for o, d, n in entry["chunks"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def record_chunks(path: Path, chunk_bytes: int, chunks: tuple[Chunk, ...]) -> None:
+    """Best effort: an artifact this user may not write is published all the same."""
+    record = path.parent / CHUNK_RECORD_NAME
+    try:
+        try:
+            entries = json.loads(record.read_text())
+            entries = entries if isinstance(entries, dict) else {}
+        except (OSError, ValueError):
+            entries = {}
+        entries[path.name] = {"identity": _identity(path), "chunk_bytes": chunk_bytes,
+                              "chunks": [[c.offset, c.digest, c.size] for c in chunks]}
+        write_atomic(record, json.dumps(entries, sort_keys=True).encode())
+    except OSError:
+        pass
+
+
 def _chunk_digests(path: Path, size: int, chunk_bytes: int) -> tuple[Chunk, ...]:
-    """The pack's chunks with their SHA-256s, hashed in parallel (hashlib lets go of the GIL)."""
+    """The pack's chunks with their SHA-256s: recorded beside it, or hashed in parallel (hashlib lets go of the
+    GIL) and recorded."""
+    known = recorded_chunks(path, chunk_bytes)
+    if known is not None:
+        return known
 
     def digest(offset: int) -> Chunk:
         length = min(chunk_bytes, size - offset)
@@ -142,7 +185,9 @@ def _chunk_digests(path: Path, size: int, chunk_bytes: int) -> tuple[Chunk, ...]
         return Chunk(offset, "sha256:" + hasher.hexdigest(), length)
 
     with ThreadPoolExecutor(min(PARALLEL_BLOBS, max(1, -(-size // chunk_bytes))), thread_name_prefix="coldsnap-chunk") as pool:
-        return tuple(pool.map(digest, range(0, size, chunk_bytes)))
+        chunks = tuple(pool.map(digest, range(0, size, chunk_bytes)))
+    record_chunks(path, chunk_bytes, chunks)
+    return chunks
 
 
 def publish(root: Path, reference: Reference, client: RegistryClient,

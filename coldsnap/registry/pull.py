@@ -49,6 +49,7 @@ from coldsnap.payload.arrival import PackArrival, arriving, forget_arrival
 from coldsnap.payload.validation import record_written_file, recorded
 from coldsnap.registry.client import RANGE_BYTES, RegistryClient, sha256_digest
 from coldsnap.registry.layout import DESCRIPTOR_TYPE, Blob, Chunk, LayoutError, read_index, read_manifest
+from coldsnap.registry.publish import record_chunks
 from coldsnap.registry.reference import Reference
 
 __all__ = ["DestinationTaken", "PullError", "PullResult", "PullSession", "incomplete", "lock_path", "pull", "staging_dir"]
@@ -122,12 +123,43 @@ _SYNC_FILE_RANGE_WRITE = 2
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
-def _start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing these bytes to disk now (returns at once; best effort)."""
-    try:
-        _libc.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_FILE_RANGE_WRITE)
-    except (AttributeError, OSError):
-        pass
+class _Writeback:
+    """Starts the writeback of each chunk to disk as soon as it is in (``sync_file_range``), on a thread of its
+    own: the call blocks while the disk's queue is full, and the receiving threads must not wait for the disk
+    (a restore hydrates the chunks from the page cache at once). The last ``fsync`` then finds little left to
+    write, and the pulled pack leaves no long tail of dirty pages behind."""
+
+    def __init__(self) -> None:
+        self._queue: list[tuple[int, int, int] | None] = []
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="coldsnap-pull-writeback", daemon=True)
+        self._thread.start()
+
+    def start(self, fd: int, offset: int, length: int) -> None:
+        with self._ready:
+            self._queue.append((fd, offset, length))
+            self._ready.notify()
+
+    def close(self) -> None:
+        """After every range asked for was handed to the kernel (the descriptors may then be closed)."""
+        with self._ready:
+            self._queue.append(None)
+            self._ready.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                item = self._queue.pop(0)
+            if item is None:
+                return
+            fd, offset, length = item
+            try:
+                _libc.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_FILE_RANGE_WRITE)
+            except (AttributeError, OSError):  # best effort: fsync writes what this did not
+                pass
 
 
 class PullSession:
@@ -237,6 +269,7 @@ class PullSession:
                 self.log(f"resuming: {fetched_before / 1e9:.2f} of {result.bytes_total / 1e9:.2f} GB already here")
             self._to_fetch = sum(b.size for b in files) + sum(p.size for p in packs)
             fds: dict[str, int] = {}
+            writeback = _Writeback()
             try:
                 for pack in packs:  # opened now: the descriptors stay valid when the folder is renamed
                     target = work / pack.path
@@ -257,10 +290,12 @@ class PullSession:
                         self._root = work = destination
                 self._dir_ready = True
                 self.handed_over.set()
-                self._fetch_chunks(packs, fds)
+                self._fetch_chunks(packs, fds, writeback)
+                writeback.close()
                 for pack in packs:
                     os.fsync(fds[pack.path])
             finally:
+                writeback.close()
                 for fd in fds.values():
                     os.close(fd)
             with self._root_lock:
@@ -268,6 +303,7 @@ class PullSession:
                     target = work / pack.path
                     os.chmod(target, pack.mode)
                     record_written_file(target, pack.digest[7:])  # the chunks matched: see the module's note
+                    record_chunks(target, pack.chunks[0].size, pack.chunks)  # (publishing it again reads nothing)
                     _chunk_progress(target).unlink(missing_ok=True)
                     forget_arrival(self.arrivals[pack.path].path)
                 (work / _STATE).unlink(missing_ok=True)
@@ -299,7 +335,7 @@ class PullSession:
             for future in small:
                 future.result()
 
-    def _fetch_chunks(self, packs: list[Blob], fds: dict[str, int]) -> None:
+    def _fetch_chunks(self, packs: list[Blob], fds: dict[str, int], writeback: _Writeback) -> None:
         """Every chunk not already here, :data:`PARALLEL_STREAMS` at once, each marked arrived the moment its
         digest matched; a chunk an interrupted pull left is hashed again from disk before it counts."""
         failures: list[BaseException] = []
@@ -311,7 +347,7 @@ class PullSession:
             try:
                 if not (resumed and _chunk_on_disk(fd, chunk)):
                     self.client.fetch_chunk(chunk.digest, chunk.size, fd, chunk.offset, on_bytes=self._count)
-                    _start_writeback(fd, chunk.offset, chunk.size)
+                    writeback.start(fd, chunk.offset, chunk.size)
                 else:
                     self._count(chunk.size)
                 self.arrivals[pack.path].arrived(index)

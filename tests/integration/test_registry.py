@@ -12,6 +12,7 @@ import pytest
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, verify_file
 from coldsnap.registry import client as registry_client
 from coldsnap.registry.client import DigestMismatch, client_for
+from coldsnap.registry.publish import CHUNK_RECORD_NAME
 from coldsnap.registry.pull import PullError, pull, staging_dir
 from coldsnap.registry.reference import parse_reference
 from tests.integration.test_capture_restore import PROMPT_2, cold_start_tokens, complete, workload
@@ -60,7 +61,7 @@ def published(tmp_path_factory, registry):
 
 def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file() and not p.name.startswith(VALIDATION_RECORD_NAME)}
+            if p.is_file() and not p.name.startswith((VALIDATION_RECORD_NAME, CHUNK_RECORD_NAME))}  # (host-bound records)
 
 
 def test_a_second_publish_sends_only_the_index(published, registry):
