@@ -270,6 +270,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--registry-storage", type=Path, default=Path("/dev/shm/coldsnap-fresh-registry"))
     parser.add_argument("--keep", action="store_true", help="keep WORK's artifact afterwards")
+    parser.add_argument("--artifact", type=Path, help="an earlier run's artifact of this --size (kept with --keep): "
+                        "measured again without a new capture")
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("needs root (CRIU, page-cache drops)")
@@ -280,14 +282,17 @@ def main() -> int:
     work = args.dir.absolute()
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    artifact = args.artifact.absolute() if args.artifact else work / "artifact"
+    port = (json.loads((artifact / "request.json").read_text())["units"][0]["serving_port"] if args.artifact
+            else free_port())
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", args.size, "--device", "cpu", "--port", str(port)]
-    artifact = work / "artifact"
     try:
-        log(f"cold start and capture of the {args.size} reference workload")
+        log(f"cold start{'' if args.artifact else ' and capture'} of the {args.size} reference workload")
         _, expected = cold_start(command, port)
-        shutil.rmtree(artifact, ignore_errors=True)
-        coldsnap("capture", "--out", str(artifact), "--", *command, env={"COLDSNAP_STATE_DIR": str(work / "state-capture")})
+        if not args.artifact:
+            shutil.rmtree(artifact, ignore_errors=True)
+            coldsnap("capture", "--out", str(artifact), "--", *command,
+                     env={"COLDSNAP_STATE_DIR": str(work / "state-capture")})
         result = measure(artifact, work, args.registry_storage, args.repeat,
                          lambda: ask_canary(port, CHECK_PROMPT, 8).token_ids == expected)
         drop_caches()
@@ -295,7 +300,7 @@ def main() -> int:
         result["cold_start_same_tokens"] = tokens == expected
         result["size"] = args.size
     finally:
-        for name in ("copy", "pulled", "state-capture", "state-fresh", *(() if args.keep else ("artifact",))):
+        for name in ("copy", "pulled", "state-capture", "state-fresh", *(() if args.keep or args.artifact else ("artifact",))):
             shutil.rmtree(work / name, ignore_errors=True)
     (args.out / "fresh-node.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     text = table(result)

@@ -151,6 +151,10 @@ class RestoreSequence:
                 self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
                                                     w.layout_digest, self.timer.now_ns,
                                                     self.gpus.launcher_ordinals if self.gpus is not None else {})
+        for w in self.workers:  # a pack still arriving that this launcher does not stage: its agent reads it whole
+            arrival = arrival_for(self.artifact.root / w.payload.path) if w.payload is not None else None
+            if arrival is not None and w.rank not in self.stagers:
+                arrival.read_when_whole()
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
             state_dir = self.state_dir()
             if self.metadata.gpu_pids:  # the checkpoint API ready when the tree is (admission used a cached probe)

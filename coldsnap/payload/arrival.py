@@ -34,6 +34,10 @@ class PackArrival:
         self.size = size
         self.offsets = offsets
         """Each chunk's first byte, ascending from 0; a chunk ends where the next one starts (the last at ``size``)."""
+        self.through_cache = True
+        """Whether chunks still to come should be written through the page cache (a reader hydrates each one right
+        after it arrives) or may go straight to the disk (O_DIRECT: it is read only once it is whole). A streaming
+        restore that hydrates a pack only once it is whole says so (:meth:`read_when_whole`)."""
         self._arrived = [False] * len(offsets)
         self._count = 0
         self._failure: str | None = None
@@ -67,6 +71,10 @@ class PackArrival:
             self._changed.notify_all()
 
     # --- the readers' side ---------------------------------------------------------------------------
+
+    def read_when_whole(self) -> None:
+        """This pack's reader waits for the last chunk: the rest may bypass the page cache."""
+        self.through_cache = False
 
     @property
     def complete(self) -> bool:

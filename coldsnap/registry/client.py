@@ -15,6 +15,7 @@ import base64
 import hashlib
 import http.client
 import json
+import mmap
 import os
 import re
 import ssl
@@ -382,28 +383,52 @@ class RegistryClient:
         else:
             self._fetch_ranges(digest, size, destination, expected, on_bytes, parallel)
 
-    def fetch_chunk(self, digest: str, size: int, fd: int, offset: int, *, on_bytes: OnBytes | None = None) -> None:
+    def fetch_chunk(self, digest: str, size: int, fd: int, offset: int, *, direct_fd: int | None = None,
+                    on_bytes: OnBytes | None = None) -> None:
         """Stream blob ``digest`` (``size`` bytes) into the open file ``fd`` at ``offset``, hashing it on this
         thread as it lands (many chunks at once hash on as many cores). Raises :class:`DigestMismatch`
-        when the bytes are not the digest's; what was written is then the caller's to discard."""
+        when the bytes are not the digest's; what was written is then the caller's to discard.
+
+        ``direct_fd``: the same file opened with O_DIRECT (``offset`` a multiple of 4 KiB): whole 4 KiB blocks
+        go to the disk from a page-aligned buffer, past the page cache, and only a chunk's unaligned tail (the
+        pack's last bytes) through ``fd``."""
         response = self._blob_response(digest, {})
         hasher = hashlib.sha256()
-        buffer = bytearray(min(BUFFER_BYTES, max(size, 1)))
+        length = min(BUFFER_BYTES, max(size, 1))
+        buffer = mmap.mmap(-1, length) if direct_fd is not None else bytearray(length)  # (mmap: page-aligned)
         view = memoryview(buffer)
-        got = 0
-        while got < size:
-            n = response.readinto(view[:min(len(buffer), size - got)])
-            if not n:
-                break
-            hasher.update(view[:n])
-            written = 0
-            while written < n:
-                written += os.pwrite(fd, view[written:n], offset + got + written)
-            got += n
-            if on_bytes:
-                on_bytes(n)
-        extra = response.read(1)
-        response.read()
+        got = filled = 0  # bytes of the chunk received; of them, in the buffer and not yet written
+
+        def flush(final: bool) -> None:
+            nonlocal filled
+            aligned = filled if direct_fd is None else filled - filled % _BLOCK
+            at = offset + got - filled
+            if aligned:
+                _write_all(direct_fd if direct_fd is not None else fd, view[:aligned], at)
+            if final and filled > aligned:
+                _write_all(fd, view[aligned:filled], at + aligned)
+                aligned = filled
+            view[:filled - aligned] = view[aligned:filled]  # (an unaligned rest moves to the buffer's start)
+            filled -= aligned
+
+        try:
+            while got < size:
+                n = response.readinto(view[filled:min(length, filled + size - got)])
+                if not n:
+                    break
+                hasher.update(view[filled:filled + n])
+                got += n
+                filled += n
+                if filled == length or got == size:
+                    flush(final=got == size)
+                if on_bytes:
+                    on_bytes(n)
+            extra = response.read(1)
+            response.read()
+        finally:
+            view.release()
+            if direct_fd is not None:
+                buffer.close()  # type: ignore[union-attr]
         actual = hasher.hexdigest()
         if got != size or extra or actual != digest.removeprefix("sha256:"):
             raise DigestMismatch(f"{self.registry}/{self.repository}: blob {digest} arrived as "
@@ -506,6 +531,16 @@ class RegistryClient:
             os.close(fd)
         progress.unlink(missing_ok=True)
         self._check(digest, destination, size, size, hasher.hexdigest(), expected)
+
+
+_BLOCK = 4096
+"""O_DIRECT's unit here: offsets, lengths and buffer addresses in whole blocks (4 KiB covers 512-byte disks)."""
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _load_done_ranges(progress: Path, digest: str, size: int) -> set[int]:

@@ -51,3 +51,24 @@ def test_restore_latency_cpu_mode(tmp_path):
     replicas = document["replicas"]  # two restores at once, each on its own port, both served
     assert len(replicas) == 2 and all(len(set(r["ports"])) == 2 and max(r["each_s"]) <= r["wall_s"] for r in replicas)
     assert document["summary"]["2 replicas at once (warm)"] > 0 and "2 replicas at once: median wall" in done.stdout
+
+
+def test_fresh_node_benchmark_cpu_mode(tmp_path):
+    """The fresh-node benchmark end to end on the tiny workload: a real registry, pulls, restores from oci:// with
+    nothing on the host and the page cache dropped, cold-disk restores; every restore the cold start's tokens."""
+    from tests.registry_server import missing_tools
+
+    if missing_tools():
+        pytest.skip(f"needs {', '.join(missing_tools())} (scripts/install-registry.sh)")
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.fresh_node", "--size", "tiny", "--repeat", "1", "--dir",
+                           str(tmp_path / "work"), "--out", str(out), "--registry-storage", str(tmp_path / "registry")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((out / "fresh-node.json").read_text())
+    assert [r["same_tokens"] for r in result["fresh_node"] + result["cold_disk"]] == [True, True]
+    fresh = result["fresh_node"][0]
+    assert "restore.pack_arrival" in fresh["phases"] or fresh["pull_line"], fresh  # pulled while it restored
+    assert result["registry"]["republish"]["bytes_sent"] == 0 and result["disk"]["odirect_read_gb_s"] > 0
+    assert "fresh node" in (out / "fresh-node.md").read_text()
+    assert not (tmp_path / "work" / "artifact").exists()  # the benchmark removes what it made
