@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from benchmarks.common import drop_caches, pyplot, receipt_timeline
 
-__all__ = ["artifact_files", "disk_rates", "measure", "registry_rates", "restores"]
+__all__ = ["artifact_files", "coldsnap", "copy_files", "disk_rates", "measure", "registry_rates", "restores"]
 
 
 def log(text: str) -> None:
@@ -59,7 +59,7 @@ def artifact_files(root: Path) -> list[Path]:
     return sorted(files, key=lambda p: -p.stat().st_size)
 
 
-def _copy(files: list[Path], root: Path, target: Path, sync: bool) -> float:
+def copy_files(files: list[Path], root: Path, target: Path, sync: bool) -> float:
     shutil.rmtree(target, ignore_errors=True)
     started = time.monotonic()
     for path in files:
@@ -104,8 +104,8 @@ def registry_rates(artifact: Path, work: Path, registry: Any, repeat: int) -> tu
     total = sum(p.stat().st_size for p in files)
     result: dict[str, Any] = {"artifact_bytes": total, "files": len(files)}
     subprocess.run(["sync"], check=True)
-    result["cp_s"] = round(min(_copy(files, artifact, work / "copy", sync=False) for _ in range(repeat)), 3)
-    result["cp_sync_s"] = round(_copy(files, artifact, work / "copy", sync=True), 3)
+    result["cp_s"] = round(min(copy_files(files, artifact, work / "copy", sync=False) for _ in range(repeat)), 3)
+    result["cp_sync_s"] = round(copy_files(files, artifact, work / "copy", sync=True), 3)
     env = registry.client_env()
     reference = f"{registry.address}/bench/fresh-node:v1"
     log("publish")

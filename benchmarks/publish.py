@@ -34,6 +34,7 @@ from typing import Any
 
 
 from coldsnap.demo import cold_start  # noqa: E402
+from benchmarks.fresh_node import artifact_files, coldsnap, copy_files  # noqa: E402
 from tests.registry_server import local_registry, missing_tools  # noqa: E402
 
 
@@ -45,35 +46,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def coldsnap(*args: str, env: dict[str, str]) -> tuple[float, subprocess.CompletedProcess]:
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "coldsnap", *args], capture_output=True, text=True,
-                          env={**os.environ, **env})
-    seconds = time.monotonic() - started
-    if done.returncode != 0:
-        raise SystemExit(f"coldsnap {' '.join(args)} failed:\n{done.stderr[-3000:]}")
-    return seconds, done
-
-
-def artifact_files(root: Path) -> list[Path]:
-    files = [p for p in root.rglob("*") if p.is_file() and not p.name.startswith(".coldsnap-validation")]
-    return sorted(files, key=lambda p: -p.stat().st_size)
-
-
-def copy_files(files: list[Path], root: Path, target: Path, sync: bool) -> float:
-    shutil.rmtree(target, ignore_errors=True)
-    started = time.monotonic()
-    for path in files:
-        destination = target / path.relative_to(root)
-        destination.parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["cp", str(path), str(destination)], check=True)
-    if sync:
-        subprocess.run(["sync", "-f", str(target)], check=True)
-    seconds = time.monotonic() - started
-    shutil.rmtree(target)
-    return seconds
 
 
 def resident_fraction(path: Path) -> float | None:
