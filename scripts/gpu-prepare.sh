@@ -10,6 +10,7 @@
 # BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) and the criu binary built from them with
 #                       the patches of scripts/criu/series (1.6 MB), for `install-criu.sh --from-debs`;
 # BUNDLE_DIR/bench-wheels  fastsafetensors and instanttensor, comparators of benchmarks/hydrate.py.
+# BUNDLE_DIR/registry   Debian's docker-registry .deb: the fresh-node benchmark's registry on the host's loopback.
 #
 # --vllm, also:
 # BUNDLE_DIR/vllm       vLLM 0.26.0 (the release whose torch is the host's 2.11.0+cu130) and the packages the
@@ -61,6 +62,13 @@ log "downloading benchmark comparators: fastsafetensors, instanttensor"
 "$python" scripts/gpu-bundle-wheels.py prune "$bundle/wheels" "$bundle/bench-wheels"
 
 bash scripts/install-criu.sh --download-only "$bundle/criu-debs"
+
+# Debian's docker-registry (one static binary, ~9 MB) for the fresh-node step's registry on the host's loopback.
+if ! ls "$bundle"/registry/docker-registry_*.deb >/dev/null 2>&1; then
+    mkdir -p "$bundle/registry"
+    log "downloading Debian's docker-registry .deb"
+    (cd "$bundle/registry" && apt-get download docker-registry >&2) || log "no docker-registry .deb: the fresh-node step cannot run"
+fi
 for engine in "${engines[@]}"; do
     python3 scripts/gpu-prepare-engine.py "$engine" "$bundle"
 done

@@ -31,8 +31,8 @@ from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, sha256_file, verify_files
 from coldsnap.registry.client import RegistryClient, sha256_digest
 from coldsnap.registry.layout import (CAPSULE_TYPE, DESCRIPTOR_CONFIG_TYPE, CAPSULE_CONFIG_TYPE, DESCRIPTOR_TYPE,
-                                      EMPTY_CONFIG, INDEX_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PACK_TYPE, Blob, Chunk,
-                                      chunked_pack_manifest_bytes, index_bytes, manifest_bytes)
+                                      EMPTY_CONFIG, FILE_TYPE, INDEX_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PACK_TYPE, Blob,
+                                      Chunk, chunked_pack_manifest_bytes, index_bytes, manifest_bytes)
 from coldsnap.registry.reference import Reference
 
 __all__ = ["CHUNK_BYTES", "PublishResult", "publish"]
@@ -69,8 +69,8 @@ class _Plan:
 
 def _blob(root: Path, relative: str, sha256: str, media_type: str | None = None) -> Blob:
     status = (root / relative).stat()
-    kwargs = {"media_type": media_type} if media_type else {}
-    return Blob(relative, "sha256:" + sha256, status.st_size, stat.S_IMODE(status.st_mode) & 0o777, **kwargs)
+    return Blob(relative, "sha256:" + sha256, status.st_size, stat.S_IMODE(status.st_mode) & 0o777,
+                media_type or FILE_TYPE)
 
 
 def _plan(root: Path) -> _Plan:
