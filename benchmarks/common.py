@@ -25,7 +25,8 @@ def drop_caches() -> bool:
 
 def receipt_timeline(receipt: dict, exec_ns: int, exit_ns: int) -> dict[str, float]:
     """A restore (or wake) process's timeline in seconds, placed on the wall clock by the receipt's clock
-    origins: ``exec → admission start`` (interpreter start, imports, request decoding), each ``restore.*``
+    origins: ``exec → admission start`` (interpreter start, imports, request decoding), ``exec → CRIU start``
+    (the launcher's whole share before the tree's restore begins), each ``restore.*``
     (``wake.*``) phase (admission summed), ``exec → canary matched`` (the restore as the user sees it: the
     goal figure), ``canary → receipt`` and ``receipt → process exit`` (after the goal, but the process's
     own time)."""
@@ -40,6 +41,9 @@ def receipt_timeline(receipt: dict, exec_ns: int, exit_ns: int) -> dict[str, flo
     canary = next(s for s in spans if s["name"] == f"{op}.canary")
     timeline = {"exec → admission start": (min(at(s) for s in admission) - exec_ns) / 1e9,
                 f"{op}.admission": sum(s["duration_ns"] for s in admission) / 1e9}
+    criu = next((s for s in spans if s["name"] == f"{op}.criu_restore"), None)
+    if criu is not None:  # (a wake restores no tree)
+        timeline["exec → CRIU start"] = (at(criu) - exec_ns) / 1e9
     timeline.update({s["name"]: s["duration_ns"] / 1e9 for s in spans
                      if s["name"].startswith(f"{op}.") and not s["name"].startswith(f"{op}.admission.")})
     timeline["exec → canary matched"] = (at(canary, end=True) - exec_ns) / 1e9

@@ -161,6 +161,7 @@ _PHASE_COLORS = {"exec → admission start": "#1f77b4", "admission": "#ff7f0e", 
 
 
 AFTER_THE_GOAL = ("canary → receipt", "receipt → process exit")  # a bar ends at the canary's match
+SPANNING = ("exec → CRIU start",)  # a sum of the phases before CRIU, not a phase of its own: not drawn
 
 
 def _phase_row(axis: Any, row: str, phases: list[tuple[str, float]], operation: str, shown: set[str]) -> None:
@@ -188,7 +189,8 @@ def draw_phase_chart(document: dict, png: Path) -> bool:
     staged = max(staged_ranks) if staged_ranks else None
     order = ["exec → admission start", "restore.admission", "restore.criu_restore", "restore.lease", "restore.cuda_restore",
              "restore.stage_wait", "restore.resume", "restore.canary"]
-    sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items() if n not in order]
+    sequential = [(n, phases[n]) for n in order if n in phases] + [(n, v) for n, v in phases.items()
+                                                                    if n not in order and n not in SPANNING]
     n580 = document.get("n580") or []
     figure, axis = plt.subplots(figsize=(10, 3.6 + 0.7 * len(n580)))
     axis.barh(["cold start"], [summary.get("cold start (warm)", 0)], color="#999999", label="cold start")
