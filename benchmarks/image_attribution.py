@@ -156,20 +156,29 @@ def capsule_attribution(artifact: Path, receipt: dict) -> dict:
     for process in census["processes"]:
         process["zero_bytes_left_out"] = dropped.get(process["pid"], 0)
     ranks = sorted({k.split(".")[0] for k in prepare if k.startswith("rank")} | {""})
-    torch_allocator = {}
+    torch_allocator, context = {}, {}
     for rank in ranks:
         prefix = f"{rank}." if rank else ""
         if f"{prefix}torch_reserved_bytes" in prepare:
             torch_allocator[rank or "rank0"] = {
                 "reserved_before_empty": prepare.get(f"{prefix}torch_reserved_before_empty_bytes", 0),
                 "reserved_after_empty": prepare[f"{prefix}torch_reserved_bytes"],
-                "allocated (graph pools, live buffers)": prepare.get(f"{prefix}torch_allocated_bytes", 0)}
+                "allocated (graph pools, live buffers)": prepare.get(f"{prefix}torch_allocated_bytes", 0),
+                "of it CUDA-graph private pools, reserved": prepare.get(f"{prefix}graph_pool_bytes", 0),
+                "of it CUDA-graph private pools, allocated": prepare.get(f"{prefix}graph_pool_allocated_bytes", 0)}
+            context[rank or "rank0"] = {
+                "local memory freed before the checkpoint (stack limit lowered)":
+                    prepare.get(f"{prefix}local_memory_freed_bytes", 0),
+                "device memory in use then (cuMemGetInfo, every process)": prepare.get(f"{prefix}device_used_bytes", 0)}
+    stack_limits = {rank or "rank0": prepare[key] for rank in ranks
+                    if (key := f"{rank}.stack_bytes" if rank else "stack_bytes") in prepare}
     device_state = None
     if checkpoint:
         device_state = checkpoint.get("anonymous_bytes_after", 0) - checkpoint.get("anonymous_bytes_before", 0)
     image_files = sum(f.stat().st_size for f in images.rglob("*") if f.is_file())
     return {"artifact": str(artifact), "image_bytes": image_files, "pages": census,
             "zero_bytes_left_out": sum(dropped.values()), "torch_allocator": torch_allocator,
+            "stack_bytes_per_thread": stack_limits, "context": context,
             "device_state_in_image_bytes": device_state,
             "compact_seconds": dump.get("compact_ns", 0) / 1e9}
 
@@ -192,6 +201,10 @@ def render_capsule(document: dict) -> str:
         lines += ["", "| device state | MiB |", "|---|---:|"]
         for rank, values in document["torch_allocator"].items():
             lines += [f"| {rank}: torch caching allocator, {k} | {v / mib:.1f} |" for k, v in values.items()]
+        for rank, values in document.get("context", {}).items():
+            lines += [f"| {rank}: {k} | {v / mib:.1f} |" for k, v in values.items()]
+        for rank, stack in document.get("stack_bytes_per_thread", {}).items():
+            lines.append(f"| {rank}: per-thread stack limit lowered for the checkpoint, set back at resume | ({stack} bytes) |")
         if document["device_state_in_image_bytes"] is not None:
             reserved = sum(v["reserved_after_empty"] for v in document["torch_allocator"].values())
             total = document["device_state_in_image_bytes"]

@@ -151,6 +151,10 @@ using PFN_cuMemFreeHost = CUresult (*)(void*);
 using PFN_cuMemHostRegister = CUresult (*)(void*, std::size_t, unsigned int);
 using PFN_cuMemHostUnregister = CUresult (*)(void*);
 using PFN_cuMemGetInfo = CUresult (*)(std::size_t*, std::size_t*);
+// Context limits (CUlimit: 0 stack bytes per thread, 1 printf FIFO, 2 device malloc heap). The stack limit
+// sizes the local memory the context reserves for every resident thread, which a CUDA checkpoint copies.
+using PFN_cuCtxGetLimit = CUresult (*)(std::size_t*, int);
+using PFN_cuCtxSetLimit = CUresult (*)(int, std::size_t);
 // Legacy CUDA IPC (cudaIpcOpenMemHandle maps a peer's allocation; the checkpoint API of driver 580
 // refuses a process holding such a mapping, and vLLM's custom all-reduce never closes its own).
 using PFN_cuIpcCloseMemHandle = CUresult (*)(CUdeviceptr);
@@ -179,7 +183,9 @@ using PFN_cuIpcCloseMemHandle = CUresult (*)(CUdeviceptr);
   X(cuGetErrorString, "cuGetErrorString")     \
   X(cuDeviceGetUuid_v2, "cuDeviceGetUuid_v2") \
   X(cuDeviceGetUuid, "cuDeviceGetUuid")         \
-  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle")
+  X(cuIpcCloseMemHandle, "cuIpcCloseMemHandle") \
+  X(cuCtxGetLimit, "cuCtxGetLimit")             \
+  X(cuCtxSetLimit, "cuCtxSetLimit")
 
 #define COLDSNAP_CUDA_CHECKPOINT(X)                                   \
   X(cuCheckpointProcessLock, "cuCheckpointProcessLock")             \

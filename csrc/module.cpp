@@ -437,6 +437,36 @@ PYBIND11_MODULE(_C, m) {
       py::arg("items"), py::arg("device"), py::call_guard<py::gil_scoped_release>(),
       "Copy (source, length, destination) extents from pinned host memory to the device, then wait.");
   m.def(
+      "device_memory",
+      [](int device) {
+        const auto& api = cu::use_device(device);
+        std::size_t free_bytes = 0, total_bytes = 0;
+        api.check(api.cuMemGetInfo(&free_bytes, &total_bytes), "cuMemGetInfo");
+        return std::make_tuple(static_cast<std::uint64_t>(free_bytes), static_cast<std::uint64_t>(total_bytes));
+      },
+      py::arg("device"), py::call_guard<py::gil_scoped_release>(),
+      "(free, total) bytes of the device's memory, every process's use counted (cuMemGetInfo).");
+  m.def(
+      "context_limit",
+      [](int device, int limit) {
+        const auto& api = cu::use_device(device);
+        if (api.cuCtxGetLimit == nullptr) throw cu::CudaError(api.library + " has no cuCtxGetLimit");
+        std::size_t value = 0;
+        api.check(api.cuCtxGetLimit(&value, limit), "cuCtxGetLimit");
+        return static_cast<std::uint64_t>(value);
+      },
+      py::arg("device"), py::arg("limit"), py::call_guard<py::gil_scoped_release>(),
+      "cuCtxGetLimit of the device's primary context (0 stack, 1 printf FIFO, 2 malloc heap).");
+  m.def(
+      "set_context_limit",
+      [](int device, int limit, std::uint64_t value) {
+        const auto& api = cu::use_device(device);
+        if (api.cuCtxSetLimit == nullptr) throw cu::CudaError(api.library + " has no cuCtxSetLimit");
+        api.check(api.cuCtxSetLimit(limit, static_cast<std::size_t>(value)), "cuCtxSetLimit");
+      },
+      py::arg("device"), py::arg("limit"), py::arg("value"), py::call_guard<py::gil_scoped_release>(),
+      "cuCtxSetLimit on the device's primary context (waits for the work queued before it).");
+  m.def(
       "close_ipc_mapping",
       [](std::uint64_t address, int device) {
         const auto& api = cu::use_device(device);

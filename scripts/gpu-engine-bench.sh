@@ -29,6 +29,8 @@
 # arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64). COLDSNAP_BENCH_TP=N (nvidia-h200-x2
 # and up): the engine serves at tensor-parallel size N (vLLM --tensor-parallel-size with its all-reduce + RMSNorm
 # fusion off, SGLang --tp-size), NCCL_NVLS_ENABLE=0, and the outputs are named ENGINE-startup-tpN.*.
+# COLDSNAP_BENCH_VARIANT=NAME: the steps run in a work directory of their own (their own capture, e.g. with
+# COLDSNAP_TRIM_LOCAL_MEMORY=0 exported) that shares the default's compile cache; outputs ENGINE-startup-NAME.*.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -107,13 +109,19 @@ case "${1:-}" in
         engine_path "$engine"
         wait_for_model
         work=/tmp/$engine-bench$suffix
+        name=$engine-startup$suffix
+        if [ -n "${COLDSNAP_BENCH_VARIANT:-}" ]; then  # a capture of its own beside the default's, same compile cache
+            mkdir -p "$work/vllm-cache" "$work-$COLDSNAP_BENCH_VARIANT"
+            ln -sfn "$work/vllm-cache" "$work-$COLDSNAP_BENCH_VARIANT/vllm-cache"
+            work=$work-$COLDSNAP_BENCH_VARIANT
+            name=$name-$COLDSNAP_BENCH_VARIANT
+        fi
         mkdir -p "$work"
         ln -sfn "$model" "$work/llama-8b"
         set +e
         device=()
         [ "$engine" = vllm ] && device=(--device cuda)  # vllm_startup.py's default is vLLM's CPU build
         mapfile -t parallel < <(tensor_parallel_args "$engine")
-        name=$engine-startup$suffix
         python3 -m "benchmarks.${engine}_startup" "${device[@]}" --shape 8b --dir "$work" --steps "$steps" --repeat "$repeat" \
             --out "$out/$name.json" "${parallel[@]}" ${COLDSNAP_BENCH_ARGS:-} 2>&1 | tee -a "$out/$name.log"
         status=${PIPESTATUS[0]}

@@ -317,6 +317,11 @@ class CaptureSequence:
                 span.update({f"{prefix}torch_reserved_before_empty_bytes": prepared.device_bytes_before_empty,
                              f"{prefix}torch_reserved_bytes": prepared.device_bytes,
                              f"{prefix}torch_allocated_bytes": prepared.device_bytes_allocated,
+                             f"{prefix}graph_pool_bytes": prepared.graph_pool_bytes,
+                             f"{prefix}graph_pool_allocated_bytes": prepared.graph_pool_allocated_bytes,
+                             f"{prefix}stack_bytes": prepared.stack_bytes,
+                             f"{prefix}local_memory_freed_bytes": prepared.local_memory_freed_bytes,
+                             f"{prefix}device_used_bytes": prepared.device_used_bytes,
                              f"{prefix}rss_bytes": prepared.rss_bytes})
                 if prepared.graphs_released:
                     span[f"{prefix}graphs_released"] = ",".join(prepared.graphs_released)

@@ -180,6 +180,16 @@ class PrepareReply(Message):
     """Of ``device_bytes``, what live tensors and CUDA-graph pools use."""
     regions: dict[str, RegionStatus]
     graphs_released: list[str]
+    graph_pool_bytes: int = 0
+    """Of ``device_bytes``, CUDA-graph private pools (kept while their graphs live; their free part is scratch)."""
+    graph_pool_allocated_bytes: int = 0
+    """Of ``graph_pool_bytes``, the blocks in use (graph outputs and what outlived the capture)."""
+    stack_bytes: int = 0
+    """The context's per-thread stack limit before the checkpoint (0: not lowered); resume sets it back."""
+    local_memory_freed_bytes: int = 0
+    """Device memory lowering that limit freed: local memory the checkpoint no longer copies."""
+    device_used_bytes: int = 0
+    """Device memory in use on this process's GPUs once all of the above ran, every process's (cuMemGetInfo)."""
     recovery_files: list[str] = []
     """The safetensors files the engine loaded its weights from (absolute paths; empty: none to pin)."""
     recovery_plan: PackRef | None = None

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
+from coldsnap.agent.device_state import LocalMemoryTrim, cuda_devices_in_use, torch_pool_bytes
 from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.agent.protocol import (
     CONTROL_ENV,
@@ -161,6 +162,7 @@ class AgentServer:
         self.world = world
         self.collectives = collectives
         self.graphs_released: list[str] = []
+        self.local_memory = LocalMemoryTrim()
         self._preparations = 0  # prepares so far: which one the running watchdog belongs to
         self._leased = 0  # the prepare whose restore a launcher has leased (0: none)
         self.process_start: Callable[[], int] = process_start_ticks  # changes when CRIU restores the process
@@ -284,6 +286,9 @@ class AgentServer:
         reserved_before_empty = _torch_device_bytes()
         timed(seconds, "empty_cache", _empty_torch_cache)
         timed(seconds, "malloc_trim", _trim_heap)
+        pools = torch_pool_bytes()
+        devices = cuda_devices_in_use([r.device for r in self.memory.regions.values() if r.backend == "cuda"])
+        trimmed = timed(seconds, "local_memory_trim", lambda: self.local_memory.lower(devices))
         self.state = "prepared"
         self._xstate = dynamic_permissions()  # CRIU does not carry AMX permission; resume asks again
         self._arm_watchdog()
@@ -294,6 +299,10 @@ class AgentServer:
             layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=_rss_bytes(),
             device_bytes=_torch_device_bytes(), device_bytes_before_empty=reserved_before_empty,
             device_bytes_allocated=_torch_device_bytes(allocated=True), regions=self._regions(), graphs_released=list(self.graphs_released),
+            graph_pool_bytes=pools.get("graph_pool_reserved", 0),
+            graph_pool_allocated_bytes=pools.get("graph_pool_allocated", 0),
+            stack_bytes=trimmed.get("stack_bytes", 0), local_memory_freed_bytes=trimmed.get("local_memory_freed_bytes", 0),
+            device_used_bytes=_device_used_bytes(devices),
             recovery_files=list(self.hooks.recovery_files),
             recovery_plan=PackRef(**packs["recovery_plan"]) if "recovery_plan" in packs else None,
             recovery_gap=PackRef(**packs["recovery_gap"]) if "recovery_gap" in packs else None)
@@ -367,6 +376,7 @@ class AgentServer:
         seconds: dict[str, float] = {}
         started = time.monotonic()
         self._request_permissions()
+        timed(seconds, "local_memory_restore", self.local_memory.restore)  # before any kernel runs again
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             pinned, self._pinned = self._pinned, None
             usable = pinned if pinned is not None and pinned.path == command.payload else None
@@ -417,6 +427,7 @@ class AgentServer:
             raise CommandFailed("agent.state", "standby needs a restored process (this one was prepared, not restored)")
         seconds: dict[str, float] = {}
         self._request_permissions()
+        self.local_memory.restore()  # a standby's collectives and recaptured graphs run kernels
         recaptured: list[str] = []
         with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             if self.collectives is not None:
@@ -611,6 +622,16 @@ def _rss_bytes() -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def _device_used_bytes(devices: list[int]) -> int:
+    """Device memory in use on ``devices``, every process's (cuMemGetInfo); 0 without CUDA devices."""
+    if not devices:
+        return 0
+    from coldsnap.native import native
+
+    C = native()
+    return sum(total - free for free, total in (C.device_memory(d) for d in devices))
 
 
 def _cuda_torch() -> Any:

@@ -194,6 +194,72 @@ def cuda_checkpoint_roundtrip() -> None:
         child.wait()
 
 
+TRIM_CHILD = r"""
+import json, sys, torch
+from coldsnap.agent.device_state import LocalMemoryTrim
+from coldsnap.native import native
+C = native()
+x = torch.arange(1 << 20, device="cuda", dtype=torch.float32)
+graph, out = torch.cuda.CUDAGraph(), torch.empty_like(x)
+with torch.cuda.graph(graph):
+    out.copy_(x * 2)
+torch.cuda.synchronize()
+C.set_context_limit(0, 0, 4096)  # a stack limit an engine's kernels grew, as vLLM's do
+trim = LocalMemoryTrim()
+measured = trim.lower([0])
+print(json.dumps(measured), flush=True)
+sys.stdin.readline()  # the parent checkpoints and restores us meanwhile
+trim.restore()
+graph.replay()
+torch.cuda.synchronize()
+ok = torch.equal(out, x * 2) and C.context_limit(0, 0) == 4096
+print("ok" if ok else "wrong", flush=True)
+"""
+
+
+def _checkpointed_child(trim: bool) -> dict:
+    """TRIM_CHILD checkpointed and restored once; what its stack trim freed, what the checkpoint moved into
+    the process's memory (VmRSS grown), and how long the CUDA restore took."""
+    import json
+    import subprocess
+    import time
+
+    from coldsnap.snapshot.cuda_checkpoint import NativeCheckpointDriver, TreeCheckpoint
+
+    def rss(pid: int) -> int:
+        with open(f"/proc/{pid}/status") as handle:
+            return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("VmRSS:"))
+
+    env = dict(os.environ, COLDSNAP_TRIM_LOCAL_MEMORY="1" if trim else "0")
+    child = subprocess.Popen([sys.executable, "-c", TRIM_CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True, env=env)
+    try:
+        measured = json.loads(child.stdout.readline())
+        tree = TreeCheckpoint(NativeCheckpointDriver())
+        before = rss(child.pid)
+        tree.checkpoint([child.pid])
+        moved = rss(child.pid) - before
+        started = time.monotonic()
+        tree.restore([child.pid])
+        restore_s = time.monotonic() - started
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline().strip() == "ok"  # the graph replays right, the limit is back
+        return {"trim": trim, **measured, "moved_bytes": moved, "cuda_restore_s": round(restore_s, 4)}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def local_memory_trim_around_checkpoint() -> None:
+    """Lowering the stack limit before a CUDA checkpoint frees the context's local memory, the checkpoint
+    moves that much less, and once the limit is set back a captured graph replays right."""
+    plain, trimmed = _checkpointed_child(trim=False), _checkpointed_child(trim=True)
+    print(f"local memory: {plain} vs {trimmed}")
+    assert trimmed["stack_bytes"] == 4096 and trimmed["local_memory_freed_bytes"] > 64 * MiB
+    assert trimmed["moved_bytes"] < plain["moved_bytes"] - 64 * MiB
+
+
 def torch_lm_cuda_graph_decode() -> None:
     from coldsnap.workloads.torch_lm import TorchLM
 
@@ -776,7 +842,8 @@ CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_regio
                                   hydration_bit_exact, host_region_tensor_view, cuda_checkpoint_roundtrip,
                                   torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
                                   capture_restore_on_gpu, failure_hygiene_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu,
-                                  concurrent_hydrations_bit_exact, standby_on_gpu, replicas_on_gpu)}
+                                  concurrent_hydrations_bit_exact, standby_on_gpu, replicas_on_gpu,
+                                  local_memory_trim_around_checkpoint)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "_nccl_rank":
