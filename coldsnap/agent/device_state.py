@@ -3,7 +3,7 @@ one part the agent can shrink without changing what the process computes: the co
 
 The driver reserves local memory (thread stacks, register spills) for every thread that can be resident
 on the device: the per-thread stack limit × the device's resident threads (132 SMs × 2048 threads on an
-H100/H200: 270 MiB per KiB of stack). It grows the limit on its own when a kernel needs more and never
+H100/H200: 264 MiB per KiB of stack). It grows the limit on its own when a kernel needs more and never
 shrinks it, so a serving engine carries the largest stack any of its kernels ever asked for, and the CUDA
 checkpoint copies that reservation into the process image and back at every restore, although no byte of
 it outlives a kernel. :class:`LocalMemoryTrim` lowers the limit just before the checkpoint (the reservation
