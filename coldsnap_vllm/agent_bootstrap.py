@@ -33,8 +33,13 @@ def attach_agent() -> None:
     hooks = AgentHooks(recovery_files=list(ProcessState.recovery_files), replay_weights=ProcessState.recovery,
                        recovery_plan=lambda: ProcessState.recovery_plan)
     if ProcessState.runner is not None:
+        from coldsnap_vllm.sampler_state import PenaltyStatistics
+
         graphs = VllmGraphs(ProcessState.runner, world)
         hooks.release_graphs, hooks.recapture_graphs = graphs.release_graphs, graphs.recapture_graphs
+        penalties = PenaltyStatistics(ProcessState.runner)
+        hooks.before_release.append(penalties.release)
+        hooks.after_resume.append(penalties.restore)
     ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=rank, world=world, hooks=hooks,
                                 collectives=VllmCollectives(rank, world) if world > 1 else None)
     if ProcessState.agent is not None:
