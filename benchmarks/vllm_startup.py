@@ -564,13 +564,14 @@ class Bench:
         kept = self.work / "equality-cold-answers.json"
         if kept.exists():
             document = json.loads(kept.read_text())
-            if document["command"] == command:
+            if document["command"] == command and document.get("prompts", EQUALITY_PROMPTS) == self.args.equality_prompts:
                 return document["answers"]
         log = self.work / "equality-cold-start.log"
         with plain_server(command, self.env(), log) as (process, started):
             first_answer(self.port, started, process, 900, PROMPT, 12, log)
-            cold = equality_answers(self.port, concurrent_passes=2, engine=self.equality_engine)
-        write_atomic(kept, json.dumps({"command": command, "answers": cold}).encode())
+            cold = equality_answers(self.port, prompts=self.args.equality_prompts, concurrent_passes=2,
+                                    engine=self.equality_engine)
+        write_atomic(kept, json.dumps({"command": command, "prompts": self.args.equality_prompts, "answers": cold}).encode())
         time.sleep(1)
         return cold
 
@@ -585,12 +586,13 @@ class Bench:
             raise SystemExit("equality: capture first")
         cold = self.cold_equality_answers()
         key = "equality" + self.variant
-        summary = self.state.setdefault(key, {"prompts": EQUALITY_PROMPTS, "tokens": EQUALITY_TOKENS, "restores": 0,
+        summary = self.state.setdefault(key, {"prompts": self.args.equality_prompts, "tokens": EQUALITY_TOKENS, "restores": 0,
                                              "restore_phases": []})
         for _ in range(self.args.equality_restores):
             first = summary["restores"] == 0
             with self.restored("equality") as phases:
-                restored = equality_answers(self.port, engine=self.equality_engine, concurrent_passes=1 if first else 0)
+                restored = equality_answers(self.port, prompts=self.args.equality_prompts, engine=self.equality_engine,
+                                            concurrent_passes=1 if first else 0)
             answers = self.work / f"equality-restored-answers{self.variant.replace(' ', '-')}-{summary['restores'] + 1}.json"
             write_atomic(answers, json.dumps(restored).encode())  # beside the cold ones: where a prompt diverged, how
             compared = equality_summary(cold, restored)
@@ -612,7 +614,8 @@ class Bench:
         log = self.work / f"equality-{label.replace(' ', '-')}.log"
         with plain_server(self.serve_command(*self.args.vllm_args, *extra), self.env(), log) as (process, started):
             first_answer(self.port, started, process, 900, PROMPT, 12, log)
-            other = equality_answers(self.port, engine=self.equality_engine, concurrent_passes=0)
+            other = equality_answers(self.port, prompts=self.args.equality_prompts, engine=self.equality_engine,
+                                     concurrent_passes=0)
         write_atomic(self.work / f"equality-{label.replace(' ', '-')}-answers.json", json.dumps(other).encode())
         compared = equality_summary(cold, other)["one at a time: restored vs cold"]
         self.state.setdefault("equality starts", {})[f"one at a time: {label} vs cold"] = compared
@@ -774,6 +777,9 @@ def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
                         "named graphs=POLICY); default: the driver's policy, into DIR/artifact")
     parser.add_argument("--equality-restores", type=int, default=3,
                         help="equality step: restores asked the prompts one at a time (default 3; the first also concurrently)")
+    parser.add_argument("--equality-prompts", type=int, default=EQUALITY_PROMPTS,
+                        help=f"equality steps: how many prompts (default {EQUALITY_PROMPTS}; lengths 8 to 1500 tokens whatever "
+                             "the count, the first the shortest and the last the longest)")
 
 
 def run_steps(bench_class: type[Bench], parser: argparse.ArgumentParser, args: argparse.Namespace,
