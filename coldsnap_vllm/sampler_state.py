@@ -65,5 +65,5 @@ class PenaltyStatistics:
         for name, (shape, dtype, device) in list(self.released.items()):
             setattr(state, name, torch.zeros(shape, dtype=dtype, device=device))
             del self.released[name]
-            # zeroed on this thread's stream: done before the engine's own streams sample into them
-            torch.cuda.synchronize(device)
+            if device.type == "cuda":  # zeroed on this thread's stream: done before the engine's streams sample
+                torch.cuda.synchronize(device)
