@@ -6,15 +6,17 @@ looks the driver up here and runs them.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-from coldsnap.activation import n580, n610
-from coldsnap.activation.admission import Admitted
-from coldsnap.activation.artifact_dir import ArtifactDir
-from coldsnap.activation.capture_steps import CheckRestore
 from coldsnap.activation.qualification import require_implemented_driver
-from coldsnap.operation import OperationContext, OperationOutcome
+
+if TYPE_CHECKING:
+    from coldsnap.activation.admission import Admitted
+    from coldsnap.activation.artifact_dir import ArtifactDir
+    from coldsnap.activation.capture_steps import CheckRestore
+    from coldsnap.operation import OperationContext, OperationOutcome
 
 __all__ = ["SnapshotDriver", "driver_for"]
 
@@ -27,20 +29,21 @@ class SnapshotDriver:
     profiles refuse them for n580)."""
 
     name: str
-    capture: Callable[[OperationContext, ArtifactDir, float, CheckRestore], OperationOutcome]
-    admit_placement: Callable[[OperationContext, ArtifactDir, Admitted], Any]
-    restore: Callable[[OperationContext, ArtifactDir, Admitted, Any], OperationOutcome]
-    warm: Callable[..., OperationOutcome] | None = None
-    wake: Callable[..., OperationOutcome] | None = None
+    capture: "Callable[[OperationContext, ArtifactDir, float, CheckRestore], OperationOutcome]"
+    admit_placement: "Callable[[OperationContext, ArtifactDir, Admitted], Any]"
+    restore: "Callable[[OperationContext, ArtifactDir, Admitted, Any], OperationOutcome]"
+    warm: "Callable[..., OperationOutcome] | None" = None
+    wake: "Callable[..., OperationOutcome] | None" = None
 
 
-_DRIVERS = {
-    "n610": SnapshotDriver("n610", n610.capture, n610.admit_placement, n610.restore, n610.warm, n610.wake),
-    "n580": SnapshotDriver("n580", n580.capture, n580.admit_placement, n580.restore),
-}
+# Each driver's module is imported when a request names it: a restore does not import the other driver's
+# pipeline (n580's capture steps and template placement), and every module counts before CRIU starts.
+_DRIVER_MODULES = {"n610": "coldsnap.activation.n610", "n580": "coldsnap.activation.n580"}
 
 
 def driver_for(name: str) -> SnapshotDriver:
     """The driver a request names (one this build implements: ``request.unsupported`` otherwise)."""
     require_implemented_driver(name)
-    return _DRIVERS[name]
+    module = importlib.import_module(_DRIVER_MODULES[name])
+    return SnapshotDriver(name, module.capture, module.admit_placement, module.restore,
+                          getattr(module, "warm", None), getattr(module, "wake", None))

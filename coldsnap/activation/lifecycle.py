@@ -20,7 +20,6 @@ from pathlib import Path
 
 from coldsnap.activation.admission import Admitted, admit, weight_sources
 from coldsnap.activation.artifact_dir import ArtifactDir, claim_state
-from coldsnap.activation.capture_steps import READY_TIMEOUT_S, port_taken
 from coldsnap.activation.drivers import driver_for
 from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
@@ -34,7 +33,11 @@ from coldsnap.snapshot.replica import connections_to
 __all__ = ["capture", "restore", "warm", "wake"]
 
 
-def capture(context: OperationContext, ready_timeout: float = READY_TIMEOUT_S) -> OperationOutcome:
+def capture(context: OperationContext, ready_timeout: float | None = None) -> OperationOutcome:
+    """``ready_timeout``: how long the engine may take to serve (default :data:`~coldsnap.activation.capture_steps.READY_TIMEOUT_S`)."""
+    from coldsnap.activation.capture_steps import READY_TIMEOUT_S, port_taken  # (a restore never imports them)
+
+    ready_timeout = READY_TIMEOUT_S if ready_timeout is None else ready_timeout
     driver = driver_for(context.request.snapshot_driver)
     if len(context.request.units) != 1 and context.request.unit is None:
         raise OperationFailed("capture.topology", f"a capture of {len(context.request.units)} launch units runs on "

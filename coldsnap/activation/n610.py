@@ -13,11 +13,10 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from coldsnap.activation.admission import Admitted, WeightSource, launcher_stages
 from coldsnap.activation.artifact_dir import ArtifactDir
-from coldsnap.activation.capture_steps import CaptureSequence, CheckRestore
 from coldsnap.activation.gpu_memory import admit_gpu_memory
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, gpu_placement
@@ -31,6 +30,9 @@ from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.host import live_start_ticks
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
 
+if TYPE_CHECKING:
+    from coldsnap.activation.capture_steps import CheckRestore
+
 __all__ = ["CAPTURE_STEPS", "RESTORE_STEPS", "WAKE_STEPS", "WARM_STEPS", "capture", "restore", "warm", "wake"]
 
 CAPTURE_STEPS = ("launch", "wait_until_ready", "record_canary", "prepare_ranks", "refuse_outside_connections",
@@ -43,7 +45,9 @@ WAKE_STEPS = ("take_lease", "resume_ranks", "check_canary")
 
 
 def capture(context: OperationContext, artifact: ArtifactDir, ready_timeout: float,
-            check_restore: CheckRestore) -> OperationOutcome:
+            check_restore: "CheckRestore") -> OperationOutcome:
+    from coldsnap.activation.capture_steps import CaptureSequence  # (a restore never imports the capture's steps)
+
     return CaptureSequence(context, artifact, ready_timeout, check_restore).run(CAPTURE_STEPS)
 
 
