@@ -156,7 +156,7 @@ def capsule_attribution(artifact: Path, receipt: dict) -> dict:
     for process in census["processes"]:
         process["zero_bytes_left_out"] = dropped.get(process["pid"], 0)
     ranks = sorted({k.split(".")[0] for k in prepare if k.startswith("rank")} | {""})
-    torch_allocator, context = {}, {}
+    torch_allocator, context, stack_limits = {}, {}, {}
     for rank in ranks:
         prefix = f"{rank}." if rank else ""
         if f"{prefix}torch_reserved_bytes" in prepare:
@@ -170,8 +170,8 @@ def capsule_attribution(artifact: Path, receipt: dict) -> dict:
                 "local memory freed before the checkpoint (stack limit lowered)":
                     prepare.get(f"{prefix}local_memory_freed_bytes", 0),
                 "device memory in use then (cuMemGetInfo, every process)": prepare.get(f"{prefix}device_used_bytes", 0)}
-    stack_limits = {rank or "rank0": prepare[key] for rank in ranks
-                    if (key := f"{rank}.stack_bytes" if rank else "stack_bytes") in prepare}
+        if f"{prefix}stack_bytes" in prepare:
+            stack_limits[rank or "rank0"] = prepare[f"{prefix}stack_bytes"]
     device_state = None
     if checkpoint:
         device_state = checkpoint.get("anonymous_bytes_after", 0) - checkpoint.get("anonymous_bytes_before", 0)

@@ -13,6 +13,7 @@ so the new tensors need not sit at the old addresses."""
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 __all__ = ["PenaltyStatistics"]
@@ -30,7 +31,11 @@ class PenaltyStatistics:
         self.runner = runner
         self.released: dict[str, tuple[tuple[int, ...], Any, Any]] = {}
         """attribute → (shape, dtype, device) of the tensor :meth:`release` dropped."""
-        self.dropped_bytes = 0
+
+    @property
+    def dropped_bytes(self) -> int:
+        """What :meth:`release` dropped and :meth:`restore` has not allocated again."""
+        return sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in self.released.values())
 
     def _state(self) -> Any:
         return getattr(getattr(self.runner, "sampler", None), "penalties_state", None)
@@ -43,17 +48,14 @@ class PenaltyStatistics:
             return
         import torch
 
-        dropped = 0
         for name in ATTRIBUTES:
             tensor = getattr(state, name, None)
             if not isinstance(tensor, torch.Tensor) or name in self.released or tensor.numel() == 0:
                 continue
             self.released[name] = (tuple(tensor.shape), tensor.dtype, tensor.device)
-            dropped += tensor.numel() * tensor.element_size()
             setattr(state, name, torch.empty(0, dtype=tensor.dtype, device=tensor.device))
-        if dropped:
-            log.info("coldsnap: vLLM's penalty statistics (%d MiB) left out of the checkpoint", dropped >> 20)
-        self.dropped_bytes = dropped or self.dropped_bytes
+        if self.released:
+            log.info("coldsnap: vLLM's penalty statistics (%d MiB) left out of the checkpoint", self.dropped_bytes >> 20)
 
     def restore(self) -> None:
         """Allocate the statistics again, zeroed, as vLLM's start does."""

@@ -29,11 +29,11 @@ class SnapshotDriver:
     profiles refuse them for n580)."""
 
     name: str
-    capture: "Callable[[OperationContext, ArtifactDir, float, CheckRestore], OperationOutcome]"
-    admit_placement: "Callable[[OperationContext, ArtifactDir, Admitted], Any]"
-    restore: "Callable[[OperationContext, ArtifactDir, Admitted, Any], OperationOutcome]"
-    warm: "Callable[..., OperationOutcome] | None" = None
-    wake: "Callable[..., OperationOutcome] | None" = None
+    capture: Callable[[OperationContext, ArtifactDir, float, CheckRestore], OperationOutcome]
+    admit_placement: Callable[[OperationContext, ArtifactDir, Admitted], Any]
+    restore: Callable[[OperationContext, ArtifactDir, Admitted, Any], OperationOutcome]
+    warm: Callable[..., OperationOutcome] | None = None
+    wake: Callable[..., OperationOutcome] | None = None
 
 
 # Each driver's module is imported when a request names it: a restore does not import the other driver's

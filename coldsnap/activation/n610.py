@@ -45,7 +45,7 @@ WAKE_STEPS = ("take_lease", "resume_ranks", "check_canary")
 
 
 def capture(context: OperationContext, artifact: ArtifactDir, ready_timeout: float,
-            check_restore: "CheckRestore") -> OperationOutcome:
+            check_restore: CheckRestore) -> OperationOutcome:
     from coldsnap.activation.capture_steps import CaptureSequence  # (a restore never imports the capture's steps)
 
     return CaptureSequence(context, artifact, ready_timeout, check_restore).run(CAPTURE_STEPS)

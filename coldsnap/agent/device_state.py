@@ -19,7 +19,8 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["LocalMemoryTrim", "TRIM_ENV", "TRIMMED_STACK_BYTES", "cuda_devices_in_use", "torch_pool_bytes"]
+__all__ = ["LocalMemoryTrim", "TRIM_ENV", "TRIMMED_STACK_BYTES", "cuda_devices_in_use", "cuda_torch", "device_used_bytes",
+           "torch_pool_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -29,14 +30,30 @@ TRIMMED_STACK_BYTES = 16
 """The stack limit while the process is checkpointed: small, not 0 (cuCtxSetLimit's floor varies by driver)."""
 
 
+def cuda_torch() -> Any:
+    """The engine's torch when it has initialized CUDA in this process, else None (never imported here)."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_initialized() else None
+
+
 def cuda_devices_in_use(region_devices: list[int]) -> list[int]:
     """The devices this process holds a CUDA context on: its model memory's and those torch's allocator
     reserved memory on (torch only when the engine imported it and initialized CUDA)."""
     devices = set(region_devices)
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
+    torch = cuda_torch()
+    if torch is not None:
         devices.update(d for d in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(d) > 0)
     return sorted(devices)
+
+
+def device_used_bytes(devices: list[int]) -> int:
+    """Device memory in use on ``devices``, every process's (cuMemGetInfo); 0 without CUDA devices."""
+    if not devices:
+        return 0
+    from coldsnap.native import native
+
+    C = native()
+    return sum(total - free for free, total in (C.device_memory(d) for d in devices))
 
 
 def torch_pool_bytes() -> dict[str, int]:
@@ -44,8 +61,8 @@ def torch_pool_bytes() -> dict[str, int]:
     ``graph_pool_allocated`` (CUDA-graph private pools, kept while their graphs live: the free part is the
     graphs' scratch), ``other_reserved`` and ``other_allocated`` (the default pool: live tensors). Empty
     without CUDA torch."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    torch = cuda_torch()
+    if torch is None:
         return {}
     out = {"graph_pool_reserved": 0, "graph_pool_allocated": 0, "other_reserved": 0, "other_allocated": 0}
     for segment in torch.cuda.memory_snapshot():
@@ -96,10 +113,10 @@ class LocalMemoryTrim:
         return measured
 
     def restore(self) -> None:
-        """Set every lowered device's stack limit back to the captured value (idempotent). Raises the
-        driver's error: a process whose kernels could meet a smaller stack than they were built for must
-        not serve."""
-        while self.captured:
-            device, stack = next(iter(self.captured.items()))
+        """Set every lowered device's stack limit back to the captured value (idempotent), so the first
+        kernels after a restore find the reservation they were captured with instead of growing it at their
+        launch (the driver does that too: a graph replayed under a lowered limit ran right on the H100).
+        Raises the driver's error; a device not yet set back stays owed to the next call."""
+        for device, stack in list(self.captured.items()):
             self._C().set_context_limit(device, STACK_LIMIT, stack)
             del self.captured[device]

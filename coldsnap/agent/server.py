@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
-from coldsnap.agent.device_state import LocalMemoryTrim, cuda_devices_in_use, torch_pool_bytes
+from coldsnap.agent.device_state import (LocalMemoryTrim, cuda_devices_in_use, cuda_torch, device_used_bytes,
+                                         torch_pool_bytes)
 from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.agent.protocol import (
     CONTROL_ENV,
@@ -302,7 +303,7 @@ class AgentServer:
             graph_pool_bytes=pools.get("graph_pool_reserved", 0),
             graph_pool_allocated_bytes=pools.get("graph_pool_allocated", 0),
             stack_bytes=trimmed.get("stack_bytes", 0), local_memory_freed_bytes=trimmed.get("local_memory_freed_bytes", 0),
-            device_used_bytes=_device_used_bytes(devices),
+            device_used_bytes=device_used_bytes(devices),
             recovery_files=list(self.hooks.recovery_files),
             recovery_plan=PackRef(**packs["recovery_plan"]) if "recovery_plan" in packs else None,
             recovery_gap=PackRef(**packs["recovery_gap"]) if "recovery_gap" in packs else None)
@@ -624,27 +625,11 @@ def _rss_bytes() -> int:
     return 0
 
 
-def _device_used_bytes(devices: list[int]) -> int:
-    """Device memory in use on ``devices``, every process's (cuMemGetInfo); 0 without CUDA devices."""
-    if not devices:
-        return 0
-    from coldsnap.native import native
-
-    C = native()
-    return sum(total - free for free, total in (C.device_memory(d) for d in devices))
-
-
-def _cuda_torch() -> Any:
-    """The engine's torch when it has initialized CUDA in this process, else None (never imported here)."""
-    torch = sys.modules.get("torch")
-    return torch if torch is not None and torch.cuda.is_initialized() else None
-
-
 def _torch_device_bytes(allocated: bool = False) -> int:
     """GPU memory torch's caching allocator still holds outside the stable regions (graph pools,
     activations): the CUDA checkpoint copies it into the process image. ``allocated``: only what live
     tensors and graph pools use, not the cache's free blocks. 0 without CUDA torch."""
-    torch = _cuda_torch()
+    torch = cuda_torch()
     if torch is None:
         return 0
     measure = torch.cuda.memory_allocated if allocated else torch.cuda.memory_reserved
@@ -656,7 +641,7 @@ def _empty_torch_cache() -> None:
     activations, warm-up buffers): the CUDA checkpoint copies every byte a process holds on the GPU into
     its image, used or not. Blocks of live CUDA-graph pools stay (their graphs replay from them). Every
     engine's agent does this; vLLM at TP 1 with graphs kept never did (0.6 GB of an 8B capture's image)."""
-    torch = _cuda_torch()
+    torch = cuda_torch()
     if torch is None:
         return
     import gc
