@@ -185,7 +185,10 @@ class Bench:
         self.state_path = self.work / f"{self.name.replace('_', '-')}.json"
         self.state = json.loads(self.state_path.read_text()) if self.state_path.exists() else {
             "benchmark": self.name, "shape": args.shape, "device": args.device, "runs": []}
-        self.model = self.work / f"llama-{args.shape}"
+        link = self.work / f"llama-{args.shape}"
+        # A linked model is served by its own path: every work directory's `vllm serve` (a variant's too) is then
+        # the same command, sharing vLLM's compile cache and the kept cold-start answers.
+        self.model = link.resolve() if link.is_symlink() else link
         # --graphs recreate: an artifact of its own beside the default's, its runs and results named for it
         self.graphs = getattr(args, "graphs", None)
         self.variant = f" graphs={self.graphs}" if self.graphs else ""

@@ -27,6 +27,7 @@ def attach_agent() -> None:
     from coldsnap.agent import attach
     from coldsnap.agent.server import AgentHooks
     from coldsnap_vllm.distributed import VllmCollectives, VllmGraphs
+    from coldsnap_vllm.graph_memory import GraphRegionPoison
 
     rank, world = distributed_rank()
     # Recovery needs the files vLLM loaded and its loaders to refill them; a start from a pack has neither.
@@ -35,11 +36,13 @@ def attach_agent() -> None:
     if ProcessState.runner is not None:
         from coldsnap_vllm.sampler_state import PenaltyStatistics
 
-        graphs = VllmGraphs(ProcessState.runner, world)
+        graphs = VllmGraphs(ProcessState.runner, world, ProcessState.graph_region)
         hooks.release_graphs, hooks.recapture_graphs = graphs.release_graphs, graphs.recapture_graphs
         penalties = PenaltyStatistics(ProcessState.runner)
         hooks.before_release.append(penalties.release)
         hooks.after_resume.append(penalties.restore)
+    if ProcessState.graph_region is not None and GraphRegionPoison.wanted():
+        hooks.after_resume.append(GraphRegionPoison(ProcessState.graph_region))
     ProcessState.agent = attach(ProcessState.memory, serving_lock=threading.Lock(), rank=rank, world=world, hooks=hooks,
                                 collectives=VllmCollectives(rank, world) if world > 1 else None)
     if ProcessState.agent is not None:

@@ -368,18 +368,14 @@ def clear_every_graph_wrapper() -> list[str]:
     return cleared
 
 
-def move_graphs_to_a_fresh_pool(manager: Any = None) -> None:
-    """Point vLLM's next CUDA graph captures at a new memory pool.
-
-    Every wrapper (and Model Runner V2's ``CudaGraphManager``) captures into the platform's global graph
-    pool, an id taken once. With every graph released, that pool's use count is 0, yet blocks made
-    during capture that something still references keep it in torch's caching allocator; a capture
-    joining it then fails torch's ``use_count > 0`` assertion (seen on vLLM 0.26 at TP 2). A fresh
-    pool id avoids the stale one; what is still alive in the old pool stays where it is."""
+def point_graph_captures_at(new: Any, manager: Any = None) -> Any:
+    """Make ``new`` (a memory pool id) the pool of every later vLLM CUDA graph capture in this process: the
+    platform's global graph pool, which wrappers and graph managers built from now on take, and every live
+    wrapper (and Model Runner V2's ``CudaGraphManager`` ``manager``, with its breakable runner) that took
+    the old one. Returns the old pool id (None when vLLM had not made one yet)."""
     from vllm.platforms import current_platform
 
-    old = current_platform.get_global_graph_pool()
-    new = current_platform.graph_pool_handle()
+    old = type(current_platform)._global_graph_pool
     type(current_platform)._global_graph_pool = new
     holders: list[Any] = [manager, getattr(manager, "breakable_cg_runner", None)]
     for symbol in GRAPH_WRAPPERS:
@@ -389,8 +385,23 @@ def move_graphs_to_a_fresh_pool(manager: Any = None) -> None:
             continue
     for holder in holders:
         for attribute in ("graph_pool", "pool"):
-            if holder is not None and getattr(holder, attribute, None) == old:
+            if holder is not None and old is not None and getattr(holder, attribute, None) == old:
                 setattr(holder, attribute, new)
+    return old
+
+
+def move_graphs_to_a_fresh_pool(manager: Any = None, fresh_pool: Any = None) -> None:
+    """Point vLLM's next CUDA graph captures at a new memory pool: ``fresh_pool`` (an id) when given,
+    else a new one of torch's.
+
+    Every wrapper (and Model Runner V2's ``CudaGraphManager``) captures into the platform's global graph
+    pool, an id taken once. With every graph released, that pool's use count is 0, yet blocks made
+    during capture that something still references keep it in torch's caching allocator; a capture
+    joining it then fails torch's ``use_count > 0`` assertion (seen on vLLM 0.26 at TP 2). A fresh
+    pool id avoids the stale one; what is still alive in the old pool stays where it is."""
+    from vllm.platforms import current_platform
+
+    point_graph_captures_at(current_platform.graph_pool_handle() if fresh_pool is None else fresh_pool, manager)
 
 
 def release_model_runner_v2_graphs(manager: Any) -> None:

@@ -69,6 +69,7 @@ from typing import Any, Callable, Iterable
 from coldsnap.collective.group import Rendezvous, between_barriers, share_unique_id
 from coldsnap.collective.torch_groups import (NcclTeardownError, abort_communicator, abort_torch_nccl_groups,
                                               close_ipc_all_reduce, remake_torch_nccl_groups, torch_nccl_groups)
+from coldsnap.memory import engine_graph_pool
 from coldsnap_vllm.compat import (clear_every_graph_wrapper, move_graphs_to_a_fresh_pool,
                                   release_model_runner_v2_graphs)
 
@@ -273,9 +274,10 @@ class VllmCollectives:
 class VllmGraphs:
     """The agent's graph hooks for a vLLM model runner (see the module docstring)."""
 
-    def __init__(self, runner: Any, world: int):
+    def __init__(self, runner: Any, world: int, graph_region: Any = None):
         self.runner = runner
         self.world = world
+        self.graph_region = graph_region  # the cudagraph region the graphs' pool lives in (None: torch's own)
 
     def _graphs_exist(self) -> bool:
         runner = self.runner
@@ -302,7 +304,8 @@ class VllmGraphs:
         elif isinstance(runner.model, CUDAGraphWrapper):
             runner.model.concrete_cudagraph_entries = {}
         clear_every_graph_wrapper()  # piecewise graphs live in wrappers inside the compiled model
-        move_graphs_to_a_fresh_pool(manager)
+        # (a fresh pool in the same region where it served the released graphs)
+        move_graphs_to_a_fresh_pool(manager, None if self.graph_region is None else engine_graph_pool(fresh=True))
         torch.compiler.reset()
         with set_current_vllm_config(runner.vllm_config):
             reset_compile_wrapper(runner.get_model())

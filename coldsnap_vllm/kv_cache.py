@@ -3,7 +3,8 @@
 Every KV allocation function this vLLM has (:data:`coldsnap_vllm.compat.KV_ALLOCATION_SITES`: one backing
 buffer per worker, or one tensor per layer on 0.26) is wrapped: for a model the ``coldsnap`` load format
 placed, its buffers come from the region (discarded at capture, zeroed at restore). Once weights and KV
-cache are both in regions the process's model memory is complete and its agent attaches.
+cache are both in regions, and the CUDA graphs' pool in its own (:mod:`coldsnap_vllm.graph_memory`), the
+process's model memory is complete and its agent attaches.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 from coldsnap.agent.memory import ModelMemory
 from coldsnap_vllm import compat
 from coldsnap_vllm.agent_bootstrap import attach_agent
+from coldsnap_vllm.graph_memory import place_graph_pool
 from coldsnap_vllm.placement import call_with_kv_region, kv_capacity, layout_for
-from coldsnap_vllm.process import ProcessState
+from coldsnap_vllm.process import ProcessState, distributed_rank
 
 __all__ = ["install_kv_hooks"]
 
@@ -46,7 +48,11 @@ def _kv_allocator(original: Any, shared_backing: bool) -> Any:
         if region is not None:
             regions["kv_cache"] = region
             log.info("coldsnap: KV cache in the kv_cache region: %d bytes at 0x%x", region.mapped_bytes, region.base)
-        ProcessState.memory = ModelMemory(layout_for(ProcessState.placed, region), regions)
+        # (vLLM captures its graphs after the KV cache is allocated: their pool is in place before)
+        graphs = place_graph_pool(weights.device, distributed_rank()[1]) if weights.backend == "cuda" else None
+        if graphs is not None:
+            regions["cudagraph"] = ProcessState.graph_region = graphs
+        ProcessState.memory = ModelMemory(layout_for(ProcessState.placed, region, graphs), regions)
         attach_agent()
         return result
 

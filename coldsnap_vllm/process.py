@@ -10,6 +10,7 @@ from coldsnap.agent.memory import ModelMemory
 from coldsnap_vllm.placement import PlacedModel
 
 if TYPE_CHECKING:
+    from coldsnap.memory import StableRegion
     from coldsnap.agent.server import AgentServer
     from coldsnap.hydrate.recovery_plan import RecoveryPlan
 
@@ -23,6 +24,7 @@ class ProcessState:
     memory: ModelMemory | None = None
     agent: "AgentServer | None" = None
     allocating_kv = False  # inside a hooked KV allocation: a hooked function calling another is served once
+    graph_region: "StableRegion | None" = None  # where the CUDA graphs' pool lives (coldsnap_vllm.graph_memory)
     runner: Any = None  # the model runner whose KV cache was placed (its graphs are the agent's to release)
     recovery: "Callable[[list[str]], int] | None" = None  # refills the weights region through vLLM's loaders
     recovery_files: list[str] = []  # the safetensors vLLM loaded the weights from (none: started from a pack)

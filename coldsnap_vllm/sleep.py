@@ -7,7 +7,8 @@ KV cache live in coldsnap's stable regions, so this backend does with them what 
 ``suspend`` writes the weights to a native pack (page cache, then disk) and unmaps every region, at
 any level — the addresses stay reserved, so CUDA graphs and every tensor pointer stay valid;
 ``resume`` maps the requested regions again, hydrates the weights from the pack at the same addresses
-and zeroes the KV cache (vLLM's own wake does not zero it). ``discard`` unmaps regions without keeping
+and zeroes the KV cache (vLLM's own wake does not zero it); the CUDA graphs' memory (the ``cudagraph``
+region, :mod:`coldsnap_vllm.graph_memory`) comes back, zeroed, with whichever tags wake first. ``discard`` unmaps regions without keeping
 anything (vLLM's KV release).
 
 The pack goes to ``COLDSNAP_SLEEP_PACK_DIR`` (default ``/dev/shm/coldsnap-sleep-<process group>``, one
@@ -103,6 +104,9 @@ class ColdsnapSleepBackend(SleepModeBackend):
         memory = _process_memory()
         self.check_whole_world_asleep()
         self._state = "RESUMING"
+        graphs = memory.regions.get("cudagraph")
+        if tags is not None and graphs is not None and graphs.high_water and not graphs.mapped_bytes:
+            tags = [*tags, "cudagraph"]  # vLLM wakes "weights" and "kv_cache"; any forward replays the graphs
         try:
             memory.restore(self.seconds, payload=self.packs["payload"], residual=self.packs["residual"], tags=tags)
         except BaseException:

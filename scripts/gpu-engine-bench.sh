@@ -30,7 +30,8 @@
 # and up): the engine serves at tensor-parallel size N (vLLM --tensor-parallel-size with its all-reduce + RMSNorm
 # fusion off, SGLang --tp-size), NCCL_NVLS_ENABLE=0, and the outputs are named ENGINE-startup-tpN.*.
 # COLDSNAP_BENCH_VARIANT=NAME: the steps run in a work directory of their own (their own capture, e.g. with
-# COLDSNAP_TRIM_LOCAL_MEMORY=0 exported) that shares the default's compile cache; outputs ENGINE-startup-NAME.*.
+# COLDSNAP_TRIM_LOCAL_MEMORY=0 exported) that shares the default's compile cache and its cold start's equality
+# answers; outputs ENGINE-startup-NAME.*.
 set -euo pipefail
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$repo"
@@ -113,6 +114,11 @@ case "${1:-}" in
         if [ -n "${COLDSNAP_BENCH_VARIANT:-}" ]; then  # a capture of its own beside the default's, same compile cache
             mkdir -p "$work/vllm-cache" "$work-$COLDSNAP_BENCH_VARIANT"
             ln -sfn "$work/vllm-cache" "$work-$COLDSNAP_BENCH_VARIANT/vllm-cache"
+            # the default's cold-start answers to the equality prompts: the same `vllm serve` command (the model is
+            # served by its real path), so the variant's equality step compares against the same cold start
+            if [ -f "$work/equality-cold-answers.json" ] && [ ! -f "$work-$COLDSNAP_BENCH_VARIANT/equality-cold-answers.json" ]; then
+                cp "$work/equality-cold-answers.json" "$work-$COLDSNAP_BENCH_VARIANT/"
+            fi
             work=$work-$COLDSNAP_BENCH_VARIANT
             name=$name-$COLDSNAP_BENCH_VARIANT
         fi

@@ -156,10 +156,11 @@ def append_model_to_region(model: Any, placed: PlacedModel, *, prefix: str, copy
     return own
 
 
-def layout_for(placed: PlacedModel, kv: StableRegion | None) -> MemoryLayout:
+def layout_for(placed: PlacedModel, *discarded: StableRegion | None) -> MemoryLayout:
+    """The layout of the placed weights and the ``discarded`` regions that exist (KV cache, graph memory:
+    address space only, no tensors to keep)."""
     regions = [{"tag": placed.region.tag, "size_bytes": placed.region.size, "tensors": placed.tensors}]
-    if kv is not None:
-        regions.append({"tag": kv.tag, "size_bytes": kv.size, "tensors": []})
+    regions += [{"tag": r.tag, "size_bytes": r.size, "tensors": []} for r in discarded if r is not None]
     return MemoryLayout.model_validate({"format": 1, "regions": regions})
 
 

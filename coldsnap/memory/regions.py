@@ -12,6 +12,7 @@ from coldsnap.native import native
 
 __all__ = [
     "DISCARDED_TAGS",
+    "engine_graph_pool",
     "graph_pool",
     "reserve_staging",
     "REGION_TAGS",
@@ -303,3 +304,26 @@ def graph_pool(tag: str = "cudagraph") -> Iterator[Any]:
     it into the process image, and resume maps it again at the same addresses the graph captured."""
     with _allocating_in(tag) as (_, pool):
         yield pool.id
+
+
+_retired_pools: list[Any] = []  # pools replaced by a fresh one: torch must never see them destroyed under live blocks
+
+
+def engine_graph_pool(tag: str = "cudagraph", *, fresh: bool = False) -> Any:
+    """The id of a torch memory pool served by the CUDA region ``tag``, for an engine that captures its
+    CUDA graphs itself, later and wherever it likes (vLLM's graph managers take a pool id once, and
+    capture deep inside their own code): the region becomes the allocator hooks' active one and stays so,
+    so every capture into the pool lands in the region whenever it runs. Only pools on the allocator
+    hooks route through the active region, so ordinary torch allocations are unaffected, and
+    :func:`region` blocks still put theirs where they say and give the region back as active after.
+
+    ``fresh``: a new pool on the same region, for captures after the graphs of the old one were
+    released (torch refuses to capture into a private pool whose graphs are gone while blocks made
+    during its captures are still referenced); the old pool is kept alive with what it still holds."""
+    with _allocating_in(tag) as (created, pool):
+        if fresh:
+            _retired_pools.append(pool)
+            created._pool = None
+            pool = _torch_pool(created)
+    native().set_active_region(created.id)  # (after the block, which gives back what was active before)
+    return pool.id

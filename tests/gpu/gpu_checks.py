@@ -260,6 +260,54 @@ def local_memory_trim_around_checkpoint() -> None:
     assert trimmed["moved_bytes"] < plain["moved_bytes"] - 64 * MiB
 
 
+def engine_graph_pool_scratch_discarded() -> None:
+    """As vLLM does with coldsnap's pool: graphs captured later, outside any region block, into the pool
+    id :func:`engine_graph_pool` handed out, land in the cudagraph region; with the region unmapped, then
+    mapped again and filled with 0xFF (the poison check), the graphs still replay right: their pool
+    memory is scratch. A ``region("weights")`` block in between leaves the graph region active after."""
+    import torch
+
+    from coldsnap.memory import engine_graph_pool, region, reserve
+
+    graphs = reserve("cudagraph", 4 << 30, backend="cuda", device=0)
+    reserve("weights", 64 * MiB, backend="cuda", device=0)
+    pool = engine_graph_pool("cudagraph")
+    with region("weights") as weights:
+        w = torch.randn(1024, 1024, device="cuda")  # a weight in its own region
+    assert weights.mapped_bytes >= w.numel() * 4
+    x = torch.randn(256, 1024, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    for _ in range(2):  # warm-up on a side stream, as capture wants
+        (torch.relu(x @ w) @ w).sum()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(graph, pool=pool):
+        hidden = torch.relu(x @ w)  # an intermediate in the pool
+        out = hidden @ w
+    torch.cuda.synchronize()
+    mapped = graphs.mapped_bytes
+    assert mapped > 0, "the capture's memory did not come from the cudagraph region"
+    assert graphs.base <= out.data_ptr() < graphs.base + graphs.size
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    expected = torch.relu(x @ w) @ w
+    torch.cuda.synchronize()
+    assert torch.allclose(out, expected, rtol=1e-3, atol=1e-3)
+    graphs.unmap()
+    graphs.map()
+    graphs.tensor(torch.uint8, (graphs.mapped_bytes,)).fill_(0xFF)  # what COLDSNAP_POISON_GRAPH_MEMORY does
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert graphs.mapped_bytes == mapped and torch.allclose(out, torch.relu(x @ w) @ w, rtol=1e-3, atol=1e-3)
+    fresh = engine_graph_pool("cudagraph", fresh=True)  # after graphs are released: a new pool, same region
+    assert fresh != pool
+    again = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(again, pool=fresh):
+        out2 = x @ w
+    assert graphs.base <= out2.data_ptr() < graphs.base + graphs.size
+    print(f"graph pool in the cudagraph region: {mapped >> 20} MiB mapped, replays right after unmap + 0xFF")
+
+
 def torch_lm_cuda_graph_decode() -> None:
     from coldsnap.workloads.torch_lm import TorchLM
 
@@ -843,7 +891,7 @@ CHECKS = {f.__name__: f for f in (vmm_roundtrip, torch_allocations_land_in_regio
                                   torch_lm_cuda_graph_decode, staged_chunks_adopted_by_another_process,
                                   capture_restore_on_gpu, failure_hygiene_on_gpu, nccl_bridge_two_ranks, tp2_capture_restore_on_gpu,
                                   concurrent_hydrations_bit_exact, standby_on_gpu, replicas_on_gpu,
-                                  local_memory_trim_around_checkpoint)}
+                                  local_memory_trim_around_checkpoint, engine_graph_pool_scratch_discarded)}
 
 if __name__ == "__main__":
     if sys.argv[1] == "_nccl_rank":
