@@ -368,16 +368,28 @@ def clear_every_graph_wrapper() -> list[str]:
     return cleared
 
 
-def point_graph_captures_at(new: Any, manager: Any = None) -> Any:
+def model_runner_v2_graph_managers(runner: Any) -> list[Any]:
+    """Model Runner V2's CUDA graph managers (``CudaGraphManager``: a ``pool``, a ``graphs`` dict, ``capture``):
+    the runner's own and its speculator's, which ``initialize_kv_cache`` builds before it allocates the KV
+    cache. None for V1 and CPU runners (their graphs live in wrappers)."""
+    found = []
+    for owner in (runner, getattr(runner, "speculator", None)):
+        for value in (vars(owner).values() if owner is not None and hasattr(owner, "__dict__") else ()):
+            if hasattr(value, "pool") and isinstance(getattr(value, "graphs", None), dict) and callable(getattr(value, "capture", None)):
+                found.append(value)
+    return found
+
+
+def point_graph_captures_at(new: Any, *managers: Any) -> Any:
     """Make ``new`` (a memory pool id) the pool of every later vLLM CUDA graph capture in this process: the
     platform's global graph pool, which wrappers and graph managers built from now on take, and every live
-    wrapper (and Model Runner V2's ``CudaGraphManager`` ``manager``, with its breakable runner) that took
-    the old one. Returns the old pool id (None when vLLM had not made one yet)."""
+    wrapper (and Model Runner V2 ``CudaGraphManager`` among ``managers``, with its breakable runner) that
+    took the old one. Returns the old pool id (None when vLLM had not made one yet)."""
     from vllm.platforms import current_platform
 
     old = type(current_platform)._global_graph_pool
     type(current_platform)._global_graph_pool = new
-    holders: list[Any] = [manager, getattr(manager, "breakable_cg_runner", None)]
+    holders: list[Any] = [h for m in managers for h in (m, getattr(m, "breakable_cg_runner", None))]
     for symbol in GRAPH_WRAPPERS:
         try:
             holders.extend(getattr(lookup(symbol), "_all_instances", ()))

@@ -33,10 +33,10 @@ GRAPH_REGION_ENV = "COLDSNAP_VLLM_GRAPH_REGION"
 POISON_ENV = "COLDSNAP_POISON_GRAPH_MEMORY"
 
 
-def place_graph_pool(device: int, world: int) -> StableRegion | None:
+def place_graph_pool(device: int, world: int, runner: Any = None) -> StableRegion | None:
     """Reserve the ``cudagraph`` region on ``device`` and make its pool the one every later vLLM graph
-    capture of this process uses (graph wrappers built before, during vLLM's compilation, are pointed at
-    it too). None, and vLLM's pool unchanged, at more than one rank, when switched off, or when the region
+    capture of this process uses (graph wrappers built before, during vLLM's compilation, and the graph
+    managers of Model Runner V2 ``runner``, built before its KV cache, are pointed at it too). None, and vLLM's pool unchanged, at more than one rank, when switched off, or when the region
     cannot be had (with a warning: the graphs' memory then goes into the process image, as before)."""
     if world != 1 or os.environ.get(GRAPH_REGION_ENV, "1") == "0":
         return None
@@ -49,7 +49,7 @@ def place_graph_pool(device: int, world: int) -> StableRegion | None:
         log.warning("coldsnap: vLLM's CUDA graphs stay in torch's own pool (and their memory in the process "
                     "image): the cudagraph region could not be set up: %s", exc)
         return None
-    compat.point_graph_captures_at(pool)
+    compat.point_graph_captures_at(pool, *compat.model_runner_v2_graph_managers(runner))
     log.info("coldsnap: vLLM's CUDA graphs capture into the cudagraph region at 0x%x", region.base)
     return region
 

@@ -52,12 +52,19 @@ def test_every_holder_of_the_old_pool_captures_into_the_new_one(fake_vllm):
     old = FakeCudaPlatform._global_graph_pool
     built_during_compilation = [FakeGraphWrapper(old), FakeGraphWrapper(old)]
     elsewhere = FakeGraphWrapper(("torch", 99))  # a wrapper given a pool of its own keeps it
-    manager = SimpleNamespace(pool=old, breakable_cg_runner=SimpleNamespace(graph_pool=old))
+    manager = SimpleNamespace(pool=old, graphs={}, capture=lambda: None,
+                              breakable_cg_runner=SimpleNamespace(graph_pool=old))
+    drafts = SimpleNamespace(prefill_cudagraph_manager=SimpleNamespace(pool=old, graphs={}, capture=lambda: None))
+    runner = SimpleNamespace(cudagraph_manager=manager, speculator=drafts, block_tables=SimpleNamespace(pool=old))
+    # Model Runner V2 builds its managers before its KV cache, whose hook sets the pool up: they are found
+    assert compat.model_runner_v2_graph_managers(runner) == [manager, drafts.prefill_cudagraph_manager]
 
-    assert compat.point_graph_captures_at(("region", 7), manager) == old
+    assert compat.point_graph_captures_at(("region", 7), *compat.model_runner_v2_graph_managers(runner)) == old
     assert type(fake_vllm)._global_graph_pool == ("region", 7)
     assert [w.graph_pool for w in built_during_compilation] == [("region", 7)] * 2
     assert manager.pool == ("region", 7) and manager.breakable_cg_runner.graph_pool == ("region", 7)
+    assert drafts.prefill_cudagraph_manager.pool == ("region", 7)
+    assert runner.block_tables.pool == old  # not a graph manager
     assert elsewhere.graph_pool == ("torch", 99)
 
 
