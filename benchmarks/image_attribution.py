@@ -165,7 +165,8 @@ def capsule_attribution(artifact: Path, receipt: dict) -> dict:
                 "reserved_after_empty": prepare[f"{prefix}torch_reserved_bytes"],
                 "allocated (graph pools, live buffers)": prepare.get(f"{prefix}torch_allocated_bytes", 0),
                 "of it CUDA-graph private pools, reserved": prepare.get(f"{prefix}graph_pool_bytes", 0),
-                "of it CUDA-graph private pools, allocated": prepare.get(f"{prefix}graph_pool_allocated_bytes", 0)}
+                "of it CUDA-graph private pools, allocated": prepare.get(f"{prefix}graph_pool_allocated_bytes", 0),
+                "of it in coldsnap's regions (unmapped, not in the image)": prepare.get(f"{prefix}region_pool_bytes", 0)}
             context[rank or "rank0"] = {
                 "local memory freed before the checkpoint (stack limit lowered)":
                     prepare.get(f"{prefix}local_memory_freed_bytes", 0),
@@ -206,7 +207,9 @@ def render_capsule(document: dict) -> str:
         for rank, stack in document.get("stack_bytes_per_thread", {}).items():
             lines.append(f"| {rank}: per-thread stack limit lowered for the checkpoint, set back at resume | ({stack} bytes) |")
         if document["device_state_in_image_bytes"] is not None:
-            reserved = sum(v["reserved_after_empty"] for v in document["torch_allocator"].values())
+            # what the checkpoint copies of torch's: its reserved memory less the segments coldsnap's regions serve
+            reserved = sum(v["reserved_after_empty"] - v.get("of it in coldsnap's regions (unmapped, not in the image)", 0)
+                           for v in document["torch_allocator"].values())
             total = document["device_state_in_image_bytes"]
             lines.append(f"| moved into the image by the CUDA checkpoint (all GPU processes) | {total / mib:.1f} |")
             if reserved <= total:

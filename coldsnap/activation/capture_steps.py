@@ -319,6 +319,7 @@ class CaptureSequence:
                              f"{prefix}torch_allocated_bytes": prepared.device_bytes_allocated,
                              f"{prefix}graph_pool_bytes": prepared.graph_pool_bytes,
                              f"{prefix}graph_pool_allocated_bytes": prepared.graph_pool_allocated_bytes,
+                             f"{prefix}region_pool_bytes": prepared.region_pool_bytes,
                              f"{prefix}stack_bytes": prepared.stack_bytes,
                              f"{prefix}local_memory_freed_bytes": prepared.local_memory_freed_bytes,
                              f"{prefix}device_used_bytes": prepared.device_used_bytes,

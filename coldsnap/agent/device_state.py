@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Any
+from typing import Any, Iterable
 
 __all__ = ["LocalMemoryTrim", "TRIM_ENV", "TRIMMED_STACK_BYTES", "cuda_devices_in_use", "cuda_torch", "device_used_bytes",
            "torch_pool_bytes"]
@@ -56,20 +56,27 @@ def device_used_bytes(devices: list[int]) -> int:
     return sum(total - free for free, total in (C.device_memory(d) for d in devices))
 
 
-def torch_pool_bytes() -> dict[str, int]:
+def torch_pool_bytes(regions: Iterable[tuple[int, int]] = ()) -> dict[str, int]:
     """torch's caching allocator by kind of pool, summed over the devices: ``graph_pool_reserved`` and
     ``graph_pool_allocated`` (CUDA-graph private pools, kept while their graphs live: the free part is the
-    graphs' scratch), ``other_reserved`` and ``other_allocated`` (the default pool: live tensors). Empty
-    without CUDA torch."""
+    graphs' scratch), ``other_reserved`` and ``other_allocated`` (the default pool: live tensors), and
+    ``in_regions_reserved``: the segments, of either kind, that lie in one of ``regions`` (``(base, size)``
+    of coldsnap's regions, which a snapshot unmaps). Empty without CUDA torch."""
     torch = cuda_torch()
     if torch is None:
         return {}
-    out = {"graph_pool_reserved": 0, "graph_pool_allocated": 0, "other_reserved": 0, "other_allocated": 0}
+    spans = list(regions)
+    out = {"graph_pool_reserved": 0, "graph_pool_allocated": 0, "other_reserved": 0, "other_allocated": 0,
+           "in_regions_reserved": 0}
     for segment in torch.cuda.memory_snapshot():
         pool = segment.get("segment_pool_id", (0, 0))
         kind = "graph_pool" if tuple(pool) != (0, 0) else "other"
-        out[f"{kind}_reserved"] += int(segment.get("total_size", 0))
+        size = int(segment.get("total_size", 0))
+        out[f"{kind}_reserved"] += size
         out[f"{kind}_allocated"] += int(segment.get("allocated_size", 0))
+        address = int(segment.get("address", -1))
+        if any(base <= address < base + length for base, length in spans):
+            out["in_regions_reserved"] += size
     return out
 
 

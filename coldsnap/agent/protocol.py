@@ -184,6 +184,9 @@ class PrepareReply(Message):
     """Of ``device_bytes``, CUDA-graph private pools (kept while their graphs live; their free part is scratch)."""
     graph_pool_allocated_bytes: int = 0
     """Of ``graph_pool_bytes``, the blocks in use (graph outputs and what outlived the capture)."""
+    region_pool_bytes: int = 0
+    """Of ``device_bytes``, the segments coldsnap's regions serve (e.g. vLLM's graph pool in the ``cudagraph``
+    region): unmapped before the checkpoint, so not in the image though torch still counts them."""
     stack_bytes: int = 0
     """The context's per-thread stack limit before the checkpoint (0: not lowered); resume sets it back."""
     local_memory_freed_bytes: int = 0

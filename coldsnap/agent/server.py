@@ -287,7 +287,7 @@ class AgentServer:
         reserved_before_empty = _torch_device_bytes()
         timed(seconds, "empty_cache", _empty_torch_cache)
         timed(seconds, "malloc_trim", _trim_heap)
-        pools = torch_pool_bytes()
+        pools = torch_pool_bytes((r.base, r.size) for r in self.memory.regions.values() if r.backend == "cuda")
         devices = cuda_devices_in_use([r.device for r in self.memory.regions.values() if r.backend == "cuda"])
         trimmed = timed(seconds, "local_memory_trim", lambda: self.local_memory.lower(devices))
         self.state = "prepared"
@@ -302,6 +302,7 @@ class AgentServer:
             device_bytes_allocated=_torch_device_bytes(allocated=True), regions=self._regions(), graphs_released=list(self.graphs_released),
             graph_pool_bytes=pools.get("graph_pool_reserved", 0),
             graph_pool_allocated_bytes=pools.get("graph_pool_allocated", 0),
+            region_pool_bytes=pools.get("in_regions_reserved", 0),
             stack_bytes=trimmed.get("stack_bytes", 0), local_memory_freed_bytes=trimmed.get("local_memory_freed_bytes", 0),
             device_used_bytes=device_used_bytes(devices),
             recovery_files=list(self.hooks.recovery_files),

@@ -85,3 +85,28 @@ def test_a_failed_set_back_raises(monkeypatch):
     with pytest.raises(FakeDriverNoGpu.CudaError):
         trim.restore()
     assert trim.captured == {0: 1024}  # still owed: a retry sets it back
+
+
+def test_torch_pools_by_kind_and_what_coldsnaps_regions_serve(monkeypatch):
+    """torch's segments (a fake ``torch.cuda.memory_snapshot``: no GPU here) summed by pool kind, and those
+    lying in a coldsnap region counted apart: the region is unmapped before the checkpoint, so they are not
+    in the image though torch still counts them."""
+    from types import SimpleNamespace
+
+    from coldsnap.agent import device_state
+
+    region = (0x7000_0000_0000, 32 << 30)
+    segments = [
+        {"segment_pool_id": (0, 0), "address": 0x1000_0000, "total_size": 20 * MIB, "allocated_size": 8 * MIB},
+        {"segment_pool_id": (0, 1), "address": region[0], "total_size": 600 * MIB, "allocated_size": 30 * MIB},
+        {"segment_pool_id": (0, 1), "address": region[0] + (600 << 20), "total_size": 56 * MIB, "allocated_size": 2 * MIB},
+        {"segment_pool_id": (1, 0), "address": 0x2000_0000, "total_size": 4 * MIB, "allocated_size": 4 * MIB},
+    ]
+    fake_torch = SimpleNamespace(cuda=SimpleNamespace(memory_snapshot=lambda: segments))
+    monkeypatch.setattr(device_state, "cuda_torch", lambda: fake_torch)
+    pools = device_state.torch_pool_bytes([region])
+    assert pools == {"graph_pool_reserved": 660 * MIB, "graph_pool_allocated": 36 * MIB, "other_reserved": 20 * MIB,
+                     "other_allocated": 8 * MIB, "in_regions_reserved": 656 * MIB}
+    assert device_state.torch_pool_bytes()["in_regions_reserved"] == 0
+    monkeypatch.setattr(device_state, "cuda_torch", lambda: None)
+    assert device_state.torch_pool_bytes([region]) == {}
