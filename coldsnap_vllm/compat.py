@@ -372,12 +372,16 @@ def model_runner_v2_graph_managers(runner: Any) -> list[Any]:
     """Model Runner V2's CUDA graph managers (``CudaGraphManager``: a ``pool``, a ``graphs`` dict, ``capture``):
     the runner's own and its speculator's, which ``initialize_kv_cache`` builds before it allocates the KV
     cache. None for V1 and CPU runners (their graphs live in wrappers)."""
-    found = []
-    for owner in (runner, getattr(runner, "speculator", None)):
-        for value in (vars(owner).values() if owner is not None and hasattr(owner, "__dict__") else ()):
-            if hasattr(value, "pool") and isinstance(getattr(value, "graphs", None), dict) and callable(getattr(value, "capture", None)):
-                found.append(value)
-    return found
+    def is_graph_manager(value: Any) -> bool:
+        try:  # (an attribute's own __getattr__ may raise anything: it is then not a manager)
+            return (hasattr(value, "pool") and isinstance(getattr(value, "graphs", None), dict)
+                    and callable(getattr(value, "capture", None)))
+        except Exception:  # noqa: BLE001
+            return False
+
+    owners = (runner, getattr(runner, "speculator", None))
+    return [value for owner in owners if owner is not None and hasattr(owner, "__dict__")
+            for value in list(vars(owner).values()) if is_graph_manager(value)]
 
 
 def point_graph_captures_at(new: Any, *managers: Any) -> Any:

@@ -21,7 +21,7 @@ import logging
 import os
 from typing import Any
 
-from coldsnap.memory import RegionError, StableRegion, engine_graph_pool, reserve
+from coldsnap.memory import StableRegion, engine_graph_pool, reserve
 
 __all__ = ["GRAPH_REGION_BYTES", "GRAPH_REGION_ENV", "POISON_ENV", "GraphRegionPoison", "place_graph_pool"]
 
@@ -45,11 +45,11 @@ def place_graph_pool(device: int, world: int, runner: Any = None) -> StableRegio
     try:
         region = reserve("cudagraph", GRAPH_REGION_BYTES, backend="cuda", device=device)
         pool = engine_graph_pool("cudagraph")
-    except RegionError as exc:
+        compat.point_graph_captures_at(pool, *compat.model_runner_v2_graph_managers(runner))
+    except Exception as exc:  # noqa: BLE001 - the plugin never breaks its engine: the graphs keep torch's pool
         log.warning("coldsnap: vLLM's CUDA graphs stay in torch's own pool (and their memory in the process "
-                    "image): the cudagraph region could not be set up: %s", exc)
+                    "image): the cudagraph region could not be set up: %s: %s", type(exc).__name__, exc)
         return None
-    compat.point_graph_captures_at(pool, *compat.model_runner_v2_graph_managers(runner))
     log.info("coldsnap: vLLM's CUDA graphs capture into the cudagraph region at 0x%x", region.base)
     return region
 

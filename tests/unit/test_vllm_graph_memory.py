@@ -105,3 +105,27 @@ def test_the_poison_runs_only_when_asked(monkeypatch):
     monkeypatch.setenv(graph_memory.POISON_ENV, "1")
     assert graph_memory.GraphRegionPoison.wanted()
     graph_memory.GraphRegionPoison(region)()  # nothing mapped: nothing to fill
+
+
+def test_a_failure_pointing_vllm_at_the_pool_leaves_the_engine_running(fake_vllm, monkeypatch, caplog):
+    """The plugin never breaks its engine: whatever fails while the pool is set up, vLLM keeps its own."""
+    monkeypatch.setattr(graph_memory, "reserve", lambda *a, **k: SimpleNamespace(base=0x7000_0000_0000))
+    monkeypatch.setattr(graph_memory, "engine_graph_pool", lambda tag: ("region", 3))
+
+    def broken(*args):
+        raise TypeError("a vLLM whose platform moved")
+
+    monkeypatch.setattr(compat, "point_graph_captures_at", broken)
+    with caplog.at_level(logging.WARNING, logger="vllm.coldsnap"):
+        assert graph_memory.place_graph_pool(0, world=1, runner=None) is None
+    assert any("TypeError" in r.getMessage() for r in caplog.records)
+
+
+def test_an_attribute_that_raises_is_not_a_graph_manager():
+    class Exploding:
+        def __getattr__(self, name):
+            raise RuntimeError("lazy object")
+
+    manager = SimpleNamespace(pool=1, graphs={}, capture=lambda: None)
+    runner = SimpleNamespace(weird=Exploding(), cudagraph_manager=manager)
+    assert compat.model_runner_v2_graph_managers(runner) == [manager]
