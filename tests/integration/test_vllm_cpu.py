@@ -178,7 +178,11 @@ placed = placement.place_model_in_region(model)
 kv = reserve("kv_cache", 1 << 20, backend="host")
 kv.map()
 kv.host_view()[:] = b"\\x01" * kv.mapped_bytes
-ProcessState.memory = ModelMemory(placement.layout_for(placed, kv), {"weights": placed.region, "kv_cache": kv})
+graphs = reserve("cudagraph", 1 << 20, backend="host")  # (on a GPU the graphs' pool; the same bookkeeping here)
+graphs.map()
+graphs.host_view()[:] = b"\\x02" * graphs.mapped_bytes
+ProcessState.memory = ModelMemory(placement.layout_for(placed, kv, graphs),
+                                  {"weights": placed.region, "kv_cache": kv, "cudagraph": graphs})
 x = torch.randn(2, 64)
 expected = model(x)
 backend = backend_class()
@@ -186,6 +190,7 @@ backend.suspend(1)  # weights to the pack, every region unmapped; the addresses 
 assert placed.region.mapped_bytes == 0 and kv.mapped_bytes == 0 and backend.state() == "SUSPENDED"
 backend.resume(["kv_cache"])  # vLLM wakes KV and weights separately
 assert backend.state() == "SUSPENDED" and bytes(kv.host_view()) == bytes(kv.mapped_bytes)  # KV back zeroed
+assert graphs.mapped_bytes and bytes(graphs.host_view()) == bytes(graphs.mapped_bytes)  # graph memory with the first wake
 backend.resume(["weights"])
 assert backend.state() == "RUNNING" and torch.equal(model(x), expected)  # same tensors, same bytes
 backend.discard(("kv_cache",))
