@@ -45,6 +45,8 @@ from coldsnap.snapshot.cuda_checkpoint import TreeCheckpoint, gpu_processes
 from coldsnap.snapshot.process_tree import tree_pids
 
 LARGE = 64 << 20
+IN_REGIONS = "of it in coldsnap's regions (unmapped, not in the image)"
+"""The torch-allocator row of the segments coldsnap's regions serve: the checkpoint does not copy them."""
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
 
 
@@ -166,7 +168,7 @@ def capsule_attribution(artifact: Path, receipt: dict) -> dict:
                 "allocated (graph pools, live buffers)": prepare.get(f"{prefix}torch_allocated_bytes", 0),
                 "of it CUDA-graph private pools, reserved": prepare.get(f"{prefix}graph_pool_bytes", 0),
                 "of it CUDA-graph private pools, allocated": prepare.get(f"{prefix}graph_pool_allocated_bytes", 0),
-                "of it in coldsnap's regions (unmapped, not in the image)": prepare.get(f"{prefix}region_pool_bytes", 0)}
+                IN_REGIONS: prepare.get(f"{prefix}region_pool_bytes", 0)}
             context[rank or "rank0"] = {
                 "local memory freed before the checkpoint (stack limit lowered)":
                     prepare.get(f"{prefix}local_memory_freed_bytes", 0),
@@ -208,7 +210,7 @@ def render_capsule(document: dict) -> str:
             lines.append(f"| {rank}: per-thread stack limit lowered for the checkpoint, set back at resume | ({stack} bytes) |")
         if document["device_state_in_image_bytes"] is not None:
             # what the checkpoint copies of torch's: its reserved memory less the segments coldsnap's regions serve
-            reserved = sum(v["reserved_after_empty"] - v.get("of it in coldsnap's regions (unmapped, not in the image)", 0)
+            reserved = sum(v["reserved_after_empty"] - v.get(IN_REGIONS, 0)
                            for v in document["torch_allocator"].values())
             total = document["device_state_in_image_bytes"]
             lines.append(f"| moved into the image by the CUDA checkpoint (all GPU processes) | {total / mib:.1f} |")

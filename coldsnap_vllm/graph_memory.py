@@ -36,8 +36,9 @@ POISON_ENV = "COLDSNAP_POISON_GRAPH_MEMORY"
 def place_graph_pool(device: int, world: int, runner: Any = None) -> StableRegion | None:
     """Reserve the ``cudagraph`` region on ``device`` and make its pool the one every later vLLM graph
     capture of this process uses (graph wrappers built before, during vLLM's compilation, and the graph
-    managers of Model Runner V2 ``runner``, built before its KV cache, are pointed at it too). None, and vLLM's pool unchanged, at more than one rank, when switched off, or when the region
-    cannot be had (with a warning: the graphs' memory then goes into the process image, as before)."""
+    managers of Model Runner V2 ``runner``, built before its KV cache, are pointed at it too). None, and
+    vLLM's pool unchanged, at more than one rank, when switched off, or when the region cannot be had
+    (with a warning: the graphs' memory then goes into the process image, as before)."""
     if world != 1 or os.environ.get(GRAPH_REGION_ENV, "1") == "0":
         return None
     from coldsnap_vllm import compat
@@ -55,8 +56,9 @@ def place_graph_pool(device: int, world: int, runner: Any = None) -> StableRegio
 
 
 class GraphRegionPoison:
-    """An agent ``after_resume`` hook: with ``COLDSNAP_POISON_GRAPH_MEMORY=1``, the resumed region's bytes
-    become 0xFF (after the zeroing every resume does, before anything replays)."""
+    """An agent ``after_resume`` hook, added only when :meth:`wanted` (``COLDSNAP_POISON_GRAPH_MEMORY=1`` at
+    capture, which the restored process's environment still holds): the resumed region's bytes become 0xFF
+    (after the zeroing every resume does, before anything replays)."""
 
     def __init__(self, region: StableRegion):
         self.region = region
@@ -66,7 +68,7 @@ class GraphRegionPoison:
         return os.environ.get(POISON_ENV) == "1"
 
     def __call__(self) -> None:
-        if not self.wanted() or not self.region.mapped_bytes:
+        if not self.region.mapped_bytes:
             return
         import torch
 

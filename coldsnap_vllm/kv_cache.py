@@ -49,7 +49,8 @@ def _kv_allocator(original: Any, shared_backing: bool) -> Any:
             regions["kv_cache"] = region
             log.info("coldsnap: KV cache in the kv_cache region: %d bytes at 0x%x", region.mapped_bytes, region.base)
         # (vLLM captures its graphs after the KV cache is allocated: their pool is in place before)
-        graphs = place_graph_pool(weights.device, distributed_rank()[1], ProcessState.runner) if weights.backend == "cuda" else None
+        graphs = (place_graph_pool(weights.device, distributed_rank()[1], ProcessState.runner)
+                  if weights.backend == "cuda" else None)
         if graphs is not None:
             regions["cudagraph"] = ProcessState.graph_region = graphs
         ProcessState.memory = ModelMemory(layout_for(ProcessState.placed, region, graphs), regions)

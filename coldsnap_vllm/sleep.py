@@ -8,8 +8,8 @@ KV cache live in coldsnap's stable regions, so this backend does with them what 
 any level — the addresses stay reserved, so CUDA graphs and every tensor pointer stay valid;
 ``resume`` maps the requested regions again, hydrates the weights from the pack at the same addresses
 and zeroes the KV cache (vLLM's own wake does not zero it); the CUDA graphs' memory (the ``cudagraph``
-region, :mod:`coldsnap_vllm.graph_memory`) comes back, zeroed, with whichever tags wake first. ``discard`` unmaps regions without keeping
-anything (vLLM's KV release).
+region, :mod:`coldsnap_vllm.graph_memory`) comes back, zeroed, with whichever tags wake first.
+``discard`` unmaps regions without keeping anything (vLLM's KV release).
 
 The pack goes to ``COLDSNAP_SLEEP_PACK_DIR`` (default ``/dev/shm/coldsnap-sleep-<process group>``, one
 directory for every worker of a ``vllm serve``; a page-cache backed directory makes suspend and
