@@ -28,7 +28,7 @@ from pathlib import Path
 
 from benchmarks.vllm_startup import SERVE_LOAD, SERVE_METRICS, Bench, add_variant_arguments, run_steps, serve_load
 
-STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-1t", "restore-log", "serving", "equality", "equality-cold", "equality-native", "native", "dropped")
+STEPS = ("model", "cold-warm", "capture", "restore", "restore-4k", "restore-1t", "restore-late", "restore-log", "serving", "equality", "equality-cold", "equality-native", "native", "dropped")
 SGLANG_ARGS = ("--attention-backend", "triton", "--sampling-backend", "pytorch", "--mem-fraction-static", "0.5")
 SGLANG_ENV = {"HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0", "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1",
               "SGLANG_PLUGINS": "coldsnap"}

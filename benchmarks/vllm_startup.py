@@ -19,6 +19,10 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
   restore      ``--repeat`` restores, each checked: PROMPT_2's greedy token ids = the cold start's
   restore-4k   the same with ``COLDSNAP_CRIU_THP_FILL=0``: CRIU fills 4 KiB pages, as a stock CRIU does
   restore-1t   the same with ``COLDSNAP_CRIU_FILL_THREADS=0``: each process's pages read on one thread
+  standby      ``--repeat`` times: `coldsnap warm` (exec → exit: the standby parked, its pack pinned), then
+               `coldsnap wake` of it, timed from its exec to the canary's match and checked as a restore is
+  restore-late the same with ``COLDSNAP_EARLY_RESTORE=0``: CRIU starts after the launcher's imports and the
+               whole admission, not at its entry (coldsnap.activation.early_restore)
   restore-recovery  ``--repeat`` restores with ``--weights recovery``: the weights from the pinned safetensors
                (by the capture's recovery plan where it recorded one), as when the pack is missing or corrupt
   race         ``--repeat`` rounds of two ``coldsnap restore`` of the capsule onto its port at once: which won,
@@ -87,7 +91,7 @@ from benchmarks.equality import EQUALITY_PROMPTS, EQUALITY_TOKENS, equality_answ
 from benchmarks.image_attribution import capsule_attribution, render_capsule  # noqa: E402
 from benchmarks.common import draw_medians, drop_caches, receipt_timeline  # noqa: E402
 
-STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-recovery", "restore-log", "race",
+STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-late", "standby", "restore-recovery", "restore-log", "race",
          "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-native", "native", "sleep", "dropped", "fresh-node")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
@@ -347,6 +351,43 @@ class Bench:
         fill, in the same run)."""
         for _ in range(self.args.repeat):
             self.restore("warm", env={"COLDSNAP_CRIU_FILL_THREADS": "0"})
+
+    def step_standby(self) -> None:
+        """A warm standby, then its wake, ``--repeat`` times: the wake as the user sees it (exec → canary)."""
+        for _ in range(self.args.repeat):
+            index = len(self.state["runs"])
+            warm_receipt, wake_receipt = self.work / f"warm-{index}.json", self.work / f"wake-{index}.json"
+            exec_ns = time.time_ns()
+            warmed = subprocess.run([sys.executable, "-m", "coldsnap", "warm", str(self.artifact), "--receipt-json",
+                                     str(warm_receipt)], env={**os.environ, **self.env()}, capture_output=True, text=True)
+            warm_s = (time.time_ns() - exec_ns) / 1e9
+            if warmed.returncode != 0:
+                raise SystemExit(f"warm failed: {warmed.stderr[-2000:]}")
+            exec_ns = time.time_ns()
+            woken = subprocess.run([sys.executable, "-m", "coldsnap", "wake", str(self.artifact), "--receipt-json",
+                                    str(wake_receipt)], env={**os.environ, **self.env()}, capture_output=True, text=True)
+            exit_ns = time.time_ns()
+            receipt = json.loads(wake_receipt.read_text())
+            try:
+                if woken.returncode != 0:
+                    raise SystemExit(f"wake failed: {receipt.get('error')}\n{woken.stderr[-2000:]}")
+                answer = tokens(self.port)
+            finally:
+                pid = restored_pid(json.loads(warm_receipt.read_text()))
+                if pid is not None:
+                    kill_tree(pid)
+                time.sleep(0.5)
+            phases = receipt_timeline(receipt, exec_ns, exit_ns)
+            seconds = phases.pop("exec → canary matched")
+            expected = self.expected()
+            self.record(kind="wake" + self.variant, cache="warm", seconds=round(seconds, 3), tokens=answer,
+                        phases=phases, warm_s=round(warm_s, 3), same_tokens=expected is None or answer == expected)
+
+    def step_restore_late(self) -> None:
+        """Restores whose CRIU starts only once the launcher has imported everything and admitted the artifact
+        (the comparison for the early start at the program's entry, in the same run)."""
+        for _ in range(self.args.repeat):
+            self.restore("warm", env={"COLDSNAP_EARLY_RESTORE": "0"})
 
     def step_restore_recovery(self) -> None:
         """Restores whose weights come from the pinned safetensors (``--weights recovery``), beside the

@@ -1,10 +1,12 @@
 """The ``coldsnap`` program (``python -m coldsnap`` and the console script).
 
-``coldsnap wake`` first asks the standby to start filling its weights (:mod:`coldsnap.activation.early_wake`,
-standard library only), so that the fill runs while this process imports the rest of coldsnap; then
-everything is the CLI's (:func:`coldsnap.cli.run`)."""
+``coldsnap wake`` first asks the standby to start filling its weights (:mod:`coldsnap.activation.early_wake`),
+and ``coldsnap restore`` first starts CRIU's restore of the tree (:mod:`coldsnap.activation.early_restore`),
+both with the standard library only, so that the work runs while this process imports the rest of coldsnap;
+then everything is the CLI's (:func:`coldsnap.cli.run`)."""
 
 import sys
+import time
 
 
 def main() -> None:
@@ -12,6 +14,11 @@ def main() -> None:
         from coldsnap.activation.early_wake import start_prefill
 
         start_prefill(sys.argv[2:])
+    elif sys.argv[1:2] == ["restore"]:
+        origin = (time.monotonic_ns(), time.time_ns())  # (the operation's clock starts here, not after the import)
+        from coldsnap.activation.early_restore import start_tree
+
+        start_tree(sys.argv[2:], origin)
     from coldsnap.cli import run
 
     run()

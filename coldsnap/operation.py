@@ -179,10 +179,12 @@ class OperationContext:
 
 @contextlib.contextmanager
 def step(timer: OperationTimer, span: str, code: str, failures: tuple[type[BaseException], ...],
-         describe: Callable[[BaseException], str] = str) -> Iterator[dict[str, str | int | bool]]:
-    """One step of an operation: its timing span, and any of ``failures`` raised inside reported as
-    ``OperationFailed(code, describe(exc))``; an :class:`OperationFailed` raised inside keeps its own code."""
-    with timer.span(span) as attributes:
+         describe: Callable[[BaseException], str] = str,
+         started_ns: int | None = None) -> Iterator[dict[str, str | int | bool]]:
+    """One step of an operation: its timing span (``started_ns``: :meth:`OperationTimer.span`'s), and any of
+    ``failures`` raised inside reported as ``OperationFailed(code, describe(exc))``; an
+    :class:`OperationFailed` raised inside keeps its own code."""
+    with timer.span(span, started_ns) as attributes:
         try:
             yield attributes
         except OperationFailed:
@@ -241,9 +243,11 @@ def run_operation(
     stdout: IO[bytes] | None = None,
     stderr: IO[str] | None = None,
     owner: Owner | str | None = None,
+    origin: tuple[int, int] | None = None,
 ) -> int:
     """Run ``body`` inside the operation envelope; returns the process exit status. ``owner``: ``--owner``
-    (else the request's, else sudo's caller: :func:`coldsnap.ownership.resolve_owner`)."""
+    (else the request's, else sudo's caller: :func:`coldsnap.ownership.resolve_owner`). ``origin``: the
+    operation clock's (:class:`~coldsnap.timing.OperationTimer`), default now."""
     stdout = stdout if stdout is not None else sys.stdout.buffer
     stderr = stderr if stderr is not None else sys.stderr
     events_handle = None
@@ -269,7 +273,7 @@ def run_operation(
         return EXIT_USAGE
 
     events = TimingEventStream(events_handle, request.operation_id, request_sha256) if events_handle else None
-    timer = OperationTimer(events)
+    timer = OperationTimer(events, origin=origin)
     context = OperationContext(request, request_sha256, timer, stderr, hand_over=HandOver(resolved_owner))
     started = timer.unix_origin_ns
     outcome = OperationOutcome()

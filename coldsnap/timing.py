@@ -76,9 +76,11 @@ class OperationTimer:
 
     CONTROLLER_CLOCK = "controller"
 
-    def __init__(self, events: TimingEventStream | None = None, description: str = "coldsnap controller"):
-        self._origin_monotonic_ns = time.monotonic_ns()
-        self.unix_origin_ns = time.time_ns()
+    def __init__(self, events: TimingEventStream | None = None, description: str = "coldsnap controller",
+                 origin: tuple[int, int] | None = None):
+        """``origin``: (monotonic, unix) nanoseconds the clock starts at (default now): a restore's, where its
+        process's entry started work before the operation (:mod:`coldsnap.activation.early_restore`)."""
+        self._origin_monotonic_ns, self.unix_origin_ns = origin or (time.monotonic_ns(), time.time_ns())
         self._events = events
         self._clocks: list[Clock] = []
         self._spans: list[Span] = []
@@ -115,11 +117,13 @@ class OperationTimer:
             self._events.emit("span_complete", span=span.to_json_value())
 
     @contextlib.contextmanager
-    def span(self, name: str, **attributes: str | int | bool) -> Iterator[dict[str, str | int | bool]]:
-        """Time a phase on the controller clock; the yielded dict takes attributes learned inside."""
+    def span(self, name: str, started_ns: int | None = None,
+             **attributes: str | int | bool) -> Iterator[dict[str, str | int | bool]]:
+        """Time a phase on the controller clock; the yielded dict takes attributes learned inside.
+        ``started_ns``: when the phase began, if before now (work started earlier and waited for here)."""
         span_id = f"s{next(self._ids)}"
         parent_id = self._stack[-1] if self._stack else None
-        start = self.now_ns()
+        start = self.now_ns() if started_ns is None else started_ns
         if self._events is not None:
             self._events.emit(
                 "span_start",

@@ -22,13 +22,14 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.early_restore import EarlyRestore, early_restore
 from coldsnap.activation.operation_locks import hold_port
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.ranks import rank_prefix
 from coldsnap.activation.replica import Replica, plan_replica, refuse_gpus_for_a_cpu_artifact, serving_port
 from coldsnap.activation.staging import stages_rank
 from coldsnap.activation.standby import live_standby
-from coldsnap.activation.state import host_cache_dir
+from coldsnap.activation.state import artifact_id, host_cache_dir
 from coldsnap.contracts.artifact import ArtifactDescriptor, UnitRecord, WorkerRecord
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
@@ -55,6 +56,8 @@ class Admitted:
     capsule: CapsuleManifest
     sources: dict[int, "WeightSource"]
     replica: Replica
+    early: EarlyRestore | None = None
+    """The tree the process's entry started for this very restore (its CRIU runs already)."""
 
 
 class _InBackground:
@@ -217,13 +220,23 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
         if not check.ok:
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
     with timer.span(f"{op}.admission.port") as span:
-        # One operation per port from here on: a concurrent restore, warm or wake of it loses here
-        hold_port(context, serving_port(context, capsule), str(artifact.root))
-        replica = plan_replica(context, artifact, capsule, lambda: getattr(live_standby(artifact), "pid", None))
+        port = serving_port(context, capsule)
+        early = early_restore() if op == "restore" else None
+        if early is not None and not early.matches(artifact.root, artifact_id(artifact.root), capsule.unit_id, port):
+            early.abandon()  # (another artifact, unit or port than the entry's: its tree and lock go)
+            early = None
+        # One operation per port from here on: a concurrent restore, warm or wake of it loses here (the entry's
+        # early restore took it already: this process holds it)
+        hold_port(context, port, str(artifact.root))
+        if early is not None:  # planned, probed and being restored since the entry: admitted, it is this one's
+            replica = early.replica
+            span["early_restore"] = True
+        else:
+            replica = plan_replica(context, artifact, capsule, lambda: getattr(live_standby(artifact), "pid", None))
         span["serving_port"] = replica.serving_port
         if replica.generation.shift:
             span["port_shift"] = replica.generation.shift
-    return Admitted(descriptor, capsule, sources, replica)
+    return Admitted(descriptor, capsule, sources, replica, early)
 
 
 def _admit_topology(context: OperationContext, descriptor: ArtifactDescriptor) -> int:

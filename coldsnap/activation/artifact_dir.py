@@ -169,7 +169,9 @@ class ArtifactDir:
     def write_capsule(self, unit_id: str, metadata: ActivationMetadata) -> FileRef:
         """Manifest every image file with its SHA-256, plus activation metadata; returns its FileRef. Each
         digest is also recorded in the images' validation record, so restore admission verifies every
-        image against the capsule without hashing them again while they are unchanged."""
+        image against the capsule without hashing them again while they are unchanged; and the manifest's
+        own in its folder's, so that a restore's entry can start CRIU on the first restore after the
+        capture too (:mod:`coldsnap.activation.early_restore`: it trusts records, never hashes)."""
         images = self.images(unit_id)
         files = [
             CapsuleFile(path=str(p.relative_to(images)), size_bytes=p.stat().st_size, sha256=hash_and_record(p))
@@ -180,7 +182,7 @@ class ArtifactDir:
         manifest = CapsuleManifest(format=CAPSULE_FORMAT, unit_id=unit_id, files=files, metadata=metadata)
         path = self.capsule_path(unit_id)
         write_atomic(path, manifest.canonical_json() + b"\n")
-        return file_ref(self, path)
+        return file_ref(self, path, hash_and_record(path))
 
     def read_capsule(self, unit_id: str) -> CapsuleManifest:
         """The unit's capsule manifest, strictly decoded (raises ContractError, naming the problem)."""

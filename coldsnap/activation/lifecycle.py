@@ -6,6 +6,7 @@ looks the request's driver up (:mod:`coldsnap.activation.drivers`) and runs its 
              capsule once through :func:`restore`, handed down: ``capture.verify``)
     restore: admission (:mod:`coldsnap.activation.admission`) → the driver's own admission (n610: GPUs
              and their room; n580: the placement) → ``--prepare-only`` stops → the driver's restore steps
+             (a CLI restore's entry may have started CRIU already: :mod:`coldsnap.activation.early_restore`)
     warm:    one standby per artifact (a live one: converged) → admission → the driver's warm steps
     wake:    the live standby, its locks, its weight sources → the driver's wake steps
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from coldsnap.activation.admission import Admitted, admit, weight_sources
 from coldsnap.activation.artifact_dir import ArtifactDir, claim_state
 from coldsnap.activation.drivers import driver_for
+from coldsnap.activation.early_restore import early_restore
 from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
 from coldsnap.activation.state import artifact_id
@@ -70,6 +72,17 @@ def capture(context: OperationContext, ready_timeout: float | None = None) -> Op
 def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> OperationOutcome:
     """``artifact``: the request's by default; a capture's check restore passes its pending one."""
     artifact = artifact or ArtifactDir(Path(context.request.artifact))
+    early = early_restore()  # the tree this process's entry started: adopted by admission, or killed here
+    if early is not None:
+        context.timer.add_timeline_span(f"{context.request.operation}.admission.early", *early.checked_ns)
+    try:
+        return _restore(context, artifact)
+    finally:
+        if early is not None:
+            early.abandon()  # (a no-op once adopted)
+
+
+def _restore(context: OperationContext, artifact: ArtifactDir) -> OperationOutcome:
     with unit_activation(context) as units:
         claim_state(context.hand_over, artifact)
         admitted = admit(context, artifact)

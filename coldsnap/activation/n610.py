@@ -65,7 +65,7 @@ def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: 
 
 def restore(context: OperationContext, artifact: ArtifactDir, admitted: Admitted, gpus: GpuPlacement) -> OperationOutcome:
     return RestoreSequence(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources, admitted.replica,
-                           gpus=gpus).run(RESTORE_STEPS)
+                           gpus=gpus, early=admitted.early).run(RESTORE_STEPS)
 
 
 class StandbySequence(RestoreSequence):

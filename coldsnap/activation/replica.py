@@ -5,35 +5,19 @@ sequences (:mod:`coldsnap.activation.restore_steps`, :mod:`coldsnap.activation.n
 from __future__ import annotations
 
 import json
-import re
-import socket
-import uuid
 from dataclasses import dataclass
 from typing import Callable
 
 from coldsnap.activation.artifact_dir import ArtifactDir
+from coldsnap.activation.replica_plan import PortsTaken, Replica, plan, port_free
 from coldsnap.activation.state import host_cache_dir
 from coldsnap.activation.units import moved_addresses, selected_unit
-from coldsnap.agent.protocol import address as socket_address
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
 from coldsnap.snapshot.cuda_checkpoint import cuda_devices
-from coldsnap.snapshot.replica import (PortGeneration, tree_sockets, namespace_socket_names, path_socket_names,
-                                       port_generation, probe_abstract_names, probe_binds, probe_path_sockets)
 
 __all__ = ["Replica", "plan_replica", "GpuPlacement", "gpu_placement", "gpu_remap", "captured_visible_devices",
            "refuse_gpus_for_a_cpu_artifact", "port_free", "serving_port"]
-
-
-def port_free(port: int) -> bool:
-    """Whether a listener could bind ``port`` on the loopback address now."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def serving_port(context: OperationContext, capsule: CapsuleManifest) -> int:
@@ -45,92 +29,26 @@ def serving_port(context: OperationContext, capsule: CapsuleManifest) -> int:
     return asked or capsule.metadata.serving_port
 
 
-@dataclass(frozen=True)
-class Replica:
-    """What makes one restore of an image its own: where it serves, how its ports move there (the port
-    generation), its agents' (and template's) control sockets, and its state directory's name."""
-
-    serving_port: int
-    generation: PortGeneration
-    controls: dict[int, str]
-    """Rank → the agent's control socket in this replica."""
-    template_control: str | None
-    unix_names: dict[bytes, bytes]
-    """Captured abstract socket address → this replica's (the image's copy is rewritten with them)."""
-
-    @property
-    def name(self) -> str:
-        return replica_name(self.serving_port)
-
-
-def replica_name(serving_port: int) -> str:
-    """A replica's name: its directory under the artifact's state directory, the suffix of its
-    path-bound sockets; one per serving port."""
-    return f"port-{serving_port}"
-
-
-_CONTROL_ID = re.compile(r"^(@coldsnap-(?:agent|template)-)[0-9a-f]{16}")
-
-
-def _replica_control(control: str, token: str) -> str:
-    """``control`` (``@coldsnap-agent-<id>[.rankN]``, as :func:`~coldsnap.activation.engine_process.new_control_name`
-    makes them) with this replica's id in place of the captured one; any other name is kept."""
-    return _CONTROL_ID.sub(lambda match: match.group(1) + token, control)
-
-
 def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest,
                  standby_pid: Callable[[], int | None] = lambda: None) -> Replica:
-    """This restore's :class:`Replica`; ``admission.port`` when a port it needs is taken. Every port the
-    tree will bind is probed: the serving port itself, and the generation's move of each other.
-    ``standby_pid``: the pid of the artifact's live warm standby, if any (asked only when the captured
-    port is taken, to say so)."""
+    """This restore's :class:`Replica` (:func:`coldsnap.activation.replica_plan.plan`); ``admission.port``
+    when a port it needs is taken. ``standby_pid``: the pid of the artifact's live warm standby, if any
+    (asked only when the captured port is taken, to say so)."""
     metadata = capsule.metadata
     port = serving_port(context, capsule)
-    sockets, tree_names = tree_sockets(artifact.images(capsule.unit_id))
-    try:
-        generation = port_generation(sockets, metadata.serving_port, port)
-    except ValueError as exc:
-        raise OperationFailed("admission.port", str(exc)) from None
     # One unit of several: every unit's captured address → its new one, published here (every unit admits
     # at once), so the probe binds where the restore will.
     moved = moved_addresses(context.units.place(metadata.address)) if context.units is not None else None
-    taken = probe_binds(sockets, generation, moved)
-    # A template's engine (or a tree holding no socket of it) binds the serving port only once started.
-    listens = metadata.template is None and any(s.src_port == metadata.serving_port for s in sockets)
-    if not listens and not port_free(port):
-        taken.append(f"tcp 127.0.0.1:{port}")
-    if taken:
-        if port == metadata.serving_port:
-            pid = standby_pid()
-            if pid is not None:
-                raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this "
-                                      f"artifact (pid {pid}): `coldsnap wake {artifact.root}` makes it serve")
-        shifted = "" if generation.shift == 0 else f" (the capture's ports moved by {generation.shift:+d})"
-        raise OperationFailed("admission.port", f"serving port {port}: the tree's port(s) {', '.join(taken)} are "
-                              f"taken{shifted}")
-    token = uuid.uuid4().hex[:16]
-    controls = {w.rank: _replica_control(w.control, token) for w in metadata.workers}
-    template_control = _replica_control(metadata.template.control, token) if metadata.template is not None else None
-    renamed = {w.control: controls[w.rank] for w in metadata.workers}
-    if metadata.template is not None and template_control is not None:
-        renamed[metadata.template.control] = template_control
-    names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
-    paths = path_socket_names(tree_names, replica_name(port))
-    names.update(paths)  # (the CUDA driver's: by the replica's pid 1)
-    # Any other abstract name the tree binds is restored as it is: taken by another process (another
-    # replica of an engine that binds a fixed one), CRIU could not bind it.
-    fixed = [name for name in tree_names if name[:1] == b"\0" and name not in names
-             and not namespace_socket_names([name], 0)]
-    taken = probe_abstract_names(fixed) + probe_path_sockets(list(paths.values()))[0]
-    if taken:
-        raise OperationFailed("admission.port", f"the tree's unix socket(s) {', '.join(taken)} are taken "
-                              "(by another replica of this capsule?)")
-    return Replica(port, generation, controls, template_control, names)
-
-
-def _abstract(control: str) -> bytes:
-    address = socket_address(control)
-    return address if isinstance(address, bytes) else address.encode()
+    try:
+        return plan(artifact.images(capsule.unit_id), metadata.serving_port, port,
+                    {w.rank: w.control for w in metadata.workers},
+                    metadata.template.control if metadata.template is not None else None, moved)
+    except PortsTaken as exc:
+        pid = standby_pid() if exc.serving_port_taken else None
+        if pid is not None:
+            raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this "
+                                  f"artifact (pid {pid}): `coldsnap wake {artifact.root}` makes it serve") from None
+        raise OperationFailed("admission.port", str(exc)) from None
 
 
 @dataclass(frozen=True)

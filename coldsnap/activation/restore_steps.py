@@ -26,9 +26,11 @@ from typing import Any, Callable, ContextManager, Sequence
 from coldsnap.activation.admission import WeightSource
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.canary_probes import ask_probe, first_difference, float_of
+from coldsnap.activation.early_restore import EarlyRestore
 from coldsnap.activation.engine_process import ask_canary
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica
+from coldsnap.activation.replica_plan import write_replica_images
 from coldsnap.activation.staging import WeightStager, stages_rank
 from coldsnap.activation.state import forget_removed_artifacts
 from coldsnap.activation.units import moved_addresses
@@ -42,10 +44,9 @@ from coldsnap.payload.arrival import ArrivalFailed, arrival_for
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file
 from coldsnap.progress import PhaseProgress
-from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, PendingRestore, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, start_cuda_in_background
 from coldsnap.snapshot.process_tree import kill_tree
-from coldsnap.snapshot.replica import probe_path_sockets, replica_images
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill
 
 __all__ = ["RestoreSequence", "UNIT_BARRIERS"]
@@ -69,9 +70,10 @@ class RestoreSequence:
     def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
                  capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica | None,
                  restored_pid: int | None = None, controls: list[str] | None = None,
-                 gpus: GpuPlacement | None = None):
+                 gpus: GpuPlacement | None = None, early: EarlyRestore | None = None):
         """``replica``: this restore's place (admission's); a standby's wake has none — it is handed the
-        parked tree's ``restored_pid`` and agent ``controls`` instead."""
+        parked tree's ``restored_pid`` and agent ``controls`` instead. ``early``: the tree the process's
+        entry started restoring for this replica (admission matched it): its CRIU is waited for, not started."""
         self.context = context
         self.op = context.request.operation
         self.timer = context.timer
@@ -99,12 +101,14 @@ class RestoreSequence:
         self.handed_over: list[int] = []  # descriptors of staged memory, closed once sent (or on failure)
         self.staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}  # rank → (adopted chunks, staging stats)
         self.fds_by_rank: dict[int, list[int]] = {}
+        self.early = early
+        self.criu: PendingRestore | None = None  # CRIU under way: killed by unwind until it has restored the tree
 
-    def step(self, span: str, code: str) -> ContextManager[dict[str, str | int | bool]]:
+    def step(self, span: str, code: str, started_ns: int | None = None) -> ContextManager[dict[str, str | int | bool]]:
         """One step (:func:`coldsnap.operation.step`): a failure of what it calls (CRIU, CUDA, an agent,
         the OS) is reported with its code, the exception's type first."""
         return step(self.timer, span, code, (CriuError, CudaCheckpointError, AgentError, OSError, ContractError),
-                    lambda exc: f"{type(exc).__name__}: {exc}")
+                    lambda exc: f"{type(exc).__name__}: {exc}", started_ns)
 
     def run(self, steps: Sequence[str]) -> OperationOutcome:
         """The named steps (methods of this sequence), in order, as the snapshot driver lists them
@@ -155,25 +159,32 @@ class RestoreSequence:
             arrival = arrival_for(self.artifact.root / w.payload.path) if w.payload is not None else None
             if arrival is not None and w.rank not in self.stagers:
                 arrival.read_when_whole()
-        with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
+        early = self.early
+        with self.step(f"{self.op}.criu_restore", "restore.criu",
+                       started_ns=early.criu_started_ns if early is not None else None) as span:
             state_dir = self.state_dir()
-            if self.metadata.gpu_pids:  # the checkpoint API ready when the tree is (admission used a cached probe)
+            if self.metadata.gpu_pids and early is None:  # the checkpoint API ready when the tree is
                 start_cuda_in_background()
+            if early is not None:  # CRIU runs since the process's entry
+                self.criu = early.adopt()
+                span["early"] = True
             for stager in self.stagers.values():
                 stager.start()
             self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
             self.warmer.start()
             span["state_dir"] = str(state_dir)
-            images = self.replica_images(state_dir)
-            options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
             with contextlib.ExitStack() as window:
                 if host_thp_requested():  # the operator's choice (--host-thp), checked at admission
                     try:
                         span["host_thp_before"] = window.enter_context(huge_pages_for_the_fill(state_root()))
                     except ThpError as exc:
                         raise OperationFailed("admission.host_thp", str(exc)) from None
-                result = CriuSnapshotter(options=options).restore(images, state_dir, self.artifact.root, own_images=True,
-                                                                  before_unlock=self._network_unlock_barrier())
+                if self.criu is None:
+                    images = self.replica_images(state_dir)
+                    options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
+                    self.criu = CriuSnapshotter(options=options).start_restore(
+                        images, state_dir, self.artifact.root, own_images=True, before_unlock=self._network_unlock_barrier())
+                result = self.criu.finish()
             self.restored_pid = span["pid"] = result.pid
             span["thp_fill"] = result.thp_fill  # (CRIU fills huge pages where its build and the host's mode allow)
             span["fill_threads"] = result.fill_threads  # (helpers per process, where CRIU's build has them)
@@ -198,12 +209,8 @@ class RestoreSequence:
         """The images CRIU restores this replica from: the capture's, with ``files.img`` rewritten for its
         ports and sockets in ``state_dir`` (the artifact is only read)."""
         assert self.replica is not None
-        # A previous incarnation's socket files at this replica's paths (nothing listens: admission checked)
-        for stale in probe_path_sockets([n for n in self.replica.unix_names.values() if n.startswith(b"/")])[1]:
-            stale.unlink(missing_ok=True)
-        return replica_images(self.artifact.images(self.unit.unit_id), state_dir / "images",
-                              self.replica.generation, self.replica.unix_names,
-                              f".{self.replica.name}".encode(), self.moved_addresses())
+        return write_replica_images(self.artifact.images(self.unit.unit_id), state_dir, self.replica,
+                                    self.moved_addresses())
 
     def moved_addresses(self) -> dict[bytes, bytes] | None:
         """One unit of several placed on other hosts: every unit's captured address, packed, onto its new one
@@ -409,6 +416,8 @@ class RestoreSequence:
             stager.join()
             stager.release()
         self._close_handed_over()
+        if self.criu is not None:  # (still restoring: CRIU and what it restored so far; restored: nothing left to do)
+            self.criu.abandon()
         if self.restored_pid is not None:
             kill_tree(self.restored_pid)
         if self.lease is not None:

@@ -22,6 +22,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from coldsnap.agent.addresses import address
+
 __all__ = [
     "AgentFailure", "AgentState", "Command", "CoordinatorRef", "FailureCode", "Hydrated", "LeaseTaken", "PackRef",
     "Prefill", "PrefillReply", "Prepare", "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply",
@@ -310,11 +312,6 @@ CONTROL_ENV = "COLDSNAP_CONTROL"
 def rank_control(control: str, rank: int) -> str:
     """The control socket of ``rank``: the engine's ``COLDSNAP_CONTROL`` for rank 0, suffixed for others."""
     return control if rank == 0 else f"{control}.rank{rank}"
-
-
-def address(control: str) -> str | bytes:
-    """The socket address of a control name (``@name`` is Linux's abstract namespace: no file)."""
-    return b"\0" + control[1:].encode() if control.startswith("@") else control
 
 
 def receive_line(connection: socket.socket) -> tuple[bytes, list[int]]:

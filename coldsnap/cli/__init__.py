@@ -38,7 +38,12 @@ def run() -> None:
     own shutdown (module teardown, the CUDA driver's exit handlers after the admission probe) only
     delays the exit a restore's caller waits for (~0.1 s on the H200). coldsnap registers no exit
     handlers of its own."""
-    status = main()
+    try:
+        status = main()
+    finally:
+        early = sys.modules.get("coldsnap.activation.early_restore")
+        if early is not None:  # a tree the entry started that no restore adopted (a usage error came first)
+            early.abandon_unadopted()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -177,16 +177,22 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
     from coldsnap.operation import OperationFailed, run_operation, terminate_as_interrupt
 
     perform: Callable[[Any], Any]
+    early = None  # restore: the tree this process's entry started, if any (its operation id and clock are this one's)
     if operation == "capture":
         from coldsnap.activation.lifecycle import capture as perform
     elif operation == "restore":
+        from coldsnap.activation.early_restore import early_restore
         from coldsnap.activation.lifecycle import restore as perform
+
+        early = early_restore() if not args.request_json else None
     elif operation == "warm":
         from coldsnap.activation.lifecycle import warm as perform
     else:
         from coldsnap.activation.lifecycle import wake as perform
 
     terminate_as_interrupt()
+    if early is not None and args.operation_id is None:
+        args.operation_id = early.operation_id
     try:
         if args.request_json:
             source = "<stdin>" if args.request_json == "-" else args.request_json
@@ -205,7 +211,8 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
             raise OperationFailed("request.operation", f"`coldsnap {operation}` got a {context.request.operation} request")
         return perform(context)
 
-    return run_operation(data, source, body, args.receipt_json, args.timing_events, owner=args.owner)
+    return run_operation(data, source, body, args.receipt_json, args.timing_events, owner=args.owner,
+                         origin=early.origin if early is not None else None)
 
 
 def _parse_owner_flag(args: argparse.Namespace, command: str) -> bool:

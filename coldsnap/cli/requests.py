@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import time
 from pathlib import Path
 
 from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 
 from coldsnap.operation import UsageError
+from coldsnap.operation_ids import new_operation_id
 
 
 # A serving command's engine, from its program or its module (`vllm serve`, `python -m vllm...`,
@@ -237,12 +236,6 @@ def unit_selection(args: argparse.Namespace) -> dict | None:
         **({"serve_rendezvous": args.serve_rendezvous} if args.serve_rendezvous else {}),
         **({"address": args.address} if args.address else {}),
         **({"join_timeout_s": args.rendezvous_timeout} if args.rendezvous_timeout else {})}}
-
-
-def new_operation_id(operation: str) -> str:
-    """``OPERATION-<local time>-<pid>``: two operations started in the same second (a race, a retry loop)
-    still have ids of their own."""
-    return f"{time.strftime(f'{operation}-%Y%m%dT%H%M%S')}-{os.getpid()}"
 
 
 def _captured_request(directory: Path) -> dict:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from coldsnap.contracts.canonical import canonical_json, canonical_sha256
+from coldsnap.contracts.canonical import canonical_json, canonical_sha256, parse_strict_json
 
 __all__ = [
     "Contract",
@@ -104,32 +104,6 @@ class ContractError(ValueError):
 
 
 ModelT = TypeVar("ModelT", bound=Contract)
-
-
-def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"duplicate key {key!r}")
-        seen[key] = value
-    return seen
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not allowed")
-
-
-def parse_strict_json(data: bytes | str) -> Any:
-    """Parse JSON refusing duplicate keys and NaN/Infinity. Raises ValueError with a readable reason."""
-    if isinstance(data, bytes):
-        try:
-            data = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"not UTF-8 (byte {exc.start})") from None
-    try:
-        return json.loads(data, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
 
 
 def _location(loc: tuple[Any, ...]) -> str:

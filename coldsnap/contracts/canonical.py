@@ -17,9 +17,10 @@ Rules (shared with the golden corpus ``tests/fixtures/cross-language-v1.json``):
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
-__all__ = ["CanonicalJsonError", "canonical_json", "canonical_sha256", "INT64_MIN", "INT64_MAX"]
+__all__ = ["CanonicalJsonError", "canonical_json", "canonical_sha256", "parse_strict_json", "INT64_MIN", "INT64_MAX"]
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
@@ -99,3 +100,32 @@ def canonical_json(value: Any) -> bytes:
 def canonical_sha256(value: Any) -> str:
     """Lower-case hex SHA-256 of :func:`canonical_json` of ``value``."""
     return hashlib.sha256(canonical_json(value)).hexdigest()
+
+
+def _reject_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not allowed")
+
+
+def parse_strict_json(data: bytes | str) -> Any:
+    """Parse JSON refusing duplicate keys and NaN/Infinity. Raises ValueError with a readable reason.
+
+    Standard library only, like the rest of this module: a restore reads its artifact with it before
+    pydantic is imported (:mod:`coldsnap.activation.early_restore`)."""
+    if isinstance(data, bytes):
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"not UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(data, object_pairs_hook=_reject_duplicates, parse_constant=_reject_constant)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None

@@ -38,6 +38,7 @@ from coldsnap.contracts.base import Contract, ContractError, Sha256Hex, decode_d
 from coldsnap.contracts.canonical import INT64_MAX
 from coldsnap.payload.errors import ExpectedDigestError, PackDigestMismatch, PackUnreadable
 from coldsnap.payload.pack import digest_from_file_name, open_regular_file
+from coldsnap.payload.records import RACY_WINDOW_NS, VALIDATION_RECORD_NAME, FileIdentity, identity_of, vouches
 
 __all__ = [
     "VALIDATION_RECORD_NAME",
@@ -56,12 +57,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-VALIDATION_RECORD_NAME = ".coldsnap-validation.json"
-RACY_WINDOW_NS = 50_000_000
-"""An entry is trusted only if its file last changed at least this long before its hash started.
-
-Linux stamps files from a clock that advances once per tick (1-10 ms); 50 ms is several ticks.
-"""
 HASH_CHUNK_BYTES = 8 * 1024 * 1024
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -116,33 +111,19 @@ class Verification:
     seconds: float
 
 
-class _Identity(NamedTuple):
-    st_dev: int
-    st_ino: int
-    size_bytes: int
-    mtime_ns: int
-    ctime_ns: int
+def _entry_identity(entry: ValidationEntry) -> FileIdentity:
+    return FileIdentity(entry.st_dev, entry.st_ino, entry.size_bytes, entry.mtime_ns, entry.ctime_ns)
 
 
-def _identity(status: os.stat_result) -> _Identity:
-    return _Identity(status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns, status.st_ctime_ns)
-
-
-def _entry_identity(entry: ValidationEntry) -> _Identity:
-    return _Identity(entry.st_dev, entry.st_ino, entry.size_bytes, entry.mtime_ns, entry.ctime_ns)
-
-
-def _wait_out_racy_window(identity: _Identity) -> None:
+def _wait_out_racy_window(identity: FileIdentity) -> None:
     """Sleep until the file's last change is :data:`RACY_WINDOW_NS` old (at most that long)."""
     wait_ns = max(identity.mtime_ns, identity.ctime_ns) + RACY_WINDOW_NS - time.time_ns()
     if wait_ns > 0:
         time.sleep(wait_ns / 1e9)
 
 
-def _trusted(entry: ValidationEntry | None, now: _Identity, expected: str) -> bool:
-    if entry is None or entry.sha256 != expected or _entry_identity(entry) != now:
-        return False
-    return entry.verified_unix_ns - max(entry.mtime_ns, entry.ctime_ns) >= RACY_WINDOW_NS
+def _trusted(entry: ValidationEntry | None, now: FileIdentity, expected: str) -> bool:
+    return entry is not None and vouches(entry.sha256, _entry_identity(entry), entry.verified_unix_ns, now, expected)
 
 
 def _expected_digest(path: Path, expected: str | None) -> str:
@@ -163,7 +144,7 @@ def recorded(path: str | Path, sha256: str) -> bool:
     pull asking whether a file it fetched before is whole: without a record it fetches it again)."""
     path = Path(path)
     try:
-        now = _identity(os.stat(path))
+        now = identity_of(os.stat(path))
     except OSError:
         return False
     return _trusted(_load_record(path.parent, warn=False).files.get(path.name), now, sha256)
@@ -241,12 +222,12 @@ def _hash_fd(fd: int) -> tuple[str, int]:
 class _Hashed(NamedTuple):
     sha256: str
     bytes: int
-    identity: _Identity  # the file's stat identity when hashing began
+    identity: FileIdentity  # the file's stat identity when hashing began
     stable: bool  # the identity did not change while hashing, and every byte was read
     started_ns: int
 
 
-def _entry(sha256: str, identity: _Identity, verified_unix_ns: int) -> ValidationEntry:
+def _entry(sha256: str, identity: FileIdentity, verified_unix_ns: int) -> ValidationEntry:
     return ValidationEntry(sha256=sha256, size_bytes=identity.size_bytes, st_dev=identity.st_dev, st_ino=identity.st_ino,
                            mtime_ns=identity.mtime_ns, ctime_ns=identity.ctime_ns, verified_unix_ns=verified_unix_ns)
 
@@ -262,8 +243,8 @@ def _hash_file(path: Path) -> _Hashed:
         after = os.fstat(fd)
     finally:
         os.close(fd)
-    identity = _identity(before)
-    return _Hashed(actual, hashed, identity, identity == _identity(after) and hashed == before.st_size, started_ns)
+    identity = identity_of(before)
+    return _Hashed(actual, hashed, identity, identity == identity_of(after) and hashed == before.st_size, started_ns)
 
 
 def _record_hash(path: Path, hashed: _Hashed, directory: Path | None = None) -> None:
@@ -292,7 +273,7 @@ def hash_and_record(path: str | Path, record_dir: Path | None = None) -> str:
     trusted: a capsule's images are hashed right after CRIU wrote them. ``record_dir``: record there
     instead of in the file's own directory (as :func:`verify_file`'s)."""
     path = Path(path)
-    _wait_out_racy_window(_identity(os.stat(path)))
+    _wait_out_racy_window(identity_of(os.stat(path)))
     hashed = _hash_file(path)
     _record_hash(path, hashed, record_dir)
     return hashed.sha256
@@ -350,11 +331,11 @@ def _verify(path: Path, expected_sha256: str | None, record_dir: Path | None, re
         raise PackUnreadable(str(path), "not a regular file")
 
     entry = records.entry(path.parent, path.name, warn=True)
-    if _trusted(entry, _identity(status), expected):
+    if _trusted(entry, identity_of(status), expected):
         return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
     if record_dir is not None:
         entry = records.entry(record_dir, path.name, warn=False)
-        if _trusted(entry, _identity(status), expected):
+        if _trusted(entry, identity_of(status), expected):
             return Verification(path, expected, status.st_size, "record", time.perf_counter() - started)
 
     try:
@@ -384,9 +365,9 @@ def record_written_file(path: str | Path, sha256: str) -> None:
     like every record update."""
     path = Path(path)
     status = os.stat(path)
-    identity = _identity(status)
+    identity = identity_of(status)
     _wait_out_racy_window(identity)
-    if _identity(os.stat(path)) != identity or max(identity) > INT64_MAX:
+    if identity_of(os.stat(path)) != identity or max(identity) > INT64_MAX:
         return  # changed meanwhile: leave it to a full verification
     _update_record(path.parent, path.name, _entry(sha256, identity, time.time_ns()))
 
@@ -400,16 +381,16 @@ def carry_records_over(directory: Path, before: dict[str, os.stat_result]) -> in
     waits at most :data:`RACY_WINDOW_NS`). Returns how many entries moved; best effort, like every record
     update."""
     record = _load_record(directory, warn=False)
-    moving: dict[str, tuple[ValidationEntry, _Identity]] = {}
+    moving: dict[str, tuple[ValidationEntry, FileIdentity]] = {}
     for name, status in before.items():
         entry = record.files.get(name)
-        if entry is None or not _trusted(entry, _identity(status), entry.sha256):
+        if entry is None or not _trusted(entry, identity_of(status), entry.sha256):
             continue
         try:
-            now = _identity(os.stat(directory / name))
+            now = identity_of(os.stat(directory / name))
         except OSError:
             continue
-        if now[:4] == _identity(status)[:4] and max(now) <= INT64_MAX:
+        if now[:4] == identity_of(status)[:4] and max(now) <= INT64_MAX:
             moving[name] = (entry, now)
     if not moving:
         return 0
@@ -418,7 +399,7 @@ def carry_records_over(directory: Path, before: dict[str, os.stat_result]) -> in
     changes: dict[str, ValidationEntry | None] = {}
     for name, (entry, identity) in moving.items():
         try:
-            if _identity(os.stat(directory / name)) == identity:  # (changed meanwhile: hashed again when verified)
+            if identity_of(os.stat(directory / name)) == identity:  # (changed meanwhile: hashed again when verified)
                 changes[name] = _entry(entry.sha256, identity, verified_ns)
         except OSError:
             pass

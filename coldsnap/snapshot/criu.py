@@ -40,6 +40,7 @@ __all__ = [
     "CriuVersion",
     "CriuSnapshotter",
     "DumpResult",
+    "PendingRestore",
     "RestoreResult",
     "SnapshotOptions",
     "find_criu",
@@ -405,6 +406,16 @@ class CriuSnapshotter:
         before the peer's socket exists, or the peer's host resets it. If it raises, CRIU is told to abort:
         the tree is killed and the exception raised from here.
         """
+        return self.start_restore(images, state_dir, owned_root, timeout, wait_for_pids_s, replica, own_images,
+                                  before_unlock).finish()
+
+    def start_restore(self, images: Path, state_dir: Path, owned_root: Path | None = None, timeout: float = 600,
+                      wait_for_pids_s: float = 10.0, replica: bool = True, own_images: bool = False,
+                      before_unlock: Callable[[], None] | None = None) -> "PendingRestore":
+        """:meth:`restore`, returning once CRIU runs (a replica) or is done (the host's namespace): the
+        caller does other work meanwhile, then :meth:`PendingRestore.finish` waits for the tree, or
+        :meth:`PendingRestore.abandon` kills whatever of it there is. Raises :class:`CriuError` when CRIU
+        cannot be started."""
         from coldsnap.snapshot import process_tree
 
         if before_unlock is not None and not replica:
@@ -437,18 +448,20 @@ class CriuSnapshotter:
         # ignores both).
         thp_fill, fill_threads = thp_fill_wanted(), fill_threads_wanted()
         env = {**os.environ, "CRIU_THP_FILL": "1" if thp_fill else "0", "CRIU_FILL_THREADS": str(fill_threads)}
-        started = time.monotonic()
+        pending = PendingRestore(work / log, timeout, thp_fill, fill_threads)
         try:
             if replica:
-                pid, pids = self._restore_replica(images, state.pids[0], args, work / log, timeout, inherited,
-                                                  own_images, env, before_unlock)
+                pending.launch_replica(self.criu.path, images, state.pids[0], args, inherited, own_images, env,
+                                       before_unlock)
             else:
-                pid, pids = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited, env), {}
+                pending.done = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited, env), {}
+        except BaseException:
+            pending.abandon()
+            raise
         finally:
-            for fd in inherited.values():
+            for fd in inherited.values():  # (the child has its own copies)
                 os.close(fd)
-        return RestoreResult(pid=pid, seconds=time.monotonic() - started, host_pids=pids, thp_fill=thp_fill,
-                             fill_threads=fill_threads)
+        return pending
 
     def _restore_here(self, args: list[str], log: Path, pidfile: Path, timeout: float,
                       inherited: dict[str, int], env: dict[str, str]) -> int:
@@ -460,83 +473,126 @@ class CriuSnapshotter:
         except (OSError, ValueError):
             raise CriuError("restore", None, f"CRIU reported success but wrote no pid to {pidfile}") from None
 
-    def _restore_replica(self, images: Path, root_pid: int, args: list[str], log: Path, timeout: float,
-                         inherited: dict[str, int], own_images: bool, env: dict[str, str],
-                         before_unlock: Callable[[], None] | None = None) -> tuple[int, dict[int, int]]:
-        """CRIU as the first process of new pid and mount namespaces (``unshare``); returns the root's pid
-        on this host and every restored pid's host pid by its captured one."""
-        with contextlib.ExitStack() as held:
-            hold = held.enter_context(_UnlockHold(log.parent)) if before_unlock is not None else None
-            if hold is not None:
-                args = [*args, "--action-script", str(hold.script)]
-                env = {**env, UNLOCK_HOLD_ENV: str(log.parent)}
-            return self._run_replica(images, root_pid, args, log, timeout, inherited, own_images, env, hold,
-                                     before_unlock)
 
-    def _run_replica(self, images: Path, root_pid: int, args: list[str], log: Path, timeout: float,
-                     inherited: dict[str, int], own_images: bool, env: dict[str, str], hold: "_UnlockHold | None",
-                     before_unlock: Callable[[], None] | None) -> tuple[int, dict[int, int]]:
-        from coldsnap.snapshot import process_tree
-        from coldsnap.snapshot.replica_init import READY
+class PendingRestore:
+    """A CRIU restore under way (:meth:`CriuSnapshotter.start_restore`). A replica's CRIU runs as the first
+    process of new pid and mount namespaces (``unshare``); :meth:`finish` waits for it to report the tree
+    restored, :meth:`abandon` kills it and whatever it restored (the namespace dies with its pid 1)."""
 
+    def __init__(self, log: Path, timeout: float, thp_fill: bool, fill_threads: int):
+        self.log = log
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.thp_fill = thp_fill
+        self.fill_threads = fill_threads
+        self.launcher: subprocess.Popen[bytes] | None = None
+        self.done: tuple[int, dict[int, int]] | None = None  # (root pid, host pids) once restored
+        self._hold: _UnlockHold | None = None
+        self._before_unlock: Callable[[], None] | None = None
+
+    def launch_replica(self, criu: str, images: Path, root_pid: int, args: list[str], inherited: dict[str, int],
+                       own_images: bool, env: dict[str, str], before_unlock: Callable[[], None] | None) -> None:
         unshare = shutil.which("unshare")
         if unshare is None:
             raise CriuError("restore", None, "no unshare (util-linux) on PATH: a replica restore needs it")
+        if before_unlock is not None:
+            self._hold = _UnlockHold(self.log.parent).__enter__()
+            self._before_unlock = before_unlock
+            args = [*args, "--action-script", str(self._hold.script)]
+            env = {**env, UNLOCK_HOLD_ENV: str(self.log.parent)}
         # python -S, coldsnap found through PYTHONPATH: no site-packages scan on the restore's path.
         command = [unshare, "--pid", "--fork", "--mount-proc", "--", sys.executable, "-S", "-m",
                    "coldsnap.snapshot.replica_init", *(["--own-images"] if own_images else []), str(images),
-                   str(root_pid), self.criu.path, *args]
+                   str(root_pid), criu, *args]
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         try:
             # Its own session: the replica must not get the launcher's terminal signals (^C).
-            launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, pass_fds=tuple(inherited.values()),
-                                        start_new_session=True, env=env)
+            self.launcher = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                             stderr=subprocess.PIPE, pass_fds=tuple(inherited.values()),
+                                             start_new_session=True, env=env)
         except OSError as exc:
             raise CriuError("restore", exc.errno, str(exc)) from None
-        assert launcher.stdout is not None and launcher.stderr is not None
+
+    def finish(self) -> RestoreResult:
+        """Wait for the tree (a replica: CRIU's ``ready``, the held unlock passed through ``before_unlock``);
+        raises :class:`CriuError` with CRIU's log when it failed, having killed what it restored."""
+        try:
+            if self.done is None:
+                self.done = self._await_replica()
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            self._close_hold()
+        pid, pids = self.done
+        return RestoreResult(pid=pid, seconds=time.monotonic() - self.started, host_pids=pids,
+                             thp_fill=self.thp_fill, fill_threads=self.fill_threads)
+
+    def abandon(self) -> None:
+        """Kill CRIU and whatever it restored; wait for them. Idempotent."""
+        launcher, self.launcher = self.launcher, None
+        if launcher is not None:
+            _kill_replica(launcher)
+            for stream in (launcher.stdout, launcher.stderr):
+                if stream is not None:
+                    stream.close()
+        self._close_hold()
+
+    def _close_hold(self) -> None:
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.__exit__()
+
+    def _reap(self, grace_s: float) -> tuple[int, str]:
+        """CRIU's exit (killed after ``grace_s``), its status and standard error; nothing left to abandon."""
+        launcher, self.launcher = self.launcher, None
+        assert launcher is not None and launcher.stdout is not None and launcher.stderr is not None
+        try:
+            status = launcher.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            status = _kill_replica(launcher)
+        stderr = launcher.stderr.read().decode(errors="replace")
+        launcher.stdout.close()
+        launcher.stderr.close()
+        return status, stderr
+
+    def _await_replica(self) -> tuple[int, dict[int, int]]:
+        """The root's pid on this host and every restored pid's host pid by its captured one."""
+        from coldsnap.snapshot import process_tree
+        from coldsnap.snapshot.replica_init import READY
+
+        launcher, hold = self.launcher, self._hold
+        assert launcher is not None and launcher.stdout is not None and launcher.stderr is not None
         held_back: BaseException | None = None  # what before_unlock raised: CRIU was told to abort
-        deadline = time.monotonic() + timeout
         watched: list[Any] = [launcher.stdout, *([hold.restored] if hold is not None else [])]
         while True:
-            readable = select.select(watched, [], [], max(0.0, deadline - time.monotonic()))[0]
+            readable = select.select(watched, [], [], max(0.0, self.deadline - time.monotonic()))[0]
             if hold is None or hold.restored not in readable:
                 break
             os.read(hold.restored, 64)  # the script's "restored": every process and socket is back
             watched.remove(hold.restored)
             waited = time.monotonic()
             try:
-                assert before_unlock is not None
-                before_unlock()
+                assert self._before_unlock is not None
+                self._before_unlock()
             except BaseException as exc:
                 held_back = exc
                 os.write(hold.go, b"abort\n")  # the script fails, CRIU kills the tree and exits non-zero
-                try:
-                    launcher.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(launcher.pid, signal.SIGKILL)
-                    launcher.wait()
+                self._reap(30)
                 break
             os.write(hold.go, b"go\n")
-            deadline += time.monotonic() - waited  # (the other units' time is not CRIU's)
+            self.deadline += time.monotonic() - waited  # (the other units' time is not CRIU's)
         ready = bool(readable) and held_back is None and launcher.stdout.readline() == READY
         if held_back is not None:
-            launcher.stdout.close()
-            launcher.stderr.close()
             raise held_back
         if not ready:  # CRIU failed (pid 1 gone: unshare exits with its status) or ran out of time
-            try:
-                status = launcher.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                status = launcher.wait()
-            stderr = launcher.stderr.read().decode(errors="replace")
-            launcher.stdout.close()
-            launcher.stderr.close()
-            raise CriuError("restore", status, _log_tail(log) or _tail(stderr) or f"timed out after {timeout:.0f} s")
+            status, stderr = self._reap(10)
+            raise CriuError("restore", status, _log_tail(self.log) or _tail(stderr) or
+                            f"timed out after {self.deadline - self.started:.0f} s")
         launcher.stdout.close()
         launcher.stderr.close()
+        self.launcher = None  # the tree is on its own now: abandon() no longer kills it
         # unshare → pid 1 (the reaper) → the restored root: the pids as this host sees them.
         init = _children(launcher.pid)
         roots = _children(init[0]) if init else []
@@ -545,6 +601,16 @@ class CriuSnapshotter:
             raise CriuError("restore", None, "CRIU reported the tree restored, but its root is gone")
         pids = {process_tree.namespace_pid(pid): pid for pid in process_tree.tree_pids(roots[0])}
         return roots[0], pids
+
+
+def _kill_replica(launcher: "subprocess.Popen[bytes]") -> int:
+    """``unshare``, the namespace's pid 1 (CRIU, or the reaper) and whatever was restored so far, killed and
+    waited for; returns unshare's status. Killed, ``unshare`` exits at once, not after its child: returning
+    then would leave pid 1 and the namespace exiting, the tree's ports still bound for a moment."""
+    from coldsnap.snapshot.process_tree import kill_tree
+
+    kill_tree(launcher.pid)
+    return launcher.wait()
 
 
 UNLOCK_HOLD_ENV = "COLDSNAP_UNLOCK_HOLD"

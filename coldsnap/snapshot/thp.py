@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
-import logging
 import os
 import re
 from pathlib import Path
@@ -28,7 +27,6 @@ from coldsnap.host import pid_alive
 
 __all__ = ["HOST_THP_ENV", "RECORD_FILES", "THP_ENABLED", "ThpError", "host_thp_requested", "huge_pages_for_the_fill", "thp_mode"]
 
-log = logging.getLogger(__name__)
 
 HOST_THP_ENV = "COLDSNAP_HOST_THP"
 """``always``: switch the host's THP mode to always for each restore's CRIU fill (the CLI's ``--host-thp``)."""
@@ -118,4 +116,6 @@ def huge_pages_for_the_fill(state_root: Path, path: Path = THP_ENABLED) -> Itera
         try:
             _leave(state_root, path)
         except ThpError as exc:  # the restore itself is not failed for it; the next window restores the mode
-            log.warning("coldsnap: %s; the host's THP mode stays always until the next restore's window ends", exc)
+            import logging  # (only here: a restore's entry imports this module for its names, on its hot path)
+
+            logging.getLogger(__name__).warning("coldsnap: %s; the host's THP mode stays always until the next restore's window ends", exc)

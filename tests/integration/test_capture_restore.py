@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from coldsnap.activation.replica_plan import port_free
 from coldsnap.snapshot.process_tree import namespace_pid
 from tests.processes import (capsule_root_pid, group_members, kill_group, kill_replicas, launched_pid, replica_members,
                              restore_killed_at, wait_replicas_gone)
@@ -108,6 +109,12 @@ def test_restore_twice_gives_the_same_greedy_tokens(captured):
         assert resume["attributes"]["source"] == "native" and resume["attributes"]["bytes"] > 0
         canary = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.canary")["attributes"]
         assert canary["checked"] == "prompt argmax at 45 positions + 2 tokens" and canary["tokens"] == 2
+        # CRIU started at the program's entry, before the full admission, which then adopted its tree
+        spans = {s["name"]: s for s in receipt["timing"]["spans"]}
+        assert spans["restore.criu_restore"]["attributes"]["early"] is True
+        assert spans["restore.admission.port"]["attributes"]["early_restore"] is True
+        assert spans["restore.criu_restore"]["start_ns"] < spans["restore.admission.descriptor"]["start_ns"]
+        assert spans["restore.admission.early"]["start_ns"] == 0  # (the operation's clock starts at the entry)
         kill_replicas(artifact)
     record = json.loads((artifact / "artifact.json").read_text())["canary"]
     # the reference workload's tokens are a begin token and the prompt's 45 bytes: 45 predictions after the first
@@ -181,6 +188,28 @@ def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "admission.payload"
     assert replica_members(artifact) == []
+
+
+def test_a_failed_admission_kills_the_tree_the_entry_started(captured, tmp_path):
+    """The program's entry starts CRIU before the full admission (coldsnap.activation.early_restore) once
+    every image is vouched for; the admission's failure on what the entry does not check (the payload pack)
+    kills that tree and frees the port."""
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    assert coldsnap("restore", str(copy), "--prepare-only").returncode == 0  # the copy's images recorded
+    (copy / "payload" / ".coldsnap-validation.json").unlink(missing_ok=True)
+    pack = next((copy / "payload").glob("*.pack"))
+    data = bytearray(pack.read_bytes())
+    data[-100] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    result = coldsnap("restore", str(copy), "--receipt-json", "-")
+    assert result.returncode == 1
+    receipt = json.loads(result.stdout)
+    assert receipt["error"]["code"] == "admission.payload"
+    assert "restore.admission.early" in {s["name"] for s in receipt["timing"]["spans"]}  # CRIU had started
+    assert replica_members(artifact) == []
+    assert port_free(port)
 
 
 def test_an_image_corrupted_in_place_is_refused_before_anything_starts(captured, tmp_path):

@@ -9,7 +9,8 @@ import struct
 
 import pytest
 
-from coldsnap.activation.replica import _replica_control, gpu_remap
+from coldsnap.activation.replica import gpu_remap
+from coldsnap.activation.replica_plan import replica_control
 from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
 from coldsnap.snapshot.replica import (namespace_socket_names, path_socket_names, port_generation,
                                        probe_abstract_names, probe_binds, replica_images)
@@ -105,10 +106,10 @@ def test_the_port_generation_moves_every_local_port_by_one_shift_and_probes_them
 
 def test_a_replica_names_its_control_sockets_with_its_own_id():
     token = "fedcba9876543210"
-    assert _replica_control("@coldsnap-agent-0123456789abcdef", token) == "@coldsnap-agent-fedcba9876543210"
-    assert _replica_control("@coldsnap-agent-0123456789abcdef.rank1", token) == "@coldsnap-agent-fedcba9876543210.rank1"
-    assert _replica_control("@coldsnap-template-0123456789abcdef", token) == "@coldsnap-template-fedcba9876543210"
-    assert _replica_control("/run/my.sock", token) == "/run/my.sock"
+    assert replica_control("@coldsnap-agent-0123456789abcdef", token) == "@coldsnap-agent-fedcba9876543210"
+    assert replica_control("@coldsnap-agent-0123456789abcdef.rank1", token) == "@coldsnap-agent-fedcba9876543210.rank1"
+    assert replica_control("@coldsnap-template-0123456789abcdef", token) == "@coldsnap-template-fedcba9876543210"
+    assert replica_control("/run/my.sock", token) == "/run/my.sock"
 
 
 def test_the_gpu_placement_maps_every_captured_gpu_onto_one_of_its_own():

@@ -1,0 +1,214 @@
+"""A restore's first step: CRIU started before the rest of coldsnap is imported (standard library only).
+
+``coldsnap restore DIR`` spends its first ~0.2-0.3 s importing pydantic and building the contract
+models; CRIU's restore of the tree takes about as long, and needs none of them. So the program's entry
+(:mod:`coldsnap.__main__`) calls :func:`start_tree` first: from the artifact's own JSON, read strictly
+with the standard library, it checks what must hold before anything of the artifact runs —
+
+- the descriptor is an n610 artifact of one launch unit, captured on this architecture;
+- the capsule manifest and every CRIU image are the bytes the descriptor binds, vouched for by their
+  validation records (:mod:`coldsnap.payload.records`; nothing is hashed here);
+- the serving port's lock (:mod:`coldsnap.activation.operation_locks`) and every bind of the replica
+  (:func:`coldsnap.activation.replica_plan.plan`) —
+
+then writes the replica's images and starts CRIU (:meth:`~coldsnap.snapshot.criu.CriuSnapshotter.start_restore`).
+Strict decoding is deferred, not dropped: the operation then runs its whole admission as always
+(:func:`coldsnap.activation.admission.admit`), and only a restore it admits adopts the tree
+(:meth:`EarlyRestore.adopt`, the same artifact, unit and port); any failure before that kills it
+(:meth:`EarlyRestore.abandon`). The restored tree holds no GPU memory until the CUDA restore, which only
+an admitted restore reaches, so an abandoned one loses nothing.
+
+Whatever this step does not handle — another command or flag (``--prepare-only``, ``--request-json``,
+``--owner``, units, ``oci://``, ``--host-thp``), sudo's caller as owner, not root, an n580 artifact, a
+file no record vouches for, a port or lock taken, any error — leaves everything to the full path, which
+does it all and reports what is wrong as before. ``COLDSNAP_EARLY_RESTORE=0`` turns the step off.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from coldsnap.activation.operation_locks import LockHeld, OperationLock, PortLock
+from coldsnap.activation.replica_plan import PortsTaken, Replica, plan, write_replica_images
+from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root
+from coldsnap.contracts.canonical import parse_strict_json
+from coldsnap.operation_ids import new_operation_id
+from coldsnap.payload.records import vouched_by_records
+from coldsnap.snapshot.criu import CriuSnapshotter, PendingRestore, SnapshotOptions
+from coldsnap.snapshot.thp import HOST_THP_ENV
+
+__all__ = ["EARLY_RESTORE_ENV", "EarlyRestore", "abandon_unadopted", "early_restore", "start_tree"]
+
+EARLY_RESTORE_ENV = "COLDSNAP_EARLY_RESTORE"
+
+_VALUED_FLAGS = ("--port", "--gpu", "--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--weights")
+"""``coldsnap restore`` flags this step takes (none changes what CRIU restores but the port and the state
+directory); any other flag leaves the restore to the full path."""
+
+
+@dataclass
+class EarlyRestore:
+    """A tree whose CRIU restore this process started at its entry, not yet adopted by the restore."""
+
+    root: Path
+    """The artifact directory (resolved)."""
+    artifact_id: str
+    unit_id: str
+    operation_id: str
+    replica: Replica
+    state_dir: Path
+    """The replica's state directory (its images copy, CRIU's files)."""
+    lock: OperationLock
+    pending: PendingRestore
+    origin: tuple[int, int]
+    """(monotonic, unix) nanoseconds at this process's entry: the operation's clock origin."""
+    checked_ns: tuple[int, int]
+    """When this step's checks ran, on that clock (from the program's start: its imports included)."""
+    criu_started_ns: int
+    gpu_pids: bool
+    """The tree holds CUDA state (the checkpoint API was started for it)."""
+    _done: bool = False
+
+    def matches(self, root: Path, identity: str, unit_id: str, serving_port: int) -> bool:
+        """Whether the admitted restore is the one this step started (same artifact bytes, unit and port)."""
+        return ((not self._done) and root.resolve() == self.root and identity == self.artifact_id
+                and unit_id == self.unit_id and serving_port == self.replica.serving_port)
+
+    def adopt(self) -> PendingRestore:
+        """The restore's from here on: its CRIU to finish (and to kill on failure, as its own)."""
+        self._done = True
+        return self.pending
+
+    def abandon(self) -> None:
+        """Kill the tree and release the port (an admission failed, or another restore was admitted)."""
+        if self._done:
+            return
+        self._done = True
+        self.pending.abandon()
+        self.lock.release()
+
+
+_started: EarlyRestore | None = None
+
+
+def early_restore() -> EarlyRestore | None:
+    """The tree this process's entry started, until a restore adopts or abandons it."""
+    return _started if _started is not None and not _started._done else None
+
+
+def abandon_unadopted() -> None:
+    """At the program's end: a tree no restore adopted (a usage error after the entry started it) is killed."""
+    pending = early_restore()
+    if pending is not None:
+        pending.abandon()
+
+
+def start_tree(argv: list[str], origin: tuple[int, int] | None = None) -> None:
+    """``coldsnap restore`` ARGV's tree started (:func:`early_restore` has it), or nothing done. Never raises.
+    ``origin``: (monotonic, unix) nanoseconds of the program's start, the operation's clock (default now)."""
+    global _started
+    if os.environ.get(EARLY_RESTORE_ENV, "1") == "0":
+        return
+    origin = origin or (time.monotonic_ns(), time.time_ns())
+    flags = _flags(argv)
+    if flags is None or os.geteuid() != 0 or os.environ.get("SUDO_UID") or os.environ.get("SUDO_GID") \
+            or os.environ.get(HOST_THP_ENV):
+        return
+    try:
+        _started = _start(flags, origin)
+    except Exception:  # noqa: BLE001 - the full path does everything again and says what is wrong
+        _started = None
+
+
+def _flags(argv: list[str]) -> dict[str, str] | None:
+    """``DIR`` and the valued flags of :data:`_VALUED_FLAGS` (``--flag V`` or ``--flag=V``); None for anything else."""
+    flags: dict[str, str] = {}
+    tokens = iter(argv)
+    for token in tokens:
+        if token.startswith("-"):
+            name, equals, value = token.partition("=")
+            if name not in _VALUED_FLAGS or name in flags:
+                return None
+            value = value if equals else next(tokens, "")
+            if not value:
+                return None
+            flags[name] = value
+        elif "DIR" in flags or "://" in token:
+            return None
+        else:
+            flags["DIR"] = token
+    return flags if "DIR" in flags else None
+
+
+def _object(document: Any, *keys: str) -> Any:
+    """``document[k0][k1]...``; KeyError/TypeError on anything missing (the caller falls back)."""
+    for key in keys:
+        document = document[key]
+    return document
+
+
+def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | None:
+    if "--state-dir" in flags:  # (as the full path's --state-dir does)
+        os.environ[STATE_DIR_ENV] = os.path.abspath(flags["--state-dir"])
+    root = Path(flags["DIR"]).resolve()
+    descriptor = parse_strict_json((root / "artifact.json").read_bytes())
+    captured = parse_strict_json((root / "request.json").read_bytes())
+    units = _object(descriptor, "units")
+    if (descriptor.get("snapshot_driver") != "n610" or len(units) != 1 or len(captured.get("units") or [{}]) != 1
+            or _object(descriptor, "platform", "arch") != platform.machine()):
+        return None
+    unit = units[0]
+    identity = artifact_id(root)
+    records = state_root() / identity / "records"
+    capsule_path = root / _object(unit, "capsule", "path")
+    images = root / "units" / unit["unit_id"] / "images"
+    if capsule_path.parent != images.parent:
+        return None
+    capsule = parse_strict_json(capsule_path.read_bytes())
+    if capsule.get("unit_id") != unit["unit_id"]:
+        return None
+    files = [(capsule_path, _object(unit, "capsule", "sha256"))]
+    files += [(images / entry["path"], entry["sha256"]) for entry in capsule["files"]]
+    record_dirs = {folder: records / folder.relative_to(root) for folder in {path.parent for path, _ in files}}
+    if any(".." in Path(entry["path"]).parts for entry in capsule["files"]) or not vouched_by_records(files, record_dirs):
+        return None
+    metadata = capsule["metadata"]
+    port = int(flags["--port"]) if "--port" in flags else (captured.get("units") or [{}])[0].get("serving_port") \
+        or metadata["serving_port"]
+    operation_id = flags.get("--operation-id") or new_operation_id("restore")
+    try:
+        lock = PortLock(port, "restore", operation_id, str(root)).acquire()
+    except LockHeld:
+        return None
+    pending: PendingRestore | None = None
+    try:
+        template = metadata.get("template")
+        replica = plan(images, metadata["serving_port"], port, {w["rank"]: w["control"] for w in metadata["workers"]},
+                       template["control"] if template else None)
+        checked_ns = time.monotonic_ns() - origin[0]
+        state_dir = state_root() / identity / replica.name
+        state_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        state_dir.mkdir(exist_ok=True, mode=0o700)
+        copy = write_replica_images(images, state_dir, replica)
+        if metadata.get("gpu_pids"):  # the checkpoint API ready when the tree is
+            from coldsnap.snapshot.cuda_checkpoint import start_cuda_in_background
+
+            start_cuda_in_background()
+        criu_started_ns = time.monotonic_ns() - origin[0]
+        pending = CriuSnapshotter(options=SnapshotOptions(tcp=metadata["criu_tcp"])).start_restore(
+            copy, state_dir, root, own_images=True)
+        return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, state_dir, lock, pending, origin,
+                            (0, checked_ns), criu_started_ns, bool(metadata.get("gpu_pids")))
+    except PortsTaken:
+        lock.release()
+        return None
+    except BaseException:
+        if pending is not None:
+            pending.abandon()
+        lock.release()
+        raise

@@ -1,0 +1,134 @@
+"""One restore's replica, planned from plain facts of its image (standard library only).
+
+:func:`coldsnap.activation.replica.plan_replica` plans admission's replica from the decoded capsule;
+a restore's first step (:mod:`coldsnap.activation.early_restore`) plans the same one before pydantic is
+imported, so that CRIU can start then. Both call :func:`plan`: the serving port and the port generation
+that moves the tree's other ports with it, every bind the restored tree will make probed, the agents'
+control sockets renamed for this replica, its path-bound sockets moved into its own names.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from coldsnap.agent.addresses import address
+from coldsnap.snapshot.replica import (PortGeneration, namespace_socket_names, path_socket_names, port_generation,
+                                       probe_abstract_names, probe_binds, probe_path_sockets, replica_images,
+                                       tree_sockets)
+
+__all__ = ["PortsTaken", "Replica", "plan", "port_free", "replica_control", "replica_name", "write_replica_images"]
+
+
+@dataclass(frozen=True)
+class Replica:
+    """What makes one restore of an image its own: where it serves, how its ports move there (the port
+    generation), its agents' (and template's) control sockets, and its state directory's name."""
+
+    serving_port: int
+    generation: PortGeneration
+    controls: dict[int, str]
+    """Rank → the agent's control socket in this replica."""
+    template_control: str | None
+    unix_names: dict[bytes, bytes]
+    """Captured abstract socket address → this replica's (the image's copy is rewritten with them)."""
+
+    @property
+    def name(self) -> str:
+        return replica_name(self.serving_port)
+
+
+class PortsTaken(Exception):
+    """What the replica needs is taken, or its ports cannot move (``str``: the reason, for ``admission.port``).
+    ``serving_port_taken``: the serving port is the captured one and a TCP bind of the tree is taken (a warm
+    standby of the artifact may hold it)."""
+
+    def __init__(self, message: str, serving_port_taken: bool = False):
+        super().__init__(message)
+        self.serving_port_taken = serving_port_taken
+
+
+def port_free(port: int) -> bool:
+    """Whether a listener could bind ``port`` on the loopback address now."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def replica_name(serving_port: int) -> str:
+    """A replica's name: its directory under the artifact's state directory, the suffix of its
+    path-bound sockets; one per serving port."""
+    return f"port-{serving_port}"
+
+
+_CONTROL_ID = re.compile(r"^(@coldsnap-(?:agent|template)-)[0-9a-f]{16}")
+
+
+def replica_control(control: str, token: str) -> str:
+    """``control`` (``@coldsnap-agent-<id>[.rankN]``, as :func:`~coldsnap.activation.engine_process.new_control_name`
+    makes them) with this replica's id in place of the captured one; any other name is kept."""
+    return _CONTROL_ID.sub(lambda match: match.group(1) + token, control)
+
+
+def _abstract(control: str) -> bytes:
+    named = address(control)
+    return named if isinstance(named, bytes) else named.encode()
+
+
+def plan(images: Path, captured_port: int, port: int, controls: dict[int, str], template_control: str | None,
+         moved: dict[bytes, bytes] | None = None, token: Callable[[], str] = lambda: uuid.uuid4().hex[:16]) -> Replica:
+    """The replica of the tree in ``images`` (captured serving on ``captured_port``, its agents' sockets
+    ``controls`` by rank, a template's ``template_control``) that serves on ``port``; raises
+    :class:`PortsTaken`. Every port the tree will bind is probed: the serving port itself, and the
+    generation's move of each other. ``moved``: one unit of several, every unit's captured address → its
+    new one, so the probe binds where the restore will."""
+    sockets, tree_names = tree_sockets(images)
+    try:
+        generation = port_generation(sockets, captured_port, port)
+    except ValueError as exc:
+        raise PortsTaken(str(exc)) from None
+    taken = probe_binds(sockets, generation, moved)
+    # A template's engine (or a tree holding no socket of it) binds the serving port only once started.
+    listens = template_control is None and any(s.src_port == captured_port for s in sockets)
+    if not listens and not port_free(port):
+        taken.append(f"tcp 127.0.0.1:{port}")
+    if taken:
+        shifted = "" if generation.shift == 0 else f" (the capture's ports moved by {generation.shift:+d})"
+        raise PortsTaken(f"serving port {port}: the tree's port(s) {', '.join(taken)} are taken{shifted}",
+                         serving_port_taken=port == captured_port)
+    replica_token = token()
+    renamed_controls = {rank: replica_control(control, replica_token) for rank, control in controls.items()}
+    renamed_template = replica_control(template_control, replica_token) if template_control is not None else None
+    renamed = {controls[rank]: renamed_controls[rank] for rank in controls}
+    if template_control is not None and renamed_template is not None:
+        renamed[template_control] = renamed_template
+    names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
+    paths = path_socket_names(tree_names, replica_name(port))
+    names.update(paths)  # (the CUDA driver's: by the replica's pid 1)
+    # Any other abstract name the tree binds is restored as it is: taken by another process (another
+    # replica of an engine that binds a fixed one), CRIU could not bind it.
+    fixed = [name for name in tree_names if name[:1] == b"\0" and name not in names
+             and not namespace_socket_names([name], 0)]
+    taken = probe_abstract_names(fixed) + probe_path_sockets(list(paths.values()))[0]
+    if taken:
+        raise PortsTaken(f"the tree's unix socket(s) {', '.join(taken)} are taken (by another replica of this "
+                         "capsule?)")
+    return Replica(port, generation, renamed_controls, renamed_template, names)
+
+
+def write_replica_images(images: Path, state_dir: Path, replica: Replica, moved: dict[bytes, bytes] | None = None) -> Path:
+    """The images CRIU restores ``replica`` from: the capture's ``images``, with ``files.img`` rewritten for
+    its ports and sockets in ``state_dir/images`` (the artifact is only read). A previous incarnation's
+    socket files at the replica's paths go first (nothing listens there: the plan probed them)."""
+    for stale in probe_path_sockets([n for n in replica.unix_names.values() if n.startswith(b"/")])[1]:
+        stale.unlink(missing_ok=True)
+    return replica_images(images, state_dir / "images", replica.generation, replica.unix_names,
+                          f".{replica.name}".encode(), moved)

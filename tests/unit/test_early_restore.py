@@ -1,0 +1,113 @@
+"""A restore's first step without CRIU: which command lines it takes, when a validation record vouches
+for a file (the same rule as the verifier's), and that it imports neither pydantic nor a contract model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coldsnap.activation import early_restore
+from coldsnap.payload.records import vouched_by_records
+from coldsnap.payload.validation import hash_and_record, verify_file
+
+
+@pytest.mark.parametrize("argv, flags", [
+    (["art"], {"DIR": "art"}),
+    (["art", "--port", "8100", "--gpu=1"], {"DIR": "art", "--port": "8100", "--gpu": "1"}),
+    (["--receipt-json", "-", "art", "--timing-events", "/t/e.ndjson", "--state-dir", "/s"],
+     {"DIR": "art", "--receipt-json": "-", "--timing-events": "/t/e.ndjson", "--state-dir": "/s"}),
+    (["art", "--operation-id", "op-1", "--weights", "native"],
+     {"DIR": "art", "--operation-id": "op-1", "--weights": "native"}),
+])
+def test_the_first_step_takes_a_plain_restore(argv, flags):
+    assert early_restore._flags(argv) == flags
+
+
+@pytest.mark.parametrize("argv", [
+    [],                                           # no artifact: the CLI says so
+    ["art", "--prepare-only"],                    # admission only: nothing may start
+    ["--request-json", "-"],                      # a strict request: decoded before anything starts
+    ["art", "--owner", "1000:1000"],              # what it writes is handed over: claimed first
+    ["art", "--host-thp"],
+    ["art", "--units", "2", "--unit", "0"],       # one unit of several meets the others first
+    ["oci://registry/repo@sha256:" + "0" * 64],   # pulled first
+    ["art", "other"],
+    ["art", "--port"],                            # a flag without its value
+    ["art", "--port", "1", "--port", "2"],
+    ["art", "-h"],
+    ["art", "--"],
+])
+def test_anything_else_is_left_to_the_full_path(argv):
+    assert early_restore._flags(argv) is None
+
+
+def test_switched_off_or_not_root_it_starts_nothing(monkeypatch):
+    monkeypatch.setattr(early_restore, "_started", None)
+    monkeypatch.setattr(early_restore, "_start", lambda *a: pytest.fail("the first step ran"))
+    monkeypatch.setenv(early_restore.EARLY_RESTORE_ENV, "0")
+    early_restore.start_tree(["/nonexistent"])
+    monkeypatch.delenv(early_restore.EARLY_RESTORE_ENV)
+    monkeypatch.setenv("SUDO_UID", "1000")  # sudo's caller would own what it writes: claimed by the full path
+    early_restore.start_tree(["/nonexistent"])
+    assert early_restore.early_restore() is None
+
+
+def test_a_failure_inside_leaves_nothing_started(monkeypatch):
+    monkeypatch.setattr(early_restore, "_started", None)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    monkeypatch.delenv("SUDO_GID", raising=False)
+    early_restore.start_tree(["/nonexistent/artifact"])  # no artifact.json: the full path reports it
+    assert early_restore.early_restore() is None
+
+
+def test_a_record_vouches_as_the_verifier_trusts_it(tmp_path):
+    data = tmp_path / "images" / "pages-1.img"
+    data.parent.mkdir()
+    data.write_bytes(b"x" * 4096)
+    digest = hash_and_record(data)
+    assert vouched_by_records([(data, digest)], {})
+    assert verify_file(data, digest).method == "record"
+    assert not vouched_by_records([(data, "0" * 64)], {})  # another digest
+    assert not vouched_by_records([(tmp_path / "images" / "missing.img", digest)], {})
+    data.write_bytes(b"y" * 4096)  # changed: its identity no longer the recorded one
+    assert not vouched_by_records([(data, digest)], {})
+
+
+def test_a_restore_record_elsewhere_vouches_too(tmp_path):
+    """A moved artifact's files are vouched for by the records a restore keeps under its state root."""
+    artifact, records = tmp_path / "artifact", tmp_path / "state" / "records" / "units"
+    artifact.mkdir()
+    records.mkdir(parents=True)
+    data = artifact / "capsule.json"
+    data.write_bytes(b"{}")
+    digest = hash_and_record(data, records)
+    assert not vouched_by_records([(data, digest)], {})
+    assert vouched_by_records([(data, digest)], {artifact: records})
+
+
+def test_a_malformed_record_vouches_for_nothing(tmp_path):
+    data = tmp_path / "f"
+    data.write_bytes(b"z")
+    digest = hash_and_record(data)
+    record = tmp_path / ".coldsnap-validation.json"
+    document = json.loads(record.read_text())
+    document["files"]["f"]["st_ino"] = str(document["files"]["f"]["st_ino"])
+    record.write_text(json.dumps(document))
+    assert not vouched_by_records([(data, digest)], {})
+    record.write_text('{"format": 1, "files": {}, "format": 1}')  # a duplicate key: not strict JSON
+    assert not vouched_by_records([(data, digest)], {})
+
+
+def test_the_first_step_imports_no_pydantic_and_no_contract_model():
+    code = ("import sys; import coldsnap.activation.early_restore; "
+            "print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'coldsnap.contracts.')) "
+            "and m != 'coldsnap.contracts.canonical'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip() == "[]"
