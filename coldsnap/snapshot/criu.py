@@ -17,7 +17,6 @@ A stock CRIU ignores both variables. ``criu --version`` names the build (GitID
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import select

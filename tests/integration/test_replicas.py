@@ -76,7 +76,8 @@ def test_two_replicas_restored_at_once_serve_on_their_own_ports(captured):
                 done, receipt = results[port]
                 assert done.returncode == 0, done.stderr[-3000:]
                 spans = _spans(receipt)
-                assert spans["restore.admission.port"] == {"serving_port": port, "port_shift": port - captured_port}
+                assert spans["restore.admission.port"] == {"serving_port": port, "port_shift": port - captured_port,
+                                                      "early_restore": True}  # (CRIU started at the entry)
                 assert Path(spans["restore.criu_restore"]["state_dir"]).name == f"port-{port}"
                 pids.append(restored_pid(receipt))
             # both alive at once, each its captured root pid in a pid namespace of its own

@@ -47,14 +47,18 @@ LOWER = frozenset({"memory", "payload", "hydrate", "snapshot", "coord", "collect
 SHARED = frozenset({"(root)", "_C", "native", "atomic", "timing", "progress", "plugin", "host"})
 AGENT_ARROWS = frozenset({"memory", "payload", "hydrate", "collective", "coord", "contracts"}) | SHARED
 PLUGIN_ARROWS = frozenset({"agent", "memory", "payload", "hydrate", "collective", "contracts"}) | SHARED
-# What the launcher side (activation) may import of the agent; both are dependency-free.
-AGENT_LAUNCHER_SIDE = ("coldsnap.agent.protocol", "coldsnap.agent.client")
+# What the launcher side (activation) may import of the agent; all three are dependency-free (addresses: the
+# control names' socket addresses, which a restore's entry needs before pydantic, protocol's import, is loaded).
+AGENT_LAUNCHER_SIDE = ("coldsnap.agent.protocol", "coldsnap.agent.client", "coldsnap.agent.addresses")
 
 # (importing module, imported name or a package prefix of it) → why the rule is broken on purpose.
 ALLOWED: dict[tuple[str, str], str] = {
     ("coldsnap.__main__", "coldsnap.activation.early_wake.start_prefill"):
         "`coldsnap wake` asks the standby to start filling its weights before the CLI's imports (the module "
         "uses the standard library only)",
+    ("coldsnap.__main__", "coldsnap.activation.early_restore.start_tree"):
+        "`coldsnap restore` starts CRIU before the CLI's imports (the module uses the standard library only; the "
+        "full admission adopts or kills the tree)",
 }
 
 
