@@ -229,6 +229,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
         # early restore took it already: this process holds it)
         hold_port(context, port, str(artifact.root))
         if early is not None:  # planned, probed and being restored since the entry: admitted, it is this one's
+            context.held.callback(early.lock.release)  # (the port's lock too: released when the operation ends)
             replica = early.replica
             span["early_restore"] = True
         else:
