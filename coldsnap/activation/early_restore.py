@@ -11,12 +11,16 @@ with the standard library, it checks what must hold before anything of the artif
 - the serving port's lock (:mod:`coldsnap.activation.operation_locks`) and every bind of the replica
   (:func:`coldsnap.activation.replica_plan.plan`) —
 
-then writes the replica's images and starts CRIU (:meth:`~coldsnap.snapshot.criu.CriuSnapshotter.start_restore`).
+then writes the replica's images and starts CRIU (:meth:`~coldsnap.snapshot.criu.CriuSnapshotter.start_restore`),
+and, where the restore's launcher stages weights (:mod:`coldsnap.activation.staging`: the native packs
+vouched for by their records, the GPUs placed as the request places them and with room for the restore),
+starts that staging beside CRIU (:class:`EarlyStaging`).
 Strict decoding is deferred, not dropped: the operation then runs its whole admission as always
 (:func:`coldsnap.activation.admission.admit`), and only a restore it admits adopts the tree
-(:meth:`EarlyRestore.adopt`, the same artifact, unit and port); any failure before that kills it
-(:meth:`EarlyRestore.abandon`). The restored tree holds no GPU memory until the CUDA restore, which only
-an admitted restore reaches, so an abandoned one loses nothing.
+(:meth:`EarlyRestore.adopt`, the same artifact, unit and port) and each rank's staging where admission
+places that rank's weights as the entry did; any failure before that kills the tree and drops the staged
+memory (:meth:`EarlyRestore.abandon`). The restored tree holds no GPU memory until the CUDA restore, which
+only an admitted restore reaches, so an abandoned one loses nothing.
 
 Whatever this step does not handle — another command or flag (``--prepare-only``, ``--request-json``,
 ``--owner``, units, ``oci://``, ``--host-thp``), sudo's caller as owner, not root, an n580 artifact, a
@@ -28,10 +32,11 @@ from __future__ import annotations
 
 import os
 import platform
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from coldsnap.activation.operation_locks import LockHeld, OperationLock, PortLock
 from coldsnap.activation.replica_plan import PortsTaken, Replica, plan, write_replica_images
@@ -72,6 +77,8 @@ class EarlyRestore:
     criu_started_ns: int
     gpu_pids: bool
     """The tree holds CUDA state (the checkpoint API was started for it)."""
+    staging: EarlyStaging | None = None
+    """The launcher's staging of the ranks' weights, started beside CRIU (where it stages)."""
     _done: bool = False
 
     def matches(self, root: Path, identity: str, unit_id: str, serving_port: int) -> bool:
@@ -90,7 +97,55 @@ class EarlyRestore:
             return
         self._done = True
         self.pending.abandon()
+        if self.staging is not None:
+            self.staging.drop()
         self.lock.release()
+
+
+class EarlyStaging:
+    """The ranks' weights staged by the entry: decided on a thread of its own (the GPUs' placement and
+    room), then one :class:`~coldsnap.activation.staging.WeightStager` per rank. The restore takes the
+    stagers it would have started itself (:meth:`take`); :meth:`drop` cancels and releases the rest."""
+
+    def __init__(self, decide: Callable[[], tuple[dict[int, Any], dict[int, int], dict[str, int]]]):
+        self.stagers: dict[int, Any] = {}
+        self.devices: dict[int, int] = {}
+        """The engine's device ordinal → this launcher's, as the entry placed them."""
+        self.held: dict[str, int] = {}
+        """GPU UUID → the bytes the stagers map there and the launcher's context: free for this restore."""
+        self.skipped = ""
+        """Why nothing was staged, if so (for the receipt)."""
+
+        def run() -> None:
+            try:
+                self.stagers, self.devices, self.held = decide()
+            except Exception as exc:  # noqa: BLE001 - the restore then stages as it always did
+                self.skipped = f"{type(exc).__name__}: {exc}"
+
+        self._thread = threading.Thread(target=run, name="coldsnap-early-staging", daemon=True)
+        self._thread.start()
+
+    def decided(self) -> "EarlyStaging":
+        self._thread.join()
+        return self
+
+    def take(self, rank: int, devices: dict[int, int]) -> Any | None:
+        """Rank ``rank``'s stager, if the entry started one onto the GPUs admission placed it on (``devices``)."""
+        self.decided()
+        stager = self.stagers.get(rank)
+        if stager is None or any(devices.get(device, device) != mine for device, mine in self.devices.items()):
+            return None
+        return self.stagers.pop(rank)
+
+    def drop(self) -> None:
+        """Cancel and release every stager not taken."""
+        self.decided()
+        for stager in self.stagers.values():
+            stager.cancel()
+        for stager in self.stagers.values():
+            stager.join()
+            stager.release()
+        self.stagers.clear()
 
 
 _started: EarlyRestore | None = None
@@ -202,8 +257,10 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
         criu_started_ns = time.monotonic_ns() - origin[0]
         pending = CriuSnapshotter(options=SnapshotOptions(tcp=metadata["criu_tcp"])).start_restore(
             copy, state_dir, root, own_images=True)
+        staging = _start_staging(flags, captured, unit, metadata, root, records, origin) \
+            if metadata.get("gpu_pids") else None
         return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, state_dir, lock, pending, origin,
-                            (0, checked_ns), criu_started_ns, bool(metadata.get("gpu_pids")))
+                            (0, checked_ns), criu_started_ns, bool(metadata.get("gpu_pids")), staging)
     except PortsTaken:
         lock.release()
         return None
@@ -212,3 +269,74 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
             pending.abandon()
         lock.release()
         raise
+
+
+def _start_staging(flags: dict[str, str], captured: dict, unit: dict, metadata: dict, root: Path, records: Path,
+                   origin: tuple[int, int]) -> EarlyStaging:
+    """Each rank's weights staged as the restore would stage them (:func:`~coldsnap.activation.staging.stages_rank`),
+    where its packs are vouched for by their records and its GPUs, placed as the request places them, have
+    room for the whole restore (:func:`~coldsnap.activation.gpu_room.shortfalls`); decided on a thread."""
+    from coldsnap.activation.gpu_room import LAUNCHER_CONTEXT_BYTES, needs_per_gpu, shortfalls
+    from coldsnap.activation.replica_plan import gpu_remap
+    from coldsnap.activation.staging import WeightStager, stages_rank
+    from coldsnap.activation.state import host_cache_dir
+
+    mode = flags.get("--weights") or ((captured.get("policy") or {}).get("weights") or {}).get("mode") or "auto"
+    request_unit = (captured.get("units") or [{}])[0]
+    requested = flags.get("--gpu") or (request_unit.get("env") or {}).get("CUDA_VISIBLE_DEVICES")
+    captured_visible = (request_unit.get("env") or {}).get("CUDA_VISIBLE_DEVICES")
+    by_rank = {w["rank"]: w for w in metadata["workers"]}
+
+    def decide() -> tuple[dict[int, Any], dict[int, int], dict[str, int]]:
+        from coldsnap.snapshot.cuda_checkpoint import cuda_devices
+        from coldsnap.snapshot.nvml import device_memory
+
+        ranks = {}
+        for worker in unit["workers"]:
+            regions = {tag: _Region.of(r) for tag, r in by_rank[worker["rank"]]["regions"].items()}
+            packs = [(root / ref["path"], ref["sha256"]) for ref in (worker.get("payload"), worker["residual"]) if ref]
+            folders = {path.parent: records / path.parent.relative_to(root) for path, _ in packs}
+            source = "native" if mode != "recovery" and vouched_by_records(packs, folders) else None
+            if stages_rank("restore", source, worker.get("payload"), regions):
+                ranks[worker["rank"]] = (worker, regions)
+        if not ranks:
+            return {}, {}, {}
+        current = [device["uuid"] for device in cuda_devices(host_cache_dir())]
+        placement = gpu_remap(metadata["gpu_uuids"], captured_visible, current, requested)
+        cuda_regions = {by_rank[rank]["pid"]: {tag: r["high_water"] for tag, r in by_rank[rank]["regions"].items()
+                                               if r["backend"] == "cuda"} for rank in by_rank}
+        needs = needs_per_gpu([(u["gpu_uuid"], u["pid"], u["serving_bytes"]) for u in metadata.get("gpu_memory", [])],
+                              cuda_regions, dict(placement.pairs), staging=True)
+        if shortfalls(needs, {uuid: memory.free for uuid, memory in device_memory().items()}):
+            return {}, {}, {}  # (admission refuses it, saying why)
+        held: dict[str, int] = {}
+        stagers = {}
+        for rank, (worker, regions) in ranks.items():
+            for record in WeightStager.stageable(regions).values():
+                uuid = current[placement.launcher_ordinals.get(record.device, record.device)]
+                held[uuid] = held.get(uuid, LAUNCHER_CONTEXT_BYTES) + record.high_water
+            residual = worker["residual"]
+            stagers[rank] = WeightStager(regions, root / worker["payload"]["path"],
+                                         root / residual["path"] if residual else None, worker["layout_digest"],
+                                         lambda: time.monotonic_ns() - origin[0],
+                                         placement.launcher_ordinals).start()
+        return stagers, placement.launcher_ordinals, held
+
+    return EarlyStaging(decide)
+
+
+@dataclass(frozen=True)
+class _Region:
+    """What staging reads of a region's record (:class:`~coldsnap.activation.staging.StageableRegion`), from its JSON."""
+
+    backend: str
+    device: int
+    high_water: int
+    chunk_bytes: int
+
+    @classmethod
+    def of(cls, record: dict) -> "_Region":
+        numbers = [record["device"], record["high_water"], record["chunk_bytes"]]
+        if not isinstance(record["backend"], str) or any(type(n) is not int or n < -1 for n in numbers):
+            raise ValueError(f"not a region record: {record!r}")  # (strict decoding says more, later)
+        return cls(record["backend"], *numbers)

@@ -59,7 +59,8 @@ def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: 
     with context.timer.span(f"{op}.admission.gpu_memory") as span:
         # (a standby's agents hydrate at its wake: the launcher stages nothing for a warm)
         staging = launcher_stages(op, admitted.descriptor, admitted.capsule, admitted.sources)
-        admit_gpu_memory(context, admitted.capsule, gpus, staging, span)
+        early = admitted.early.staging.decided() if admitted.early is not None and admitted.early.staging else None
+        admit_gpu_memory(context, admitted.capsule, gpus, staging, span, held=early.held if early is not None else None)
     return gpus
 
 

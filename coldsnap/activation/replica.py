@@ -5,11 +5,10 @@ sequences (:mod:`coldsnap.activation.restore_steps`, :mod:`coldsnap.activation.n
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Callable
 
 from coldsnap.activation.artifact_dir import ArtifactDir
-from coldsnap.activation.replica_plan import PortsTaken, Replica, plan, port_free
+from coldsnap.activation.replica_plan import GpuPlacement, PortsTaken, Replica, gpu_remap, plan, port_free
 from coldsnap.activation.state import host_cache_dir
 from coldsnap.activation.units import moved_addresses, selected_unit
 from coldsnap.contracts.capsule import CapsuleManifest
@@ -49,53 +48,6 @@ def plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: Caps
             raise OperationFailed("admission.port", f"serving port {port} is held by a warm standby of this "
                                   f"artifact (pid {pid}): `coldsnap wake {artifact.root}` makes it serve") from None
         raise OperationFailed("admission.port", str(exc)) from None
-
-
-@dataclass(frozen=True)
-class GpuPlacement:
-    """Where an n610 image's GPU state goes on this host: each captured GPU by UUID onto one of this
-    host's (a bijection over the captured ones; empty when nothing moves), and, for staging, the
-    launcher's device ordinal behind each of the engine's."""
-
-    pairs: list[tuple[str, str]]
-    launcher_ordinals: dict[int, int]
-
-
-def _visible(value: str | None, uuids: list[str], where: str) -> list[str]:
-    """``CUDA_VISIBLE_DEVICES`` (ordinals or UUIDs, comma-separated) as UUIDs of ``uuids``; all of them
-    when unset. ``ValueError`` names a device that is not there."""
-    if value is None:
-        return list(uuids)
-    chosen = []
-    for token in (t.strip() for t in value.split(",") if t.strip()):
-        if token.isdigit() and int(token) < len(uuids):
-            chosen.append(uuids[int(token)])
-        elif token in uuids:
-            chosen.append(token)
-        else:
-            raise ValueError(f"GPU {token} is not among the {len(uuids)} GPU(s) {where}")
-    if len(set(chosen)) != len(chosen):
-        raise ValueError(f"CUDA_VISIBLE_DEVICES={value} names a GPU twice")
-    return chosen
-
-
-def gpu_remap(captured: list[str], captured_visible: str | None, current: list[str],
-              requested_visible: str | None) -> GpuPlacement:
-    """The engine saw ``captured_visible`` of the capture host's ``captured`` GPUs; it is to see
-    ``requested_visible`` of this host's ``current`` ones, in that order (unset: this host's GPUs by
-    ordinal, as many as there are). ``ValueError`` when the GPUs asked for cannot be given."""
-    used = _visible(captured_visible, captured, "the capture host had")
-    target = _visible(requested_visible, current, "this host has")
-    if requested_visible is not None and len(target) < len(used):
-        raise ValueError(f"the image's engine used {len(used)} GPU(s); {len(target)} placed")
-    mapping = dict(zip(used, target))
-    spare = [gpu for gpu in current if gpu not in mapping.values()]
-    for gpu in captured:  # the driver wants every checkpointed GPU mapped, each onto a GPU of its own
-        if gpu not in mapping and spare:
-            mapping[gpu] = gpu if gpu in spare else spare[0]
-            spare.remove(mapping[gpu])
-    pairs = list(mapping.items()) if any(old != new for old, new in mapping.items()) else []
-    return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(gpu) for i, gpu in enumerate(target)})
 
 
 def captured_visible_devices(artifact: ArtifactDir, unit: int = 0) -> str | None:

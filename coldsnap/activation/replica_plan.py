@@ -1,10 +1,11 @@
-"""One restore's replica, planned from plain facts of its image (standard library only).
+"""One restore's replica and its GPUs, planned from plain facts of its image (standard library only).
 
 :func:`coldsnap.activation.replica.plan_replica` plans admission's replica from the decoded capsule;
 a restore's first step (:mod:`coldsnap.activation.early_restore`) plans the same one before pydantic is
 imported, so that CRIU can start then. Both call :func:`plan`: the serving port and the port generation
 that moves the tree's other ports with it, every bind the restored tree will make probed, the agents'
-control sockets renamed for this replica, its path-bound sockets moved into its own names.
+control sockets renamed for this replica, its path-bound sockets moved into its own names. And where the
+image's GPU state goes on this host (:func:`gpu_remap`), which the entry's weight staging needs as well.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from coldsnap.snapshot.replica import (PortGeneration, namespace_socket_names, p
                                        probe_abstract_names, probe_binds, probe_path_sockets, replica_images,
                                        tree_sockets)
 
-__all__ = ["PortsTaken", "Replica", "plan", "port_free", "replica_control", "replica_name", "write_replica_images"]
+__all__ = ["GpuPlacement", "PortsTaken", "Replica", "gpu_remap", "plan", "port_free", "replica_control", "replica_name",
+           "write_replica_images"]
 
 
 @dataclass(frozen=True)
@@ -132,3 +134,50 @@ def write_replica_images(images: Path, state_dir: Path, replica: Replica, moved:
         stale.unlink(missing_ok=True)
     return replica_images(images, state_dir / "images", replica.generation, replica.unix_names,
                           f".{replica.name}".encode(), moved)
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """Where an n610 image's GPU state goes on this host: each captured GPU by UUID onto one of this
+    host's (a bijection over the captured ones; empty when nothing moves), and, for staging, the
+    launcher's device ordinal behind each of the engine's."""
+
+    pairs: list[tuple[str, str]]
+    launcher_ordinals: dict[int, int]
+
+
+def _visible(value: str | None, uuids: list[str], where: str) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` (ordinals or UUIDs, comma-separated) as UUIDs of ``uuids``; all of them
+    when unset. ``ValueError`` names a device that is not there."""
+    if value is None:
+        return list(uuids)
+    chosen = []
+    for token in (t.strip() for t in value.split(",") if t.strip()):
+        if token.isdigit() and int(token) < len(uuids):
+            chosen.append(uuids[int(token)])
+        elif token in uuids:
+            chosen.append(token)
+        else:
+            raise ValueError(f"GPU {token} is not among the {len(uuids)} GPU(s) {where}")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"CUDA_VISIBLE_DEVICES={value} names a GPU twice")
+    return chosen
+
+
+def gpu_remap(captured: list[str], captured_visible: str | None, current: list[str],
+              requested_visible: str | None) -> GpuPlacement:
+    """The engine saw ``captured_visible`` of the capture host's ``captured`` GPUs; it is to see
+    ``requested_visible`` of this host's ``current`` ones, in that order (unset: this host's GPUs by
+    ordinal, as many as there are). ``ValueError`` when the GPUs asked for cannot be given."""
+    used = _visible(captured_visible, captured, "the capture host had")
+    target = _visible(requested_visible, current, "this host has")
+    if requested_visible is not None and len(target) < len(used):
+        raise ValueError(f"the image's engine used {len(used)} GPU(s); {len(target)} placed")
+    mapping = dict(zip(used, target))
+    spare = [gpu for gpu in current if gpu not in mapping.values()]
+    for gpu in captured:  # the driver wants every checkpointed GPU mapped, each onto a GPU of its own
+        if gpu not in mapping and spare:
+            mapping[gpu] = gpu if gpu in spare else spare[0]
+            spare.remove(mapping[gpu])
+    pairs = list(mapping.items()) if any(old != new for old, new in mapping.items()) else []
+    return GpuPlacement(pairs=pairs, launcher_ordinals={i: current.index(gpu) for i, gpu in enumerate(target)})

@@ -102,6 +102,7 @@ class RestoreSequence:
         self.staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}  # rank → (adopted chunks, staging stats)
         self.fds_by_rank: dict[int, list[int]] = {}
         self.early = early
+        self.early_staged: set[int] = set()  # ranks whose staging the entry started
         self.criu: PendingRestore | None = None  # CRIU under way: killed by unwind until it has restored the tree
 
     def step(self, span: str, code: str, started_ns: int | None = None) -> ContextManager[dict[str, str | int | bool]]:
@@ -149,12 +150,19 @@ class RestoreSequence:
         """CRIU restores the tree; meanwhile each rank's GPU weights are hydrated by this launcher into
         shareable chunks (handed over at resume), or else its payload is read into the page cache."""
         # (a standby's weights are hydrated at wake, by its own agents: only its pack is read ahead)
+        ordinals = self.gpus.launcher_ordinals if self.gpus is not None else {}
+        early_staging = self.early.staging if self.early is not None else None  # (started beside CRIU: taken as is)
         for w in self.workers:
             regions = self.records[w.rank].regions
             if w.payload is not None and stages_rank(self.op, self.sources[w.rank], w.payload, regions):
-                self.stagers[w.rank] = WeightStager(regions, self.artifact.root / w.payload.path, self.pack(w.residual),
-                                                    w.layout_digest, self.timer.now_ns,
-                                                    self.gpus.launcher_ordinals if self.gpus is not None else {})
+                taken = early_staging.take(w.rank, ordinals) if early_staging is not None else None
+                if taken is not None:
+                    self.early_staged.add(w.rank)
+                self.stagers[w.rank] = taken or WeightStager(regions, self.artifact.root / w.payload.path,
+                                                             self.pack(w.residual), w.layout_digest, self.timer.now_ns,
+                                                             ordinals)
+        if early_staging is not None:
+            early_staging.drop()  # (what admission placed otherwise, or does not stage)
         for w in self.workers:  # a pack still arriving that this launcher does not stage: its agent reads it whole
             arrival = arrival_for(self.artifact.root / w.payload.path) if w.payload is not None else None
             if arrival is not None and w.rank not in self.stagers:
@@ -276,7 +284,8 @@ class RestoreSequence:
             for rank, stager in self.stagers.items():
                 self.timer.add_timeline_span(f"{self.op}.stage_weights" + (f".rank{rank}" if rank else ""),
                                              stager.started_ns, stager.finished_ns,
-                                             **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))})
+                                             **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))},
+                                             **({"early": True} if rank in self.early_staged else {}))
                 if staged[rank]:
                     adopted, self.fds_by_rank[rank] = stager.export()
                     self.handed_over += self.fds_by_rank[rank]

@@ -111,3 +111,62 @@ def test_the_first_step_imports_no_pydantic_and_no_contract_model():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout
     assert out.strip() == "[]"
+
+
+class _StagerStandIn:
+    """Stands in for a WeightStager (which needs a GPU): records what the hand-off does to it."""
+
+    def __init__(self):
+        self.calls: list[str] = []
+
+    def cancel(self):
+        self.calls.append("cancel")
+
+    def join(self):
+        self.calls.append("join")
+        return False
+
+    def release(self):
+        self.calls.append("release")
+
+
+def test_a_rank_staged_by_the_entry_is_taken_only_where_admission_placed_it_alike():
+    ranks = {0: _StagerStandIn(), 1: _StagerStandIn()}
+    staging = early_restore.EarlyStaging(lambda: (dict(ranks), {0: 0, 1: 1}, {"GPU-x": 1 << 30}))
+    assert staging.take(0, {0: 0, 1: 1}) is ranks[0]
+    assert staging.take(0, {0: 0, 1: 1}) is None  # taken once
+    assert staging.take(1, {0: 1, 1: 0}) is None  # placed otherwise: the restore stages it itself
+    staging.drop()
+    assert ranks[1].calls == ["cancel", "join", "release"] and ranks[0].calls == []
+
+
+def test_a_staging_decision_that_fails_stages_nothing_and_says_why():
+    def decide():
+        raise RuntimeError("no NVML")
+
+    staging = early_restore.EarlyStaging(decide).decided()
+    assert staging.stagers == {} and staging.held == {} and "no NVML" in staging.skipped
+    assert staging.take(0, {}) is None
+
+
+@pytest.mark.parametrize("record, ok", [
+    ({"backend": "cuda", "device": 0, "high_water": 1 << 30, "chunk_bytes": 2 << 20}, True),
+    ({"backend": "cuda", "device": 0, "high_water": "1", "chunk_bytes": 2 << 20}, False),
+    ({"backend": "cuda", "device": True, "high_water": 1, "chunk_bytes": 2}, False),
+    ({"backend": "cuda", "device": 0, "high_water": -5, "chunk_bytes": 2}, False),
+])
+def test_region_facts_from_the_capsule_json_are_plain_integers(record, ok):
+    if ok:
+        region = early_restore._Region.of(record)
+        assert (region.backend, region.high_water) == ("cuda", 1 << 30)
+    else:
+        with pytest.raises(ValueError):
+            early_restore._Region.of(record)
+
+
+def test_staging_imports_no_pydantic_until_it_hydrates():
+    code = ("import sys; import coldsnap.activation.staging, coldsnap.activation.gpu_room, "
+            "coldsnap.activation.replica_plan; print(sorted(m for m in sys.modules if m.startswith('pydantic')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip() == "[]"
