@@ -50,6 +50,8 @@ from coldsnap.snapshot.thp import HOST_THP_ENV
 __all__ = ["EARLY_RESTORE_ENV", "EarlyRestore", "abandon_unadopted", "early_restore", "start_tree"]
 
 EARLY_RESTORE_ENV = "COLDSNAP_EARLY_RESTORE"
+EARLY_STAGING_ENV = "COLDSNAP_EARLY_STAGING"
+"""``0``: the entry starts CRIU but leaves the weights' staging to the restore's own step (after admission)."""
 
 _VALUED_FLAGS = ("--port", "--gpu", "--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--weights")
 """``coldsnap restore`` flags this step takes (none changes what CRIU restores but the port and the state
@@ -258,7 +260,7 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
         pending = CriuSnapshotter(options=SnapshotOptions(tcp=metadata["criu_tcp"])).start_restore(
             copy, state_dir, root, own_images=True)
         staging = _start_staging(flags, captured, unit, metadata, root, records, origin) \
-            if metadata.get("gpu_pids") else None
+            if metadata.get("gpu_pids") and os.environ.get(EARLY_STAGING_ENV, "1") != "0" else None
         return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, state_dir, lock, pending, origin,
                             (0, checked_ns), criu_started_ns, bool(metadata.get("gpu_pids")), staging)
     except PortsTaken:
