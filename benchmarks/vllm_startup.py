@@ -300,22 +300,9 @@ class Bench:
         """One ``coldsnap restore`` timed from its exec to the canary's match; ``env`` (e.g. the 4 KiB
         fill) and ``flags`` are named in the run's kind."""
         index = len(self.state["runs"])
-        receipt_path = self.work / f"restore-{index}.json"
-        exec_ns = time.time_ns()
-        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
-                               str(receipt_path), *self.args.restore_args, *flags],
-                              env={**os.environ, **self.env(), **(env or {})}, capture_output=True, text=True)
-        exit_ns = time.time_ns()
-        receipt = json.loads(receipt_path.read_text())
-        try:
-            if done.returncode != 0:
-                raise SystemExit(f"restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
-            answer = tokens(self.port)
-        finally:
-            pid = restored_pid(receipt)
-            if pid is not None:
-                kill_tree(pid)
-            time.sleep(0.5)
+        done, receipt, exec_ns, exit_ns = self.operation("restore", self.work / f"restore-{index}.json", env,
+                                                         (*self.args.restore_args, *flags))
+        answer = self.answer_then_kill(done, receipt, "restore")
         phases = receipt_timeline(receipt, exec_ns, exit_ns)
         seconds = phases.pop("exec → canary matched")  # the restore as the user sees it
         expected = self.expected()
@@ -323,6 +310,32 @@ class Bench:
         kind += self.variant
         self.record(kind=kind, cache=cache, seconds=round(seconds, 3), tokens=answer, phases=phases,
                     same_tokens=expected is None or answer == expected, image_bytes=self.image_bytes())
+
+    def operation(self, operation: str, receipt_path: Path, env: dict[str, str] | None = None,
+                  flags: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, dict, int, int]:
+        """`coldsnap OPERATION` of the capture (restore, warm, wake): the process, its receipt, and the
+        wall-clock nanoseconds of its exec and exit."""
+        exec_ns = time.time_ns()
+        done = subprocess.run([sys.executable, "-m", "coldsnap", operation, str(self.artifact), "--receipt-json",
+                               str(receipt_path), *flags], env={**os.environ, **self.env(), **(env or {})},
+                              capture_output=True, text=True)
+        exit_ns = time.time_ns()
+        return done, json.loads(receipt_path.read_text()), exec_ns, exit_ns
+
+    def answer_then_kill(self, done: subprocess.CompletedProcess, receipt: dict, what: str,
+                         tree: dict | None = None) -> list[int]:
+        """The benchmark prompt's greedy token ids from the server the operation ``what`` made serve
+        (SystemExit when it failed); then its tree (the one ``tree``'s receipt restored, default
+        ``receipt``'s) is killed."""
+        try:
+            if done.returncode != 0:
+                raise SystemExit(f"{what} failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
+            return tokens(self.port)
+        finally:
+            pid = restored_pid(tree or receipt)
+            if pid is not None:
+                kill_tree(pid)
+            time.sleep(0.5)
 
     def image_bytes(self) -> int | None:
         images = next((self.artifact / "units").glob("*/images"), None)
@@ -356,32 +369,16 @@ class Bench:
         """A warm standby, then its wake, ``--repeat`` times: the wake as the user sees it (exec → canary)."""
         for _ in range(self.args.repeat):
             index = len(self.state["runs"])
-            warm_receipt, wake_receipt = self.work / f"warm-{index}.json", self.work / f"wake-{index}.json"
-            exec_ns = time.time_ns()
-            warmed = subprocess.run([sys.executable, "-m", "coldsnap", "warm", str(self.artifact), "--receipt-json",
-                                     str(warm_receipt)], env={**os.environ, **self.env()}, capture_output=True, text=True)
-            warm_s = (time.time_ns() - exec_ns) / 1e9
+            warmed, warm_receipt, warm_exec_ns, warm_exit_ns = self.operation("warm", self.work / f"warm-{index}.json")
             if warmed.returncode != 0:
-                raise SystemExit(f"warm failed: {warmed.stderr[-2000:]}")
-            exec_ns = time.time_ns()
-            woken = subprocess.run([sys.executable, "-m", "coldsnap", "wake", str(self.artifact), "--receipt-json",
-                                    str(wake_receipt)], env={**os.environ, **self.env()}, capture_output=True, text=True)
-            exit_ns = time.time_ns()
-            receipt = json.loads(wake_receipt.read_text())
-            try:
-                if woken.returncode != 0:
-                    raise SystemExit(f"wake failed: {receipt.get('error')}\n{woken.stderr[-2000:]}")
-                answer = tokens(self.port)
-            finally:
-                pid = restored_pid(json.loads(warm_receipt.read_text()))
-                if pid is not None:
-                    kill_tree(pid)
-                time.sleep(0.5)
+                raise SystemExit(f"warm failed: {warm_receipt.get('error')}\n{warmed.stderr[-2000:]}")
+            woken, receipt, exec_ns, exit_ns = self.operation("wake", self.work / f"wake-{index}.json")
+            answer = self.answer_then_kill(woken, receipt, "wake", tree=warm_receipt)
             phases = receipt_timeline(receipt, exec_ns, exit_ns)
             seconds = phases.pop("exec → canary matched")
             expected = self.expected()
             self.record(kind="wake" + self.variant, cache="warm", seconds=round(seconds, 3), tokens=answer,
-                        phases=phases, warm_s=round(warm_s, 3), same_tokens=expected is None or answer == expected)
+                        phases=phases, warm_s=round((warm_exit_ns - warm_exec_ns) / 1e9, 3), same_tokens=expected is None or answer == expected)
 
     def step_restore_late(self) -> None:
         """Restores whose CRIU starts only once the launcher has imported everything and admitted the artifact
@@ -586,11 +583,7 @@ class Bench:
         """One plain ``coldsnap restore`` of the capture, serving while the block runs, then killed; the block
         gets the restore's timeline (``receipt_timeline``: exec → canary matched and each phase)."""
         receipt_path = self.work / f"{step}-restore-{len(self.state['runs'])}-{time.time_ns()}.json"
-        exec_ns = time.time_ns()
-        done = subprocess.run([sys.executable, "-m", "coldsnap", "restore", str(self.artifact), "--receipt-json",
-                               str(receipt_path)], env={**os.environ, **self.env()}, capture_output=True, text=True)
-        exit_ns = time.time_ns()
-        receipt = json.loads(receipt_path.read_text())
+        done, receipt, exec_ns, exit_ns = self.operation("restore", receipt_path)
         try:
             if done.returncode != 0:
                 raise SystemExit(f"{step}: restore failed: {receipt.get('error')}\n{done.stderr[-2000:]}")
