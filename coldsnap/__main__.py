@@ -19,8 +19,13 @@ def main() -> None:
         from coldsnap.activation.early_restore import start_tree
 
         start_tree(sys.argv[2:], origin)
-    from coldsnap.cli import run
-
+    try:
+        from coldsnap.cli import run
+    except BaseException:  # (^C during the imports: the tree the entry started goes with this process)
+        early = sys.modules.get("coldsnap.activation.early_restore")
+        if early is not None:
+            early.abandon_unadopted()
+        raise
     run()
 
 
