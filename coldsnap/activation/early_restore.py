@@ -31,7 +31,6 @@ does it all and reports what is wrong as before. ``COLDSNAP_EARLY_RESTORE=0`` tu
 from __future__ import annotations
 
 import os
-import platform
 import threading
 import time
 from dataclasses import dataclass
@@ -217,7 +216,7 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
     captured = parse_strict_json((root / "request.json").read_bytes())
     units = _object(descriptor, "units")
     if (descriptor.get("snapshot_driver") != "n610" or len(units) != 1 or len(captured.get("units") or [{}]) != 1
-            or _object(descriptor, "platform", "arch") != platform.machine()):
+            or _object(descriptor, "platform", "arch") != os.uname().machine):  # (platform.machine(), unimported)
         return None
     unit = units[0]
     identity = artifact_id(root)
