@@ -34,7 +34,7 @@ from typing import Any
 
 from benchmarks.common import drop_caches, pyplot, receipt_timeline
 from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
-from coldsnap.demo import cold_start, engine_commands, run_demo
+from coldsnap.demo import cold_start, engine_commands, run_demo, scratch_env
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
 
@@ -258,6 +258,7 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     request = json.loads((work / "artifact" / "request.json").read_text())
     port = request["units"][0]["serving_port"]
     command, _, env, _ = engine_commands(args.engine, args.size, args.device, port, work, eager, args.tp)
+    env = scratch_env(env, work)  # (as the demo's cold start: the killed servers' files out of /tmp)
     # The demo's own restore ran inside this process; every restore below is a `coldsnap restore` process.
     runs = [{"kind": "cold start", "cache": "warm", "seconds": demo["cold_start_to_first_token_s"]}]
     n580 = [capture_n580(request, work, variant) for variant in args.n580]

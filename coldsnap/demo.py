@@ -31,7 +31,7 @@ from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
 
-__all__ = ["run_demo", "render_demo", "cold_start", "first_answer", "plain_server", "sleep_wake_cycle",
+__all__ = ["run_demo", "render_demo", "cold_start", "first_answer", "plain_server", "scratch_env", "sleep_wake_cycle",
            "engine_commands", "sglang_commands", "vllm_venv"]
 
 CHECK_PROMPT = "A further prompt, to check the restored server."
@@ -203,6 +203,14 @@ def _operation(document: dict[str, Any], receipt_path: Path, quiet: bool) -> dic
     return receipt
 
 
+def scratch_env(env: dict[str, str], work: Path) -> dict[str, str]:
+    """``env`` with the engine's temporary files (vLLM's ZeroMQ socket files, torch's compile caches) in
+    ``work/tmp``: a killed server cannot remove them, and /tmp must not collect them."""
+    scratch = work / "tmp"
+    scratch.mkdir(exist_ok=True)
+    return {**env, "TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "torchinductor")}
+
+
 def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = None, quiet: bool = False,
              engine: str = "torch-lm", eager: bool = True, tp: int = 1) -> dict[str, Any]:
     """Measure cold start, capture and restore of ``engine`` serving on this machine (``tp``
@@ -218,11 +226,7 @@ def run_demo(size: str = "tiny", device: str = "cpu", directory: Path | None = N
 def _run_demo(size: str, device: str, work: Path, quiet: bool, engine: str, eager: bool, tp: int) -> dict[str, Any]:
     port = _free_port()
     command, captured_command, env, model = engine_commands(engine, size, device, port, work, eager, tp)
-    # The engine's temporary files (vLLM's ZeroMQ socket files, torch's compile caches) in the demo's own
-    # folder: a killed server cannot remove them, and /tmp must not collect them
-    scratch = work / "tmp"
-    scratch.mkdir(exist_ok=True)
-    env = {**env, "TMPDIR": str(scratch), "TORCHINDUCTOR_CACHE_DIR": str(scratch / "torchinductor")}
+    env = scratch_env(env, work)
 
     cold_seconds, cold_tokens = cold_start(command, port, env=env)
 
