@@ -543,15 +543,16 @@ class PendingRestore:
         if hold is not None:
             hold.__exit__()
 
-    def _reap(self, grace_s: float) -> tuple[int, str]:
-        """CRIU's exit (killed after ``grace_s``), its status and standard error; nothing left to abandon."""
+    def _reap(self, grace_s: float, read_stderr: bool = True) -> tuple[int, str]:
+        """CRIU's exit (killed after ``grace_s``), its status and (``read_stderr``) standard error; nothing
+        left to abandon."""
         launcher, self.launcher = self.launcher, None
         assert launcher is not None and launcher.stdout is not None and launcher.stderr is not None
         try:
             status = launcher.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             status = _kill_replica(launcher)
-        stderr = launcher.stderr.read().decode(errors="replace")
+        stderr = launcher.stderr.read().decode(errors="replace") if read_stderr else ""
         launcher.stdout.close()
         launcher.stderr.close()
         return status, stderr
@@ -578,7 +579,7 @@ class PendingRestore:
             except BaseException as exc:
                 held_back = exc
                 os.write(hold.go, b"abort\n")  # the script fails, CRIU kills the tree and exits non-zero
-                self._reap(30)
+                self._reap(30, read_stderr=False)  # (what before_unlock raised is the error)
                 break
             os.write(hold.go, b"go\n")
             self.deadline += time.monotonic() - waited  # (the other units' time is not CRIU's)
