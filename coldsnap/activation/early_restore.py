@@ -67,8 +67,6 @@ class EarlyRestore:
     unit_id: str
     operation_id: str
     replica: Replica
-    state_dir: Path
-    """The replica's state directory (its images copy, CRIU's files)."""
     lock: OperationLock
     pending: PendingRestore
     origin: tuple[int, int]
@@ -76,8 +74,6 @@ class EarlyRestore:
     checked_ns: tuple[int, int]
     """When this step's checks ran, on that clock (from the program's start: its imports included)."""
     criu_started_ns: int
-    gpu_pids: bool
-    """The tree holds CUDA state (the checkpoint API was started for it)."""
     staging: EarlyStaging | None = None
     """The launcher's staging of the ranks' weights, started beside CRIU (where it stages)."""
     _done: bool = False
@@ -260,8 +256,8 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
             copy, state_dir, root, own_images=True)
         staging = _start_staging(flags, captured, unit, metadata, root, records, origin) \
             if metadata.get("gpu_pids") and os.environ.get(EARLY_STAGING_ENV, "1") != "0" else None
-        return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, state_dir, lock, pending, origin,
-                            (0, checked_ns), criu_started_ns, bool(metadata.get("gpu_pids")), staging)
+        return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, lock, pending, origin,
+                            (0, checked_ns), criu_started_ns, staging)
     except PortsTaken:
         lock.release()
         return None
