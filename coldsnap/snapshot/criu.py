@@ -348,11 +348,9 @@ class CriuSnapshotter:
         pids, written, shm = process_tree.scan_tree(root_pid, keys)
         if not pids:
             raise CriuError("dump", None, f"no process {root_pid}")
-        external: dict[str, dict[str, object]] = {}
-        if owned_root is not None:
-            root = owned_root.resolve()
-            for path in [p for p in written if Path(p).is_relative_to(root)]:
-                external[keys[path]] = {"path": str(Path(path).relative_to(root)), "size": written.pop(path)}
+        root = owned_root.resolve() if owned_root is not None else None
+        # path → CRIU key of each file under owned_root the tree writes to
+        owned = {path: keys[path] for path in written if root is not None and Path(path).is_relative_to(root)}
         shm_before = {p.name for p in process_tree.SHM_DIR.iterdir()} if process_tree.SHM_DIR.is_dir() else set()
         # A tree in a network namespace other than ours (a launch unit on a host of its own): the namespace is
         # placement, not part of the image. Dumped, it would come back as a copy of the capture host's devices,
@@ -363,11 +361,18 @@ class CriuSnapshotter:
         started = time.monotonic()
         # --link-remap: files unlinked while open (semaphores, temp files) are linked back under a new name.
         args = ["dump", "-t", str(root_pid), "-D", str(images), "-o", "dump.log", "--link-remap", *self.options.args(),
-                *(argument for key in external for argument in ("--external", key)), *netns_args, *_log_level()]
+                *(argument for key in owned.values() for argument in ("--external", key)), *netns_args, *_log_level()]
         result = self.criu._run("dump", args, timeout=timeout)
         seconds = time.monotonic() - started
         if result.returncode != 0:
             raise CriuError("dump", result.returncode, _log_tail(images / "dump.log") or _tail(result.stderr))
+        # The sizes the frozen tree left, not the scan's: the tree ran on until CRIU froze it, and a line it
+        # appended meanwhile is in the image's memory as written. Cut back to the scan's size, every restore
+        # would lose it (a test's echo log showed a gap).
+        written = process_tree.file_sizes(written)
+        external: dict[str, dict[str, object]] = {
+            key: {"path": str(Path(path).relative_to(root)), "size": written.pop(path)}
+            for path, key in owned.items() if root is not None}
         process_tree.capture_tree_files(images, pids, written, shm, shm_before, external, external_netns)
         census, compact_seconds = None, 0.0
         if compact:

@@ -27,7 +27,7 @@ from coldsnap.atomic import write_atomic
 from coldsnap.host import PF_EXITING, stat_fields
 from coldsnap.snapshot.shm import SHM_DIR, copy_sparse, restore_shm
 
-__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "bound_socket_files", "remove_socket_files", "socket_files_in", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "prepare_restore", "namespace_pid", "inherited_files",
+__all__ = ["group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "bound_socket_files", "remove_socket_files", "socket_files_in", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "file_sizes", "prepare_restore", "namespace_pid", "inherited_files",
            "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"
@@ -251,6 +251,17 @@ def scan_tree(root: int, keys: dict[str, str] | None = None) -> tuple[list[int],
         except OSError:
             continue
     return pids, written, shm
+
+
+def file_sizes(paths: dict[str, int]) -> dict[str, int]:
+    """``paths`` with each file's size now (its old size where it can no longer be read)."""
+    sizes = {}
+    for path, size in paths.items():
+        try:
+            sizes[path] = os.stat(path).st_size
+        except OSError:
+            sizes[path] = size
+    return sizes
 
 
 def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], shm_in_use: set[str],

@@ -94,6 +94,43 @@ def test_dump_restore_twice_keeps_sockets_state_and_logs(server, tmp_path):
     assert len(set_aside) == 1 and set_aside[0].read_text() == "inc 3\ninc 4\n"  # nothing lost
 
 
+_COUNTING_WRITER = """
+import sys, time
+with open(sys.argv[1], "a", buffering=1) as log:
+    count = 0
+    while True:
+        count += 1
+        log.write(f"{count}\\n")
+        time.sleep(0.0005)
+"""
+
+
+def test_a_log_the_tree_appends_to_until_the_freeze_restores_without_a_gap(tmp_path):
+    """The tree writes until CRIU freezes it, after the dump's scan of its files: the image keeps the size
+    the frozen tree left, so a restore cuts nothing the restored process believes written (the echo pair of
+    test_unit_connections.py once lost a line that way)."""
+    log = tmp_path / "counter.log"
+    writer = subprocess.Popen([sys.executable, "-c", _COUNTING_WRITER, str(log)], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    roots = [writer.pid]
+    try:
+        time.sleep(1.0)
+        snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp="none"))
+        _dump(snapshotter, writer, tmp_path / "images")
+        at_dump = log.read_text().splitlines()
+        restored = snapshotter.restore(tmp_path / "images", tmp_path / "restore-state")
+        roots.append(restored.pid)
+        time.sleep(0.5)
+        kill_tree(restored.pid)
+        counts = [int(line) for line in log.read_text().splitlines()]
+        assert counts[:len(at_dump)] == [int(line) for line in at_dump]
+        assert counts == list(range(1, len(counts) + 1)) and len(counts) > len(at_dump)  # no gap, no repeat
+        assert not list(tmp_path.glob("counter.log.coldsnap-*"))  # nothing set aside: nothing was past the image
+    finally:
+        for root in roots:
+            kill_tree(root)
+
+
 def test_connections_inside_the_tree_are_dumped_without_a_network_lock(server, tmp_path, monkeypatch):
     """The tree's TCP link joins two of its own processes (no peer outside), so capture dumps it without a
     network lock (``skip``): CRIU keeps the method in the image and uses it at restore whatever the
