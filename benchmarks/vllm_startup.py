@@ -40,6 +40,8 @@ can be split over several invocations, e.g. device calls of at most 10 minutes):
                difference, per restore (benchmarks/equality.py)
   equality-cold    a second cold start of the same command asked the equality prompts one at a time, vs the
                first cold start's kept answers: how far two untouched starts differ
+  equality-cold-empty  the same for a cold start that compiles anew (empty vLLM, Inductor and Triton caches, as
+               a capture that is a fresh host's first start does), vs the kept cold start and every restore
   equality-native  the same for a plain start with ``--load-format coldsnap`` from the captured pack
   native       a start with ``--load-format coldsnap`` in mode native from the captured pack
   serving      serving speed: a cold-started and a restored server, same flags, ``--repeat`` runs each of
@@ -92,7 +94,7 @@ from benchmarks.image_attribution import capsule_attribution, render_capsule  # 
 from benchmarks.common import draw_medians, drop_caches, receipt_timeline  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-late", "standby", "restore-recovery", "restore-log", "race",
-         "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-native", "native", "sleep", "dropped", "fresh-node")
+         "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-cold-empty", "equality-native", "native", "sleep", "dropped", "fresh-node")
 PROMPT = "The second prompt, asked after the restore."
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
             "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1"}
@@ -643,19 +645,25 @@ class Bench:
             self.save()
         print(render_summary({k: v for k, v in summary.items() if isinstance(v, dict)}), flush=True)
 
-    def other_start_equality(self, label: str, *extra: str) -> None:
-        """Another server started plainly (``extra`` appended to the cold start's command) asked the equality
-        prompts one at a time, compared with the kept cold start's answers (``cold_equality_answers``): the
-        spread between two starts that coldsnap never touched, the bar a restore is held to."""
+    def other_start_equality(self, label: str, *extra: str, env: dict[str, str] | None = None) -> None:
+        """Another server started plainly (``extra`` appended to the cold start's command, ``env`` its
+        environment) asked the equality prompts one at a time, compared with the kept cold start's answers
+        (``cold_equality_answers``): the spread between two starts that coldsnap never touched, the bar a
+        restore is held to; and with every restore's answers of this work directory."""
         cold = self.cold_equality_answers()
         log = self.work / f"equality-{label.replace(' ', '-')}.log"
-        with plain_server(self.serve_command(*self.args.vllm_args, *extra), self.env(), log) as (process, started):
+        with plain_server(self.serve_command(*self.args.vllm_args, *extra), env or self.env(), log) as (process, started):
             first_answer(self.port, started, process, 900, PROMPT, 12, log)
             other = equality_answers(self.port, prompts=self.args.equality_prompts, engine=self.equality_engine,
                                      concurrent_passes=0)
         write_atomic(self.work / f"equality-{label.replace(' ', '-')}-answers.json", json.dumps(other).encode())
         compared = equality_summary(cold, other)["one at a time: restored vs cold"]
-        self.state.setdefault("equality starts", {})[f"one at a time: {label} vs cold"] = compared
+        starts = self.state.setdefault("equality starts", {})
+        starts[f"one at a time: {label} vs cold"] = compared
+        for restored in sorted(self.work.glob("equality-restored-answers*.json")):
+            # which start a restore answers like: the capture's process was one such start
+            versus = equality_summary(json.loads(restored.read_text()), other)["one at a time: restored vs cold"]
+            starts[f"one at a time: {label} vs {restored.stem}"] = versus
         self.save()
         print(render_summary({f"one at a time: {label} vs cold": compared}), flush=True)
         time.sleep(1)
@@ -663,6 +671,16 @@ class Bench:
     def step_equality_cold(self) -> None:
         """A second cold start (the same command) asked the equality prompts one at a time, vs the first's."""
         self.other_start_equality("second cold start")
+
+    def step_equality_cold_empty(self) -> None:
+        """A cold start that compiles anew — an empty vLLM compile cache, Inductor and Triton caches (as a
+        capture on a fresh host does, the first start there) — asked the equality prompts one at a time,
+        vs the kept cold start's answers (a warm compile cache) and every restore's: does a start that
+        compiled and autotuned answer like one that loaded the compiled artifacts?"""
+        fresh = self.work / f"compile-empty-{len(self.state.get('equality starts', {}))}"
+        self.other_start_equality("cold start, empty compile cache",
+                                  env=self.env(VLLM_CACHE_ROOT=str(fresh / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
+                                               TRITON_CACHE_DIR=str(fresh / "triton")))
 
     def step_equality_native(self) -> None:
         """A plain start with ``--load-format coldsnap`` from the captured pack (no checkpoint, no restore)

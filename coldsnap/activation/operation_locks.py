@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 __all__ = ["OperationLock", "LockHeld", "LockHolder", "PortLock", "hold_port", "hold_standby", "holder_of", "lock_name"]
 
 
+_TRIES = 5
+"""Binds tried while each failure's holder is gone by the time it is asked (locks changing hands fast)."""
+
 _held_here: dict[str, "OperationLock"] = {}
 """The locks this process holds, by key."""
 
@@ -77,13 +80,21 @@ class OperationLock:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "OperationLock":
-        """Take the lock or raise :class:`LockHeld` naming the holder; never waits for it."""
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            listener.bind(lock_name(self.key))
-        except OSError:
-            listener.close()
-            raise LockHeld(self.what, _holder(self.key)) from None
+        """Take the lock or raise :class:`LockHeld` naming the holder; never waits for it. A holder gone
+        between the failed bind and the question who holds it (a racer that lost too and let go) leaves
+        the lock free: it is taken on another try, not reported as held by no one."""
+        for _ in range(_TRIES):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                listener.bind(lock_name(self.key))
+                break
+            except OSError:
+                listener.close()
+            holder = _holder(self.key)
+            if holder.pid is not None:
+                raise LockHeld(self.what, holder)
+        else:
+            raise LockHeld(self.what, holder)
         listener.listen(8)
         self._socket = listener
         _held_here[self.key] = self

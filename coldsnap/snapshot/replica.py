@@ -110,13 +110,19 @@ def _address(sock: InetSocket) -> tuple[int, str]:
 
 def probe_binds(sockets: list[InetSocket], generation: PortGeneration,
                 addresses: dict[bytes, bytes] | None = None) -> list[str]:
-    """Bind every socket of the generation as the tree will (family, type, address, port) and say which
-    cannot be bound now; an empty list means all of them can. Listeners set ``SO_REUSEADDR`` as servers
-    do, so a port whose last connection lingers in TIME_WAIT counts as free, as it will for the tree.
-    ``addresses``: packed captured → new, the addresses the restore maps (a unit placed on another host)."""
+    """Bind every socket of the generation that the tree binds as a process does (family, type, address,
+    port) and say which cannot be bound now; an empty list means all of them can. Listeners set
+    ``SO_REUSEADDR`` as servers do, so a port whose last connection lingers in TIME_WAIT counts as free, as
+    it will for the tree. A TCP connection is not probed: CRIU restores it in TCP repair mode, whose bind
+    forces reuse (a listener, or a TIME_WAIT left by an earlier replica on the same shift, does not stop
+    it, while a bare bind would fail: CI refused a replica so), and a live replica on the same shift holds
+    the serving port, which is probed. ``addresses``: packed captured → new, the addresses the restore maps
+    (a unit placed on another host)."""
     taken = []
     probed: set[tuple[int, int, str, int]] = set()
-    for sock in sorted(sockets, key=lambda s: not s.bound):  # a listener first: its connections share its port
+    for sock in sockets:
+        if sock.kind == socket.SOCK_STREAM and not sock.bound:
+            continue
         if addresses and sock.src_addr in addresses:
             sock = dataclasses.replace(sock, src_addr=addresses[sock.src_addr])
         port = generation.port(sock.src_port)

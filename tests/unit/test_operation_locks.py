@@ -40,6 +40,26 @@ def test_the_standby_lock_is_one_per_artifact_and_not_a_port():
             pass
 
 
+def test_a_holder_gone_before_it_is_asked_leaves_the_lock_to_take(monkeypatch):
+    """A racer whose bind failed while another held the lock, the holder gone when it is asked who holds it
+    (pid unknown): the lock is free, so it is taken, not refused as held by no one (CI saw "(pid ?)")."""
+    from coldsnap.activation import operation_locks
+
+    other = PortLock(PORT, "restore", "restore-gone", None).acquire()
+    asked = []
+
+    def holder_lets_go(key: str, timeout: float = 1.0):
+        asked.append(key)
+        other.release()
+        return operation_locks.LockHolder(pid=None)
+
+    monkeypatch.setattr(operation_locks, "_holder", holder_lets_go)
+    with PortLock(PORT, "restore", "restore-next", None) as lock:
+        assert asked == [f"port-{PORT}"] and lock._socket is not None
+    monkeypatch.undo()
+    assert holder_of(PORT).pid is None
+
+
 def test_a_killed_holder_leaves_no_lock():
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
                                "from coldsnap.activation.operation_locks import PortLock\n"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 
 import pytest
 
@@ -153,11 +154,11 @@ def test_a_replica_binds_its_path_sockets_at_paths_of_its_own():
 
 
 def test_a_dual_stack_socket_talking_ipv4_is_probed_on_its_ipv4_address():
-    # vLLM 0.26 on the H200: an IPv6 socket of a connection on ::ffff:<the host's IPv4> (a V6ONLY probe of
-    # that address fails with EINVAL: it used to be reported as taken)
+    # vLLM 0.26 on the H200: an IPv6 socket on ::ffff:<the host's IPv4> (a V6ONLY probe of that address fails
+    # with EINVAL: it used to be reported as taken)
     from coldsnap.snapshot.criu_images import InetSocket
 
-    mapped = InetSocket(1, socket.AF_INET6, socket.SOCK_STREAM, 1, 41234, 8000,
+    mapped = InetSocket(1, socket.AF_INET6, socket.SOCK_STREAM, InetSocket.LISTEN, 41234, 0,
                         bytes(10) + b"\xff\xff" + bytes([127, 0, 0, 1]))
     assert probe_binds([mapped], port_generation([mapped], 41234, 41234)) == []
     with socket.socket() as busy:
@@ -166,6 +167,66 @@ def test_a_dual_stack_socket_talking_ipv4_is_probed_on_its_ipv4_address():
         port = busy.getsockname()[1]
         taken = probe_binds([mapped], port_generation([mapped], 41234, port))
     assert len(taken) == 1 and taken[0].startswith(f"tcp 127.0.0.1:{port} (")
+
+
+def test_a_connections_port_is_not_probed_criu_restores_it_in_repair_mode():
+    """A connection's local port that a bare bind cannot take now — a TIME_WAIT an earlier replica on the
+    same shift left (its client side had no SO_REUSEADDR), or another process's listener — does not stop
+    CRIU's repair-mode bind: the probe does not refuse the replica for it (CI saw two replicas refused on
+    "Address already in use" for the tree's connection ports). A listener of the tree on it is probed."""
+    from coldsnap.snapshot.criu_images import InetSocket
+
+    with socket.socket() as server, socket.socket() as client:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        client.connect(server.getsockname())
+        accepted, _ = server.accept()
+        client.close()  # the client closes first: its port lingers in TIME_WAIT, not reusable by a bare bind
+        accepted.close()
+        client_port = lingering = None
+        for _ in range(100):  # the FIN exchange over loopback: at once, as a rule
+            client_port = _time_wait_port(server.getsockname()[1])
+            lingering = _bare_bind_error(client_port)
+            if lingering:
+                break
+            time.sleep(0.01)
+        connection = InetSocket(1, socket.AF_INET, socket.SOCK_STREAM, 1, 40000, 8000, socket.inet_aton("127.0.0.1"),
+                                socket.inet_aton("127.0.0.1"))
+        listener = InetSocket(2, socket.AF_INET, socket.SOCK_STREAM, InetSocket.LISTEN, 8000, 0,
+                              socket.inet_aton("127.0.0.1"))
+        assert client_port is not None and lingering, "the kernel left no TIME_WAIT a bare bind trips on"
+        generation = port_generation([connection, listener], 40000, client_port)
+        assert probe_binds([connection], generation) == []
+        with socket.socket() as busy:  # another process's listener on a connection's port: not a conflict
+            busy.bind(("127.0.0.1", 0))
+            busy.listen()
+            generation = port_generation([connection, listener], 40000, busy.getsockname()[1])
+            assert probe_binds([connection], generation) == []
+            taken = probe_binds([listener], port_generation([listener], 8000, busy.getsockname()[1]))
+            assert len(taken) == 1 and "Address already in use" in taken[0]
+
+
+def _time_wait_port(server_port: int) -> int | None:
+    """The local port of a connection to ``server_port`` lingering in TIME_WAIT (/proc/net/tcp), if any."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            local, remote, state = fields[1], fields[2], fields[3]
+            if state == "06" and int(remote.split(":")[1], 16) == server_port:
+                return int(local.split(":")[1], 16)
+    return None
+
+
+def _bare_bind_error(port: int | None) -> str | None:
+    if port is None:
+        return None
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            return exc.strerror
+    return None
 
 
 def test_files_deleted_while_open_get_a_path_of_the_replicas_own(tmp_path):
