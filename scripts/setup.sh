@@ -25,6 +25,11 @@ esac
 
 log() { printf 'setup: %s\n' "$*" >&2; }
 python=${PYTHON:-python3}
+# The install checks load torch, which makes its compile-cache folder in /tmp (torchinductor_<user>): give them
+# one that goes away
+scratch=$(mktemp -d -t coldsnap-setup-XXXXXX)
+trap 'rm -rf "$scratch"' EXIT
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$scratch/torchinductor}
 
 # 1. Python environment. The stamp covers everything that changes what gets built.
 stamp_of() { cat pyproject.toml setup.py csrc/* | sha256sum | cut -d' ' -f1; }
@@ -58,6 +63,10 @@ if [ "$(id -u)" = 0 ]; then
 else
     log "not root: skipping CRIU and the image tools (run 'sudo bash scripts/install-criu.sh', 'sudo bash scripts/install-containers.sh' and 'sudo bash scripts/install-registry.sh'; capture and restore need root anyway)"
 fi
+
+rm -rf "$scratch"
+trap - EXIT
+[ "$TORCHINDUCTOR_CACHE_DIR" = "$scratch/torchinductor" ] && unset TORCHINDUCTOR_CACHE_DIR
 
 if [ "$run_doctor" = 1 ]; then
     log "coldsnap doctor:"
