@@ -11,12 +11,19 @@ prompts of 8 to 1500 tokens (``--tokens``), one at a time, greedy, with the chos
 the probe's digest. Steps (results accumulate in ``DIR/diagnosis.json``, so a run can span device calls):
 
   cold           the reference: a plain start (no capture)
+  cold-empty     a plain start that compiles anew: empty vLLM compile, Inductor and Triton caches (as a capture
+                 that is a fresh host's first vLLM start does), where ``cold`` loaded what an earlier start compiled
   attached       a plain start with coldsnap's agent attached (the capture's process before its snapshot)
   capture        ``coldsnap capture`` of the same command
   restore        ``coldsnap restore``
   restore-recovery   ``--weights recovery`` (the weights from the safetensors, not the pack)
   restore-criu-4k    CRIU's stock page fill (4 KiB pages, one thread: no THP or parallel fill)
   restore-reset-prefix-cache  a restore, then vLLM's ``/reset_prefix_cache``, then the requests
+  capture-torch-graph-pool, restore-torch-graph-pool  a capture whose CUDA graphs' memory stays in torch's pool
+                 (``COLDSNAP_VLLM_GRAPH_REGION=0``: saved by the checkpoint, not discarded and zeroed) and whose
+                 stack limit is not lowered (``COLDSNAP_TRIM_LOCAL_MEMORY=0``), its restore
+  capture-recreate, restore-recreate  a capture with ``--graphs recreate`` (graphs dropped before the
+                 checkpoint, captured again by the restore), its restore
 
 Prints, per server against ``cold``: prompts that differ, the largest logprob difference, and which
 parameters, buffers and runner tensors hash differently.
@@ -47,8 +54,9 @@ ISSUE_PROMPTS = [f"Prompt number {i}: the history of the {w} is" for i, w in
                  enumerate(["river", "mountain", "city", "engine", "library", "garden", "ocean", "machine"])]
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
        "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1", "VLLM_SERVER_DEV_MODE": "1"}
-STEPS = ("cold", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
-         "capture-keep-prefix-cache", "restore-keep-prefix-cache", "equality")
+STEPS = ("cold", "cold-empty", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
+         "capture-keep-prefix-cache", "restore-keep-prefix-cache", "capture-torch-graph-pool", "restore-torch-graph-pool",
+         "capture-recreate", "restore-recreate", "equality")
 
 
 class Diagnosis:
@@ -85,14 +93,27 @@ class Diagnosis:
             kernels = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_digest"}, 600)["results"][0]
         except OSError as exc:  # an HTTP error included: the layers could not run eagerly here
             kernels = {"error": str(exc)}
+        try:
+            configs = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_configs"}, 600)["results"][0]
+        except OSError as exc:
+            configs = {"error": str(exc)}
         self.state["servers"][name] = {"text": answers_json(text), "ids": answers_json(ids), "digest": digest,
-                                       "kernels": kernels,
+                                       "kernels": kernels, "kernel_configs": configs,
                                        "asked_s": round(time.perf_counter() - started, 2), **facts}
         self.save()
         self.report(name)
 
     def report(self, name: str) -> None:
         servers = self.state["servers"]
+        for other in sorted(set(servers) - {name}):  # which server this one answers like, with which kernels
+            ids = compare(answers_from_json(servers[other]["ids"]), answers_from_json(servers[name]["ids"]))
+            text = compare(answers_from_json(servers[other]["text"]), answers_from_json(servers[name]["text"]))
+            mine, theirs = servers[name].get("kernel_configs") or {}, servers[other].get("kernel_configs") or {}
+            configs = "" if not mine or not theirs else (
+                f"; Triton kernel configs differ: {[(k, theirs.get(k), mine.get(k)) for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)][:8]}"
+                f" of {len(set(mine) | set(theirs))}")
+            print(f"{name} vs {other}: issue prompts differ {text['differing']}/{text['prompts']}; id prompts differ "
+                  f"{ids['differing']}/{ids['prompts']} (max {ids['largest_logprob_difference']:.3g}){configs}", flush=True)
         if name == "cold" or "cold" not in servers:
             print(f"{name}: recorded", flush=True)
             return
@@ -134,17 +155,22 @@ class Diagnosis:
     def step_cold(self) -> None:
         self.plain("cold", self.env())
 
+    def step_cold_empty(self) -> None:
+        fresh = self.work / f"compile-empty-{time.time_ns()}"
+        self.plain("cold-empty", self.env(VLLM_CACHE_ROOT=str(fresh / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
+                                          TRITON_CACHE_DIR=str(fresh / "triton")))
+
     def step_attached(self) -> None:
         """The agent attaches under ``coldsnap capture`` only (its control socket in the environment)."""
         self.plain("attached", self.env(**{CONTROL_ENV: f"@coldsnap-diagnosis-{os.getpid()}"}))
 
-    def step_capture(self, artifact: Path | None = None, env: dict[str, str] | None = None) -> None:
+    def step_capture(self, artifact: Path | None = None, env: dict[str, str] | None = None, flags: tuple[str, ...] = ()) -> None:
         artifact = artifact or self.artifact
         if (artifact / "artifact.json").exists():
             return
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(artifact), "--receipt-json",
-                               str(self.work / f"{artifact.name}-capture-receipt.json"), "--", *self.command()],
+                               str(self.work / f"{artifact.name}-capture-receipt.json"), *flags, "--", *self.command()],
                               env={**self.env(), **(env or {})})
         print(f"capture: exit {done.returncode} in {time.perf_counter() - started:.1f} s", flush=True)
         if done.returncode != 0:
@@ -189,6 +215,19 @@ class Diagnosis:
 
     def step_restore_keep_prefix_cache(self) -> None:
         self.restore("restore-keep-prefix-cache", artifact=self.work / "artifact-keep-prefix-cache")
+
+    def step_capture_torch_graph_pool(self) -> None:
+        self.step_capture(self.work / "artifact-torch-graph-pool", {"COLDSNAP_VLLM_GRAPH_REGION": "0",
+                                                                             "COLDSNAP_TRIM_LOCAL_MEMORY": "0"})
+
+    def step_restore_torch_graph_pool(self) -> None:
+        self.restore("restore-torch-graph-pool", artifact=self.work / "artifact-torch-graph-pool")
+
+    def step_capture_recreate(self) -> None:
+        self.step_capture(self.work / "artifact-recreate", flags=("--graphs", "recreate"))
+
+    def step_restore_recreate(self) -> None:
+        self.restore("restore-recreate", artifact=self.work / "artifact-recreate")
 
     def step_equality(self) -> None:
         """:mod:`benchmarks.equality`'s prompt set: a cold start (two concurrent passes: the spread that

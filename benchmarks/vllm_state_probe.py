@@ -159,6 +159,28 @@ class StateProbe:
         return out
 
 
+    def coldsnap_kernel_configs(self) -> dict[str, list[str]]:
+        """The launch configuration each of Inductor's Triton kernels in this process runs with (what its
+        autotuning chose, by timing, when it first ran): kernel name and source hash → the configs its
+        launchers hold. Two processes of one compiled model can choose differently."""
+        import gc
+        import hashlib
+
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+
+        out: dict[str, list[str]] = {}
+        for obj in gc.get_objects():
+            if not isinstance(obj, CachingAutotuner):
+                continue
+            fn = getattr(obj, "fn", None)
+            source = getattr(fn, "src", "") or ""
+            name = (getattr(obj, "inductor_meta", None) or {}).get("kernel_name") or getattr(fn, "__name__", "?")
+            key = f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:12]}"
+            launched = sorted(str(getattr(launcher, "config", "?")) for launcher in getattr(obj, "launchers", []) or [])
+            out.setdefault(key, []).append(f"{len(getattr(obj, 'configs', []) or [])} configs; runs {launched}")
+        return {key: sorted(values) for key, values in sorted(out.items())}
+
+
 def _kv_tensors(runner: Any) -> list[Any]:
     caches = getattr(runner, "kv_caches", None)
     if isinstance(caches, dict):
