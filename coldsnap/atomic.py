@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 __all__ = ["fsync_directory", "write_atomic"]
@@ -11,6 +10,8 @@ __all__ = ["fsync_directory", "write_atomic"]
 
 def write_atomic(path: str | Path, data: bytes, mode: int = 0o644) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same directory, fsync'd, then renamed."""
+    import tempfile  # (here: a restore's entry imports this module, not tempfile's random)
+
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 from pathlib import Path
 from typing import Any
@@ -69,7 +68,8 @@ def keep_boot_fact(cache_dir: Path | None, name: str, key: list[Any], value: Any
 
 def host_facts() -> dict[str, str | bool]:
     """Kernel release, CPU architecture and whether this process is root (CRIU needs it)."""
-    return {"kernel": platform.release(), "arch": platform.machine(), "root": os.geteuid() == 0}
+    system = os.uname()  # (what the platform module reads, without importing it: a restore's entry imports this)
+    return {"kernel": system.release, "arch": system.machine, "root": os.geteuid() == 0}
 
 
 def stat_fields(pid: int | str = "self") -> list[bytes]:

@@ -10,9 +10,9 @@ image's GPU state goes on this host (:func:`gpu_remap`), which the entry's weigh
 
 from __future__ import annotations
 
+import os
 import re
 import socket
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -86,7 +86,7 @@ def _abstract(control: str) -> bytes:
 
 
 def plan(images: Path, captured_port: int, port: int, controls: dict[int, str], template_control: str | None,
-         moved: dict[bytes, bytes] | None = None, token: Callable[[], str] = lambda: uuid.uuid4().hex[:16]) -> Replica:
+         moved: dict[bytes, bytes] | None = None, token: Callable[[], str] = lambda: os.urandom(8).hex()) -> Replica:
     """The replica of the tree in ``images`` (captured serving on ``captured_port``, its agents' sockets
     ``controls`` by rank, a template's ``template_control``) that serves on ``port``; raises
     :class:`PortsTaken`. Every port the tree will bind is probed: the serving port itself, and the

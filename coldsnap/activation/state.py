@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 from pathlib import Path
 
 __all__ = ["STANDBY_RECORD", "STATE_DIR_ENV", "artifact_id", "forget_removed_artifacts", "standby_record_file",
@@ -83,6 +82,8 @@ def forget_removed_artifacts(root: Path | None = None) -> list[str]:
         try:
             if (re.fullmatch(r"[0-9a-f]{16}", state.name) and state.is_dir() and not (state / STANDBY_RECORD).exists()
                     and _artifact_gone(state)):
+                import shutil  # (here only: a restore's entry imports this module)
+
                 shutil.rmtree(state)
                 removed.append(state.name)
         except OSError:

@@ -27,10 +27,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from coldsnap.snapshot.criu_images import ImageFormatError
-from coldsnap.snapshot.criu_pages import ImageCensus, compact_image
+
+if TYPE_CHECKING:
+    from coldsnap.snapshot.criu_pages import ImageCensus
 
 __all__ = [
     "CriuError",
@@ -376,6 +378,8 @@ class CriuSnapshotter:
         process_tree.capture_tree_files(images, pids, written, shm, shm_before, external, external_netns)
         census, compact_seconds = None, 0.0
         if compact:
+            from coldsnap.snapshot.criu_pages import compact_image  # (a dump's only: a restore's entry imports less)
+
             started = time.monotonic()
             try:
                 census = compact_image(images)

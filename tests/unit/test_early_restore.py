@@ -113,6 +113,17 @@ def test_the_first_step_imports_no_pydantic_and_no_contract_model():
     assert out.strip() == "[]"
 
 
+def test_the_first_step_imports_nothing_only_a_dump_or_a_removal_needs():
+    """What the first step imported before CRIU and did not use: the dump's page census (criu_pages),
+    tempfile and its random (atomic writes), uuid and platform (a replica token, the host's facts)."""
+    code = ("import sys; import coldsnap.activation.early_restore; "
+            "print(sorted(m for m in ('coldsnap.snapshot.criu_pages', 'tempfile', 'random', 'uuid', 'platform') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2]).stdout
+    assert out.strip() == "[]"
+
+
 class _StagerStandIn:
     """Stands in for a WeightStager (which needs a GPU): records what the hand-off does to it."""
 
