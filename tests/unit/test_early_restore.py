@@ -104,24 +104,23 @@ def test_a_malformed_record_vouches_for_nothing(tmp_path):
     assert not vouched_by_records([(data, digest)], {})
 
 
+def _imported_by_the_first_step(selected: str) -> str:
+    """What ``selected`` (an expression over ``sys.modules``) prints after importing the first step alone."""
+    code = f"import sys; import coldsnap.activation.early_restore; print({selected})"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+
+
 def test_the_first_step_imports_no_pydantic_and_no_contract_model():
-    code = ("import sys; import coldsnap.activation.early_restore; "
-            "print(sorted(m for m in sys.modules if m.startswith(('pydantic', 'coldsnap.contracts.')) "
-            "and m != 'coldsnap.contracts.canonical'))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2]).stdout
-    assert out.strip() == "[]"
+    assert _imported_by_the_first_step("sorted(m for m in sys.modules if m.startswith(('pydantic', 'coldsnap.contracts.')) "
+                                       "and m != 'coldsnap.contracts.canonical')") == "[]"
 
 
 def test_the_first_step_imports_nothing_only_a_dump_or_a_removal_needs():
     """What the first step imported before CRIU and did not use: the dump's page census (criu_pages),
     tempfile and its random (atomic writes), uuid and platform (a replica token, the host's facts)."""
-    code = ("import sys; import coldsnap.activation.early_restore; "
-            "print(sorted(m for m in ('coldsnap.snapshot.criu_pages', 'tempfile', 'random', 'uuid', 'platform') "
-            "if m in sys.modules))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parents[2]).stdout
-    assert out.strip() == "[]"
+    assert _imported_by_the_first_step("sorted(m for m in ('coldsnap.snapshot.criu_pages', 'tempfile', 'random', "
+                                       "'uuid', 'platform') if m in sys.modules)") == "[]"
 
 
 class _StagerStandIn:
