@@ -14,6 +14,13 @@ from typing import Any
 __all__ = ["drop_caches", "draw_medians", "pyplot", "receipt_timeline"]
 
 
+def empty_compile_caches(directory: Path) -> dict[str, str]:
+    """Environment for an engine start that compiles anew: vLLM's compile cache and Inductor's and Triton's
+    in empty folders under ``directory`` (as a host's first start finds them)."""
+    return {"VLLM_CACHE_ROOT": str(directory / "vllm"), "TORCHINDUCTOR_CACHE_DIR": str(directory / "inductor"),
+            "TRITON_CACHE_DIR": str(directory / "triton")}
+
+
 def drop_caches() -> bool:
     os.sync()
     try:

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.common import empty_compile_caches
 from benchmarks.equality import (answers_from_json, answers_json, ask, ask_all, compare, equality_answers,
                                  equality_prompts, equality_summary, render_summary)
 from coldsnap.activation.engine_process import post_empty, post_json
@@ -105,15 +106,12 @@ class Diagnosis:
 
     def report(self, name: str) -> None:
         servers = self.state["servers"]
-        for other in sorted(set(servers) - {name}):  # which server this one answers like, with which kernels
+        for other in sorted(set(servers) - {name, "cold"}):  # which server this one answers like (cold: below)
             ids = compare(answers_from_json(servers[other]["ids"]), answers_from_json(servers[name]["ids"]))
             text = compare(answers_from_json(servers[other]["text"]), answers_from_json(servers[name]["text"]))
-            mine, theirs = servers[name].get("kernel_configs") or {}, servers[other].get("kernel_configs") or {}
-            configs = "" if not mine or not theirs else (
-                f"; Triton kernel configs differ: {[(k, theirs.get(k), mine.get(k)) for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)][:8]}"
-                f" of {len(set(mine) | set(theirs))}")
             print(f"{name} vs {other}: issue prompts differ {text['differing']}/{text['prompts']}; id prompts differ "
-                  f"{ids['differing']}/{ids['prompts']} (max {ids['largest_logprob_difference']:.3g}){configs}", flush=True)
+                  f"{ids['differing']}/{ids['prompts']} (max {ids['largest_logprob_difference']:.3g})"
+                  f"{_config_differences(servers[name], servers[other])}", flush=True)
         if name == "cold" or "cold" not in servers:
             print(f"{name}: recorded", flush=True)
             return
@@ -138,7 +136,8 @@ class Diagnosis:
             print(f"  {kind}: {len(changed)} of {len(set(a) | set(b))} differ: {changed[:40]}", flush=True)
         ka, kb = cold.get("kernels", {}), this.get("kernels", {})
         print(f"  kernels: {sum(ka.get(k) != kb.get(k) for k in set(ka) | set(kb))} of {len(set(ka) | set(kb))} differ: "
-              f"{[k for k in sorted(set(ka) | set(kb)) if ka.get(k) != kb.get(k)][:20]}", flush=True)
+              f"{[k for k in sorted(set(ka) | set(kb)) if ka.get(k) != kb.get(k)][:20]}{_config_differences(this, cold)}",
+              flush=True)
         flags_a, flags_b = cold["digest"].get("flags", {}), this["digest"].get("flags", {})
         env_a, env_b = flags_a.get("env", {}), flags_b.get("env", {})
         print(f"  env differs: {[(k, env_a.get(k), env_b.get(k)) for k in sorted(set(env_a) | set(env_b)) if env_a.get(k) != env_b.get(k)]}")
@@ -157,8 +156,7 @@ class Diagnosis:
 
     def step_cold_empty(self) -> None:
         fresh = self.work / f"compile-empty-{time.time_ns()}"
-        self.plain("cold-empty", self.env(VLLM_CACHE_ROOT=str(fresh / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
-                                          TRITON_CACHE_DIR=str(fresh / "triton")))
+        self.plain("cold-empty", self.env(**empty_compile_caches(fresh)))
 
     def step_attached(self) -> None:
         """The agent attaches under ``coldsnap capture`` only (its control socket in the environment)."""
@@ -242,6 +240,17 @@ class Diagnosis:
         self.state["equality_answers"] = {"cold": cold, "restored": restored}
         self.save()
         print(render_summary(self.state["equality"]), flush=True)
+
+
+def _config_differences(this: dict[str, Any], other: dict[str, Any]) -> str:
+    """The Inductor Triton kernels whose chosen launch config differs between two servers (``other``'s,
+    ``this``'s), as a clause for a report line; empty when either did not report them."""
+    mine, theirs = this.get("kernel_configs") or {}, other.get("kernel_configs") or {}
+    if not mine or not theirs or "error" in mine or "error" in theirs:
+        return ""
+    keys = sorted(set(mine) | set(theirs))
+    differing = [(k, theirs.get(k), mine.get(k)) for k in keys if mine.get(k) != theirs.get(k)]
+    return f"; Triton kernel configs differ: {len(differing)} of {len(keys)} {differing[:8]}"
 
 
 def main() -> int:

@@ -91,7 +91,7 @@ from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from benchmarks.equality import EQUALITY_PROMPTS, EQUALITY_TOKENS, equality_answers, equality_summary, render_summary  # noqa: E402
 from benchmarks.image_attribution import capsule_attribution, render_capsule  # noqa: E402
-from benchmarks.common import draw_medians, drop_caches, receipt_timeline  # noqa: E402
+from benchmarks.common import draw_medians, drop_caches, empty_compile_caches, receipt_timeline  # noqa: E402
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-late", "standby", "restore-recovery", "restore-log", "race",
          "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-cold-empty", "equality-native", "native", "sleep", "dropped", "fresh-node")
@@ -678,9 +678,7 @@ class Bench:
         vs the kept cold start's answers (a warm compile cache) and every restore's: does a start that
         compiled and autotuned answer like one that loaded the compiled artifacts?"""
         fresh = self.work / f"compile-empty-{len(self.state.get('equality starts', {}))}"
-        self.other_start_equality("cold start, empty compile cache",
-                                  env=self.env(VLLM_CACHE_ROOT=str(fresh / "vllm"), TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"),
-                                               TRITON_CACHE_DIR=str(fresh / "triton")))
+        self.other_start_equality("cold start, empty compile cache", env=self.env(**empty_compile_caches(fresh)))
 
     def step_equality_native(self) -> None:
         """A plain start with ``--load-format coldsnap`` from the captured pack (no checkpoint, no restore)
