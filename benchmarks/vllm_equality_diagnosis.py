@@ -11,6 +11,7 @@ prompts of 8 to 1500 tokens (``--tokens``), one at a time, greedy, with the chos
 the probe's digest. Steps (results accumulate in ``DIR/diagnosis.json``, so a run can span device calls):
 
   cold           the reference: a plain start (no capture)
+  cold-again     a second plain start like ``cold``: how far two processes of one command differ on their own
   cold-empty     a plain start that compiles anew: empty vLLM compile, Inductor and Triton caches (as a capture
                  that is a fresh host's first vLLM start does), where ``cold`` loaded what an earlier start compiled
   attached       a plain start with coldsnap's agent attached (the capture's process before its snapshot)
@@ -58,7 +59,7 @@ ISSUE_PROMPTS = [f"Prompt number {i}: the history of the {w} is" for i, w in
                  enumerate(["river", "mountain", "city", "engine", "library", "garden", "ocean", "machine"])]
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
        "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1", "VLLM_SERVER_DEV_MODE": "1"}
-STEPS = ("cold", "cold-empty", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
+STEPS = ("cold", "cold-again", "cold-empty", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
          "capture-keep-prefix-cache", "restore-keep-prefix-cache", "capture-torch-graph-pool", "restore-torch-graph-pool",
          "capture-again", "restore-again", "capture-recreate", "restore-recreate", "equality")
 
@@ -137,6 +138,9 @@ class Diagnosis:
                     else:
                         changed.append(key)
             print(f"  {kind}: {len(changed)} of {len(set(a) | set(b))} differ: {changed[:40]}", flush=True)
+        va, vb = cold["digest"].get("runner_values", {}), this["digest"].get("runner_values", {})
+        for key in sorted(k for k in set(va) & set(vb) if va[k] != vb[k]):  # small integer tensors, by value
+            print(f"  {key} nonzero [index, value]: cold {va[key][:8]} vs {name} {vb[key][:8]}", flush=True)
         ka, kb = cold.get("kernels", {}), this.get("kernels", {})
         print(f"  kernels: {sum(ka.get(k) != kb.get(k) for k in set(ka) | set(kb))} of {len(set(ka) | set(kb))} differ: "
               f"{[k for k in sorted(set(ka) | set(kb)) if ka.get(k) != kb.get(k)][:20]}{_config_differences(this, cold)}",
@@ -156,6 +160,9 @@ class Diagnosis:
 
     def step_cold(self) -> None:
         self.plain("cold", self.env())
+
+    def step_cold_again(self) -> None:
+        self.plain("cold-again", self.env())
 
     def step_cold_empty(self) -> None:
         fresh = self.work / f"compile-empty-{time.time_ns()}"

@@ -46,6 +46,18 @@ def tensor_digest(tensor: Any) -> list[int]:
     return out
 
 
+SMALL_INTEGER_ELEMENTS = 8192
+"""Integer runner tensors up to this size are also reported by value (:func:`nonzero_entries`): a digest says
+that FlashAttention's scheduler metadata (its tile semaphore in slot 0) differs, the values say how."""
+
+
+def nonzero_entries(tensor: Any, most: int = 32) -> list[list[int]]:
+    """The first ``most`` nonzero entries of an integer tensor as [flat index, value] pairs."""
+    flat = tensor.detach().reshape(-1)
+    where = flat.nonzero().reshape(-1)[:most]
+    return [[int(i), int(v)] for i, v in zip(where.tolist(), flat[where].tolist())]
+
+
 def _walk(root: Any, prefix: str, seen: set[int], found: dict[str, Any], depth: int) -> None:
     import torch
 
@@ -78,7 +90,8 @@ class StateProbe:
 
         runner = getattr(self, "model_runner", None)
         model = getattr(runner, "model", None)
-        document: dict[str, Any] = {"pid": os.getpid(), "params": {}, "buffers": {}, "runner": {}, "kv_nonzero_bytes": 0}
+        document: dict[str, Any] = {"pid": os.getpid(), "params": {}, "buffers": {}, "runner": {}, "runner_values": {},
+                                    "kv_nonzero_bytes": 0}
         if model is None:
             return {"error": "no model runner with a model in this worker"}
         with torch.no_grad():
@@ -104,6 +117,8 @@ class StateProbe:
             for name, tensor in sorted(found.items()):
                 if tensor.numel() and tensor.untyped_storage().data_ptr() not in kv_ids:
                     document["runner"][name] = [list(tensor.shape), str(tensor.dtype), tensor_digest(tensor)]
+                    if not tensor.is_floating_point() and tensor.numel() <= SMALL_INTEGER_ELEMENTS:
+                        document["runner_values"][name] = nonzero_entries(tensor)
         backends = torch.backends
         document["flags"] = {
             "allow_tf32": backends.cuda.matmul.allow_tf32,
@@ -178,6 +193,14 @@ class StateProbe:
             key = f"{name}:{hashlib.sha256(source.encode()).hexdigest()[:12]}"
             launched = sorted(str(getattr(launcher, "config", "?")) for launcher in getattr(obj, "launchers", []) or [])
             out.setdefault(key, []).append(f"{len(getattr(obj, 'configs', []) or [])} configs; runs {launched}")
+        if not out:  # this torch keeps its kernels in other objects: name what there is, for the next probe
+            kinds: dict[str, int] = {}
+            for obj in gc.get_objects():
+                module = type(obj).__module__ or ""
+                if module.startswith(("torch._inductor", "triton")):
+                    kind = f"{module}.{type(obj).__qualname__}"
+                    kinds[kind] = kinds.get(kind, 0) + 1
+            return {"no CachingAutotuner; objects by type": [f"{k}: {n}" for k, n in sorted(kinds.items())]}
         return {key: sorted(values) for key, values in sorted(out.items())}
 
 

@@ -1,0 +1,24 @@
+"""The state probe's fingerprints (benchmarks/vllm_state_probe.py), on CPU tensors: equal bytes give equal
+digests, one changed element changes its block's, and small integer tensors are reported by value."""
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from benchmarks.vllm_state_probe import nonzero_entries, tensor_digest  # noqa: E402
+
+
+def test_a_digest_tells_one_changed_element_and_not_a_copy():
+    a = torch.arange(1000, dtype=torch.int32)
+    b = a.clone()
+    assert tensor_digest(a) == tensor_digest(b)
+    b[17] += 1
+    assert tensor_digest(a) != tensor_digest(b)
+    assert tensor_digest(a.flip(0)) != tensor_digest(a)  # the same values elsewhere
+
+
+def test_nonzero_entries_are_index_value_pairs_in_order_and_capped():
+    semaphore_and_rows = torch.tensor([5, 0, 0, 2, 0, 9], dtype=torch.int32)  # slot 0: a tile semaphore
+    assert nonzero_entries(semaphore_and_rows) == [[0, 5], [3, 2], [5, 9]]
+    assert nonzero_entries(torch.zeros(4, dtype=torch.int64)) == []
+    assert nonzero_entries(torch.ones(100, dtype=torch.int32), most=3) == [[0, 1], [1, 1], [2, 1]]
