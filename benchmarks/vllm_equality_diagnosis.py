@@ -73,6 +73,9 @@ class Diagnosis:
         self.state: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {"servers": {}}
         self.artifact = self.work / "artifact"
         self.prompts = equality_prompts(args.prompts, longest=args.longest)
+        if "host" not in self.state:  # which GPU: the fault came on some hosts' captures and not on others'
+            self.state["host"] = gpu_facts()
+            print(f"host: {self.state['host']}", flush=True)
 
     def env(self, **more: str) -> dict[str, str]:
         scratch = self.work / "tmp"  # the servers' temporary files (ZeroMQ sockets a killed server leaves)
@@ -256,6 +259,19 @@ class Diagnosis:
         self.state["equality_answers"] = {"cold": cold, "restored": restored}
         self.save()
         print(render_summary(self.state["equality"]), flush=True)
+
+
+GPU_FACTS = "name,uuid,serial,vbios_version,driver_version,clocks.max.sm,clocks.max.mem,ecc.mode.current,pci.bus_id"
+
+
+def gpu_facts() -> list[str] | str:
+    """nvidia-smi's line per GPU (:data:`GPU_FACTS`), or why there is none."""
+    try:
+        done = subprocess.run(["nvidia-smi", f"--query-gpu={GPU_FACTS}", "--format=csv,noheader"], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"no nvidia-smi: {exc}"
+    return done.stdout.strip().splitlines() if done.returncode == 0 else f"nvidia-smi exited {done.returncode}"
 
 
 def _config_differences(this: dict[str, Any], other: dict[str, Any]) -> str:
