@@ -47,6 +47,7 @@ from typing import Any
 from benchmarks.common import empty_compile_caches
 from benchmarks.equality import (answers_from_json, answers_json, ask, ask_all, compare, equality_answers,
                                  equality_prompts, equality_summary, render_summary)
+from coldsnap.activation.canary_probes import PROBES_ENV, ask_probe, float_of, parse_probes, probe_prompt
 from coldsnap.activation.engine_process import post_empty, post_json
 from coldsnap.agent.protocol import CONTROL_ENV
 from coldsnap.atomic import write_atomic
@@ -59,6 +60,10 @@ ISSUE_PROMPTS = [f"Prompt number {i}: the history of the {w} is" for i, w in
                  enumerate(["river", "mountain", "city", "engine", "library", "garden", "ocean", "machine"])]
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "NCCL_NVLS_ENABLE": "0",
        "COLDSNAP_ALLOW_UNQUALIFIED_DRIVER": "1", "VLLM_SERVER_DEV_MODE": "1"}
+DIAGNOSIS_PROBES = "136:4,600:2,8:32,40:32,100:32,183:32,287:32"
+"""The canary probes every diagnosis capture records (``COLDSNAP_CANARY_PROBES``): the default two, and prompts of
+the graph sizes and decode lengths where a bad capture parted from the cold start. Every server is asked the
+same prompts, so the capture's answers from before its snapshot (in its artifact) compare with the cold start's."""
 STEPS = ("cold", "cold-again", "cold-empty", "attached", "capture", "restore", "restore-recovery", "restore-criu-4k", "restore-reset-prefix-cache",
          "capture-keep-prefix-cache", "restore-keep-prefix-cache", "capture-torch-graph-pool", "restore-torch-graph-pool",
          "capture-again", "restore-again", "capture-recreate", "restore-recreate", "equality")
@@ -96,6 +101,11 @@ class Diagnosis:
         started = time.perf_counter()
         text = [ask(port, p, 16) for p in ISSUE_PROMPTS]
         ids = ask_all(port, self.prompts, self.args.tokens)
+        probes = {}  # prompt length → answer (a prompt longer than the context is refused: left out, as a capture does)
+        for length, tokens in parse_probes(DIAGNOSIS_PROBES):
+            answer = ask_probe(port, probe_prompt(length), tokens)
+            if answer is not None:
+                probes[str(length)] = {"ids": answer.token_ids, "logprobs": answer.logprobs}
         digest = post_json(port, "/collective_rpc", {"method": "coldsnap_state_digest"}, 600)["results"][0]
         try:
             kernels = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_digest"}, 600)["results"][0]
@@ -105,7 +115,8 @@ class Diagnosis:
             configs = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_configs"}, 600)["results"][0]
         except OSError as exc:
             configs = {"error": str(exc)}
-        self.state["servers"][name] = {"text": answers_json(text), "ids": answers_json(ids), "digest": digest,
+        self.state["servers"][name] = {"text": answers_json(text), "ids": answers_json(ids), "probes": probes,
+                                       "digest": digest,
                                        "kernels": kernels, "kernel_configs": configs,
                                        "asked_s": round(time.perf_counter() - started, 2), **facts}
         self.save()
@@ -155,6 +166,27 @@ class Diagnosis:
               f"kv nonzero bytes {cold['digest'].get('kv_nonzero_bytes')} vs {this['digest'].get('kv_nonzero_bytes')}",
               flush=True)
 
+    def report_before_snapshot(self, name: str, artifact: Path) -> None:
+        """The capture's own answers to the probes, asked of its process before the snapshot (its artifact's
+        canary), against ``cold``'s and this restore's: did the captured process already answer differently,
+        or did the snapshot and restore change it?"""
+        servers = self.state["servers"]
+        recorded = json.loads((artifact / "artifact.json").read_text())["canary"].get("probes") or []
+        before = {str(len(p["prompt_ids"])): {"ids": list(p["token_ids"]), "logprobs": [float_of(b) for b in p["logprob_bits"]]}
+                  for p in recorded}
+        servers[name]["before_snapshot"] = before
+        self.save()
+        for other in ("cold", name):
+            answers = servers.get(other, {}).get("probes") or {}
+            lengths = sorted(set(before) & set(answers), key=int)
+            if not lengths:
+                continue
+            result = compare(answers_from_json([before[k] for k in lengths]), answers_from_json([answers[k] for k in lengths]))
+            parted = [(lengths[d["prompt"]], d["first_differing_token"]) for d in result["differing_prompts"]]
+            print(f"  {artifact.name} before its snapshot vs {other}: probes of {','.join(lengths)} tokens differ "
+                  f"{result['differing']}/{result['prompts']} (max {result['largest_logprob_difference']:.3g}) "
+                  f"[(prompt tokens, first differing token)]: {parted}", flush=True)
+
     def plain(self, name: str, env: dict[str, str]) -> None:
         log = self.work / f"{name}.log"
         with plain_server(self.command(), env, log) as (process, started):
@@ -182,7 +214,7 @@ class Diagnosis:
         started = time.perf_counter()
         done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(artifact), "--receipt-json",
                                str(self.work / f"{artifact.name}-capture-receipt.json"), *flags, "--", *self.command()],
-                              env={**self.env(), **(env or {})})
+                              env={**self.env(), PROBES_ENV: DIAGNOSIS_PROBES, **(env or {})})
         print(f"capture: exit {done.returncode} in {time.perf_counter() - started:.1f} s", flush=True)
         if done.returncode != 0:
             raise SystemExit(1)
@@ -201,6 +233,7 @@ class Diagnosis:
             if before is not None:
                 before()
             (observe or self.observe)(name, restore_s=round(seconds, 2))
+            self.report_before_snapshot(name, artifact or self.artifact)
         finally:
             pid = restored_pid(receipt)
             if pid is not None:

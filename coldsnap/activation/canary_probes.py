@@ -17,6 +17,7 @@ no probe of that length: the restore then checks what was recorded.
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 import urllib.error
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 
 from coldsnap.activation.engine_process import post_json
 
-__all__ = ["PROBES", "ProbeAnswer", "ask_probe", "bits_of", "first_difference", "float_of", "probe_prompt"]
+__all__ = ["PROBES", "PROBES_ENV", "ProbeAnswer", "ask_probe", "bits_of", "first_difference", "float_of", "parse_probes",
+           "probe_plan", "probe_prompt"]
 
 PROBES = ((136, 4), (600, 2))
 """(prompt tokens, generated tokens) of each probe: 136 tokens run in one of vLLM's prefill graphs (a
@@ -33,6 +35,40 @@ tokens), so a prefix cache that outlived the KV cache is read back; 600 run past
 (512) and SGLang's; the decode steps replay the batch-1 decode graph. (The H200 runs of 2026-12-03 used a
 24-token short probe.)"""
 PROBE_SEED = 20261203
+PROBES_ENV = "COLDSNAP_CANARY_PROBES"
+"""``LEN:TOKENS[,LEN:TOKENS...]``: the probes a capture records instead of :data:`PROBES` (``coldsnap capture
+--canary-probes``). More probes check more of the engine's CUDA graph sizes and decode steps at every restore,
+each costing one more request there."""
+MOST_PROBES = 32
+MOST_PROBE_PROMPT = 32768
+MOST_PROBE_TOKENS = 1024
+
+
+def parse_probes(text: str) -> tuple[tuple[int, int], ...]:
+    """``LEN:TOKENS[,LEN:TOKENS...]`` → ((prompt tokens, generated tokens), ...) in the order given;
+    :class:`ValueError` saying what is wrong (a malformed pair, a number out of range, a length twice)."""
+    probes: list[tuple[int, int]] = []
+    for item in text.split(","):
+        length_text, colon, tokens_text = item.strip().partition(":")
+        try:
+            length, tokens = int(length_text), int(tokens_text)
+        except ValueError:
+            raise ValueError(f"{item.strip()!r} is not LEN:TOKENS (two whole numbers, e.g. 136:4)") from None
+        if not colon or not 1 <= length <= MOST_PROBE_PROMPT or not 1 <= tokens <= MOST_PROBE_TOKENS:
+            raise ValueError(f"{item.strip()!r}: a probe is LEN:TOKENS with 1 ≤ LEN ≤ {MOST_PROBE_PROMPT} prompt tokens "
+                             f"and 1 ≤ TOKENS ≤ {MOST_PROBE_TOKENS} generated tokens")
+        if any(length == seen for seen, _ in probes):
+            raise ValueError(f"prompt length {length} is given twice (a length names one prompt)")
+        probes.append((length, tokens))
+    if len(probes) > MOST_PROBES:
+        raise ValueError(f"{len(probes)} probes; at most {MOST_PROBES}")
+    return tuple(probes)
+
+
+def probe_plan() -> tuple[tuple[int, int], ...]:
+    """The probes a capture records: :data:`PROBES_ENV`'s, else :data:`PROBES` (ValueError: malformed)."""
+    text = os.environ.get(PROBES_ENV, "").strip()
+    return parse_probes(text) if text else PROBES
 
 
 @dataclass(frozen=True)

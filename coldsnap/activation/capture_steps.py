@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, Sequence
 
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
-from coldsnap.activation.canary_probes import PROBES, ask_probe, bits_of, probe_prompt
+from coldsnap.activation.canary_probes import ask_probe, bits_of, probe_plan, probe_prompt
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
@@ -274,7 +274,7 @@ class CaptureSequence:
             span["tokens"] = len(self.canary.token_ids)
         self.context.progress(f"canary answered {self.canary.text!r} ({len(self.canary.token_ids)} tokens)")
         with self.step("capture.canary_probes", "capture.canary") as span:
-            for length, tokens in PROBES:
+            for length, tokens in probe_plan():
                 answer = ask_probe(self.port, probe_prompt(length), tokens)
                 if answer is not None:
                     self.probes.append(CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,

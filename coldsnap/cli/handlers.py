@@ -235,6 +235,16 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         from coldsnap.activation.capture_steps import VERIFY_ENV
 
         os.environ[VERIFY_ENV] = "0"
+    from coldsnap.activation.canary_probes import PROBES_ENV, probe_plan
+
+    if args.canary_probes is not None:
+        os.environ[PROBES_ENV] = args.canary_probes
+    try:
+        probe_plan()  # malformed (from the flag or the environment): said now, before the engine starts
+    except ValueError as exc:
+        where = "--canary-probes" if args.canary_probes is not None else PROBES_ENV
+        print(f"coldsnap capture: {where}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     return _run_lifecycle(args, _capture_request, "capture")
 
 

@@ -230,6 +230,11 @@ def _add_capture(commands: Any) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="commit without the capture's own restore of the capsule (COLDSNAP_CAPTURE_VERIFY=0); saves "
                    "one restore's time, and a capsule that cannot restore is then found out by its first restore")
+    p.add_argument("--canary-probes", metavar="LEN:TOKENS,...",
+                   help="the canary's probes: token-id prompts of LEN tokens, TOKENS greedy tokens each, whose ids and "
+                   "logprobs every restore must give back bit for bit (COLDSNAP_CANARY_PROBES; default 136:4,600:2: one "
+                   "prefill inside a CUDA graph, one past the largest). More probes check more graph sizes and decode "
+                   "steps, each at the cost of one more request per restore")
     _add_unit_flags(p)
     _add_operation_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the serving command")

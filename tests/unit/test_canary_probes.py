@@ -104,3 +104,41 @@ def test_the_record_keeps_probes_and_reads_descriptors_written_before_them():
     assert CanaryRecord.model_validate_json('{"prompt": "p", "expected_response": "r", "token_ids": [1]}').probes == []
     with pytest.raises((ContractError, ValueError)):
         CanaryProbe.model_validate_json('{"prompt_ids": [1], "token_ids": [2], "logprob_bits": [-0.5]}')
+
+
+def test_a_probe_plan_is_len_tokens_pairs_in_the_order_given():
+    from coldsnap.activation.canary_probes import parse_probes
+
+    assert parse_probes("136:4, 600:2,183:32") == ((136, 4), (600, 2), (183, 32))
+    for bad, says in (("136", "not LEN:TOKENS"), ("136:x", "not LEN:TOKENS"), ("0:4", "1 ≤ LEN"),
+                      ("136:0", "1 ≤ TOKENS"), ("136:4,136:8", "given twice"), ("", "not LEN:TOKENS"),
+                      (",".join(f"{n}:1" for n in range(1, 34)), "at most 32")):
+        with pytest.raises(ValueError, match=says):
+            parse_probes(bad)
+
+
+def test_the_plan_comes_from_the_environment_else_the_default(monkeypatch):
+    from coldsnap.activation.canary_probes import PROBES_ENV, probe_plan
+
+    monkeypatch.delenv(PROBES_ENV, raising=False)
+    assert probe_plan() == PROBES
+    monkeypatch.setenv(PROBES_ENV, "8:32,287:32")
+    assert probe_plan() == ((8, 32), (287, 32))
+
+
+@pytest.mark.parametrize("given", [("--canary-probes", "136:4,x"), ("env", "5:0")])
+def test_a_malformed_probe_plan_is_a_usage_error_before_anything_starts(given, tmp_path):
+    import subprocess
+    import sys
+
+    from coldsnap.activation.canary_probes import PROBES_ENV
+
+    flag, value = given
+    env = {"PATH": "/usr/bin:/bin", PROBES_ENV: value} if flag == "env" else {"PATH": "/usr/bin:/bin"}
+    flags = [flag, value] if flag != "env" else []
+    marker = tmp_path / "started"
+    done = subprocess.run([sys.executable, "-m", "coldsnap", "capture", "--out", str(tmp_path / "a"), *flags, "--",
+                           "touch", str(marker)], capture_output=True, text=True, env=env, timeout=60)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert (flag if flag != "env" else PROBES_ENV) in done.stderr
+    assert not marker.exists() and not (tmp_path / "a").exists()
