@@ -25,7 +25,7 @@
 # The benchmarks share one model (/tmp/coldsnap-llama-SHAPE; COLDSNAP_BENCH_SHAPE, default 8b, is what setup
 # writes). Carry .gpu-bundle/wheels, .gpu-bundle/criu-debs and .gpu-bundle/registry (Debian's docker-registry .deb,
 # for the fresh-node step: scripts/gpu-prepare.sh) with the first call, the ENGINE-site.json
-# manifests with every call, and at most one ≤ 52 MiB part per call. COLDSNAP_BENCH_ARGS: more benchmark
+# manifests with every call, and at most one ≤ 44 MiB part per call. COLDSNAP_BENCH_ARGS: more benchmark
 # arguments (e.g. --restore-arg=--host-thp, --serve-load 512,128,256,64). COLDSNAP_BENCH_TP=N (nvidia-h200-x2
 # and up): the engine serves at tensor-parallel size N (vLLM --tensor-parallel-size with its all-reduce + RMSNorm
 # fusion off, SGLang --tp-size), NCCL_NVLS_ENABLE=0, and the outputs are named ENGINE-startup-tpN.*.

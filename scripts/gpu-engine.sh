@@ -10,8 +10,8 @@
 #                                               prints the PYTHONPATH to use
 #   bash scripts/gpu-engine.sh ENGINE status    which parts are there
 #
-# A device call carries at most 64 MiB, so an engine and the packages the host lacks travel as ≤ 52 MiB
-# parts, one per call (vLLM ~190 MB in 4, SGLang ~74 MB in 2). /tmp on the host lasts only while it
+# A device call carries at most 64 MiB, the checkout (~12 MB) included, so an engine and the packages the host
+# lacks travel as ≤ 44 MiB parts, one per call (vLLM ~190 MB in 5, SGLang ~74 MB in 2). /tmp on the host lasts only while it
 # stays warm (~30 s idle): issue the receive calls back to back, then install and run. Run as
 #   PYTHONPATH=/tmp/coldsnap-vllm-site:/tmp/coldsnap-site:$PWD python3 -m vllm.entrypoints.cli.main serve ...
 #   PYTHONPATH=/tmp/coldsnap-sglang-site:/tmp/coldsnap-site:$PWD python3 -m sglang.launch_server ...

@@ -14,11 +14,11 @@
 #
 # --vllm, also:
 # BUNDLE_DIR/vllm       vLLM 0.26.0 (the release whose torch is the host's 2.11.0+cu130) and the packages the
-#                       host lacks, slimmed and split into ≤ 52 MiB parts (scripts/gpu-prepare-engine.py);
+#                       host lacks, slimmed and split into ≤ 44 MiB parts (scripts/gpu-prepare-engine.py);
 #                       bring them one per device call and put them together with scripts/gpu-engine.sh vllm.
 # --sglang, also:
 # BUNDLE_DIR/sglang     SGLang 0.5.17 (likewise torch 2.11.0, CUDA 13), its sglang-kernel without FA3 and
-#                       sm100, and the packages its server start imports that the host lacks, in ≤ 62 MiB
+#                       sm100, and the packages its server start imports that the host lacks, in ≤ 44 MiB
 #                       parts; put them together with scripts/gpu-engine.sh sglang.
 #
 # Carry BUNDLE_DIR to the GPU host with the checkout, then run scripts/gpu-test.sh there.
