@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["drop_caches", "draw_medians", "pyplot", "receipt_timeline"]
+__all__ = ["drop_caches", "draw_medians", "empty_compile_caches", "pyplot", "receipt_timeline"]
 
 
 def empty_compile_caches(directory: Path) -> dict[str, str]:

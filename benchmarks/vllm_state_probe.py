@@ -48,7 +48,7 @@ def tensor_digest(tensor: Any) -> list[int]:
 
 SMALL_INTEGER_ELEMENTS = 8192
 """Integer runner tensors up to this size are also reported by value (:func:`nonzero_entries`): a digest says
-that FlashAttention's scheduler metadata (its tile semaphore in slot 0) differs, the values say how."""
+that FlashAttention's scheduler metadata (per-request split plans, then its tile semaphore) differs, the values say how."""
 
 
 def nonzero_entries(tensor: Any, most: int = 32) -> list[list[int]]:

@@ -18,7 +18,7 @@ def test_a_digest_tells_one_changed_element_and_not_a_copy():
 
 
 def test_nonzero_entries_are_index_value_pairs_in_order_and_capped():
-    semaphore_and_rows = torch.tensor([5, 0, 0, 2, 0, 9], dtype=torch.int32)  # slot 0: a tile semaphore
+    semaphore_and_rows = torch.tensor([5, 0, 0, 2, 0, 9], dtype=torch.int32)  # split plans, then a semaphore
     assert nonzero_entries(semaphore_and_rows) == [[0, 5], [3, 2], [5, 9]]
     assert nonzero_entries(torch.zeros(4, dtype=torch.int64)) == []
     assert nonzero_entries(torch.ones(100, dtype=torch.int32), most=3) == [[0, 1], [1, 1], [2, 1]]
