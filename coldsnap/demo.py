@@ -71,7 +71,9 @@ def _tiny_llama(python: str, work: Path) -> Path:
     """``work/tiny-llama`` (:mod:`coldsnap.workloads.tiny_llama`), built with ``python`` unless it is there."""
     model = work / "tiny-llama"
     if not (model / "model.safetensors").exists():
-        built = subprocess.run([python, "-m", "coldsnap.workloads.tiny_llama", str(model)], capture_output=True, text=True)
+        # (its torch import makes a compile-cache folder: the scratch one, not /tmp's)
+        built = subprocess.run([python, "-m", "coldsnap.workloads.tiny_llama", str(model)], capture_output=True, text=True,
+                               env=scratch_env(dict(os.environ), work))
         if built.returncode != 0:
             raise RuntimeError(f"building the tiny model failed: {built.stderr.strip().splitlines()[-1:]}")
     return model
