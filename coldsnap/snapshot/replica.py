@@ -219,17 +219,28 @@ def probe_abstract_names(names: list[bytes]) -> list[str]:
 
 def replica_images(images: Path, target: Path, generation: PortGeneration, unix_names: dict[bytes, bytes],
                    ghost_suffix: bytes = b"", addresses: dict[bytes, bytes] | None = None) -> Path:
-    """``target``, emptied and filled with links to every file of ``images`` and a ``files.img`` rewritten
+    """``target`` holding a link to every file of ``images`` (and nothing else) and a ``files.img`` rewritten
     for this replica (ports moved by ``generation``, inet addresses mapped by ``addresses`` (a unit placed on
     another host), unix sockets renamed by ``unix_names``, the paths of
-    files deleted while open suffixed with ``ghost_suffix``: see :func:`rewrite_sockets`)."""
-    if target.exists():
-        for entry in target.iterdir():
-            entry.unlink()
+    files deleted while open suffixed with ``ghost_suffix``: see :func:`rewrite_sockets`).
+
+    A restore runs this before CRIU starts, and a vLLM tree has ~1000 image files: a link a previous
+    restore of this replica left that already points where it must is kept (a ``readlink`` instead of an
+    unlink and a symlink), every other entry goes."""
     target.mkdir(parents=True, exist_ok=True)
-    for entry in images.iterdir():
-        if entry.name != FILES_IMAGE:
-            os.symlink(entry.resolve(), target / entry.name)
+    wanted: dict[str, str] = {}
+    with os.scandir(images.resolve()) as entries:
+        for entry in entries:
+            if entry.name != FILES_IMAGE:
+                wanted[entry.name] = os.path.realpath(entry.path) if entry.is_symlink() else entry.path
+    with os.scandir(target) as present:
+        for entry in present:
+            if not (entry.is_symlink() and wanted.get(entry.name) == os.readlink(entry.path)):
+                os.unlink(entry.path)  # (files.img included: rewritten below, never written through a link)
+            else:
+                del wanted[entry.name]
+    for name, source in wanted.items():
+        os.symlink(source, target / name)
     if (images / FILES_IMAGE).is_file():
         rewrite_sockets(images, target, generation.ports, unix_names, ghost_suffix, addresses)
     return target

@@ -101,6 +101,17 @@ def test_the_port_generation_moves_every_local_port_by_one_shift_and_probes_them
     (tmp_path / "images" / "pages-1.img").write_bytes(b"pages")
     replica = replica_images(tmp_path / "images", tmp_path / "replica", generation, {})  # again: emptied first
     assert (replica / "pages-1.img").is_symlink() and (replica / "pages-1.img").read_bytes() == b"pages"
+    # Once more, with a stray file and a link into another image: the right link is kept, everything else goes.
+    kept = os.lstat(replica / "pages-1.img").st_ino
+    (replica / "stray.img").write_bytes(b"stray")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "mm-1.img").write_bytes(b"other")
+    (replica / "mm-1.img").symlink_to(tmp_path / "other" / "mm-1.img")
+    (tmp_path / "images" / "mm-1.img").write_bytes(b"mm")
+    replica = replica_images(tmp_path / "images", tmp_path / "replica", generation, {})
+    assert sorted(p.name for p in replica.iterdir()) == ["files.img", "mm-1.img", "pages-1.img"]
+    assert os.lstat(replica / "pages-1.img").st_ino == kept and (replica / "mm-1.img").read_bytes() == b"mm"
+    assert not (replica / "files.img").is_symlink()
     assert [(s.src_port, s.dst_port) for s in read_sockets(replica)[0]] == [
         (8100, 0), (29600, 0), (41334, 8100), (8100, 41334), (41335, 443)]
 
