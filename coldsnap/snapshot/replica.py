@@ -224,9 +224,9 @@ def replica_images(images: Path, target: Path, generation: PortGeneration, unix_
     another host), unix sockets renamed by ``unix_names``, the paths of
     files deleted while open suffixed with ``ghost_suffix``: see :func:`rewrite_sockets`).
 
-    A restore runs this before CRIU starts, and a vLLM tree has ~1000 image files: a link a previous
-    restore of this replica left that already points where it must is kept (a ``readlink`` instead of an
-    unlink and a symlink), every other entry goes."""
+    A restore runs this before CRIU starts (115 image files for vLLM's CPU build, one per thread among
+    them): a link that a previous restore of this replica left, pointing where it must, is kept (a
+    ``readlink`` instead of an unlink and a symlink); every other entry goes."""
     target.mkdir(parents=True, exist_ok=True)
     wanted: dict[str, str] = {}
     with os.scandir(images.resolve()) as entries:
