@@ -115,9 +115,13 @@ class Diagnosis:
             configs = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_configs"}, 600)["results"][0]
         except OSError as exc:
             configs = {"error": str(exc)}
+        try:
+            schedule = post_json(port, "/collective_rpc", {"method": "coldsnap_attention_schedule"}, 600)["results"][0]
+        except OSError as exc:
+            schedule = {"error": str(exc)}
         self.state["servers"][name] = {"text": answers_json(text), "ids": answers_json(ids), "probes": probes,
                                        "digest": digest,
-                                       "kernels": kernels, "kernel_configs": configs,
+                                       "kernels": kernels, "kernel_configs": configs, "attention_schedule": schedule,
                                        "asked_s": round(time.perf_counter() - started, 2), **facts}
         self.save()
         self.report(name)
@@ -152,6 +156,11 @@ class Diagnosis:
                     else:
                         changed.append(key)
             print(f"  {kind}: {len(changed)} of {len(set(a) | set(b))} differ: {changed[:40]}", flush=True)
+        sa, sb = cold.get("attention_schedule") or {}, this.get("attention_schedule") or {}
+        if sa and sb:  # FA3's plans for the same fixed requests, computed in each process
+            differing = sorted(k for k in set(sa) | set(sb) if sa.get(k) != sb.get(k))
+            print(f"  attention schedule (FA3, fixed requests): {len(differing)} of {len(set(sa) | set(sb))} differ: "
+                  f"{[(k, sa.get(k), sb.get(k)) for k in differing[:4]]}", flush=True)
         va, vb = cold["digest"].get("runner_values", {}), this["digest"].get("runner_values", {})
         for key in sorted(k for k in set(va) & set(vb) if va[k] != vb[k]):  # small integer tensors, by value
             print(f"  {key} nonzero [index, value]: cold {va[key][:8]} vs {name} {vb[key][:8]}", flush=True)

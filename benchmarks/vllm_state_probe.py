@@ -51,6 +51,24 @@ SMALL_INTEGER_ELEMENTS = 8192
 that FlashAttention's scheduler metadata (per-request split plans, then its tile semaphore) differs, the values say how."""
 
 
+SCHEDULE_CASES = (
+    ("decode-1", [1], [137]), ("decode-1-long", [1], [1500]), ("decode-4", [1, 1, 1, 1], [100, 200, 300, 601]),
+    ("prefill-183", [183], [183]), ("prefill-287", [287], [287]), ("prefill-600", [600], [600]),
+)
+"""(name, query lengths, sequence lengths) of the requests :meth:`StateProbe.coldsnap_attention_schedule` schedules:
+single decodes, a batch of four, and the prompt lengths where the bad capture's answers parted (183, 287)."""
+
+
+def _fa3_builder(runner: Any) -> Any:
+    """The model runner's first attention metadata builder that schedules FA3 ahead of time, or None."""
+    for groups in getattr(runner, "attn_groups", None) or []:
+        for group in groups if isinstance(groups, (list, tuple)) else [groups]:
+            for builder in getattr(group, "metadata_builders", None) or []:
+                if getattr(builder, "aot_schedule", False):
+                    return builder
+    return None
+
+
 def nonzero_entries(tensor: Any, most: int = 32) -> list[list[int]]:
     """The first ``most`` nonzero entries of an integer tensor as [flat index, value] pairs."""
     flat = tensor.detach().reshape(-1)
@@ -202,6 +220,42 @@ class StateProbe:
                     kinds[kind] = kinds.get(kind, 0) + 1
             return {"no CachingAutotuner; objects by type": [f"{k}: {n}" for k, n in sorted(kinds.items())]}
         return {key: sorted(values) for key, values in sorted(out.items())}
+
+
+    def coldsnap_attention_schedule(self) -> dict[str, Any]:
+        """FlashAttention 3's scheduler metadata for fixed requests, computed now in this process with the
+        attention builder's own settings (``get_scheduler_metadata``: per-request plans from the sequence
+        lengths, the SM count and constants), and the SM count this process sees. The same in every process on
+        one kind of GPU, unless this process schedules attention differently: a bad restore's FULL-graph
+        metadata differed from every good process's after the same requests."""
+        import itertools
+        import sys
+
+        import torch
+
+        builder = _fa3_builder(getattr(self, "model_runner", None))
+        if builder is None:
+            return {"error": "no attention metadata builder with FA3's ahead-of-time scheduling"}
+        # (the function the builder's own module calls)
+        get_scheduler_metadata = getattr(sys.modules[type(builder).__module__], "get_scheduler_metadata", None)
+        if get_scheduler_metadata is None:
+            return {"error": f"{type(builder).__module__} has no get_scheduler_metadata"}
+        device = torch.cuda.current_device()
+        window = getattr(builder, "aot_sliding_window", None) or (-1, -1)
+        out: dict[str, Any] = {"multi_processor_count": torch.cuda.get_device_properties(device).multi_processor_count,
+                               "max_num_splits": builder.max_num_splits, "window": list(window)}
+        for name, query_lens, seq_lens in SCHEDULE_CASES:
+            cu_seqlens_q = torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.int32, device="cuda")
+            for splits in sorted({builder.max_num_splits, 0}):
+                metadata = get_scheduler_metadata(
+                    batch_size=len(seq_lens), max_seqlen_q=max(query_lens), max_seqlen_k=max(seq_lens),
+                    num_heads_q=builder.num_heads_q * getattr(builder, "dcp_world_size", 1),
+                    num_heads_kv=builder.num_heads_kv, headdim=builder.headdim,
+                    cache_seqlens=torch.tensor(seq_lens, dtype=torch.int32, device="cuda"),
+                    qkv_dtype=builder.kv_cache_dtype, cu_seqlens_q=cu_seqlens_q, page_size=builder.block_size,
+                    causal=True, window_size=window, num_splits=splits)
+                out[f"{name}/splits={splits}"] = metadata.tolist() if metadata is not None else None
+        return out
 
 
 def _kv_tensors(runner: Any) -> list[Any]:

@@ -22,3 +22,19 @@ def test_nonzero_entries_are_index_value_pairs_in_order_and_capped():
     assert nonzero_entries(semaphore_and_rows) == [[0, 5], [3, 2], [5, 9]]
     assert nonzero_entries(torch.zeros(4, dtype=torch.int64)) == []
     assert nonzero_entries(torch.ones(100, dtype=torch.int32), most=3) == [[0, 1], [1, 1], [2, 1]]
+
+
+def test_the_fa3_builder_is_found_in_the_runners_attention_groups():
+    from types import SimpleNamespace
+
+    from benchmarks.vllm_state_probe import StateProbe, _fa3_builder
+
+    fa2 = SimpleNamespace(aot_schedule=False)
+    fa3 = SimpleNamespace(aot_schedule=True)
+    runner = SimpleNamespace(attn_groups=[[SimpleNamespace(metadata_builders=[fa2])],
+                                          [SimpleNamespace(metadata_builders=[fa2, fa3])]])
+    assert _fa3_builder(runner) is fa3
+    assert _fa3_builder(SimpleNamespace(attn_groups=[[SimpleNamespace(metadata_builders=[fa2])]])) is None
+    assert _fa3_builder(None) is None
+    worker = SimpleNamespace(model_runner=SimpleNamespace(attn_groups=[]))
+    assert "error" in StateProbe.coldsnap_attention_schedule(worker)  # (no FA3: said so, nothing raised)
