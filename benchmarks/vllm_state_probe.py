@@ -221,7 +221,6 @@ class StateProbe:
             return {"no CachingAutotuner; objects by type": [f"{k}: {n}" for k, n in sorted(kinds.items())]}
         return {key: sorted(values) for key, values in sorted(out.items())}
 
-
     def coldsnap_attention_schedule(self) -> dict[str, Any]:
         """FlashAttention 3's scheduler metadata for fixed requests, computed now in this process with the
         attention builder's own settings (``get_scheduler_metadata``: per-request plans from the sequence
