@@ -106,19 +106,9 @@ class Diagnosis:
             answer = ask_probe(port, probe_prompt(length), tokens)
             if answer is not None:
                 probes[str(length)] = {"ids": answer.token_ids, "logprobs": answer.logprobs}
-        digest = post_json(port, "/collective_rpc", {"method": "coldsnap_state_digest"}, 600)["results"][0]
-        try:
-            kernels = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_digest"}, 600)["results"][0]
-        except OSError as exc:  # an HTTP error included: the layers could not run eagerly here
-            kernels = {"error": str(exc)}
-        try:
-            configs = post_json(port, "/collective_rpc", {"method": "coldsnap_kernel_configs"}, 600)["results"][0]
-        except OSError as exc:
-            configs = {"error": str(exc)}
-        try:
-            schedule = post_json(port, "/collective_rpc", {"method": "coldsnap_attention_schedule"}, 600)["results"][0]
-        except OSError as exc:
-            schedule = {"error": str(exc)}
+        digest = ask_worker(port, "coldsnap_state_digest")  # (without it there is nothing to compare: fails the step)
+        kernels, configs, schedule = (ask_worker(port, method, or_error=True) for method in (
+            "coldsnap_kernel_digest", "coldsnap_kernel_configs", "coldsnap_attention_schedule"))
         self.state["servers"][name] = {"text": answers_json(text), "ids": answers_json(ids), "probes": probes,
                                        "digest": digest,
                                        "kernels": kernels, "kernel_configs": configs, "attention_schedule": schedule,
@@ -301,6 +291,17 @@ class Diagnosis:
         self.state["equality_answers"] = {"cold": cold, "restored": restored}
         self.save()
         print(render_summary(self.state["equality"]), flush=True)
+
+
+def ask_worker(port: int, method: str, or_error: bool = False) -> Any:
+    """The serving worker's answer to the state probe's ``method`` (vLLM's ``/collective_rpc``); with ``or_error``,
+    ``{"error": ...}`` where it could not answer (an HTTP error included: e.g. the layers could not run eagerly)."""
+    try:
+        return post_json(port, "/collective_rpc", {"method": method}, 600)["results"][0]
+    except OSError as exc:
+        if not or_error:
+            raise
+        return {"error": str(exc)}
 
 
 GPU_FACTS = "name,uuid,serial,vbios_version,driver_version,clocks.max.sm,clocks.max.mem,ecc.mode.current,pci.bus_id"
