@@ -56,6 +56,10 @@ PARALLEL_FILL_BUILD = "+parallel"
 """In the GitID of a CRIU built with ``scripts/criu/parallel-fill.patch`` (``CRIU_FILL_THREADS``)."""
 FILL_THREADS_ENV = "COLDSNAP_CRIU_FILL_THREADS"
 FILL_THREADS_MAX = 16  # the patch's FILL_THREADS_MAX: helpers per process
+CRIU_AS_INIT_ENV = "COLDSNAP_REPLICA_CRIU_AS_INIT"
+"""``1``: a replica's CRIU runs as pid 1 of its namespace and becomes the reaper when done, as before
+2026-12-07 (:mod:`coldsnap.snapshot.replica_init`; what a tree that had pid 2 at capture always gets): to
+compare with the default, where pid 1 runs CRIU as its child and is the reaper already."""
 
 # Printed by every run inside containers with a low hard limit; it does not affect the result.
 _HARMLESS = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self")
@@ -460,7 +464,8 @@ class CriuSnapshotter:
         try:
             if replica:
                 pending.launch_replica(self.criu.path, images, state.pids[0], args, inherited, own_images, env,
-                                       before_unlock)
+                                       before_unlock, state.shm, criu_as_init=min(state.pids) <= 2 or
+                                       os.environ.get(CRIU_AS_INIT_ENV) == "1")
             else:
                 pending.done = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited, env), {}
         except BaseException:
@@ -499,7 +504,8 @@ class PendingRestore:
         self._before_unlock: Callable[[], None] | None = None
 
     def launch_replica(self, criu: str, images: Path, root_pid: int, args: list[str], inherited: dict[str, int],
-                       own_images: bool, env: dict[str, str], before_unlock: Callable[[], None] | None) -> None:
+                       own_images: bool, env: dict[str, str], before_unlock: Callable[[], None] | None,
+                       shm: list[str], criu_as_init: bool = False) -> None:
         unshare = shutil.which("unshare")
         if unshare is None:
             raise CriuError("restore", None, "no unshare (util-linux) on PATH: a replica restore needs it")
@@ -508,10 +514,18 @@ class PendingRestore:
             self._before_unlock = before_unlock
             args = [*args, "--action-script", str(self._hold.script)]
             env = {**env, UNLOCK_HOLD_ENV: str(self.log.parent)}
-        # python -S, coldsnap found through PYTHONPATH: no site-packages scan on the restore's path.
-        command = [unshare, "--pid", "--fork", "--mount-proc", "--", sys.executable, "-S", "-m",
-                   "coldsnap.snapshot.replica_init", *(["--own-images"] if own_images else []), str(images),
-                   str(root_pid), criu, *args]
+        # python -S, coldsnap found through PYTHONPATH: no site-packages scan on the restore's path; what this
+        # process knows already (the /dev/shm names, the sockets to rename) given, not read again there.
+        from coldsnap.snapshot.replica import namespace_sockets
+        from coldsnap.snapshot.replica_init import ENTRY
+
+        options = [f"--shm={name}" for name in shm] + (["--criu-as-init"] if criu_as_init else [])
+        if own_images:
+            names = namespace_sockets(images)
+            options += ["--own-images", *([f"--namespace-sockets={','.join(n.hex() for n in names)}"]
+                                          if names is not None else [])]
+        command = [unshare, "--pid", "--fork", "--mount-proc", "--", sys.executable, "-S", "-c", ENTRY, *options,
+                   str(images), str(root_pid), criu, *args]
         package_root = str(Path(__file__).resolve().parents[2])
         env = {**env, "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
         try:

@@ -23,16 +23,16 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
-import re
 import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from coldsnap.snapshot.criu_images import FILES_IMAGE, InetSocket, read_sockets, rewrite_sockets
+from coldsnap.snapshot.criu_images import FILES_IMAGE, ImageFormatError, InetSocket, read_sockets, rewrite_sockets
+from coldsnap.snapshot.replica_init import is_namespace_socket, namespace_socket_names
 
 __all__ = ["PortGeneration", "connections_to", "port_generation", "probe_binds", "replica_images", "tree_sockets",
-           "namespace_socket_names", "probe_abstract_names", "path_socket_names",
+           "namespace_socket_names", "namespace_sockets", "probe_abstract_names", "path_socket_names",
            "probe_path_sockets"]
 
 _PORT_MAX = 65535
@@ -145,22 +145,16 @@ def probe_binds(sockets: list[InetSocket], generation: PortGeneration,
     return taken
 
 
-# The CUDA driver's own listening socket in every CUDA process (it passes the UVM file descriptor to
-# peers, for CUDA IPC): named after the process's pid namespace (its inode) and its pid there, which a
-# peer computes to connect. Measured on the H200 (driver 580): ``\0cuda-uvmfd-4026531836-1798\0``.
-_CUDA_UVMFD = re.compile(rb"\0cuda-uvmfd-(\d+)-(\d+)(\0?)")
-
-
-def namespace_socket_names(names: list[bytes], pid_namespace_inode: int) -> dict[bytes, bytes]:
-    """The abstract socket names of ``names`` that encode their pid namespace (the CUDA driver's
-    ``cuda-uvmfd``), renamed for ``pid_namespace_inode``: the name the driver would have given them had
-    the process started there — what its peers compute — and one no other replica holds."""
-    renamed = {}
-    for name in names:
-        match = _CUDA_UVMFD.fullmatch(name)
-        if match:
-            renamed[name] = b"\0cuda-uvmfd-%d-%s%s" % (pid_namespace_inode, match.group(2), match.group(3))
-    return renamed
+def namespace_sockets(images: Path) -> list[bytes] | None:
+    """The names of ``images/files.img``'s unix sockets that encode their pid namespace, one per socket:
+    what :mod:`coldsnap.snapshot.replica_init` renames for the replica's namespace (``[]``: none; None: the
+    image could not be read here, so replica_init decodes it and reports what is wrong)."""
+    try:
+        if b"cuda-uvmfd" not in (images / FILES_IMAGE).read_bytes():
+            return []
+        return [sock.name for sock in read_sockets(images)[1] if is_namespace_socket(sock.name)]
+    except (OSError, ImageFormatError):
+        return None
 
 
 _SUN_PATH_MAX = 107  # sockaddr_un.sun_path holds 108 bytes with the terminating NUL

@@ -323,3 +323,60 @@ def test_the_bind_probe_binds_a_units_sockets_at_its_new_address_and_connections
     found = connections_to(tmp_path, {socket.inet_aton("10.232.0.12")})
     assert [s.src_port for s in found] == [41234]
     assert connections_to(tmp_path, set()) == []
+
+
+def test_the_replicas_first_process_renames_the_drivers_sockets_in_place_as_the_decoder_would(tmp_path):
+    """replica_init gets the CUDA driver's socket names from the launcher and replaces their bytes in its
+    files.img, decoding nothing: the result is byte for byte what decoding and re-encoding gives."""
+    from coldsnap.snapshot.replica import namespace_sockets
+    from coldsnap.snapshot.replica_init import rename_in_place
+
+    engine = b"\0cuda-uvmfd-4026531836-1798\0"
+    worker = b"\0cuda-uvmfd-4026531836-1799\0"
+    _image(tmp_path, _unix_entry(1, engine), _reg_entry(2, b"/tmp/log"), _unix_entry(3, worker),
+                          _unix_entry(4, engine), _unix_entry(5, b"\0coldsnap-agent-0123456789abcdef"),
+                          _inet_entry(6, 8000))
+    names = namespace_sockets(tmp_path)
+    assert sorted(names) == [engine, engine, worker]
+    captured = (tmp_path / "files.img").read_bytes()
+    renamed = rename_in_place(captured, names, 4026532999)
+    decoded = tmp_path / "decoded"
+    decoded.mkdir()
+    rewrite_sockets(tmp_path, decoded, lambda sock: (None, None), namespace_socket_names(names, 4026532999))
+    assert renamed == (decoded / "files.img").read_bytes() != captured
+    assert [s.name for s in read_sockets(decoded)[1]][:2] == [b"\0cuda-uvmfd-4026532999-1798\0",
+                                                              b"\0cuda-uvmfd-4026532999-1799\0"]
+    assert rename_in_place(captured, names, 4026531836) == captured  # (its own namespace's inode again)
+
+
+def test_where_replacing_bytes_would_not_rename_exactly_the_sockets_the_replica_decodes_instead(tmp_path):
+    from coldsnap.snapshot.replica import namespace_sockets
+    from coldsnap.snapshot.replica_init import rename_in_place
+
+    engine = b"\0cuda-uvmfd-4026531836-17\0"
+    _image(tmp_path, _unix_entry(1, engine))
+    captured = (tmp_path / "files.img").read_bytes()
+    assert rename_in_place(captured, [engine], 402653199) is None  # another length: the entry's lengths change
+    _image(tmp_path, _unix_entry(1, engine), _reg_entry(2, b"/x" + engine))  # its bytes elsewhere too
+    assert rename_in_place((tmp_path / "files.img").read_bytes(), [engine], 4026532999) is None
+    longer = b"\0cuda-uvmfd-4026531836-17"  # (without the NUL: a prefix of the name above)
+    _image(tmp_path, _unix_entry(1, engine), _unix_entry(2, longer))
+    assert rename_in_place((tmp_path / "files.img").read_bytes(), [engine, longer], 4026532999) is None
+    _image(tmp_path, _unix_entry(1, b"\0coldsnap-agent-0123456789abcdef"))
+    assert namespace_sockets(tmp_path) == []
+    (tmp_path / "files.img").write_bytes(b"cuda-uvmfd but not an image")
+    assert namespace_sockets(tmp_path) is None  # (replica_init then decodes it and says what is wrong)
+
+
+def test_the_drivers_socket_name_is_told_apart_as_the_pattern_of_its_format_would():
+    # replica_init matches it without `re` (it runs before CRIU starts): the same verdict as the pattern
+    import re
+
+    from coldsnap.snapshot.replica_init import is_namespace_socket
+
+    pattern = re.compile(rb"\0cuda-uvmfd-(\d+)-(\d+)(\0?)")
+    for name in [b"\0cuda-uvmfd-4026531836-1798\0", b"\0cuda-uvmfd-4026531836-1798", b"\0cuda-uvmfd-1-2\0\0",
+                 b"\0cuda-uvmfd--1798", b"\0cuda-uvmfd-12-", b"\0cuda-uvmfd-12-3-4", b"cuda-uvmfd-1-2",
+                 b"\0cuda-uvmfd-1-2x", "\0cuda-uvmfd-\u0661-2".encode(), b"\0cuda-uvmfd-1-\0", b"\0cuda-uvmfd-+1-2",
+                 b"\0cuda-uvmfd- 1-2", b"\0coldsnap-agent-0123456789abcdef", b"/tmp/x.sock"]:
+        assert is_namespace_socket(name) == bool(pattern.fullmatch(name)), name
