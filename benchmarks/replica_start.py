@@ -15,12 +15,6 @@ ends where CRIU would begin), ``--repeat`` times interleaved, medians reported:
                                      (what every GPU restore did before, and what it still does where
                                      replacing the names' bytes would not be exact)
 
-With ``--restores N``, also N real ``coldsnap restore`` runs of the artifact in each of the two ways a
-replica's pid 1 can wait for CRIU, alternating: the default (pid 1 runs CRIU as its child and is the reaper
-already when CRIU exits) and ``COLDSNAP_REPLICA_CRIU_AS_INIT=1`` (CRIU is pid 1 and execs an interpreter
-as the reaper when done, the only way before 2026-12-07): each run's CRIU step (spawn → ready) and exec →
-canary matched, from its receipt; the restored tree is killed after each.
-
 ``--artifact``: a captured artifact (unit-0's images are linked into a scratch directory, the artifact is
 only read). ``--cuda-sockets N`` adds N unix sockets named as the CUDA driver names them to the scratch
 copy's ``files.img``: a CPU capture has none, a GPU capture's engine has some, and only they make
@@ -117,47 +111,12 @@ def measure(artifact: Path, cuda_sockets: int, repeat: int) -> dict:
             "median_s": {label: round(statistics.median(values), 5) for label, values in runs.items()}}
 
 
-def measure_restores(artifact: Path, restores: int) -> dict:
-    """``restores`` ``coldsnap restore`` runs of ``artifact`` per way of waiting for CRIU, interleaved."""
-    from benchmarks.common import receipt_timeline
-    from benchmarks.restore_latency import kill_restored, run_operation
-    from coldsnap.snapshot.criu import CRIU_AS_INIT_ENV
-
-    ways = {"pid 1 runs CRIU (default)": "0", "CRIU as pid 1, then a reaper": "1"}
-    runs: dict[str, dict[str, list[float]]] = {way: {"criu_restore": [], "exec → canary matched": []} for way in ways}
-    saved = os.environ.get(CRIU_AS_INIT_ENV)
-    with tempfile.TemporaryDirectory(prefix="coldsnap-replica-start-") as work:
-        try:
-            for index in range(restores + 1):  # the first round unmeasured, as above
-                for number, (way, value) in enumerate(ways.items()):
-                    os.environ[CRIU_AS_INIT_ENV] = value
-                    receipt, exec_ns, exit_ns = run_operation("restore", {"artifact": str(artifact)}, Path(work),
-                                                              2 * index + number)
-                    kill_restored(receipt)
-                    timeline = receipt_timeline(receipt, exec_ns, exit_ns)
-                    if index:
-                        runs[way]["criu_restore"].append(timeline["restore.criu_restore"])
-                        runs[way]["exec → canary matched"].append(timeline["exec → canary matched"])
-        finally:
-            if saved is None:
-                os.environ.pop(CRIU_AS_INIT_ENV, None)
-            else:
-                os.environ[CRIU_AS_INIT_ENV] = saved
-    return {"restores": restores, "runs_s": runs,
-            "median_s": {way: {name: round(statistics.median(values), 4) for name, values in figures.items()}
-                         for way, figures in runs.items()}}
-
-
 def table(result: dict) -> str:
     lines = [f"replica start, spawn → CRIU's start ({result['repeat']} runs each, median; files.img "
              f"{result['files_img_bytes']} bytes, {result['cuda_sockets']} CUDA driver sockets, "
              f"{result['shm_files']} /dev/shm files)"]
     for label, seconds in result["median_s"].items():
         lines.append(f"  {label:34s} {seconds * 1000:7.1f} ms")
-    if "restores" in result:
-        lines.append(f"coldsnap restore ({result['restores']['restores']} runs each, median): CRIU step, exec → canary")
-        for way, figures in result["restores"]["median_s"].items():
-            lines.append(f"  {way:34s} {figures['criu_restore'] * 1000:7.1f} ms {figures['exec → canary matched'] * 1000:7.1f} ms")
     return "\n".join(lines)
 
 
@@ -167,19 +126,15 @@ def main() -> int:
     parser.add_argument("--cuda-sockets", type=int, default=0,
                         help="CUDA driver sockets added to the copy's files.img (default 0)")
     parser.add_argument("--repeat", type=int, default=25, help="runs of each command (default 25)")
-    parser.add_argument("--restores", type=int, default=0,
-                        help="also this many `coldsnap restore` runs of the artifact per way of waiting for CRIU")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args()
     if not (args.artifact / "artifact.json").is_file():
         parser.error(f"{args.artifact} holds no artifact.json")
-    if args.repeat < 1 or args.cuda_sockets < 0 or args.restores < 0:
-        parser.error("--repeat must be at least 1, --cuda-sockets and --restores not negative")
+    if args.repeat < 1 or args.cuda_sockets < 0:
+        parser.error("--repeat must be at least 1 and --cuda-sockets not negative")
     if os.geteuid() != 0:
         parser.error("needs root: the replica's namespaces and its /dev/shm mount")
     result = measure(args.artifact, args.cuda_sockets, args.repeat)
-    if args.restores:
-        result["restores"] = measure_restores(args.artifact, args.restores)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(table(result))

@@ -56,10 +56,6 @@ PARALLEL_FILL_BUILD = "+parallel"
 """In the GitID of a CRIU built with ``scripts/criu/parallel-fill.patch`` (``CRIU_FILL_THREADS``)."""
 FILL_THREADS_ENV = "COLDSNAP_CRIU_FILL_THREADS"
 FILL_THREADS_MAX = 16  # the patch's FILL_THREADS_MAX: helpers per process
-CRIU_AS_INIT_ENV = "COLDSNAP_REPLICA_CRIU_AS_INIT"
-"""``1``: a replica's CRIU runs as pid 1 of its namespace and becomes the reaper when done, as before
-2026-12-07 (:mod:`coldsnap.snapshot.replica_init`; what a tree that had pid 2 at capture always gets): to
-compare with the default, where pid 1 runs CRIU as its child and is the reaper already."""
 
 # Printed by every run inside containers with a low hard limit; it does not affect the result.
 _HARMLESS = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self")
@@ -464,8 +460,7 @@ class CriuSnapshotter:
         try:
             if replica:
                 pending.launch_replica(self.criu.path, images, state.pids[0], args, inherited, own_images, env,
-                                       before_unlock, state.shm, criu_as_init=min(state.pids) <= 2 or
-                                       os.environ.get(CRIU_AS_INIT_ENV) == "1")
+                                       before_unlock, state.shm)
             else:
                 pending.done = self._restore_here(args + ["-d"], work / log, pidfile, timeout, inherited, env), {}
         except BaseException:
@@ -505,7 +500,7 @@ class PendingRestore:
 
     def launch_replica(self, criu: str, images: Path, root_pid: int, args: list[str], inherited: dict[str, int],
                        own_images: bool, env: dict[str, str], before_unlock: Callable[[], None] | None,
-                       shm: list[str], criu_as_init: bool = False) -> None:
+                       shm: list[str]) -> None:
         unshare = shutil.which("unshare")
         if unshare is None:
             raise CriuError("restore", None, "no unshare (util-linux) on PATH: a replica restore needs it")
@@ -519,7 +514,7 @@ class PendingRestore:
         from coldsnap.snapshot.replica import namespace_sockets
         from coldsnap.snapshot.replica_init import ENTRY
 
-        options = [f"--shm={name}" for name in shm] + (["--criu-as-init"] if criu_as_init else [])
+        options = [f"--shm={name}" for name in shm]
         if own_images:
             names = namespace_sockets(images)
             options += ["--own-images", *([f"--namespace-sockets={','.join(n.hex() for n in names)}"]

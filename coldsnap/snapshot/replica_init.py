@@ -9,23 +9,23 @@ namespace. :meth:`coldsnap.snapshot.criu.CriuSnapshotter.restore` therefore runs
    semaphores and queues) never meet; with ``--own-images`` (the images directory is this restore's
    copy), renames the sockets whose names encode the pid namespace (the CUDA driver's ``cuda-uvmfd``)
    for this one;
-2. runs ``criu restore -d`` as its child and waits for it; once CRIU has restored the tree and exited, the
-   tree's root is this process's child, and this process stays pid 1 for the replica's life
-   (:func:`reap`): it reports ``ready`` on its standard output (the launcher's pipe), reaps orphans, and
-   exits when the restored root does — the kernel then kills whatever the tree left, so a replica never
-   outlives its root. With ``--criu-as-init`` (a tree that had pid 2 at capture, which CRIU as pid 2 here
-   would hold) it replaces itself with ``criu restore`` instead, which on success replaces itself with
-   :data:`REAPER` (an interpreter more to start between CRIU's end and ``ready``: ~6.5 ms on the 2-core CPU
-   machine).
+2. replaces itself with ``criu restore`` (no ``-d``), which on success replaces itself with
+   :data:`REAPER`: pid 1 for the replica's life, it reports ``ready`` on its standard output (the
+   launcher's pipe), reaps orphans, and exits when the restored root does — the kernel then kills
+   whatever the tree left, so a replica never outlives its root. (Running ``criu restore -d`` as a
+   child instead, this process staying pid 1 and the reaper, saved ~10 ms against this on a trivial tree
+   with the reaper importing this module, and nothing against the reaper below, which imports nothing:
+   measured on the 2-core CPU machine, not kept.)
 
 Failures print one line to standard error and exit non-zero: CRIU's own status when it ran.
 
-All of this runs before CRIU starts, so the module imports nothing at its top but ``os`` and ``sys``
-(``-m``, ``json``, ``pathlib``, the image decoder cost a GPU tree's restore ~30 ms here on the 2-core CPU
-machine, more on a host with slow system calls). The launcher hands over what it already knows: the
-``/dev/shm`` names and, with ``--namespace-sockets=HEX,...``, the names of those sockets (one per socket),
-which are then renamed by replacing exactly their bytes in ``files.img`` (:func:`rename_in_place`); only where
-that is not exact (a name of another length, bytes found elsewhere) is ``files.img`` decoded here.
+All of this runs before CRIU starts, so the module imports nothing at its top but ``os`` and ``sys`` (with
+``-m``, ``json``, ``pathlib`` and the image decoder, spawn → CRIU's start took 34 ms for a GPU tree on the
+2-core CPU machine; 14 ms without: ``benchmarks/results/replica-start-cpu/``). The launcher hands over what it
+knows already: the ``/dev/shm`` names and, with ``--namespace-sockets=HEX,...``, the names of those sockets
+(one per socket), which are then renamed by replacing exactly their bytes in ``files.img``
+(:func:`rename_in_place`); only where that is not exact (a name of another length, bytes found elsewhere)
+is ``files.img`` decoded here.
 """
 
 from __future__ import annotations
@@ -41,25 +41,23 @@ ENTRY = "import sys; from coldsnap.snapshot.replica_init import main; sys.exit(m
 
 READY = b"coldsnap-replica-ready\n"
 
-REAPER = "import sys; from coldsnap.snapshot.replica_init import reap; sys.exit(reap(int(sys.argv[1])))"
-"""What CRIU's ``--exec-cmd`` runs as ``python -S -c REAPER ROOT_PID`` with ``--criu-as-init``."""
-
-
-def reap(root_pid: int) -> int:
-    """Pid 1 of the replica from the tree's restore on: ``ready`` to the launcher, then every orphan reaped
-    until the restored root (``root_pid`` in this namespace) exits."""
-    os.write(1, READY)
-    null = os.open("/dev/null", os.O_RDWR)
-    for fd in (0, 1, 2):
-        os.dup2(null, fd)
-    while True:
-        try:
-            pid, _ = os.wait()
-        except ChildProcessError:
-            return 0
-        if pid == root_pid:
-            return 0
-
+# Run as ``python -S -c REAPER ROOT_PID`` by CRIU's --exec-cmd once the tree is restored: nothing to
+# import, so it is up within milliseconds of CRIU finishing.
+REAPER = """\
+import os, sys
+root = int(sys.argv[1])
+os.write(1, b"coldsnap-replica-ready\\n")
+null = os.open("/dev/null", os.O_RDWR)
+for fd in (0, 1, 2):
+    os.dup2(null, fd)
+while True:
+    try:
+        pid, _ = os.wait()
+    except ChildProcessError:
+        break
+    if pid == root:
+        break
+"""
 
 _MS_NOSUID, _MS_NODEV = 2, 4
 
@@ -159,15 +157,12 @@ def _name_sockets_for_this_namespace(images: str, names: list[bytes] | None) -> 
 
 
 def main(argv: list[str]) -> int:
-    # replica_init [--own-images] [--criu-as-init] [--shm=NAME]... [--namespace-sockets=HEX,...]
-    #              IMAGES ROOT_PID CRIU [CRIU ARGS...]
-    own_images, criu_as_init, shm, names = False, False, [], None
+    # replica_init [--own-images] [--shm=NAME]... [--namespace-sockets=HEX,...] IMAGES ROOT_PID CRIU [CRIU ARGS...]
+    own_images, shm, names = False, [], None
     while argv and argv[0].startswith("--"):
         option, _, value = argv[0].partition("=")
         if option == "--own-images":
             own_images = True
-        elif option == "--criu-as-init":
-            criu_as_init = True
         elif option == "--shm":
             shm.append(value)
         elif option == "--namespace-sockets":
@@ -177,10 +172,10 @@ def main(argv: list[str]) -> int:
             break
         argv = argv[1:]
     if len(argv) < 3 or os.getpid() != 1:
-        sys.stderr.write("usage: unshare --pid --fork --mount-proc python -S -c ENTRY [--own-images] [--criu-as-init] "
-                         "[--shm=NAME]... [--namespace-sockets=HEX,...] IMAGES ROOT_PID CRIU [ARGS...]\n")
+        sys.stderr.write("usage: unshare --pid --fork --mount-proc python -S -c ENTRY [--own-images] [--shm=NAME]... "
+                         "[--namespace-sockets=HEX,...] IMAGES ROOT_PID CRIU [ARGS...]\n")
         return 2
-    images, root_pid, criu = argv[0], int(argv[1]), argv[2:]
+    images, root_pid, criu = argv[0], argv[1], argv[2:]
     try:
         _mount_private_shm(images, shm)
         if own_images:
@@ -188,21 +183,12 @@ def main(argv: list[str]) -> int:
     except Exception as exc:  # (pid 1 of a namespace: a traceback here would be lost with it)
         sys.stderr.write(f"coldsnap replica: {exc}\n")
         return 1
-    if criu_as_init:
-        command = [*criu, "--exec-cmd", "--", sys.executable, "-S", "-c", REAPER, str(root_pid)]
-    else:
-        command = [*criu, "--restore-detached"]
+    command = [*criu, "--exec-cmd", "--", sys.executable, "-S", "-c", REAPER, root_pid]
     try:
-        if criu_as_init:
-            os.execv(command[0], command)
-        criu_pid = os.posix_spawn(command[0], command, os.environ)
+        os.execv(command[0], command)
     except OSError as exc:
         sys.stderr.write(f"coldsnap replica: cannot run {command[0]}: {exc}\n")
-        return 1
-    _, status = os.waitpid(criu_pid, 0)  # (the tree's root: CRIU's child until CRIU exits, then this one's)
-    if status != 0:
-        return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-    return reap(root_pid)
+    return 1
 
 
 if __name__ == "__main__":

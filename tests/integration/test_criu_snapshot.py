@@ -94,29 +94,6 @@ def test_dump_restore_twice_keeps_sockets_state_and_logs(server, tmp_path):
     assert len(set_aside) == 1 and set_aside[0].read_text() == "inc 3\ninc 4\n"  # nothing lost
 
 
-def test_a_replicas_pid_1_reaps_its_tree_whether_it_ran_criu_or_criu_ran_as_pid_1(server, tmp_path, monkeypatch):
-    """By default the replica's pid 1 (replica_init) runs CRIU as its child and is the reaper once CRIU
-    exits; with COLDSNAP_REPLICA_CRIU_AS_INIT=1 (a tree that had pid 2 gets it) CRIU is pid 1 and becomes
-    the reaper. Either way the tree serves under it, and ends with its root."""
-    port, state, process, roots = server
-    assert _ask(port) == "count 1 tcp-ok unix-ok"
-    images = tmp_path / "images"
-    _dump(CriuSnapshotter(), process, images)
-    for as_init, reaper in (("0", "replica_init import main"), ("1", "replica_init import reap")):
-        monkeypatch.setenv("COLDSNAP_REPLICA_CRIU_AS_INIT", as_init)
-        restored = CriuSnapshotter().restore(images, tmp_path / f"restore-state-{as_init}")
-        roots.append(restored.pid)
-        init = int(Path(f"/proc/{restored.pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert reaper in Path(f"/proc/{init}/cmdline").read_text()
-        assert _ask(port) == "count 2 tcp-ok unix-ok"
-        os.kill(restored.pid, 9)
-        deadline = time.monotonic() + 10
-        while os.path.exists(f"/proc/{init}") and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert not os.path.exists(f"/proc/{init}")  # the replica's namespace ended with its root
-        kill_tree(restored.pid)
-
-
 _COUNTING_WRITER = """
 import sys, time
 with open(sys.argv[1], "a", buffering=1) as log:
