@@ -21,7 +21,8 @@ __all__ = ["collect_report", "render_table"]
 
 def _criu_section() -> dict[str, Any]:
     section: dict[str, Any] = {"path": None, "version": None, "version_ok": False, "fills_huge_pages": False,
-                               "fill_used_here": False, "fill_threads": 0, "check_ok": False, "detail": ""}
+                               "fill_used_here": False, "fill_threads": 0, "keeps_kernel_facts": False, "check_ok": False,
+                               "detail": ""}
     try:
         criu = Criu()
         section["path"] = criu.path
@@ -32,6 +33,7 @@ def _criu_section() -> dict[str, Any]:
         section["fill_used_here"] = version.fills_huge_pages and thp_fill_wanted()
         # helper threads per restored process that this host's restores allow CRIU for its fill
         section["fill_threads"] = fill_threads_wanted() if version.fills_in_parallel else 0
+        section["keeps_kernel_facts"] = version.keeps_kernel_facts
         if os.geteuid() != 0:
             section["detail"] = "criu check needs root; run doctor as root"
             return section
@@ -98,6 +100,8 @@ def render_table(report: dict[str, Any]) -> str:
         if criu["fills_huge_pages"]:
             fill += (f"; fills on {criu['fill_threads'] + 1} threads per process" if criu.get("fill_threads") else
                      "; fills on one thread per process")
+        if criu.get("keeps_kernel_facts"):
+            fill += "; keeps its kernel probes per boot"
         row("criu", criu["version_ok"], f"{criu['version']} at {criu['path']} ({fill})")
         row("criu check", criu["check_ok"], criu["detail"].splitlines()[-1] if criu["detail"] else "")
     else:

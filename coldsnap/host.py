@@ -15,10 +15,11 @@ from typing import Any
 
 from coldsnap.atomic import write_atomic
 
-__all__ = ["PF_EXITING", "boot_id", "keep_boot_fact", "kept_boot_fact", "nvidia_kernel_driver", "host_facts",
-           "live_start_ticks", "pid_alive", "process_start_ticks", "stat_fields"]
+__all__ = ["PF_EXITING", "STATE_DIR_ENV", "boot_id", "keep_boot_fact", "kept_boot_fact", "nvidia_kernel_driver", "host_facts",
+           "live_start_ticks", "pid_alive", "process_start_ticks", "stat_fields", "state_root"]
 
 PF_EXITING = 0x4  # include/linux/sched.h: the task is in do_exit()
+STATE_DIR_ENV = "COLDSNAP_STATE_DIR"
 
 _NVIDIA_PROC = Path("/proc/driver/nvidia/version")
 
@@ -31,6 +32,17 @@ def nvidia_kernel_driver(proc_file: Path = _NVIDIA_PROC) -> str | None:
         return None
     match = re.search(r"Kernel Module(?: for [^ ]+)?\s+([0-9]+(?:\.[0-9]+)+)", text)
     return match.group(1) if match else None
+
+
+def state_root() -> Path:
+    """Where coldsnap keeps what restores write on this host (:mod:`coldsnap.activation.state` says what):
+    ``COLDSNAP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/coldsnap``, else ``/run/coldsnap`` (root), else
+    ``/tmp/coldsnap-<uid>``."""
+    chosen = os.environ.get(STATE_DIR_ENV) or (
+        str(Path(os.environ["XDG_RUNTIME_DIR"]) / "coldsnap") if os.environ.get("XDG_RUNTIME_DIR") else "")
+    if chosen:
+        return Path(chosen)
+    return Path("/run/coldsnap") if os.geteuid() == 0 else Path(f"/tmp/coldsnap-{os.getuid()}")
 
 
 def boot_id() -> str:

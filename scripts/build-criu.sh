@@ -25,7 +25,7 @@ MIRROR="${COLDSNAP_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
 PATCHES=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/criu
 MULTIARCH=x86_64-linux-gnu
 # GitID in `criu --version`: how coldsnap tells its CRIU (it fills huge pages) from a stock one.
-GITID="v$VERSION-coldsnap-thp-fill+parallel"
+GITID="v$VERSION-coldsnap-thp-fill+parallel+kdat-dir"
 DEV_PKGS=(libc6-dev linux-libc-dev libprotobuf-c-dev libnl-3-dev libnet1-dev libcap-dev libnftables-dev
           libgnutls28-dev libbsd-dev uuid-dev)
 HOST_TOOLS=(gcc make pkgconf protobuf-compiler protobuf-c-compiler libprotobuf-dev xz-utils curl)

@@ -49,7 +49,7 @@ MULTIARCH=x86_64-linux-gnu
 LDSO_NAME=ld-linux-x86-64.so.2
 STAMP_NAME=.coldsnap-criu.stamp
 BUILT_NAME=criu-$EXPECTED_VERSION-coldsnap          # the built binary, beside the .debs
-BUILT_BINARY="coldsnap (thp-fill.patch, parallel-fill.patch)" STOCK_BINARY="debian sid"  # the stamp's binary= line
+BUILT_BINARY="coldsnap (thp-fill.patch, parallel-fill.patch, kdat-dir.patch)" STOCK_BINARY="debian sid"  # the stamp's binary= line
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # What the built binary must have been built from (its .source file), as scripts/build-criu.sh writes it.
 patches_sha256() { bash "$SCRIPT_DIR/build-criu.sh" --patches-sha256; }
@@ -89,8 +89,8 @@ Options:
 What gets installed:
   from Debian sid:    ${SID_PKGS[*]}
   from Debian trixie: ${TRIXIE_PKGS[*]}
-  built here:         usr/sbin/criu = $EXPECTED_VERSION + scripts/criu/{thp-fill,parallel-fill}.patch
-                      (\`criu --version\` names GitID v$EXPECTED_VERSION-coldsnap-thp-fill+parallel)
+  built here:         usr/sbin/criu = $EXPECTED_VERSION + scripts/criu/{thp-fill,parallel-fill,kdat-dir}.patch
+                      (\`criu --version\` names GitID v$EXPECTED_VERSION-coldsnap-thp-fill+parallel+kdat-dir)
   The binary runs via the prefix's own loader, so the host libc is untouched:
     PREFIX/usr/lib/$MULTIARCH/$LDSO_NAME --library-path PREFIX/usr/lib/$MULTIARCH PREFIX/usr/sbin/criu
   A second run with everything in place does nothing heavy and exits 0.

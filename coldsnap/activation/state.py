@@ -10,24 +10,16 @@ moved or copied artifact).
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 from pathlib import Path
+
+from coldsnap.host import STATE_DIR_ENV, state_root
 
 __all__ = ["STANDBY_RECORD", "STATE_DIR_ENV", "artifact_id", "forget_removed_artifacts", "standby_record_file",
            "state_root"]
 
-STATE_DIR_ENV = "COLDSNAP_STATE_DIR"
 STANDBY_RECORD = "standby.json"
 """A warm standby's record in its artifact's state directory (:mod:`coldsnap.activation.standby`)."""
-
-
-def state_root() -> Path:
-    chosen = os.environ.get(STATE_DIR_ENV) or (
-        str(Path(os.environ["XDG_RUNTIME_DIR"]) / "coldsnap") if os.environ.get("XDG_RUNTIME_DIR") else "")
-    if chosen:
-        return Path(chosen)
-    return Path("/run/coldsnap") if os.geteuid() == 0 else Path(f"/tmp/coldsnap-{os.getuid()}")
 
 
 def host_cache_dir() -> Path | None:

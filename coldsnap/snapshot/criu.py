@@ -11,8 +11,10 @@ restores here as :func:`thp_fill_wanted` says) and the host's THP mode ``madvise
 anonymous memory into 2 MiB pages and takes the advice back after; and ``parallel-fill.patch``: with
 ``CRIU_FILL_THREADS=N`` (:func:`fill_threads_wanted`) each restored process's pages are read by up to N
 helper threads beside it, and the tree's root fills beside the other processes instead of after them.
-A stock CRIU ignores both variables. ``criu --version`` names the build (GitID
-``v4.2.1-coldsnap-thp-fill+parallel``).
+A stock CRIU ignores both variables; and ``kdat-dir.patch``: with ``CRIU_KDAT_DIR`` (every run here,
+:func:`criu_environment`) CRIU keeps the kernel facts it probes at its start in that folder, one per boot,
+on any file system (stock CRIU keeps them only where ``/run`` is a tmpfs, and probes again at every run
+elsewhere). ``criu --version`` names the build (GitID ``v4.2.1-coldsnap-thp-fill+parallel+kdat-dir``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ __all__ = [
     "PendingRestore",
     "RestoreResult",
     "SnapshotOptions",
+    "criu_environment",
     "find_criu",
     "MINIMUM_VERSION",
 ]
@@ -53,9 +56,14 @@ THP_FILL_BUILD = "coldsnap-thp-fill"
 """In the GitID of a CRIU built by ``scripts/build-criu.sh``: it fills huge pages (``CRIU_THP_FILL``)."""
 THP_FILL_ENV = "COLDSNAP_CRIU_THP_FILL"
 PARALLEL_FILL_BUILD = "+parallel"
+KDAT_DIR_BUILD = "+kdat-dir"
+"""In the GitID of a CRIU built with ``scripts/criu/kdat-dir.patch`` (``CRIU_KDAT_DIR``)."""
 """In the GitID of a CRIU built with ``scripts/criu/parallel-fill.patch`` (``CRIU_FILL_THREADS``)."""
 FILL_THREADS_ENV = "COLDSNAP_CRIU_FILL_THREADS"
 FILL_THREADS_MAX = 16  # the patch's FILL_THREADS_MAX: helpers per process
+KDAT_DIR_ENV = "CRIU_KDAT_DIR"
+KDAT_FOLDER = "criu-kdat"
+"""In the state root: one folder per boot (named by its boot id), where CRIU keeps that boot's kernel facts."""
 
 # Printed by every run inside containers with a low hard limit; it does not affect the result.
 _HARMLESS = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE for self")
@@ -103,6 +111,12 @@ class CriuVersion:
         """Built with ``scripts/criu/parallel-fill.patch``: ``CRIU_FILL_THREADS=N`` reads each process's
         pages on up to N more threads."""
         return self.fills_huge_pages and PARALLEL_FILL_BUILD in self.gitid
+
+    @property
+    def keeps_kernel_facts(self) -> bool:
+        """Built with ``scripts/criu/kdat-dir.patch``: ``CRIU_KDAT_DIR`` keeps the kernel facts CRIU probes
+        at its start, once per boot (:func:`criu_environment`)."""
+        return KDAT_DIR_BUILD in self.gitid
 
     def __str__(self) -> str:
         return ".".join(map(str, self.numbers)) + (f" ({self.gitid})" if self.gitid else "")
@@ -165,6 +179,33 @@ def find_criu() -> str | None:
     return shutil.which("criu")
 
 
+def criu_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default this process's) for a CRIU run, with :data:`KDAT_DIR_ENV` naming this boot's folder
+    under the state root (made here; other boots' folders removed), unless ``env`` names one already.
+
+    CRIU probes the kernel at every start (a network namespace with a veth pair, the vDSO, CPU features,
+    iptables: ~50 ms on the 2-core CPU machine, ~30 ms of each restore's CRIU step on the H200) unless it
+    finds the facts kept, which stock CRIU does only on a tmpfs ``/run``. Without a boot id or a folder it
+    can make, ``env`` goes as it is (CRIU then probes, as before)."""
+    from coldsnap.host import boot_id, state_root
+
+    result = dict(os.environ if env is None else env)
+    boot = boot_id()
+    if KDAT_DIR_ENV in result or not boot:
+        return result
+    folder = state_root() / KDAT_FOLDER
+    try:
+        (folder / boot).mkdir(parents=True, exist_ok=True, mode=0o700)
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name != boot:
+                    shutil.rmtree(entry.path, ignore_errors=True)  # (an earlier boot's: its kernel may be gone)
+    except OSError:
+        return result
+    result[KDAT_DIR_ENV] = str(folder / boot)
+    return result
+
+
 class Criu:
     """One CRIU executable."""
 
@@ -181,7 +222,7 @@ class Criu:
         try:
             return subprocess.run(
                 [self.path, *args], capture_output=True, text=True, timeout=timeout, check=False, pass_fds=pass_fds,
-                env=env)
+                env=env if op == "--version" else criu_environment(env))
         except OSError as exc:
             raise CriuError(op, exc.errno, str(exc)) from None
         except subprocess.TimeoutExpired:
@@ -455,7 +496,8 @@ class CriuSnapshotter:
         # mode is "madvise"; CRIU_FILL_THREADS: on that many more threads per process (a stock CRIU
         # ignores both).
         thp_fill, fill_threads = thp_fill_wanted(), fill_threads_wanted()
-        env = {**os.environ, "CRIU_THP_FILL": "1" if thp_fill else "0", "CRIU_FILL_THREADS": str(fill_threads)}
+        env = criu_environment({**os.environ, "CRIU_THP_FILL": "1" if thp_fill else "0",
+                                "CRIU_FILL_THREADS": str(fill_threads)})
         pending = PendingRestore(work / log, timeout, thp_fill, fill_threads)
         try:
             if replica:

@@ -72,3 +72,20 @@ def test_a_probe_that_found_no_gpu_is_not_kept(tmp_path, monkeypatch):
     assert cuda_checkpoint.cuda_devices(tmp_path) == []
     assert not (tmp_path / cuda_checkpoint.PROBE_CACHE).exists()
 
+
+
+def test_criu_keeps_this_boots_kernel_facts_in_the_state_root_and_drops_other_boots(tmp_path, monkeypatch):
+    from coldsnap.host import boot_id
+    from coldsnap.snapshot.criu import KDAT_DIR_ENV, KDAT_FOLDER, criu_environment
+
+    monkeypatch.setenv("COLDSNAP_STATE_DIR", str(tmp_path / "state"))
+    earlier = tmp_path / "state" / KDAT_FOLDER / "an-earlier-boot"
+    earlier.mkdir(parents=True)
+    (earlier / "criu.kdat").write_bytes(b"facts of another kernel")
+    env = criu_environment({"PATH": "/usr/bin"})
+    folder = tmp_path / "state" / KDAT_FOLDER / boot_id()
+    assert env == {"PATH": "/usr/bin", KDAT_DIR_ENV: str(folder)} and folder.is_dir()
+    assert sorted(p.name for p in folder.parent.iterdir()) == [boot_id()]  # (the earlier boot's folder is gone)
+    assert criu_environment({KDAT_DIR_ENV: ""}) == {KDAT_DIR_ENV: ""}  # one set (empty: CRIU probes) stays
+    monkeypatch.setenv("COLDSNAP_STATE_DIR", "/proc/no-such-state-root")
+    assert criu_environment({"PATH": "/usr/bin"}) == {"PATH": "/usr/bin"}  # no folder: CRIU probes, as stock
