@@ -16,6 +16,11 @@
 #                                                        install vLLM once, then benchmarks/vllm_equality_diagnosis.py
 #                                                        --steps STEPS ARGS in /tmp/vllm-diagnosis (restored vs cold:
 #                                                        answers, logprobs, GPU state digests)
+#   bash scripts/gpu-engine-bench.sh restore-ab ARTIFACT KEY=VALUE...
+#                                                        with vLLM's site: benchmarks/restore_ab.py on an artifact an
+#                                                        earlier step captured (A as it is, B with KEY=VALUE...,
+#                                                        COLDSNAP_AB_RESTORES each, default 5, e.g. CRIU_KDAT_DIR=),
+#                                                        then benchmarks/replica_start.py on it
 #   bash scripts/gpu-engine-bench.sh sglang-speculative [ARGS]
 #                                                        install SGLang once, then benchmarks/sglang_speculative.py
 #                                                        ARGS (e.g. --policy recreate --steps cold,capture,restore,drop)
@@ -151,6 +156,22 @@ case "${1:-}" in
             tar -czf "$out/vllm-diagnosis-logs.tar.gz" --null -T -) || true
         exit "$status"
         ;;
+    restore-ab)
+        engine_path vllm
+        artifact=${2:?artifact}
+        shift 2
+        b=()
+        for assignment in "$@"; do b+=(--b "$assignment"); done
+        export COLDSNAP_ALLOW_UNQUALIFIED_DRIVER=1  # (as the engine benchmarks set it: these hosts' drivers are 580)
+        set +e
+        python3 -m benchmarks.restore_ab --artifact "$artifact" "${b[@]}" --restores "${COLDSNAP_AB_RESTORES:-5}" \
+            --out "$out/restore-ab.json" 2>&1 | tee -a "$out/restore-ab.log"
+        status=${PIPESTATUS[0]}
+        python3 -m benchmarks.replica_start --artifact "$artifact" --repeat 15 --out "$out/replica-start.json" 2>&1 |
+            tee -a "$out/restore-ab.log"
+        set -e
+        exit "$status"
+        ;;
     sglang-speculative)
         shift
         engine_path sglang
@@ -173,7 +194,7 @@ case "${1:-}" in
         exit "$status"
         ;;
     *)
-        sed -n '2,30p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac
