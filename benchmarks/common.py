@@ -1,4 +1,4 @@
-"""What the benchmarks share: page-cache drops, a restore's timeline from its receipt, charts.
+"""What the benchmarks share: page-cache drops, a restore's timeline from its receipt, charts, how a run ends.
 
 The benchmark scripts import from here and from :mod:`benchmarks.equality` (the restored-equals-cold
 prompts and comparison); nothing here imports an engine.
@@ -6,12 +6,15 @@ prompts and comparison); nothing here imports an engine.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["drop_caches", "draw_medians", "empty_compile_caches", "pyplot", "receipt_timeline"]
+__all__ = ["check_artifact", "drop_caches", "draw_medians", "empty_compile_caches", "finish", "pyplot",
+           "receipt_timeline"]
 
 
 def empty_compile_caches(directory: Path) -> dict[str, str]:
@@ -89,3 +92,17 @@ def draw_medians(summary: dict[str, float], title: str, png: Path) -> bool:
     figure.tight_layout()
     figure.savefig(png, dpi=120)
     return True
+
+
+def check_artifact(parser: argparse.ArgumentParser, artifact: Path) -> None:
+    """A usage error (``parser.error``) unless ``artifact`` is a committed artifact directory."""
+    if not (artifact / "artifact.json").is_file():
+        parser.error(f"{artifact} holds no artifact.json")
+
+
+def finish(result: dict, out: Path | None, table: str) -> int:
+    """How a benchmark ends: ``result`` as JSON in ``out`` (when given), ``table`` on stdout; exit status 0."""
+    if out:
+        out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(table)
+    return 0

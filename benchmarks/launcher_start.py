@@ -19,13 +19,14 @@ of them are pydantic's, and the import time of the largest. The artifact is only
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.common import check_artifact, finish
 
 COMMANDS = {
     "bare interpreter": ["-c", "pass"],
@@ -88,15 +89,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=9, help="runs of each command (default 9)")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args()
-    if not (args.artifact / "artifact.json").is_file():
-        parser.error(f"{args.artifact} holds no artifact.json")
+    check_artifact(parser, args.artifact)
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     result = measure(args.artifact, args.repeat)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(table(result))
-    return 0
+    return finish(result, args.out, table(result))
 
 
 if __name__ == "__main__":

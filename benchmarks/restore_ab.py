@@ -14,14 +14,13 @@ exec → canary and of every phase, A against B.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import receipt_timeline
+from benchmarks.common import check_artifact, finish, receipt_timeline
 from benchmarks.restore_latency import kill_restored, run_operation
 
 
@@ -73,17 +72,13 @@ def main() -> int:
     parser.add_argument("--restores", type=int, default=10, help="measured restores of each way (default 10)")
     parser.add_argument("--out", type=Path, help="write the JSON result here")
     args = parser.parse_args()
-    if not (args.artifact / "artifact.json").is_file():
-        parser.error(f"{args.artifact} holds no artifact.json")
+    check_artifact(parser, args.artifact)
     if any("=" not in item or not item.partition("=")[0] for item in args.b):
         parser.error("--b takes KEY=VALUE")
     if args.restores < 1:
         parser.error("--restores must be at least 1")
     result = measure(args.artifact, dict(item.partition("=")[::2] for item in args.b), args.restores)
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    print(table(result))
-    return 0
+    return finish(result, args.out, table(result))
 
 
 if __name__ == "__main__":

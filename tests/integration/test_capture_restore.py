@@ -690,3 +690,17 @@ def test_failed_operations_hand_over_what_they_wrote_and_nothing_else(captured, 
     bad = _with_state(tmp_path / "bad", "restore", str(artifact), "--prepare-only", "--owner", "alice")
     assert (bad.returncode, bad.stderr) == (2, b"coldsnap restore: --owner 'alice': expected numeric UID:GID, e.g. 1000:1000\n")
     assert not (tmp_path / "bad").exists()
+
+
+def test_a_replicas_first_process_renames_the_drivers_sockets_in_its_namespace(captured, tmp_path):
+    """benchmarks/replica_start.py runs replica_init as a restore does, in new namespaces, over a copy of the
+    capture's images with sockets named as the CUDA driver names them: both ways (their names from the
+    launcher, replaced in place; files.img decoded there) rename them, or it fails."""
+    artifact, *_ = captured
+    out = tmp_path / "replica-start.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.replica_start", "--artifact", str(artifact), "--repeat", "1",
+                           "--cuda-sockets", "2", "--out", str(out)], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    medians = json.loads(out.read_text())["median_s"]
+    assert set(medians) == {"floor", "replica_init", "replica_init, decoding files.img"} and all(medians.values())
