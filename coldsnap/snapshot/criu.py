@@ -56,9 +56,9 @@ THP_FILL_BUILD = "coldsnap-thp-fill"
 """In the GitID of a CRIU built by ``scripts/build-criu.sh``: it fills huge pages (``CRIU_THP_FILL``)."""
 THP_FILL_ENV = "COLDSNAP_CRIU_THP_FILL"
 PARALLEL_FILL_BUILD = "+parallel"
+"""In the GitID of a CRIU built with ``scripts/criu/parallel-fill.patch`` (``CRIU_FILL_THREADS``)."""
 KDAT_DIR_BUILD = "+kdat-dir"
 """In the GitID of a CRIU built with ``scripts/criu/kdat-dir.patch`` (``CRIU_KDAT_DIR``)."""
-"""In the GitID of a CRIU built with ``scripts/criu/parallel-fill.patch`` (``CRIU_FILL_THREADS``)."""
 FILL_THREADS_ENV = "COLDSNAP_CRIU_FILL_THREADS"
 FILL_THREADS_MAX = 16  # the patch's FILL_THREADS_MAX: helpers per process
 KDAT_DIR_ENV = "CRIU_KDAT_DIR"
@@ -185,8 +185,9 @@ def criu_environment(env: dict[str, str] | None = None) -> dict[str, str]:
 
     CRIU probes the kernel at every start (a network namespace with a veth pair, the vDSO, CPU features,
     iptables: ~50 ms on the 2-core CPU machine, ~30 ms of each restore's CRIU step on the H200) unless it
-    finds the facts kept, which stock CRIU does only on a tmpfs ``/run``. Without a boot id or a folder it
-    can make, ``env`` goes as it is (CRIU then probes, as before)."""
+    finds the facts kept, which stock CRIU does only on a tmpfs ``/run``. Without a boot id, or a folder it
+    can make that only this user can write (a state root handed over to ``--owner`` is that owner's: root's
+    CRIU must not read facts another user could have written), ``env`` goes as it is (CRIU probes, as before)."""
     from coldsnap.host import boot_id, state_root
 
     result = dict(os.environ if env is None else env)
@@ -196,6 +197,8 @@ def criu_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     folder = state_root() / KDAT_FOLDER
     try:
         (folder / boot).mkdir(parents=True, exist_ok=True, mode=0o700)
+        if any(os.stat(path).st_uid != os.geteuid() or os.stat(path).st_mode & 0o022 for path in (folder, folder / boot)):
+            return result
         with os.scandir(folder) as entries:
             for entry in entries:
                 if entry.name != boot:

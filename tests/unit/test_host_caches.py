@@ -87,5 +87,7 @@ def test_criu_keeps_this_boots_kernel_facts_in_the_state_root_and_drops_other_bo
     assert env == {"PATH": "/usr/bin", KDAT_DIR_ENV: str(folder)} and folder.is_dir()
     assert sorted(p.name for p in folder.parent.iterdir()) == [boot_id()]  # (the earlier boot's folder is gone)
     assert criu_environment({KDAT_DIR_ENV: ""}) == {KDAT_DIR_ENV: ""}  # one set (empty: CRIU probes) stays
+    folder.chmod(0o777)  # (a folder others can write: its facts are not trusted)
+    assert criu_environment({"PATH": "/usr/bin"}) == {"PATH": "/usr/bin"}
     monkeypatch.setenv("COLDSNAP_STATE_DIR", "/proc/no-such-state-root")
     assert criu_environment({"PATH": "/usr/bin"}) == {"PATH": "/usr/bin"}  # no folder: CRIU probes, as stock
