@@ -197,7 +197,7 @@ def criu_environment(env: dict[str, str] | None = None) -> dict[str, str]:
     folder = state_root() / KDAT_FOLDER
     try:
         (folder / boot).mkdir(parents=True, exist_ok=True, mode=0o700)
-        if any(os.stat(path).st_uid != os.geteuid() or os.stat(path).st_mode & 0o022 for path in (folder, folder / boot)):
+        if any(st.st_uid != os.geteuid() or st.st_mode & 0o022 for st in map(os.stat, (folder, folder / boot))):
             return result
         with os.scandir(folder) as entries:
             for entry in entries:

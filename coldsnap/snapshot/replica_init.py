@@ -112,12 +112,14 @@ def rename_in_place(files_img: bytes, names: list[bytes], pid_namespace_inode: i
         new = namespace_renamed(old, pid_namespace_inode)
         if len(new) != len(old):
             return None
+        found = []
         at = files_img.find(old)
         while at >= 0:
-            places.append((at, old, new))
+            found.append((at, old, new))
             at = files_img.find(old, at + 1)
-        if sum(1 for place in places if place[1] == old) != count:
+        if len(found) != count:
             return None
+        places += found
     places.sort()
     if any(place[0] + len(place[1]) > following[0] for place, following in zip(places, places[1:])):
         return None
@@ -132,21 +134,20 @@ def _name_sockets_for_this_namespace(images: str, names: list[bytes] | None) -> 
     """The image's sockets named after their pid namespace (the CUDA driver's), renamed for this one, in
     ``images/files.img`` — this restore's own copy. ``names``: those sockets' names as the launcher found
     them (None: not given, so decoded here)."""
+    if names == []:
+        return
     inode = os.stat("/proc/self/ns/pid").st_ino
     path = os.path.join(images, "files.img")
-    if names is not None:
-        if not names:
-            return
-        with open(path, "rb") as image:
-            renamed = rename_in_place(image.read(), names, inode)
-        if renamed is not None:
-            with open(f"{path}.coldsnap-tmp", "wb") as image:
-                image.write(renamed)
-            os.replace(f"{path}.coldsnap-tmp", path)  # (never written through: a link would be the artifact's)
-            return
     with open(path, "rb") as image:
-        if b"cuda-uvmfd" not in image.read():  # (a CPU tree: nothing to import for)
-            return
+        captured = image.read()
+    renamed = rename_in_place(captured, names, inode) if names is not None else None
+    if renamed is not None:
+        with open(f"{path}.coldsnap-tmp", "wb") as image:
+            image.write(renamed)
+        os.replace(f"{path}.coldsnap-tmp", path)  # (never written through: a link would be the artifact's)
+        return
+    if b"cuda-uvmfd" not in captured:  # (a CPU tree: nothing to import for)
+        return
     from pathlib import Path
 
     from coldsnap.snapshot.criu_images import read_sockets, rewrite_sockets
