@@ -6,6 +6,7 @@
     DIR/units/<unit>/images/       CRIU images of the unit's process tree
     DIR/units/<unit>/capsule.json  the images' manifest (name, size, SHA-256) + activation metadata
     DIR/logs/<unit>.log            the serving process's output up to the capture
+    DIR/logs/<unit>-reference.log  the capture's plain reference start(s) of the same command
 
 Without ``artifact.json`` nothing in DIR is an artifact: a failed capture leaves no descriptor, and a
 capture refuses a DIR that already has one.
@@ -91,6 +92,10 @@ class ArtifactDir:
 
     def log_path(self, unit_id: str) -> Path:
         return self.root / "logs" / f"{unit_id}.log"
+
+    def reference_log_path(self, unit_id: str) -> Path:
+        """The output of the capture's plain reference start(s) (:mod:`coldsnap.activation.reference_check`)."""
+        return self.root / "logs" / f"{unit_id}-reference.log"
 
     def claim(self, hand_over: HandOver) -> None:
         """What a capture writes here, for its owner: the directory with everything in it when the capture

@@ -116,14 +116,16 @@ def ask_probe(port: int, prompt_ids: list[int], max_tokens: int, timeout: float 
     return ProbeAnswer(list(prompt_ids), ids, logprobs)
 
 
-def first_difference(expected_ids: list[int], expected_logprobs: list[float], answer: ProbeAnswer) -> str | None:
-    """Where ``answer`` departs from what was recorded, in words; None when ids and logprobs are all equal."""
+def first_difference(expected_ids: list[int], expected_logprobs: list[float], answer: ProbeAnswer,
+                     expected: str = "captured") -> str | None:
+    """Where ``answer`` departs from what was recorded (``expected`` names who gave that), in words; None when
+    ids and logprobs are all equal."""
     for index, (want, got) in enumerate(zip(expected_ids, answer.token_ids)):
         if want != got:
-            return f"token {index} is {got}, captured {want}"
+            return f"token {index} is {got}, {expected} {want}"
         if expected_logprobs[index] != answer.logprobs[index]:
-            return (f"token {index}'s logprob is {answer.logprobs[index]!r}, captured {expected_logprobs[index]!r} "
+            return (f"token {index}'s logprob is {answer.logprobs[index]!r}, {expected} {expected_logprobs[index]!r} "
                     f"(difference {answer.logprobs[index] - expected_logprobs[index]:.3g})")
     if len(expected_ids) != len(answer.token_ids):
-        return f"{len(answer.token_ids)} tokens, captured {len(expected_ids)}"
+        return f"{len(answer.token_ids)} tokens, {expected} {len(expected_ids)}"
     return None

@@ -2,8 +2,9 @@
 model memory, dump it, commit — shared by the snapshot drivers (the order each runs them in is the
 driver's: :mod:`coldsnap.activation.n610`, :mod:`coldsnap.activation.n580`).
 
-n610's order (the initialized process is captured): launch → every rank's agent + HTTP ready → canary
-recorded → ``prepare`` on every rank at once (drain, graphs the policy drops, NCCL teardown between
+n610's order (the initialized process is captured): a plain reference start of the command answers the
+canary and the check's probes, and is stopped (:mod:`coldsnap.activation.reference_check`) → launch → every
+rank's agent + HTTP ready → canary recorded → the answers equal the reference's → ``prepare`` on every rank at once (drain, graphs the policy drops, NCCL teardown between
 coordinator barriers, native packs written, weights and KV released) → no TCP connection to a peer
 outside the tree → CUDA checkpoint of the tree's GPU processes → CRIU dump of the whole tree → capsule
 manifest → the capsule restored once and proven by the canary → artifact descriptor committed atomically.
@@ -23,15 +24,17 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, Sequence
 
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
-from coldsnap.activation.canary_probes import ask_probe, bits_of, probe_plan, probe_prompt
+from coldsnap.activation.canary_probes import bits_of, probe_plan
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
+from coldsnap.activation.reference_check import (REFERENCE_ENV, ReferenceAnswers, ReferenceMode, ask_probes, ask_reference,
+                                                 reference_mode, reference_plan)
 from coldsnap.activation.units import artifact_request, selected_unit
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
 from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, PinnedFile, PlatformRecord,
-                                        UnitRecord, WorkerRecord)
+                                        ReferenceRecord, UnitRecord, WorkerRecord)
 from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
 from coldsnap.contracts.base import decode_document
 from coldsnap.contracts.canonical import canonical_json
@@ -73,6 +76,10 @@ VERIFY_ENV = "COLDSNAP_CAPTURE_VERIFY"
 def verify_at_capture() -> bool:
     """Whether a capture restores its capsule once before committing it (default yes; ``0``: no)."""
     return os.environ.get(VERIFY_ENV, "1") != "0"
+
+STOPPED_WITHIN_S = 30.0
+"""How long a stopped start (the reference's, or an engine the reference check starts again) may take to give
+its GPU memory and the serving port back."""
 
 AGENT_AFTER_HTTP_S = 60.0
 """How long a capture waits for the coldsnap agent once the engine's HTTP port answers (``capture.agent``
@@ -144,6 +151,16 @@ class CaptureSequence:
         self.criu_tcp: Literal["established", "none"] = "none"
         self.serving_gpu_bytes: dict[str, dict[int, int]] = {}  # GPU UUID → pid → bytes while serving
         self.gpu_memory: list[GpuProcessMemory] = []
+        self.output_ready = False  # the output directory made and its earlier entries noted (first start)
+        # The reference check (start_reference, check_reference): the plain start's answers, the captured
+        # engine's, and what the descriptor records
+        self.reference_mode: ReferenceMode = "none"
+        self.reference_note: str | None = None
+        self.reference_engine: EngineProcess | None = None
+        self.reference_answers: ReferenceAnswers | None = None
+        self.captured_answers: ReferenceAnswers | None = None
+        self.plain_starts = 0
+        self.capture_starts = 0
 
     @property
     def port(self) -> int:
@@ -195,16 +212,27 @@ class CaptureSequence:
         (:func:`verify_at_capture`)."""
         self.commit(verify=verify_at_capture())
 
-    def launch(self) -> None:
+    def _prepare_output(self) -> None:
+        """Before the first start of the command (the reference's or the engine's): the output directory made,
+        what it held noted (the unwind removes only what the capture made), what an earlier failed capture left
+        cleared; the engine's temporary folder (its ZeroMQ ipc:// sockets) noted, swept of what the trees
+        leave at the end."""
+        if self.output_ready:
+            return
         artifact, unit = self.artifact, self.unit
         self.before = artifact.entries() if artifact.root.exists() else None
+        artifact.root.mkdir(parents=True, exist_ok=True)
+        artifact.clear_uncommitted([unit.unit_id])
+        self.engine_tmp = Path(unit.env.get("TMPDIR") or os.environ.get("TMPDIR") or "/tmp")
+        self.engine_tmp_sockets = socket_files_in(self.engine_tmp)
+        self.output_ready = True
+
+    def launch(self) -> None:
+        artifact, unit = self.artifact, self.unit
         with self.step("capture.launch", "capture.launch") as span:
-            artifact.root.mkdir(parents=True, exist_ok=True)
-            artifact.clear_uncommitted([unit.unit_id])
-            # The engine's temporary folder (its ZeroMQ ipc:// sockets): swept of what the tree left, at the end
-            self.engine_tmp = Path(unit.env.get("TMPDIR") or os.environ.get("TMPDIR") or "/tmp")
-            self.engine_tmp_sockets = socket_files_in(self.engine_tmp)
+            self._prepare_output()
             self.engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), dict(unit.env))
+            self.capture_starts += 1
             span["pid"] = self.engine.pid
         self.context.progress(f"started {unit.command[0]} (pid {self.engine.pid}); waiting for its coldsnap agent "
                               f"and for HTTP on port {self.port}")
@@ -266,19 +294,25 @@ class CaptureSequence:
                                               "prompt_argmax": self.canary.prompt_argmax,
                                               "probes": [p.to_json_value() for p in self.probes]})
 
+    def _check_plan(self) -> tuple[tuple[int, int], ...]:
+        """The probes the captured engine is asked: the restore's, and with the reference check its own after them."""
+        return reference_plan(probe_plan()) if self.reference_mode == "plain" else probe_plan()
+
     def _ask_canary(self) -> None:
+        """The canary, then the probes (:meth:`_check_plan`), one at a time: the same requests in the same order
+        as the reference start was asked. The restore's probes are recorded for every restore to check."""
         validation = self.request.policy.validation
         assert validation.prompt is not None and validation.max_tokens is not None  # resolve_request fills both
+        restore_lengths = {length for length, _ in probe_plan()}
         with self.step("capture.canary", "capture.canary") as span:
             self.canary = ask_canary(self.port, validation.prompt, validation.max_tokens, prompt_argmax=True)
             span["tokens"] = len(self.canary.token_ids)
         self.context.progress(f"canary answered {self.canary.text!r} ({len(self.canary.token_ids)} tokens)")
         with self.step("capture.canary_probes", "capture.canary") as span:
-            for length, tokens in probe_plan():
-                answer = ask_probe(self.port, probe_prompt(length), tokens)
-                if answer is not None:
-                    self.probes.append(CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,
-                                                   logprob_bits=[bits_of(x) for x in answer.logprobs]))
+            answers = self.captured_answers = ReferenceAnswers(self.canary, ask_probes(self.port, self._check_plan()))
+            self.probes = [CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,
+                                       logprob_bits=[bits_of(x) for x in answer.logprobs])
+                           for (length, _), answer in answers.probes if answer is not None and length in restore_lengths]
             lengths = [str(len(p.prompt_ids)) for p in self.probes]
             span["probes"] = ",".join(lengths)
         if self.probes:
@@ -286,6 +320,165 @@ class CaptureSequence:
                                   "ids and logprobs")
         else:
             self.context.progress("no canary probes: the engine gave no token ids and logprobs for token-id prompts")
+
+    # The reference check (coldsnap.activation.reference_check) --------------------------------------------
+
+    def _reference_mode(self) -> tuple[ReferenceMode, str | None]:
+        """This capture's reference mode, and why it is ``none`` where it is."""
+        if self.units is not None:
+            return "none", ("one launch unit of several: the check would need every unit's plain start at once, "
+                            "which this build does not run")
+        try:
+            mode = reference_mode(self.request.engine)
+        except ValueError as exc:
+            raise OperationFailed("capture.reference", f"{REFERENCE_ENV}: {exc}") from None
+        if mode == "plain":
+            return mode, None
+        if os.environ.get(REFERENCE_ENV):
+            return mode, "skipped: --reference none"
+        return mode, (f"skipped: not on by default for {self.request.engine} (coldsnap's own deterministic workload); "
+                      "--reference plain runs it")
+
+    def start_reference(self) -> None:
+        """The plain start of the command (:mod:`coldsnap.activation.reference_check`), before the engine that
+        is captured: started as a user starts it, asked the canary and the check's probes, stopped. Skipped,
+        and recorded as skipped, with ``--reference none`` and for one launch unit of several."""
+        with self.step("capture.reference_start", "capture.reference") as span:
+            self.reference_mode, self.reference_note = self._reference_mode()
+            span["mode"] = self.reference_mode
+            if self.reference_mode == "none":
+                self.context.progress(f"reference check {self.reference_note}")
+                return
+            self.reference_answers = self._plain_start_answers(span)
+
+    def _plain_start_answers(self, span: dict[str, str | int | bool]) -> ReferenceAnswers:
+        """One plain start of the command: ready (HTTP ``/health``), asked the check's requests, stopped (its GPU
+        memory and the port free again before anything else starts)."""
+        validation, unit = self.request.policy.validation, self.unit
+        assert validation.prompt is not None and validation.max_tokens is not None  # resolve_request fills both
+        self._prepare_output()
+        plan = self._check_plan()
+        which = "a second plain start" if self.plain_starts else "a plain start"
+        self.context.progress(f"reference check: {which} of the command (no coldsnap agent) first; the engine captured "
+                              f"after it must give its canary and {len(plan)} probes back exactly, ids and logprob bits")
+        started = time.perf_counter()
+        engine = self.reference_engine = EngineProcess(list(unit.command), self.artifact.reference_log_path(unit.unit_id),
+                                                       dict(unit.env), agent=False)
+        self.plain_starts += 1
+        try:
+            wait_for_http(self.port, engine.alive, self.ready_timeout)
+            ready_s = time.perf_counter() - started
+            self.context.progress(f"reference start (pid {engine.pid}) ready after {ready_s:.1f} s; asking it the canary "
+                                  f"and {len(plan)} probes")
+            answers = ask_reference(self.port, validation.prompt, validation.max_tokens, plan)
+        except LaunchError as exc:
+            ended = engine.ended()
+            raise OperationFailed("capture.reference", f"the plain reference start of the command: {exc}"
+                                  f"{f' (the command {ended})' if ended else ''}{self._reference_log_tail()}") from None
+        except OSError as exc:
+            raise OperationFailed("capture.reference", "the plain reference start did not answer the canary or a "
+                                  f"probe: {exc}{self._reference_log_tail()}") from None
+        finally:
+            self._stop_reference()
+        span[f"plain_start_{self.plain_starts}_ready_ns"] = int(ready_s * 1e9)
+        span[f"plain_start_{self.plain_starts}_ns"] = int((time.perf_counter() - started) * 1e9)
+        return answers
+
+    def _reference_log_tail(self) -> str:
+        engine = self.reference_engine
+        last = [line.strip() for line in (engine.log_tail(13) if engine else "").splitlines() if line.strip()][-3:]
+        return f" | reference log: {' | '.join(last)}" if last else ""
+
+    def _stop_reference(self) -> None:
+        """The reference start killed, its GPU memory given back and the serving port free again."""
+        engine = self.reference_engine
+        if engine is not None and engine.alive():
+            self._stop_tree(engine, graceful=True)
+        self.sweep_engine_tmp()
+
+    def _stop_tree(self, tree: ServingTree, graceful: bool = False) -> None:
+        """Stop a tree started here (``graceful``: as an operator would, SIGTERM first; else killed) and wait (at
+        most :data:`STOPPED_WITHIN_S` each) until the GPU holds nothing of it (NVML, where it answers) and the
+        serving port is free: the next start needs both."""
+        pids = set(tree_pids(tree.pid))
+        on_gpu = set(gpu_processes(list(pids)))
+        if graceful and isinstance(tree, EngineProcess):
+            tree.stop(STOPPED_WITHIN_S)
+        else:
+            tree.kill()
+        deadline = time.monotonic() + STOPPED_WITHIN_S
+        while on_gpu and time.monotonic() < deadline:
+            try:
+                if not any(process_memory(on_gpu).values()):
+                    break
+            except NvmlError:
+                break
+            time.sleep(0.1)
+        deadline = time.monotonic() + STOPPED_WITHIN_S
+        while port_taken(self.port):
+            if time.monotonic() > deadline:
+                raise OperationFailed("capture.reference", f"port {self.port} is still taken {STOPPED_WITHIN_S:.0f} s "
+                                      "after the start that served it was stopped")
+            time.sleep(0.1)
+
+    def check_reference(self) -> None:
+        """The captured engine's answers must equal the plain start's, every token id and logprob bit. On a
+        mismatch, once more: a second plain start (which must agree with one of the two: else plain starts of
+        the command disagree on this host, and nothing can be proved), then the engine again, which must answer
+        as that second plain start did. ``capture.reference`` otherwise, nothing committed."""
+        if self.reference_mode == "none":
+            return
+        with self.step("capture.reference", "capture.reference") as span:
+            assert self.reference_answers is not None and self.captured_answers is not None
+            difference = self.reference_answers.difference(self.captured_answers, "the plain start", "the captured engine")
+            span["matched_first"] = difference is None
+            if difference is not None:
+                span["first_difference"] = difference[:500]
+                self._check_reference_again(difference, span)
+            answers = self.reference_answers
+            span.update(plain_starts=self.plain_starts, capture_starts=self.capture_starts,
+                        probes=len(answers.answered()), answers_sha256=answers.sha256())
+        probes = f" and {len(answers.answered())} probes" if answers.answered() else " (no probes: the engine gives no logprobs)"
+        self.context.progress(f"reference check passed: the captured engine answered a plain start's canary{probes} "
+                              "exactly, token ids and logprob bits")
+
+    def _check_reference_again(self, difference: str, span: dict[str, str | int | bool]) -> None:
+        first_plain, first_engine = self.reference_answers, self.captured_answers
+        assert first_plain is not None and first_engine is not None and self.engine is not None
+        self.context.progress(f"reference check: the captured engine answers differently from the plain start: "
+                              f"{difference}; trying once more (one more plain start, then the engine again)")
+        self._stop_tree(self.engine)
+        second = self._plain_start_answers(span)
+        against_plain = first_plain.difference(second, "the first plain start", "the second plain start")
+        against_engine = first_engine.difference(second, "the first engine start", "the second plain start")
+        if against_plain is not None and against_engine is not None:
+            raise OperationFailed("capture.reference", "plain starts of the command disagree on this host, so no "
+                                  f"capture can be proved equal to one: {against_plain}; and the first captured engine "
+                                  f"differed too ({difference}). Nothing was committed; `coldsnap capture --reference "
+                                  "none` captures without the check")
+        deviant = "the first plain start" if against_plain is not None else "the first start of the captured engine"
+        self.reference_note = f"retried: {deviant} answered unlike the other starts ({difference})"
+        self.reference_answers = second
+        self.launch()
+        self.wait_until_ready()
+        self.record_canary()
+        assert self.captured_answers is not None
+        difference = second.difference(self.captured_answers, "the plain start", "the captured engine")
+        if difference is not None:
+            raise OperationFailed("capture.reference", "the captured engine answers differently from a plain start of "
+                                  f"the same command, twice: {difference}. Nothing was committed")
+
+    def _reference_record(self) -> ReferenceRecord:
+        """What the descriptor says of the check."""
+        answers = self.reference_answers
+        if self.reference_mode == "none" or answers is None:
+            return ReferenceRecord(mode="none", note=self.reference_note)
+        return ReferenceRecord(mode="plain", note=self.reference_note, plain_starts=self.plain_starts,
+                               capture_starts=self.capture_starts, canary_token_ids=answers.canary.token_ids,
+                               probes=[CanaryProbe(prompt_ids=a.prompt_ids, token_ids=a.token_ids,
+                                                   logprob_bits=[bits_of(x) for x in a.logprobs])
+                                       for a in answers.answered()],
+                               answers_sha256=answers.sha256())
 
     def prepare_ranks(self) -> None:
         """Every rank at once: drain, drop the graphs the policy drops, tear NCCL down, write its packs,
@@ -534,6 +727,7 @@ class CaptureSequence:
                                 restore_tokens=(min(RESTORE_CANARY_TOKENS, len(canary.token_ids))
                                                 if canary.prompt_argmax and canary.token_ids else None),
                                 probes=self.probes),
+            reference=self._reference_record(),
             units=records,
         )
 
@@ -580,6 +774,9 @@ class CaptureSequence:
         """After any failure (an interrupt included): the engine never keeps running, and nothing the
         capture created stays in the output directory; an earlier artifact is never touched."""
         engine = self.engine
+        if self.reference_engine is not None and self.reference_engine.alive():
+            self.reference_engine.kill()
+            self.sweep_engine_tmp()
         if engine is not None and (not self.dumped or engine.alive()):
             engine.kill()
             self.sweep_engine_tmp()

@@ -167,19 +167,26 @@ class ServingTree(Protocol):
 
 
 class EngineProcess:
-    """The captured command, started in its own session without io_uring, output to a log file."""
+    """The captured command, started in its own session without io_uring, output to a log file. With
+    ``agent=False`` the command as a user starts it (no ``COLDSNAP_CONTROL``, no launcher around it): the
+    capture's plain reference start (:mod:`coldsnap.activation.reference_check`)."""
 
-    def __init__(self, command: list[str], log_path: Path, env: dict[str, str]):
-        self.control = new_control_name()
+    def __init__(self, command: list[str], log_path: Path, env: dict[str, str], agent: bool = True):
+        self.control = new_control_name() if agent else ""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
+        environment = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        argv = command
+        if agent:
+            environment[CONTROL_ENV] = self.control
+            argv = [sys.executable, "-m", "coldsnap.snapshot.no_io_uring", "--", *command]
+        else:
+            environment.pop(CONTROL_ENV, None)
         # A file, not a pipe: a pipe to the launcher would be a connection CRIU cannot restore.
         log = open(log_path, "ab")
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "coldsnap.snapshot.no_io_uring", "--", *command],
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, **env, CONTROL_ENV: self.control, "PYTHONUNBUFFERED": "1"},
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=environment,
                 start_new_session=True,  # its own session and process group: no --shell-job, one killpg
             )
         except OSError as exc:
@@ -218,3 +225,16 @@ class EngineProcess:
         kill_tree(self.pid)
         if self.process.poll() is None:
             self.process.wait(timeout=10)
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM to the command's process group, as an operator stops a server (vLLM then shuts down and
+        removes the files it made in its temporary folder); what still runs after ``grace`` s is killed."""
+        try:
+            os.killpg(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            self.process.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        self.kill()

@@ -121,6 +121,8 @@ class TemplateCapture(CaptureSequence):
                                   f"placement ABI {' or '.join(map(str, PLACEMENT_ABIS))}")
         self.placement_abi = int(abi)
         self.template_pid = 0
+        # (every restore starts the engine anew from the template, as a plain start does)
+        self.reference_note = "not applicable: n580 captures no initialized engine, every restore starts it anew"
         self.command: list[str] = []
         self.capture_state: Path | None = None  # the capture's own restore of the template writes here
         self.template_link: TemplateLink | None = None

@@ -230,6 +230,12 @@ def _add_capture(commands: Any) -> None:
     p.add_argument("--no-verify", action="store_true",
                    help="commit without the capture's own restore of the capsule (COLDSNAP_CAPTURE_VERIFY=0); saves "
                    "one restore's time, and a capsule that cannot restore is then found out by its first restore")
+    p.add_argument("--reference", choices=("plain", "none"),
+                   help="the reference check (COLDSNAP_CAPTURE_REFERENCE): plain (default for vLLM and SGLang) first starts "
+                   "the command plainly, without coldsnap's agent, asks it the canary and probes of 8-600 tokens, stops "
+                   "it, and the engine captured after it must give every token id and logprob bit back (on a mismatch "
+                   "once more, then capture.reference, nothing committed); it costs one more start of the engine, at "
+                   "capture only. none skips it, and the artifact says so (default for coldsnap.workloads.torch_lm)")
     p.add_argument("--canary-probes", metavar="LEN:TOKENS,...",
                    help="the canary's probes: token-id prompts of LEN tokens, TOKENS greedy tokens each, whose ids and "
                    "logprobs every restore must give back bit for bit (COLDSNAP_CANARY_PROBES; default 136:4,600:2: one "

@@ -23,6 +23,7 @@ __all__ = [
     "PlatformRecord",
     "CanaryProbe",
     "CanaryRecord",
+    "ReferenceRecord",
     "WorkerRecord",
     "UnitRecord",
     "ArtifactDescriptor",
@@ -122,6 +123,30 @@ class CanaryRecord(Contract):
     the engine gave no logprobs, or an artifact captured before probes existed)."""
 
 
+class ReferenceRecord(Contract):
+    """The capture's reference check (:mod:`coldsnap.activation.reference_check`): the captured engine's
+    answers against a plain start of the same command on the same host."""
+
+    mode: Literal["plain", "none"]
+    """``plain``: checked, and equal (a capture whose engine answered otherwise is never committed);
+    ``none``: not checked (``note`` says why)."""
+    note: str | None = None
+    """Why it was not checked (``--reference none``, a driver or topology the check does not cover), or what
+    the check met on its way (a retry, and why)."""
+    plain_starts: int = Field(default=0, ge=0)
+    """Plain starts of the command the check ran (1; 2 after a mismatch)."""
+    capture_starts: int = Field(default=0, ge=0)
+    """Starts of the captured engine (1; 2 after a mismatch: the second one was captured)."""
+    canary_token_ids: list[int] = Field(default_factory=list)
+    """The canary prompt's tokens, as the plain start and the captured engine both generated them."""
+    probes: list[CanaryProbe] = Field(default_factory=list)
+    """Every probe both answered, in the order asked (the restore's probes, then the check's own): token ids and
+    logprob bits, equal in both."""
+    answers_sha256: Sha256Hex | None = None
+    """Digest of every answer of the plain start (the canary's tokens and predictions, each probe's ids and
+    logprob bits; also in the receipt's ``capture.reference`` span)."""
+
+
 class WorkerRecord(Contract):
     """Per-worker state of a capture."""
 
@@ -186,5 +211,7 @@ class ArtifactDescriptor(Contract):
     """Capture host facts that restore admission checks."""
     canary: CanaryRecord
     """Exact-response canary recorded at capture."""
+    reference: ReferenceRecord | None = None
+    """The reference check at capture (``None``: captured by a build before the check existed)."""
     units: list[UnitRecord] = Field(min_length=1)
     """Capsules and workers, per launch unit."""

@@ -34,6 +34,10 @@ ERROR_CODES: dict[str, str] = {
                      "without coldsnap (vLLM / SGLang without `--load-format coldsnap`, or coldsnap not installed "
                      "in the engine's Python environment)",
     "capture.canary": "the engine did not answer the canary prompt",
+    "capture.reference": "the captured engine answered the canary or a probe differently from a plain start of the same "
+                         "command (twice: the message names the request and token), or plain starts of the command "
+                         "disagree on this host, or the plain reference start did not come up or answer; nothing "
+                         "committed",
     "capture.prepare": "a rank's agent could not drain, release its graphs and memory, tear down NCCL or write its packs",
     "capture.connections": "the serving tree holds TCP connections to peers outside it (each named), which no "
                            "restore could take up again; nothing was checkpointed",

@@ -29,7 +29,8 @@ def test_a_server_without_a_coldsnap_agent_fails_once_its_http_answers(tmp_path,
     port = free_port()
     out, receipt = tmp_path / "artifact", tmp_path / "receipt.json"
     started = time.monotonic()
-    status = _in_process(["capture", "--engine", "vllm", "--out", str(out), "--receipt-json", str(receipt), "--port",
+    # (--reference none: a plain start of a server that never answers /health with 200 would wait out its timeout)
+    status = _in_process(["capture", "--engine", "vllm", "--reference", "none", "--out", str(out), "--receipt-json", str(receipt), "--port",
                           str(port), "--", sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)])
     document = json.loads(receipt.read_text())
     try:
