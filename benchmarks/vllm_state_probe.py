@@ -70,10 +70,20 @@ def _fa3_builder(runner: Any) -> Any:
 
 
 def nonzero_entries(tensor: Any, most: int = 32) -> list[list[int]]:
-    """The first ``most`` nonzero entries of an integer tensor as [flat index, value] pairs."""
+    """The first ``most`` nonzero entries of an integer (or bool) tensor as [flat index, value] pairs.
+
+    torch has no ``nonzero`` for its unsigned 16-, 32- and 64-bit types (CPU or CUDA: vLLM's runner holds
+    uint64 tensors, and the probe's HTTP call failed on them), so those are searched as the signed type of
+    the same width, bits unchanged, and their values read back unsigned."""
+    import torch
+
+    signed_of = {torch.uint16: (torch.int16, 16), torch.uint32: (torch.int32, 32), torch.uint64: (torch.int64, 64)}
     flat = tensor.detach().reshape(-1)
-    where = flat.nonzero().reshape(-1)[:most]
-    return [[int(i), int(v)] for i, v in zip(where.tolist(), flat[where].tolist())]
+    signed, bits = signed_of.get(flat.dtype, (None, 0))
+    searched = flat.view(signed) if signed is not None else flat
+    where = searched.nonzero().reshape(-1)[:most]
+    values = [v & ((1 << bits) - 1) if bits else v for v in searched[where].tolist()]
+    return [[int(i), int(v)] for i, v in zip(where.tolist(), values)]
 
 
 def _walk(root: Any, prefix: str, seen: set[int], found: dict[str, Any], depth: int) -> None:

@@ -38,3 +38,19 @@ def test_the_fa3_builder_is_found_in_the_runners_attention_groups():
     assert _fa3_builder(None) is None
     worker = SimpleNamespace(model_runner=SimpleNamespace(attn_groups=[]))
     assert "error" in StateProbe.coldsnap_attention_schedule(worker)  # (no FA3: said so, nothing raised)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32,
+                                   torch.uint32, torch.int64, torch.uint64])
+def test_every_integer_dtype_is_digested_and_reported_by_value(dtype):
+    """Every dtype the digest meets among a runner's tensors: torch has no nonzero for uint16/32/64 (the
+    probe's call failed on vLLM's uint64 runner tensors), and an unsigned value above the signed range reads back
+    as itself."""
+    values = [0, 1, 0, 1] if dtype == torch.bool else [0, 5, 0, 7]
+    tensor = torch.tensor(values).to(dtype)
+    assert nonzero_entries(tensor) == ([[1, 1], [3, 1]] if dtype == torch.bool else [[1, 5], [3, 7]])
+    assert len(tensor_digest(tensor)) == 1
+    if dtype in (torch.uint16, torch.uint32, torch.uint64):
+        bits = torch.iinfo(dtype).bits
+        top = torch.tensor([0, -1], dtype={16: torch.int16, 32: torch.int32, 64: torch.int64}[bits]).view(dtype)
+        assert nonzero_entries(top) == [[1, (1 << bits) - 1]]
