@@ -16,6 +16,11 @@
 #                                                        install vLLM once, then benchmarks/vllm_equality_diagnosis.py
 #                                                        --steps STEPS ARGS in /tmp/vllm-diagnosis (restored vs cold:
 #                                                        answers, logprobs, GPU state digests)
+#   bash scripts/gpu-engine-bench.sh capture-equality STEPS [ARGS]
+#                                                        install vLLM once, then benchmarks/capture_equality.py --steps
+#                                                        STEPS ARGS in /tmp/capture-equality (each capture with its
+#                                                        reference check, restored, 256 prompts vs a plain start);
+#                                                        COLDSNAP_BENCH_PYTHON: another interpreter (a dry run on CPU)
 #   bash scripts/gpu-engine-bench.sh restore-ab ARTIFACT KEY=VALUE...
 #                                                        with vLLM's site: benchmarks/restore_ab.py on an artifact an
 #                                                        earlier step captured (A as it is, B with KEY=VALUE...,
@@ -156,6 +161,23 @@ case "${1:-}" in
             tar -czf "$out/vllm-diagnosis-logs.tar.gz" --null -T -) || true
         exit "$status"
         ;;
+    capture-equality)
+        python=${COLDSNAP_BENCH_PYTHON:-python3}
+        [ -n "${COLDSNAP_BENCH_PYTHON:-}" ] || engine_path vllm  # (a dry run brings its own vLLM)
+        wait_for_model
+        work=/tmp/capture-equality$suffix
+        mkdir -p "$work"
+        ln -sfn "$model" "$work/llama-$shape"
+        set +e
+        "$python" -m benchmarks.capture_equality --dir "$work" --shape "$shape" --steps "${2:?steps}" --out \
+            "$out/capture-equality.json" "${@:3}" 2>&1 | tee -a "$out/capture-equality.log"
+        status=${PIPESTATUS[0]}
+        set -e
+        # receipts and the servers' logs (the artifacts, removed after each capture, keep none)
+        (cd "$work" && find . -maxdepth 1 -type f \( -name '*receipt.json' -o -name '*.log' \) -print0 |
+            tar -czf "$out/capture-equality-logs.tar.gz" --null -T -) || true
+        exit "$status"
+        ;;
     restore-ab)
         engine_path vllm
         artifact=${2:?artifact}
@@ -194,7 +216,7 @@ case "${1:-}" in
         exit "$status"
         ;;
     *)
-        sed -n '2,35p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
+        awk 'NR > 1 && !/^#/ { exit } NR > 1' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'
         exit 2
         ;;
 esac

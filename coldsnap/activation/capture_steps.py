@@ -371,11 +371,13 @@ class CaptureSequence:
             self.context.progress(f"reference start (pid {engine.pid}) ready after {ready_s:.1f} s; asking it the canary "
                                   f"and {len(plan)} probes")
             answers = ask_reference(self.port, validation.prompt, validation.max_tokens, plan)
-        except LaunchError as exc:
+        except (LaunchError, OSError) as exc:
             ended = engine.ended()
-            raise OperationFailed("capture.reference", f"the plain reference start of the command: {exc}"
-                                  f"{f' (the command {ended})' if ended else ''}{self._reference_log_tail()}") from None
-        except OSError as exc:
+            # (its log goes with the output directory: its last lines to the progress stream first)
+            self.context.progress(f"the plain reference start failed; its last lines:\n{engine.log_tail(20)}")
+            if isinstance(exc, LaunchError):
+                raise OperationFailed("capture.reference", f"the plain reference start of the command: {exc}"
+                                      f"{f' (the command {ended})' if ended else ''}{self._reference_log_tail()}") from None
             raise OperationFailed("capture.reference", "the plain reference start did not answer the canary or a "
                                   f"probe: {exc}{self._reference_log_tail()}") from None
         finally:
@@ -463,10 +465,10 @@ class CaptureSequence:
         self.wait_until_ready()
         self.record_canary()
         assert self.captured_answers is not None
-        difference = second.difference(self.captured_answers, "the plain start", "the captured engine")
-        if difference is not None:
+        again = second.difference(self.captured_answers, "the plain start", "the captured engine")
+        if again is not None:
             raise OperationFailed("capture.reference", "the captured engine answers differently from a plain start of "
-                                  f"the same command, twice: {difference}. Nothing was committed")
+                                  f"the same command, twice: {again}. Nothing was committed")
 
     def _reference_record(self) -> ReferenceRecord:
         """What the descriptor says of the check."""

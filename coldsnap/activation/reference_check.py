@@ -57,7 +57,7 @@ def reference_mode(engine: str) -> ReferenceMode:
         return "plain" if engine in ENGINES_CHECKED_BY_DEFAULT else "none"
     if text not in REFERENCE_MODES:
         raise ValueError(f"{text!r} is not a reference mode (one of: {', '.join(REFERENCE_MODES)})")
-    return text  # type: ignore[return-value]
+    return text
 
 
 def reference_plan(restore_plan: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

@@ -187,8 +187,10 @@ def _add_capture(commands: Any) -> None:
     p = commands.add_parser(
         "capture",
         help="start a serving command, validate it, and capture it into an artifact directory",
-        description="Start CMD (without io_uring, in its own session, output to DIR/logs), wait for coldsnap's "
-        "in-process agent and the HTTP port, record the canary (greedy, through POST /v1/completions), let the "
+        description="For vLLM and SGLang, first start CMD plainly (no coldsnap agent) and record its answers to the "
+        "canary and probes (the reference check, see --reference). Start CMD (without io_uring, in its own session, "
+        "output to DIR/logs), wait for coldsnap's in-process agent and the HTTP port, record the canary (greedy, "
+        "through POST /v1/completions) and require the reference's answers bit for bit, let the "
         "agent write the native packs and release model memory, CRIU-dump the process tree, restore it once "
         "(as `coldsnap restore DIR` would) and check the canary again, then commit DIR/artifact.json atomically: a "
         "capsule that cannot restore is never committed. A tensor-parallel command (--ranks N, or its own --tp / "
