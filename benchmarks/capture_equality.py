@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -57,15 +58,16 @@ class CaptureEquality:
         for key in ("prompts", "tokens", "longest"):
             if self.state[key] != getattr(args, key):
                 raise SystemExit(f"{self.state_path} was asked {key}={self.state[key]}; this run asks {getattr(args, key)}")
+        self.scratch = Path(tempfile.mkdtemp(prefix="ceq-"))
         model = self.work / f"llama-{args.shape}"
         self.model = model.resolve() if model.is_symlink() else model
         self.command = [*serve_command(self.model, args.port, *args.vllm_args), "--load-format", "coldsnap"]
 
     def env(self, **more: str) -> dict[str, str]:
-        scratch = self.work / "tmp"
-        scratch.mkdir(exist_ok=True)
+        """The servers' environment: their temporary files (vLLM's ZeroMQ ipc:// sockets, whose paths must stay
+        under 108 bytes) in a short folder of this run's, removed at its end."""
         device_env = VLLM_ENV if self.args.device == "cuda" else CPU_ENV
-        return {**os.environ, **device_env, "VLLM_CACHE_ROOT": str(self.work / "vllm-cache"), "TMPDIR": str(scratch),
+        return {**os.environ, **device_env, "VLLM_CACHE_ROOT": str(self.work / "vllm-cache"), "TMPDIR": str(self.scratch),
                 **more}
 
     def save(self) -> None:
@@ -214,13 +216,16 @@ def main(argv: list[str] | None = None) -> int:
     if not (bench.model / "coldsnap-tiny-model.json").exists():
         subprocess.run([sys.executable, "-m", "coldsnap.workloads.tiny_llama", str(bench.model), "--shape", args.shape],
                        check=True)
-    for step in steps:
-        print(f"== {step}", flush=True)
-        if step == "plain":
-            bench.step_plain()
-        else:
-            bench.step_capture(empty=step == "capture-empty")
-        compare_all(bench)
+    try:
+        for step in steps:
+            print(f"== {step}", flush=True)
+            if step == "plain":
+                bench.step_plain()
+            else:
+                bench.step_capture(empty=step == "capture-empty")
+            compare_all(bench)
+    finally:
+        shutil.rmtree(bench.scratch, ignore_errors=True)
     bench.save()
     print(render(bench.state), flush=True)
     return 0

@@ -18,6 +18,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,7 +84,7 @@ class OperationLock:
         """Take the lock or raise :class:`LockHeld` naming the holder; never waits for it. A holder gone
         between the failed bind and the question who holds it (a racer that lost too and let go) leaves
         the lock free: it is taken on another try, not reported as held by no one."""
-        for _ in range(_TRIES):
+        for attempt in range(_TRIES):
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
             try:
                 listener.bind(lock_name(self.key))
@@ -93,6 +94,9 @@ class OperationLock:
             holder = _holder(self.key)
             if holder.pid is not None:
                 raise LockHeld(self.what, holder)
+            # Bound but not listening yet (the holder between its bind and listen: on a loaded host that can
+            # outlast a few tight tries), or gone: a little later it answers, or the lock is free
+            time.sleep(0.005 * 2 ** attempt)
         else:
             raise LockHeld(self.what, holder)
         listener.listen(8)

@@ -392,6 +392,7 @@ def test_captures_in_a_row_each_restore_to_a_plain_starts_answers(model, tmp_pat
         assert (reference["plain_starts"], reference["capture_starts"], reference["probes"]) == (1, 1, 5), reference
         assert capture["versus_plain"]["prompts"] == 32
     assert not list(work.glob("artifact-*")) and not list(work.glob("compile-empty-*"))
+    assert not list(Path(os.environ["TMPDIR"]).glob("ceq-*"))  # the servers' temporary folder went with the run
     assert "2 of 2 compared captures equal to the plain start on every prompt" in result.stdout
 
 
