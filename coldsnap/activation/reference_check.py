@@ -30,7 +30,7 @@ from coldsnap.activation.canary_probes import ProbeAnswer, ask_probe, first_diff
 from coldsnap.activation.engine_process import Canary, ask_canary
 from coldsnap.contracts.canonical import canonical_json
 
-__all__ = ["REFERENCE_ENV", "REFERENCE_MODES", "REFERENCE_PROBES", "ReferenceAnswers", "ReferenceMode", "ask_probes",
+__all__ = ["REFERENCE_ENV", "REFERENCE_MODES", "REFERENCE_PROBES", "REFERENCE_PROBES_ENV", "ReferenceAnswers", "ReferenceMode", "ask_probes",
            "ask_reference", "reference_mode", "reference_plan"]
 
 ReferenceMode = Literal["plain", "none"]
@@ -47,6 +47,10 @@ steps (the batch-1 decode graph over a growing KV cache); the restore's 600-toke
 the largest graph size. Decode graphs of batch sizes above one need concurrent requests, whose batching
 depends on timing: not asked."""
 
+REFERENCE_PROBES_ENV = "COLDSNAP_REFERENCE_PROBES"
+"""``LEN:TOKENS[,LEN:TOKENS...]``: the check's own probes instead of :data:`REFERENCE_PROBES` (``coldsnap capture
+--reference-probes``), e.g. fewer decode steps where decoding is slow (a CPU engine)."""
+
 ENGINES_CHECKED_BY_DEFAULT = ("vllm", "sglang")
 
 
@@ -61,10 +65,11 @@ def reference_mode(engine: str) -> ReferenceMode:
 
 
 def reference_plan(restore_plan: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Every probe the check asks: the restore's (in its order), then :data:`REFERENCE_PROBES` of lengths the
-    restore's do not already have."""
+    """Every probe the check asks: the restore's (in its order), then the check's own (:data:`REFERENCE_PROBES_ENV`'s,
+    else :data:`REFERENCE_PROBES`) of lengths the restore's do not already have (ValueError: malformed)."""
     lengths = {length for length, _ in restore_plan}
-    return (*restore_plan, *(p for p in parse_probes(REFERENCE_PROBES) if p[0] not in lengths))
+    own = parse_probes(os.environ.get(REFERENCE_PROBES_ENV, "").strip() or REFERENCE_PROBES)
+    return (*restore_plan, *(p for p in own if p[0] not in lengths))
 
 
 @dataclass(frozen=True)

@@ -245,14 +245,22 @@ def _cmd_capture(args: argparse.Namespace) -> int:
         where = "--canary-probes" if args.canary_probes is not None else PROBES_ENV
         print(f"coldsnap capture: {where}: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    from coldsnap.activation.reference_check import REFERENCE_ENV, reference_mode
+    from coldsnap.activation.reference_check import REFERENCE_ENV, REFERENCE_PROBES_ENV, reference_mode, reference_plan
 
     if args.reference is not None:
         os.environ[REFERENCE_ENV] = args.reference
+    if args.reference_probes is not None:
+        os.environ[REFERENCE_PROBES_ENV] = args.reference_probes
     try:
         reference_mode("vllm")  # an unknown mode in the environment: said now too
     except ValueError as exc:
         print(f"coldsnap capture: {REFERENCE_ENV}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        reference_plan(())
+    except ValueError as exc:
+        where = "--reference-probes" if args.reference_probes is not None else REFERENCE_PROBES_ENV
+        print(f"coldsnap capture: {where}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return _run_lifecycle(args, _capture_request, "capture")
 

@@ -238,6 +238,9 @@ def _add_capture(commands: Any) -> None:
                    "it, and the engine captured after it must give every token id and logprob bit back (on a mismatch "
                    "once more, then capture.reference, nothing committed); it costs one more start of the engine, at "
                    "capture only. none skips it, and the artifact says so (default for coldsnap.workloads.torch_lm)")
+    p.add_argument("--reference-probes", metavar="LEN:TOKENS,...",
+                   help="the reference check's own probes, asked after the canary's (COLDSNAP_REFERENCE_PROBES; default "
+                   "8:32,40:32,100:32,183:32,287:32), e.g. fewer tokens where decoding is slow")
     p.add_argument("--canary-probes", metavar="LEN:TOKENS,...",
                    help="the canary's probes: token-id prompts of LEN tokens, TOKENS greedy tokens each, whose ids and "
                    "logprobs every restore must give back bit for bit (COLDSNAP_CANARY_PROBES; default 136:4,600:2: one "

@@ -122,3 +122,12 @@ def test_an_unknown_reference_mode_in_the_environment_is_refused_before_anything
     assert done.returncode == 2
     assert "COLDSNAP_CAPTURE_REFERENCE: 'sometimes' is not a reference mode (one of: plain, none)" in done.stderr
     assert not (tmp_path / "starts").exists()
+
+
+def test_malformed_reference_probes_are_refused_before_anything_starts(tmp_path):
+    done, _ = coldsnap_receipt("capture", "--engine", "torch-lm", "--reference-probes", "8:4,40", "--out",
+                               str(tmp_path / "artifact"), "--", sys.executable, str(WORKLOAD), "fine",
+                               str(tmp_path / "starts"), "--", "--port", "1", timeout=60)
+    assert done.returncode == 2
+    assert "--reference-probes: '40' is not LEN:TOKENS" in done.stderr
+    assert not (tmp_path / "starts").exists()

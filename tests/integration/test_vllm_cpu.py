@@ -380,8 +380,10 @@ def test_captures_in_a_row_each_restore_to_a_plain_starts_answers(model, tmp_pat
     result = subprocess.run([str(VENV / "bin" / "python"), "-m", "benchmarks.capture_equality", "--dir", str(work),
                              "--steps", "capture-empty,capture-empty,plain", "--prompts", "32", "--tokens", "8",
                              "--longest", "200", "--port", str(free_port()), "--vllm-arg=--enforce-eager",
-                             "--vllm-arg=--max-model-len=256"], capture_output=True, text=True, timeout=1500, env=ENV,
-                            cwd=ROOT)
+                             "--vllm-arg=--max-model-len=256",
+                             # the check's own probes with 4 decode steps, not 32 (~0.1 s each on this CPU build)
+                             "--capture-arg=--reference-probes=8:4,40:4,100:4,183:4,287:4"],
+                            capture_output=True, text=True, timeout=1500, env=ENV, cwd=ROOT)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
     state = json.loads((work / "capture-equality.json").read_text())
     assert state["summary"] == {"captures": 2, "committed": 2, "compared": 2, "equal_to_plain": 2}, result.stdout[-3000:]

@@ -19,6 +19,14 @@ def test_the_plan_asks_the_restores_probes_first_then_its_own_of_other_lengths()
     assert reference_plan(((8, 2),))[0] == (8, 2) and [length for length, _ in reference_plan(((8, 2),))].count(8) == 1
 
 
+def test_the_checks_own_probes_can_be_chosen(monkeypatch):
+    monkeypatch.setenv("COLDSNAP_REFERENCE_PROBES", "8:4,136:9,50:2")
+    assert reference_plan(PROBES) == (*PROBES, (8, 4), (50, 2))  # (136 is the restore's already)
+    monkeypatch.setenv("COLDSNAP_REFERENCE_PROBES", "8")
+    with pytest.raises(ValueError, match="is not LEN:TOKENS"):
+        reference_plan(PROBES)
+
+
 def test_the_mode_is_plain_for_engines_none_for_the_reference_workload_unless_told(monkeypatch):
     monkeypatch.delenv(REFERENCE_ENV, raising=False)
     assert (reference_mode("vllm"), reference_mode("sglang"), reference_mode("torch-lm")) == ("plain", "plain", "none")
