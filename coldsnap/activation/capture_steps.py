@@ -440,7 +440,8 @@ class CaptureSequence:
             answers = self.reference_answers
             span.update(plain_starts=self.plain_starts, capture_starts=self.capture_starts,
                         probes=len(answers.answered()), answers_sha256=answers.sha256())
-        probes = f" and {len(answers.answered())} probes" if answers.answered() else " (no probes: the engine gives no logprobs)"
+        probes = (f" and {len(answers.answered())} probes" if answers.answered() else
+                  " (it answered no probe: no token ids and logprobs for token-id prompts)")
         self.context.progress(f"reference check passed: the captured engine answered a plain start's canary{probes} "
                               "exactly, token ids and logprob bits")
 
