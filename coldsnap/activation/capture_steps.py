@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, Sequence
 
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
-from coldsnap.activation.canary_probes import bits_of, probe_plan
+from coldsnap.activation.canary_probes import ProbeAnswer, bits_of, probe_plan
 from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
                                                 ask_canary, wait_for_agent, wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
@@ -112,6 +112,12 @@ def port_taken(port: int) -> bool:
         except OSError as exc:
             return exc.errno == errno.EADDRINUSE
     return False
+
+
+def _probe_record(answer: ProbeAnswer) -> CanaryProbe:
+    """A probe's answer as the descriptor keeps it (each logprob as its IEEE bits)."""
+    return CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,
+                       logprob_bits=[bits_of(x) for x in answer.logprobs])
 
 
 class CaptureSequence:
@@ -310,9 +316,8 @@ class CaptureSequence:
         self.context.progress(f"canary answered {self.canary.text!r} ({len(self.canary.token_ids)} tokens)")
         with self.step("capture.canary_probes", "capture.canary") as span:
             answers = self.captured_answers = ReferenceAnswers(self.canary, ask_probes(self.port, self._check_plan()))
-            self.probes = [CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,
-                                       logprob_bits=[bits_of(x) for x in answer.logprobs])
-                           for (length, _), answer in answers.probes if answer is not None and length in restore_lengths]
+            self.probes = [_probe_record(answer) for (length, _), answer in answers.probes
+                           if answer is not None and length in restore_lengths]
             lengths = [str(len(p.prompt_ids)) for p in self.probes]
             span["probes"] = ",".join(lengths)
         if self.probes:
@@ -392,7 +397,7 @@ class CaptureSequence:
         return f" | reference log: {' | '.join(last)}" if last else ""
 
     def _stop_reference(self) -> None:
-        """The reference start killed, its GPU memory given back and the serving port free again."""
+        """The reference start stopped (SIGTERM, then SIGKILL), its GPU memory given back and the port free again."""
         engine = self.reference_engine
         if engine is not None and engine.alive():
             self._stop_tree(engine, graceful=True)
@@ -478,9 +483,7 @@ class CaptureSequence:
             return ReferenceRecord(mode="none", note=self.reference_note)
         return ReferenceRecord(mode="plain", note=self.reference_note, plain_starts=self.plain_starts,
                                capture_starts=self.capture_starts, canary_token_ids=answers.canary.token_ids,
-                               probes=[CanaryProbe(prompt_ids=a.prompt_ids, token_ids=a.token_ids,
-                                                   logprob_bits=[bits_of(x) for x in a.logprobs])
-                                       for a in answers.answered()],
+                               probes=[_probe_record(a) for a in answers.answered()],
                                answers_sha256=answers.sha256())
 
     def prepare_ranks(self) -> None:

@@ -81,7 +81,7 @@ class OperationLock:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "OperationLock":
-        """Take the lock or raise :class:`LockHeld` naming the holder; never waits for it. A holder gone
+        """Take the lock or raise :class:`LockHeld` naming the holder; never waits for it to let go. A holder gone
         between the failed bind and the question who holds it (a racer that lost too and let go) leaves
         the lock free: it is taken on another try, not reported as held by no one."""
         for attempt in range(_TRIES):

@@ -26,12 +26,12 @@ import os
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from coldsnap.activation.canary_probes import ProbeAnswer, ask_probe, first_difference, parse_probes, probe_prompt
+from coldsnap.activation.canary_probes import ProbeAnswer, ask_probe, bits_of, first_difference, parse_probes, probe_prompt
 from coldsnap.activation.engine_process import Canary, ask_canary
 from coldsnap.contracts.canonical import canonical_json
 
-__all__ = ["REFERENCE_ENV", "REFERENCE_MODES", "REFERENCE_PROBES", "REFERENCE_PROBES_ENV", "ReferenceAnswers", "ReferenceMode", "ask_probes",
-           "ask_reference", "reference_mode", "reference_plan"]
+__all__ = ["REFERENCE_ENV", "REFERENCE_MODES", "REFERENCE_PROBES", "REFERENCE_PROBES_ENV", "ReferenceAnswers",
+           "ReferenceMode", "ask_probes", "ask_reference", "reference_mode", "reference_plan"]
 
 ReferenceMode = Literal["plain", "none"]
 REFERENCE_MODES: tuple[ReferenceMode, ...] = ("plain", "none")
@@ -84,13 +84,12 @@ class ReferenceAnswers:
     def difference(self, other: "ReferenceAnswers", mine: str, theirs: str) -> str | None:
         """Where ``other`` departs from these answers, in words naming the request and token; None when equal."""
         if other.canary.token_ids != self.canary.token_ids:
-            index = next((i for i, (a, b) in enumerate(zip(self.canary.token_ids, other.canary.token_ids)) if a != b),
-                         min(len(self.canary.token_ids), len(other.canary.token_ids)))
+            index = _first_unequal(self.canary.token_ids, other.canary.token_ids)
             return (f"the canary prompt's token {index}: {theirs} generated {other.canary.token_ids[index:index + 1]}, "
                     f"{mine} {self.canary.token_ids[index:index + 1]}")
         if other.canary.prompt_argmax != self.canary.prompt_argmax:
             mine_top, their_top = self.canary.prompt_argmax or [], other.canary.prompt_argmax or []
-            index = next((i for i, (a, b) in enumerate(zip(mine_top, their_top)) if a != b), min(len(mine_top), len(their_top)))
+            index = _first_unequal(mine_top, their_top)
             return (f"the canary prompt's prefill at position {index + 1}: {theirs} predicted "
                     f"{their_top[index:index + 1]}, {mine} {mine_top[index:index + 1]}")
         for ((length, tokens), answer), (_, other_answer) in zip(self.probes, other.probes):
@@ -109,13 +108,16 @@ class ReferenceAnswers:
 
     def sha256(self) -> str:
         """One digest of every answer, ids and logprob bits (the receipt's ``answers_sha256``)."""
-        from coldsnap.activation.canary_probes import bits_of
-
         document = {"canary": {"token_ids": self.canary.token_ids, "prompt_argmax": self.canary.prompt_argmax},
                     "probes": [None if a is None else {"length": length, "token_ids": a.token_ids,
                                                        "logprob_bits": [bits_of(x) for x in a.logprobs]}
                                for (length, _), a in self.probes]}
         return hashlib.sha256(canonical_json(document)).hexdigest()
+
+
+def _first_unequal(a: Sequence[int], b: Sequence[int]) -> int:
+    """The first index where ``a`` and ``b`` differ (the shorter one's length when one is the other's start)."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def ask_probes(port: int, plan: Sequence[tuple[int, int]]) -> tuple[tuple[tuple[int, int], ProbeAnswer | None], ...]:
