@@ -37,6 +37,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from coldsnap.secrets.engine_env import engine_environment
 from coldsnap.activation.engine_process import EngineProcess, ask_canary, wait_for_agent, wait_for_http
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank
 from coldsnap.agent.client import AgentClient
@@ -242,7 +243,7 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="coldsnap-attribution-"))
     command = [sys.executable, "-m", "coldsnap.workloads.torch_lm", "--size", args.size, "--device", args.device,
                "--port", str(args.port), *(["--tp", str(args.tp)] if args.tp > 1 else [])]
-    engine = EngineProcess(command, work / "serve.log", {})
+    engine = EngineProcess(command, work / "serve.log", engine_environment({}).variables)
     checkpointed: list[int] = []
     try:
         controls = [rank_control(engine.control, rank) for rank in range(args.tp)]

@@ -15,6 +15,7 @@ from coldsnap.host import host_facts, nvidia_kernel_driver
 from coldsnap.native import probe_cuda
 from coldsnap.snapshot.criu import (THP_FILL_ENV, MINIMUM_VERSION, Criu, CriuError, fill_threads_wanted,
                                     thp_fill_wanted)
+from coldsnap.settings import SETTINGS
 
 __all__ = ["collect_report", "render_table"]
 
@@ -95,7 +96,7 @@ def render_table(report: dict[str, Any]) -> str:
     if criu["path"]:
         fill = ("stock build: no huge-page fill" if not criu["fills_huge_pages"] else "fills huge pages" if
                 criu.get("fill_used_here") else "fills huge pages; turned off by COLDSNAP_CRIU_THP_FILL=0" if
-                os.environ.get(THP_FILL_ENV) == "0" else "fills huge pages; not used here: this VM's balloon "
+                SETTINGS.choice(THP_FILL_ENV) == "0" else "fills huge pages; not used here: this VM's balloon "
                 "reports free pages (COLDSNAP_CRIU_THP_FILL=1 forces it)")
         if criu["fills_huge_pages"]:
             fill += (f"; fills on {criu['fill_threads'] + 1} threads per process" if criu.get("fill_threads") else

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from coldsnap.atomic import write_atomic
+from coldsnap.settings import SETTINGS
 
 __all__ = ["PF_EXITING", "STATE_DIR_ENV", "boot_id", "keep_boot_fact", "kept_boot_fact", "nvidia_kernel_driver", "host_facts",
            "live_start_ticks", "pid_alive", "process_start_ticks", "stat_fields", "state_root"]
@@ -38,7 +39,7 @@ def state_root() -> Path:
     """Where coldsnap keeps what restores write on this host (:mod:`coldsnap.activation.state` says what):
     ``COLDSNAP_STATE_DIR``, else ``$XDG_RUNTIME_DIR/coldsnap``, else ``/run/coldsnap`` (root), else
     ``/tmp/coldsnap-<uid>``."""
-    chosen = os.environ.get(STATE_DIR_ENV) or (
+    chosen = SETTINGS.text(STATE_DIR_ENV) or (
         str(Path(os.environ["XDG_RUNTIME_DIR"]) / "coldsnap") if os.environ.get("XDG_RUNTIME_DIR") else "")
     if chosen:
         return Path(chosen)

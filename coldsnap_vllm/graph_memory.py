@@ -18,10 +18,10 @@ still answer as a cold start does)."""
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from coldsnap.memory import StableRegion, engine_graph_pool, reserve
+from coldsnap.settings import SETTINGS
 
 __all__ = ["GRAPH_REGION_BYTES", "GRAPH_REGION_ENV", "POISON_ENV", "GraphRegionPoison", "place_graph_pool"]
 
@@ -39,7 +39,7 @@ def place_graph_pool(device: int, world: int, runner: Any = None) -> StableRegio
     managers of Model Runner V2 ``runner``, built before its KV cache, are pointed at it too). None, and
     vLLM's pool unchanged, at more than one rank, when switched off, or when the region cannot be had
     (with a warning: the graphs' memory then goes into the process image, as before)."""
-    if world != 1 or os.environ.get(GRAPH_REGION_ENV, "1") == "0":
+    if world != 1 or not SETTINGS.flag(GRAPH_REGION_ENV):
         return None
     from coldsnap_vllm import compat
 
@@ -65,7 +65,7 @@ class GraphRegionPoison:
 
     @staticmethod
     def wanted() -> bool:
-        return os.environ.get(POISON_ENV) == "1"
+        return SETTINGS.flag(POISON_ENV)
 
     def __call__(self) -> None:
         if not self.region.mapped_bytes:

@@ -66,9 +66,9 @@ KEEP_ENV = "COLDSNAP_VLLM_KEEP_PREFIX_CACHE"
 
 def install_prefix_cache_reset(module: Any) -> None:
     """Wrap ``module.EngineCore.add_request`` (``module`` is ``vllm.v1.engine.core``); idempotent."""
-    import os
+    from coldsnap.settings import SETTINGS
 
-    if os.environ.get(KEEP_ENV) == "1":
+    if SETTINGS.flag(KEEP_ENV):
         log.warning("coldsnap: %s=1: a restored server keeps its prefix cache over a zeroed KV cache and can "
                     "answer wrongly", KEEP_ENV)
         return

@@ -97,3 +97,13 @@ def fresh_regions():
     release_all()
     yield
     release_all()
+
+
+@pytest.fixture(autouse=True)
+def _flags_given_in_process():
+    """A command run in this process (``coldsnap.cli.main``) gives its flags' settings to this process only
+    (:meth:`coldsnap.settings.SettingsRegistry.give`): none outlives its test."""
+    yield
+    from coldsnap.settings import SETTINGS
+
+    SETTINGS._given.clear()

@@ -17,13 +17,13 @@ no probe of that length: the restore then checks what was recorded.
 
 from __future__ import annotations
 
-import os
 import random
 import struct
 import urllib.error
 from dataclasses import dataclass
 
 from coldsnap.activation.engine_process import post_json
+from coldsnap.settings import SETTINGS
 
 __all__ = ["PROBES", "PROBES_ENV", "ProbeAnswer", "ask_probe", "bits_of", "first_difference", "float_of", "parse_probes",
            "probe_plan", "probe_prompt"]
@@ -67,7 +67,7 @@ def parse_probes(text: str) -> tuple[tuple[int, int], ...]:
 
 def probe_plan() -> tuple[tuple[int, int], ...]:
     """The probes a capture records: :data:`PROBES_ENV`'s, else :data:`PROBES` (ValueError: malformed)."""
-    text = os.environ.get(PROBES_ENV, "").strip()
+    text = SETTINGS.text(PROBES_ENV)
     return parse_probes(text) if text else PROBES
 
 

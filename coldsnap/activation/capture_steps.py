@@ -33,8 +33,8 @@ from coldsnap.activation.reference_check import (REFERENCE_ENV, ReferenceAnswers
 from coldsnap.activation.units import artifact_request, selected_unit
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
-from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, PinnedFile, PlatformRecord,
-                                        ReferenceRecord, UnitRecord, WorkerRecord)
+from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, EnvironmentRecord, PinnedFile,
+                                        PlatformRecord, ReferenceRecord, UnitRecord, WorkerRecord)
 from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
 from coldsnap.contracts.base import decode_document
 from coldsnap.contracts.canonical import canonical_json
@@ -53,6 +53,8 @@ from coldsnap.snapshot.nvml import NvmlError, process_memory
 from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files, kill_tree, remove_socket_files,
                                             resident_bytes, socket_files_in, tcp_connections, tree_pids)
 from coldsnap.snapshot.replica import probe_path_sockets
+from coldsnap.secrets.engine_env import engine_environment
+from coldsnap.settings import SETTINGS
 
 UNIT_BARRIERS = {"wait_until_ready": "ready", "dump": "dumped"}
 """One unit of several: after these steps it waits for every unit (``capture.units.<barrier>``): every
@@ -74,8 +76,8 @@ VERIFY_ENV = "COLDSNAP_CAPTURE_VERIFY"
 
 
 def verify_at_capture() -> bool:
-    """Whether a capture restores its capsule once before committing it (default yes; ``0``: no)."""
-    return os.environ.get(VERIFY_ENV, "1") != "0"
+    """Whether a capture restores its capsule once before committing it (default yes; ``--no-verify``: no)."""
+    return SETTINGS.flag(VERIFY_ENV)
 
 STOPPED_WITHIN_S = 30.0
 """How long a stopped start (the reference's, or an engine the reference check starts again) may take to give
@@ -167,6 +169,8 @@ class CaptureSequence:
         self.captured_answers: ReferenceAnswers | None = None
         self.plain_starts = 0
         self.capture_starts = 0
+        # the command's environment: the launcher's less its secrets and coldsnap's own settings
+        self.engine_env = engine_environment(self.unit.env, self.unit.pass_env)
 
     @property
     def port(self) -> int:
@@ -233,13 +237,31 @@ class CaptureSequence:
         self.engine_tmp_sockets = socket_files_in(self.engine_tmp)
         self.output_ready = True
 
+    def _note_environment(self, span: dict[str, str | int | bool]) -> None:
+        """The secret-bearing names withheld and held, in the start's span and (once) the progress: names only."""
+        env = self.engine_env
+        span["env_withheld"] = ",".join(env.withheld)
+        span["env_held"] = ",".join(env.held)
+        if self.capture_starts + self.plain_starts > 1:
+            return
+        if env.withheld:
+            self.context.progress(f"the command starts without {', '.join(env.withheld)} (names that bear secrets stay "
+                                  "out of the capsule; --env NAME passes one on deliberately)")
+        missing = [name for name in self.unit.pass_env if name not in env.variables]
+        if missing:
+            self.context.progress(f"--env {' '.join(missing)}: not set in coldsnap's environment, so not passed on")
+        if env.held:
+            self.context.warn(f"the capsule holds {', '.join(env.held)} (passed on deliberately): `coldsnap publish` "
+                              "refuses it unless --allow-secrets")
+
     def launch(self) -> None:
         artifact, unit = self.artifact, self.unit
         with self.step("capture.launch", "capture.launch") as span:
             self._prepare_output()
-            self.engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), dict(unit.env))
+            self.engine = EngineProcess(list(unit.command), artifact.log_path(unit.unit_id), self.engine_env.variables)
             self.capture_starts += 1
             span["pid"] = self.engine.pid
+            self._note_environment(span)
         self.context.progress(f"started {unit.command[0]} (pid {self.engine.pid}); waiting for its coldsnap agent "
                               f"and for HTTP on port {self.port}")
 
@@ -339,7 +361,7 @@ class CaptureSequence:
             raise OperationFailed("capture.reference", f"{REFERENCE_ENV}: {exc}") from None
         if mode == "plain":
             return mode, None
-        if os.environ.get(REFERENCE_ENV):
+        if SETTINGS.text(REFERENCE_ENV):
             return mode, "skipped: --reference none"
         return mode, (f"skipped: not on by default for {self.request.engine} (coldsnap's own deterministic workload); "
                       "--reference plain runs it")
@@ -368,8 +390,9 @@ class CaptureSequence:
                               f"after it must give its canary and {len(plan)} probes back exactly, ids and logprob bits")
         started = time.perf_counter()
         engine = self.reference_engine = EngineProcess(list(unit.command), self.artifact.reference_log_path(unit.unit_id),
-                                                       dict(unit.env), agent=False)
+                                                       self.engine_env.variables, agent=False)
         self.plain_starts += 1
+        self._note_environment(span)
         try:
             wait_for_http(self.port, engine.alive, self.ready_timeout)
             ready_s = time.perf_counter() - started
@@ -688,7 +711,9 @@ class CaptureSequence:
                                   if pinned and p.recovery_plan and p.recovery_gap else None)))
             recorded = artifact_request(request_)  # the whole activation, no unit's selection
             artifact.request_path.write_bytes(canonical_json(recorded.to_json_value()) + b"\n")
-            unit_record = UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records)
+            unit_record = UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records,
+                                     environment=EnvironmentRecord(withheld=list(self.engine_env.withheld),
+                                                                   held=list(self.engine_env.held)))
             records = [unit_record]
             if self.units is not None:  # every unit's record, in one descriptor: unit 0's, committed by each unit
                 records = [UnitRecord.model_validate(r)

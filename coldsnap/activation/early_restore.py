@@ -45,6 +45,7 @@ from coldsnap.operation_ids import new_operation_id
 from coldsnap.payload.records import vouched_by_records
 from coldsnap.snapshot.criu import CriuSnapshotter, PendingRestore, SnapshotOptions
 from coldsnap.snapshot.thp import HOST_THP_ENV
+from coldsnap.settings import SETTINGS, SettingError
 
 __all__ = ["EARLY_RESTORE_ENV", "EarlyRestore", "abandon_unadopted", "early_restore", "start_tree"]
 
@@ -164,12 +165,15 @@ def start_tree(argv: list[str], origin: tuple[int, int] | None = None) -> None:
     """``coldsnap restore`` ARGV's tree started (:func:`early_restore` has it), or nothing done. Never raises.
     ``origin``: (monotonic, unix) nanoseconds of the program's start, the operation's clock (default now)."""
     global _started
-    if os.environ.get(EARLY_RESTORE_ENV, "1") == "0":
+    try:
+        if not SETTINGS.flag(EARLY_RESTORE_ENV):
+            return
+    except SettingError:  # the full path says what is wrong, if anything reads it
         return
     origin = origin or (time.monotonic_ns(), time.time_ns())
     flags = _flags(argv)
     if flags is None or os.geteuid() != 0 or os.environ.get("SUDO_UID") or os.environ.get("SUDO_GID") \
-            or os.environ.get(HOST_THP_ENV):
+            or SETTINGS.text(HOST_THP_ENV):
         return
     try:
         _started = _start(flags, origin)
@@ -206,7 +210,7 @@ def _object(document: Any, *keys: str) -> Any:
 
 def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | None:
     if "--state-dir" in flags:  # (as the full path's --state-dir does)
-        os.environ[STATE_DIR_ENV] = os.path.abspath(flags["--state-dir"])
+        SETTINGS.give(STATE_DIR_ENV, os.path.abspath(flags["--state-dir"]))
     root = Path(flags["DIR"]).resolve()
     descriptor = parse_strict_json((root / "artifact.json").read_bytes())
     captured = parse_strict_json((root / "request.json").read_bytes())
@@ -255,7 +259,7 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
         pending = CriuSnapshotter(options=SnapshotOptions(tcp=metadata["criu_tcp"])).start_restore(
             copy, state_dir, root, own_images=True)
         staging = _start_staging(flags, captured, unit, metadata, root, records, origin) \
-            if metadata.get("gpu_pids") and os.environ.get(EARLY_STAGING_ENV, "1") != "0" else None
+            if metadata.get("gpu_pids") and SETTINGS.flag(EARLY_STAGING_ENV) else None
         return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, lock, pending, origin,
                             (0, checked_ns), criu_started_ns, staging)
     except PortsTaken:

@@ -14,7 +14,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import CONTROL_ENV, StatusReply
@@ -171,11 +171,13 @@ class EngineProcess:
     ``agent=False`` the command as a user starts it (no ``COLDSNAP_CONTROL``, no launcher around it): the
     capture's plain reference start (:mod:`coldsnap.activation.reference_check`)."""
 
-    def __init__(self, command: list[str], log_path: Path, env: dict[str, str], agent: bool = True):
+    def __init__(self, command: list[str], log_path: Path, environment: Mapping[str, str], agent: bool = True):
+        """``environment``: the command's whole environment, secrets and coldsnap's own settings already left out
+        (:func:`coldsnap.secrets.engine_env.engine_environment`)."""
         self.control = new_control_name() if agent else ""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = log_path
-        environment = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
+        environment = {**environment, "PYTHONUNBUFFERED": "1"}
         argv = command
         if agent:
             environment[CONTROL_ENV] = self.control

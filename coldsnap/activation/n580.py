@@ -145,8 +145,9 @@ class TemplateCapture(CaptureSequence):
         with self.step("capture.launch", "capture.launch") as span:
             self.artifact.root.mkdir(parents=True, exist_ok=True)
             self.artifact.clear_uncommitted([self.unit.unit_id])
-            self.engine = EngineProcess(launcher, self.artifact.log_path(self.unit.unit_id), dict(self.unit.env))
+            self.engine = EngineProcess(launcher, self.artifact.log_path(self.unit.unit_id), self.engine_env.variables)
             self.template_pid = span["pid"] = self.engine.pid
+            self._note_environment(span)
         self.context.progress(f"started the template of {self.command[0]} (pid {self.engine.pid}), importing "
                               f"{', '.join(self.preload) or 'nothing'}")
 

@@ -11,7 +11,6 @@ their free memory. Warm parks the restored ranks as a standby (:func:`park`); wa
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import TYPE_CHECKING, Callable
 
@@ -29,6 +28,7 @@ from coldsnap.contracts.artifact import ArtifactDescriptor, WorkerRecord
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.host import live_start_ticks
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
+from coldsnap.settings import SETTINGS
 
 if TYPE_CHECKING:
     from coldsnap.activation.capture_steps import CheckRestore
@@ -137,7 +137,7 @@ def _pinnable_payload(sequence: RestoreSequence, worker: WorkerRecord) -> str | 
     """The rank's payload pack when its wake will hydrate GPU weights from it (and pinning is not
     switched off with ``COLDSNAP_STANDBY_PIN_PACK=0``): the standby pins it ahead of the wake."""
     weights = sequence.records[worker.rank].regions.get("weights")
-    if (os.environ.get("COLDSNAP_STANDBY_PIN_PACK", "1") == "0" or worker.payload is None
+    if (not SETTINGS.flag("COLDSNAP_STANDBY_PIN_PACK") or worker.payload is None
             or sequence.sources[worker.rank] != "native" or weights is None or weights.backend != "cuda"):
         return None
     return str(sequence.artifact.root / worker.payload.path)

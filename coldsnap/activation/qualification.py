@@ -10,10 +10,10 @@ shortfall. It is deliberately not a request field: orchestrators cannot set it, 
 
 from __future__ import annotations
 
-import os
 
 from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS, UNSUPPORTED
 from coldsnap.operation import OperationContext, OperationFailed
+from coldsnap.settings import SETTINGS
 
 __all__ = ["ALLOW_UNQUALIFIED_DRIVER_ENV", "check_driver_floor", "require_implemented_driver"]
 
@@ -39,7 +39,7 @@ def check_driver_floor(context: OperationContext, snapshot_driver: str, nvidia_d
     if major >= floor:
         return
     shortfall = f"snapshot driver {snapshot_driver} needs NVIDIA driver {floor}+, this host has {nvidia_driver}"
-    if os.environ.get(ALLOW_UNQUALIFIED_DRIVER_ENV) == "1":
+    if SETTINGS.flag(ALLOW_UNQUALIFIED_DRIVER_ENV):
         context.warn(f"unqualified: {shortfall} ({ALLOW_UNQUALIFIED_DRIVER_ENV}=1)")
         return
     raise OperationFailed(code, f"{shortfall} (a host owner can set {ALLOW_UNQUALIFIED_DRIVER_ENV}=1 to run it unqualified)")

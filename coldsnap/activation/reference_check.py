@@ -22,13 +22,13 @@ it proves the restore faithful to the captured process; this check proves that p
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from coldsnap.activation.canary_probes import ProbeAnswer, ask_probe, bits_of, first_difference, parse_probes, probe_prompt
 from coldsnap.activation.engine_process import Canary, ask_canary
 from coldsnap.contracts.canonical import canonical_json
+from coldsnap.settings import SETTINGS
 
 __all__ = ["REFERENCE_ENV", "REFERENCE_MODES", "REFERENCE_PROBES", "REFERENCE_PROBES_ENV", "ReferenceAnswers",
            "ReferenceMode", "ask_probes", "ask_reference", "reference_mode", "reference_plan"]
@@ -56,7 +56,7 @@ ENGINES_CHECKED_BY_DEFAULT = ("vllm", "sglang")
 
 def reference_mode(engine: str) -> ReferenceMode:
     """The capture's reference mode: :data:`REFERENCE_ENV`'s, else by engine (ValueError: not a mode)."""
-    text = os.environ.get(REFERENCE_ENV, "").strip()
+    text = SETTINGS.text(REFERENCE_ENV)
     if not text:
         return "plain" if engine in ENGINES_CHECKED_BY_DEFAULT else "none"
     if text not in REFERENCE_MODES:
@@ -68,7 +68,7 @@ def reference_plan(restore_plan: Sequence[tuple[int, int]]) -> tuple[tuple[int, 
     """Every probe the check asks: the restore's (in its order), then the check's own (:data:`REFERENCE_PROBES_ENV`'s,
     else :data:`REFERENCE_PROBES`) of lengths the restore's do not already have (ValueError: malformed)."""
     lengths = {length for length, _ in restore_plan}
-    own = parse_probes(os.environ.get(REFERENCE_PROBES_ENV, "").strip() or REFERENCE_PROBES)
+    own = parse_probes(SETTINGS.text(REFERENCE_PROBES_ENV) or REFERENCE_PROBES)
     return (*restore_plan, *(p for p in own if p[0] not in lengths))
 
 

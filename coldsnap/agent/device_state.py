@@ -15,9 +15,9 @@ graph and kernel meets the limit it was captured with.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from typing import Any, Iterable
+from coldsnap.settings import SETTINGS
 
 __all__ = ["LocalMemoryTrim", "TRIM_ENV", "TRIMMED_STACK_BYTES", "cuda_devices_in_use", "cuda_torch", "device_used_bytes",
            "torch_pool_bytes"]
@@ -99,7 +99,7 @@ class LocalMemoryTrim:
         """Lower every device's stack limit to :data:`TRIMMED_STACK_BYTES`; what it measured: the limit it
         found (``stack_bytes``, the largest over the devices) and the device memory that freed
         (``local_memory_freed_bytes``). A driver that refuses leaves that device as it was (one warning)."""
-        if os.environ.get(TRIM_ENV, "1") == "0" or not devices:
+        if not SETTINGS.flag(TRIM_ENV) or not devices:
             return {}
         C = self._C()
         measured = {"stack_bytes": 0, "local_memory_freed_bytes": 0}

@@ -50,6 +50,7 @@ from coldsnap.agent.protocol import (
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
 from coldsnap.host import process_start_ticks
 from coldsnap.timing import timed
+from coldsnap.settings import SETTINGS
 
 if TYPE_CHECKING:
     from coldsnap.hydrate.recovery_plan import RecoveryPlan
@@ -347,8 +348,8 @@ class AgentServer:
         the tree when no lease came within ``COLDSNAP_AGENT_LEASE_WAIT_S`` (default 15 s) of it. Both
         settings are read here, from the engine's environment as captured."""
         prepared_at = time.monotonic()
-        timeout = float(os.environ.get("COLDSNAP_AGENT_RESUME_TIMEOUT_S", "300"))
-        lease_wait = float(os.environ.get("COLDSNAP_AGENT_LEASE_WAIT_S", "15"))
+        timeout = SETTINGS.seconds("COLDSNAP_AGENT_RESUME_TIMEOUT_S") or 300.0
+        lease_wait = SETTINGS.seconds("COLDSNAP_AGENT_LEASE_WAIT_S") or 15.0
         started_as = self._prepared_start = self.process_start()
         # Each prepare arms its own watchdog: one left from an earlier prepare (a resume and a new prepare
         # within its 0.5 s tick) must not count the new wait from the old prepare.

@@ -12,7 +12,8 @@ import sys
 from coldsnap.cli.handlers import VALIDATORS
 from coldsnap.cli.parser import build_parser, capture_request
 from coldsnap.cli.requests import _artifact_request, _capture_request, _infer_engine, new_operation_id, port_number
-from coldsnap.operation import EXIT_OK
+from coldsnap.operation import EXIT_OK, EXIT_USAGE
+from coldsnap.settings import SettingError
 
 # the package's parts: parser (one function per command), requests (what the friendly flags stand for),
 # handlers (what each command does); the tests reach the request builders through here
@@ -24,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except SettingError as exc:  # a COLDSNAP_* variable its type does not allow (coldsnap/settings.py)
+        print(f"coldsnap: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except BrokenPipeError:
         return EXIT_OK
     except KeyboardInterrupt:

@@ -23,6 +23,7 @@ from coldsnap.contracts.request import OperationRequest
 # is timed from its exec.
 from coldsnap.cli.requests import _artifact_request, _capture_request
 from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from coldsnap.settings import SETTINGS
 
 
 
@@ -127,6 +128,8 @@ VALIDATORS: dict[str, Callable[[bytes, str], str]] = {
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:
+    if args.kind == "secrets":
+        return _validate_secrets(args)
     source = "<stdin>" if args.file == "-" else args.file
     try:
         data = _read_input(args.file)
@@ -141,6 +144,36 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     print(f"{source}: valid {summary}")
     return EXIT_OK
+
+
+def _validate_secrets(args: argparse.Namespace) -> int:
+    from coldsnap.secrets.gate import secrets_of_artifact
+    from coldsnap.secrets.scan import ScannerMissing
+
+    root = Path(args.file)
+    if not (root / "artifact.json").is_file():
+        print(f"coldsnap validate secrets: {args.file} is not an artifact directory (no artifact.json)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        found = secrets_of_artifact(root, include_packs=args.include_packs)
+    except ContractError as exc:
+        for problem in exc.problems:
+            print(f"coldsnap validate secrets: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    except ScannerMissing as exc:
+        print(f"coldsnap validate secrets: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"coldsnap validate secrets: {exc.filename or args.file}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILED
+    if args.json:
+        document = {**found.report.as_json(), "held": found.held, "unrecorded_units": found.unrecorded,
+                    "clean": found.clean}
+        sys.stdout.write(json.dumps(document, indent=2) + "\n")
+    for line in found.lines():
+        print(f"{args.file}: {line}", file=sys.stderr)
+    print(f"{args.file}: {found.summary()}" + ("" if found.clean else ": NOT clean"), file=sys.stderr)
+    return EXIT_OK if found.clean else EXIT_FAILED
 
 
 def _cmd_payload_verify(args: argparse.Namespace) -> int:
@@ -234,11 +267,11 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     if args.no_verify:
         from coldsnap.activation.capture_steps import VERIFY_ENV
 
-        os.environ[VERIFY_ENV] = "0"
+        SETTINGS.give(VERIFY_ENV, "0")
     from coldsnap.activation.canary_probes import PROBES_ENV, probe_plan
 
     if args.canary_probes is not None:
-        os.environ[PROBES_ENV] = args.canary_probes
+        SETTINGS.give(PROBES_ENV, args.canary_probes)
     try:
         probe_plan()  # malformed (from the flag or the environment): said now, before the engine starts
     except ValueError as exc:
@@ -248,9 +281,9 @@ def _cmd_capture(args: argparse.Namespace) -> int:
     from coldsnap.activation.reference_check import REFERENCE_ENV, REFERENCE_PROBES_ENV, reference_mode, reference_plan
 
     if args.reference is not None:
-        os.environ[REFERENCE_ENV] = args.reference
+        SETTINGS.give(REFERENCE_ENV, args.reference)
     if args.reference_probes is not None:
-        os.environ[REFERENCE_PROBES_ENV] = args.reference_probes
+        SETTINGS.give(REFERENCE_PROBES_ENV, args.reference_probes)
     try:
         reference_mode("vllm")  # an unknown mode in the environment: said now too
     except ValueError as exc:
@@ -269,7 +302,7 @@ def _use_state_dir(args: argparse.Namespace) -> None:
     if args.state_dir:
         from coldsnap.activation.artifact_dir import STATE_DIR_ENV
 
-        os.environ[STATE_DIR_ENV] = os.path.abspath(args.state_dir)
+        SETTINGS.give(STATE_DIR_ENV, os.path.abspath(args.state_dir))
 
 
 def _cmd_artifact_operation(args: argparse.Namespace) -> int:
@@ -283,7 +316,7 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
     if getattr(args, "host_thp", False):
         from coldsnap.snapshot.thp import HOST_THP_ENV
 
-        os.environ[HOST_THP_ENV] = "always"
+        SETTINGS.give(HOST_THP_ENV, "always")
     if args.artifact and args.artifact.startswith("oci://") and not args.request_json:
         if args.operation == "wake":
             print("coldsnap wake: wake takes the artifact directory or standby id a warm used, not oci://", file=sys.stderr)
@@ -320,7 +353,7 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
 def _cmd_publish(args: argparse.Namespace) -> int:
     from coldsnap.registry.commands import run_publish
 
-    return run_publish(args.artifact, args.reference, args.json, args.chunk_size)
+    return run_publish(args.artifact, args.reference, args.json, args.chunk_size, args.allow_secrets)
 
 
 def _cmd_pull(args: argparse.Namespace) -> int:

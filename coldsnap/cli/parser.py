@@ -14,7 +14,7 @@ from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 from coldsnap.cli.handlers import (VALIDATORS, _cmd_artifact_operation, _cmd_capabilities, _cmd_capture,
                                    _cmd_coordinator, _cmd_demo, _cmd_doctor, _cmd_payload_verify, _cmd_publish,
                                    _cmd_pull, _cmd_status, _cmd_validate, _cmd_version)
-from coldsnap.cli.requests import _capture_request, _port_argument, _positive_int
+from coldsnap.cli.requests import _capture_request, _env_name, _port_argument, _positive_int
 from coldsnap.operation import EXIT_USAGE
 
 
@@ -133,10 +133,19 @@ def _add_validate(commands: Any) -> None:
         help="strictly validate a request, artifact descriptor, receipt or timing-event stream",
         description="Strictly decode FILE ('-' for stdin) as the given contract. Exit 0 and one summary line "
         "when valid; exit 2 with one line per problem on stderr otherwise (unknown field, wrong format "
-        "number, missing field, wrong type, duplicate key, not JSON).",
+        "number, missing field, wrong type, duplicate key, not JSON). `validate secrets DIR` scans every file of the "
+        "artifact DIR (page images included; the native weight packs with --include-packs) for well-known token "
+        "formats (Hugging Face, OpenAI-style, GitHub, AWS access key ids, Slack, JWTs, PEM private keys) and for the "
+        "values of this environment's secret-named variables, and reads the names the descriptor says the capsule "
+        "holds: one line per finding, FILE:OFFSET: KIND, never the value; exit 0 clean, 1 secrets found, 2 bad input.",
     )
-    p.add_argument("kind", choices=sorted(VALIDATORS), help="which contract FILE holds")
-    p.add_argument("file", metavar="FILE", help="path of the document, or - for stdin")
+    p.add_argument("kind", choices=sorted([*VALIDATORS, "secrets"]), help="which contract FILE holds; secrets: FILE is "
+                   "an artifact directory, every file of which is scanned for secrets")
+    p.add_argument("file", metavar="FILE", help="path of the document, or - for stdin; for secrets the artifact directory")
+    p.add_argument("--include-packs", action="store_true", help="secrets: scan the native weight packs too (model "
+                   "parameters, GBs; left out by default)")
+    p.add_argument("--json", action="store_true", help="secrets: one JSON object on stdout (findings by file, offset, "
+                   "kind; never a value)")
     p.set_defaults(func=_cmd_validate)
 
 
@@ -246,6 +255,12 @@ def _add_capture(commands: Any) -> None:
                    "logprobs every restore must give back bit for bit (COLDSNAP_CANARY_PROBES; default 136:4,600:2: one "
                    "prefill inside a CUDA graph, one past the largest). More probes check more graph sizes and decode "
                    "steps, each at the cost of one more request per restore")
+    p.add_argument("--env", action="append", type=_env_name, metavar="NAME", default=[],
+                   help="pass this variable of coldsnap's environment on to CMD although its name says it bears a secret "
+                   "(repeatable). By default CMD starts without them: *TOKEN*, *SECRET*, *PASSWORD*, *KEY*, *CREDENTIAL*, "
+                   "*AUTH* and the like, AWS_*, AZURE_*, DOCKER_CONFIG, GOOGLE_APPLICATION_CREDENTIALS, whose values would "
+                   "otherwise be in the capsule's page images (docs/secrets.md). A variable passed on is recorded by name "
+                   "in the artifact, and `coldsnap publish` refuses the artifact unless --allow-secrets")
     _add_unit_flags(p)
     _add_operation_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the serving command")
@@ -381,8 +396,10 @@ def _add_publish(commands: Any) -> None:
         "REGISTRY/REPOSITORY[:TAG]@sha256:DIGEST (what `pull` and `restore oci://` take). Credentials: "
         "$REGISTRY_AUTH_FILE, $XDG_RUNTIME_DIR/containers/auth.json, ~/.config/containers/auth.json, "
         "~/.docker/config.json (credHelpers, credsStore); TLS CAs: /etc/containers/certs.d/REGISTRY/*.crt or "
-        "$SSL_CERT_FILE; plain HTTP only for registries in $COLDSNAP_PLAIN_HTTP_REGISTRIES. Exit 0 published, "
-        "1 failed (registry, credentials, a damaged artifact), 2 bad input.",
+        "$SSL_CERT_FILE; plain HTTP only for registries in $COLDSNAP_PLAIN_HTTP_REGISTRIES. Before anything is sent, "
+        "every file but the native weight packs is scanned for secrets (as `coldsnap validate secrets DIR` does): an "
+        "artifact that holds any, or records a variable passed on with capture --env, is refused unless --allow-secrets. "
+        "Exit 0 published, 1 failed (registry, credentials, a damaged artifact, secrets found), 2 bad input.",
     )
     p.add_argument("artifact", metavar="DIR", help="artifact directory written by coldsnap capture")
     p.add_argument("reference", metavar="REF", help="REGISTRY/REPOSITORY[:TAG] (oci:// optional)")
@@ -390,6 +407,10 @@ def _add_publish(commands: Any) -> None:
     p.add_argument("--chunk-size", default="256M", metavar="SIZE",
                    help="a pack's chunk size: bytes, or with K, M or G (default 256M; 64K to 4G, a multiple of 4K): "
                    "smaller chunks spread a small pack over more streams, larger ones cost fewer requests")
+    p.add_argument("--allow-secrets", action="store_true",
+                   help="publish even when the artifact holds secrets: names passed on with capture --env, or what "
+                   "the scan before every publish finds (token formats, values of this environment's secret-named "
+                   "variables; `coldsnap validate secrets DIR`, docs/secrets.md)")
     p.set_defaults(func=_cmd_publish)
 
 

@@ -63,6 +63,14 @@ def _port_argument(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _env_name(text: str) -> str:
+    """argparse's type for an environment variable's name."""
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an environment variable's name (give the name, never "
+                                         "the value: NAME, not NAME=VALUE)")
+    return text
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -193,6 +201,7 @@ def _capture_request(args: argparse.Namespace) -> dict:
         "units": [{"unit_id": f"unit-{index}", "command": command, "serving_port": port,
                    "env": {**({PRELOAD_ENV: args.preload} if args.preload is not None else {}),
                            **({PLACEMENT_ABI_ENV: str(args.placement_abi)} if args.placement_abi is not None else {})},
+                   **({"pass_env": sorted(set(args.env))} if getattr(args, "env", None) else {}),
                    "workers": [{"worker_id": f"worker-{index * ranks + r}", "rank": index * ranks + r, "device_slot": r}
                                for r in range(ranks)]}],
         "artifact": str(Path(args.out).resolve()),

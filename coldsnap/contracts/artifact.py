@@ -22,6 +22,7 @@ __all__ = [
     "PinnedFile",
     "PlatformRecord",
     "CanaryProbe",
+    "EnvironmentRecord",
     "CanaryRecord",
     "ReferenceRecord",
     "WorkerRecord",
@@ -173,6 +174,17 @@ class WorkerRecord(Contract):
     a residual-format pack; plan + gap cover the payload's extents exactly."""
 
 
+class EnvironmentRecord(Contract):
+    """What of the launcher's environment the captured command was started with, by name only (never a
+    value): :mod:`coldsnap.secrets.engine_env`."""
+
+    withheld: list[str] = Field(default_factory=list)
+    """Secret-bearing names of the launcher's environment the command did not get."""
+    held: list[str] = Field(default_factory=list)
+    """Secret-bearing names the command got all the same (``--env NAME``, the unit's ``env``): their values are
+    in the capsule's page images, and ``coldsnap publish`` refuses the artifact unless ``--allow-secrets``."""
+
+
 class UnitRecord(Contract):
     """Per-launch-unit state of a capture."""
 
@@ -182,6 +194,9 @@ class UnitRecord(Contract):
     """The unit's capsule archive (CRIU images, metadata, cache seed)."""
     workers: list[WorkerRecord] = Field(min_length=1)
     """The unit's workers."""
+    environment: EnvironmentRecord | None = None
+    """The secret-bearing names withheld from and held by the command (``None``: captured by a build that
+    passed the whole environment on)."""
 
 
 class ArtifactDescriptor(Contract):

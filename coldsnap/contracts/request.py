@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from coldsnap.contracts.base import Contract, Identifier
 from coldsnap.contracts.common import (
@@ -40,6 +40,7 @@ __all__ = [
 REQUEST_FORMAT = 4
 
 Port = Annotated[int, Field(ge=1, le=65535)]
+EnvName = Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$", max_length=255)]
 
 
 class WorkerSpec(Contract):
@@ -61,7 +62,21 @@ class LaunchUnitSpec(Contract):
     command: list[str] = Field(min_length=1)
     """Exact argv of the serving process (e.g. ``vllm serve MODEL --load-format coldsnap ...``)."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Environment added to the serving process; placement values belong here, not in ``command``."""
+    """Environment added to the serving process; placement values belong here, not in ``command``. A
+    secret-bearing name set here is passed on deliberately (the artifact records that it holds it)."""
+    pass_env: list[EnvName] = Field(default_factory=list)
+    """Names of the launcher's environment variables passed to the serving process although their names say
+    they bear secrets (``HF_TOKEN``, ``*_API_KEY``, ``AWS_*``, ...: withheld otherwise, see
+    :mod:`coldsnap.secrets.engine_env`); names only, never values. The artifact records that it holds them."""
+
+    @model_serializer(mode="wrap")
+    def _without_empty_pass_env(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # absent when empty: a request without it keeps the canonical digest it had before the field existed
+        # (an artifact's request_sha256 binds its request.json)
+        document = handler(self)
+        if not document.get("pass_env"):
+            document.pop("pass_env", None)
+        return document
     serving_port: Port | None = None
     """TCP port the unit serves HTTP on; the canary is sent there. ``None`` when the unit does not serve."""
     workers: list[WorkerSpec] = Field(min_length=1)

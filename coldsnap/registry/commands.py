@@ -46,7 +46,38 @@ def chunk_size(text: str) -> int | None:
     return size if 64 << 10 <= size <= 4 << 30 and size % 4096 == 0 else None
 
 
-def run_publish(directory: str, reference_text: str, as_json: bool = False, chunk_text: str = "256M") -> int:
+def _secrets_allow_publishing(root: Path, allow_secrets: bool) -> bool:
+    """The scan before anything is sent (:mod:`coldsnap.secrets`): a capsule that holds a secret, by its record
+    or by the scan, is refused unless ``allow_secrets``; what was found is said by file, offset and kind."""
+    from coldsnap.secrets.gate import secrets_of_artifact
+    from coldsnap.secrets.scan import ScannerMissing
+
+    try:
+        found = secrets_of_artifact(root)
+    except ScannerMissing as exc:
+        if allow_secrets:
+            _say("publish", f"not scanned for secrets ({exc}); publishing as --allow-secrets says")
+            return True
+        _say("publish", f"cannot scan {root} for secrets before publishing it: {exc} (or --allow-secrets)")
+        return False
+    _say("publish", f"secret scan: {found.summary()}")
+    for unit in found.unrecorded:
+        _say("publish", f"{unit}: captured by a build that passed its whole environment to the command; the scan "
+                        "is all that speaks for it")
+    if found.clean:
+        return True
+    for line in found.lines():
+        _say("publish", f"  {line}")
+    if allow_secrets:
+        _say("publish", "publishing all the same (--allow-secrets): whoever can pull it can read them")
+        return True
+    _say("publish", f"refused: {root} holds secrets (above; values never shown). Capture it again without them "
+                    "(docs/secrets.md), or publish it with --allow-secrets to a registry only trusted readers reach")
+    return False
+
+
+def run_publish(directory: str, reference_text: str, as_json: bool = False, chunk_text: str = "256M",
+                allow_secrets: bool = False) -> int:
     root = Path(directory)
     chunk_bytes = chunk_size(chunk_text)
     if chunk_bytes is None:
@@ -63,6 +94,8 @@ def run_publish(directory: str, reference_text: str, as_json: bool = False, chun
     except BadReference as exc:
         _say("publish", str(exc))
         return EXIT_USAGE
+    if not _secrets_allow_publishing(root, allow_secrets):
+        return EXIT_FAILED
     bar = ProgressBar("coldsnap publish: sending")
     try:
         client = client_for(reference, push=True)

@@ -51,6 +51,7 @@ from coldsnap.registry.client import RANGE_BYTES, RegistryClient, sha256_digest
 from coldsnap.registry.layout import DESCRIPTOR_TYPE, Blob, Chunk, LayoutError, read_index, read_manifest
 from coldsnap.registry.publish import record_chunks
 from coldsnap.registry.reference import Reference
+from coldsnap.settings import SETTINGS
 
 __all__ = ["DestinationTaken", "PullError", "PullResult", "PullSession", "incomplete", "lock_path", "pull", "staging_dir"]
 
@@ -137,8 +138,7 @@ def _direct_writes(stream: bool, pack: Blob) -> bool | None:
     page cache for what it serves. A streamed pull writes through the page cache while its
     :class:`~coldsnap.payload.arrival.PackArrival` says a reader wants the chunks from there (the launcher's
     GPU staging hydrates each right after it arrived). ``COLDSNAP_PULL_DIRECT=0``: never O_DIRECT."""
-    choice = os.environ.get(DIRECT_ENV, "")
-    if choice == "0" or any(c.offset % 4096 for c in pack.chunks):
+    if not SETTINGS.flag(DIRECT_ENV) or any(c.offset % 4096 for c in pack.chunks):
         return None
     return True
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from coldsnap.host import pid_alive
+from coldsnap.settings import SETTINGS, SettingError
 
 __all__ = ["HOST_THP_ENV", "RECORD_FILES", "THP_ENABLED", "ThpError", "host_thp_requested", "huge_pages_for_the_fill", "thp_mode"]
 
@@ -41,10 +42,10 @@ class ThpError(RuntimeError):
 
 
 def host_thp_requested() -> bool:
-    value = os.environ.get(HOST_THP_ENV, "")
-    if value not in ("", "always", "off"):
-        raise ThpError(f"{HOST_THP_ENV}={value!r}: the values are always and off")
-    return value == "always"
+    try:
+        return SETTINGS.choice(HOST_THP_ENV) == "always"
+    except SettingError as exc:
+        raise ThpError(str(exc)) from None
 
 
 def thp_mode(path: Path = THP_ENABLED) -> str:

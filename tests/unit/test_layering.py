@@ -43,8 +43,8 @@ PLUGINS = frozenset({"coldsnap_vllm", "coldsnap_sglang"})
 ENGINES = frozenset({"vllm", "sglang"})
 LOWER = frozenset({"memory", "payload", "hydrate", "snapshot", "coord", "collective"})
 # Leaf modules every part may use: the package root (``__version__``), the extension and its loader,
-# atomic writes, timing, progress lines, the plugin-registration helper, host facts.
-SHARED = frozenset({"(root)", "_C", "native", "atomic", "timing", "progress", "plugin", "host"})
+# atomic writes, timing, progress lines, the plugin-registration helper, host facts, the COLDSNAP_* settings.
+SHARED = frozenset({"(root)", "_C", "native", "atomic", "timing", "progress", "plugin", "host", "settings"})
 AGENT_ARROWS = frozenset({"memory", "payload", "hydrate", "collective", "coord", "contracts"}) | SHARED
 PLUGIN_ARROWS = frozenset({"agent", "memory", "payload", "hydrate", "collective", "contracts"}) | SHARED
 # What the launcher side (activation) may import of the agent; all three are dependency-free (addresses: the
