@@ -137,6 +137,14 @@ def _install() -> None:
     after_import(compat.MODEL_RUNNER_MODULE, _hook_model_runner)
     after_import(compat.SCHEDULER_MODULE, _hook_scheduler)
     after_import(compat.TOKENIZER_CONTROL_MODULE, _hook_tokenizer_control)
+    after_import("fastapi", _gate_served_key)  # the HTTP process: a restore's --api-key-file reaches it
+
+
+def _gate_served_key(_fastapi: Any) -> None:
+    from coldsnap.agent.api_key import install_key_gates
+    from coldsnap_sglang.served_key import sglang_key_guard
+
+    install_key_gates(sglang_key_guard)
 
 
 register = PluginRegistration("sglang", _install)

@@ -52,6 +52,8 @@ def _install() -> None:
     after_import(compat.SNAPSHOT_CLI_MODULE, compat.guard_vllm_snapshot_create)
     after_import(compat.SNAPSHOT_SERVER_MODULE, compat.guard_vllm_snapshot_server)
     after_import("__main__", compat.guard_vllm_snapshot_server)  # `python -m vllm.snapshot.server`
+    # in the API server process: the key gate a restore's --api-key-file installs vLLM's --api-key check with
+    after_import("fastapi", _gate_served_key)
 
     try:
         factory = compat.lookup(compat.SLEEP_FACTORY)
@@ -93,6 +95,13 @@ def _select_sleep_backend(factory: Any) -> None:
 
     create_backend.__coldsnap_override__ = True  # type: ignore[attr-defined]
     factory.create_backend = classmethod(create_backend)
+
+
+def _gate_served_key(_fastapi: Any) -> None:
+    from coldsnap.agent.api_key import install_key_gates
+    from coldsnap_vllm.served_key import vllm_key_guard
+
+    install_key_gates(vllm_key_guard)
 
 
 register = PluginRegistration("vllm", _install)

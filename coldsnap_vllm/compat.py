@@ -102,6 +102,9 @@ ONLINE_QUANT_CONFIG = "vllm.model_executor.model_loader.base_loader:_get_online_
 HAS_ONLINE_QUANT = "vllm.model_executor.model_loader.base_loader:_has_online_quant"
 FINALIZE_LAYERWISE = "vllm.model_executor.model_loader.reload:finalize_layerwise_processing"
 SLEEP_FACTORY = "vllm.device_allocator.sleep_mode_backend:SleepModeBackendFactory"
+# `--api-key`'s middleware: 0.32+ (serve/middleware), 0.26-0.31 (serve/utils); coldsnap_vllm.served_key
+AUTHENTICATION_MIDDLEWARES = ("vllm.entrypoints.serve.middleware.authenticate:AuthenticationMiddleware",
+                              "vllm.entrypoints.serve.utils.server_utils:AuthenticationMiddleware")
 PYNCCL_FROM_ID = "vllm.distributed.device_communicators.pynccl:PyNcclCommunicator.from_unique_id_bytes"
 CHECKPOINT_PREPARE = "vllm.distributed.parallel_state:checkpoint_prepare_distributed_state"
 CHECKPOINT_RESTORE = "vllm.distributed.parallel_state:checkpoint_restore_distributed_state"

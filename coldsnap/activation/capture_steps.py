@@ -54,6 +54,7 @@ from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files,
                                             resident_bytes, socket_files_in, tcp_connections, tree_pids)
 from coldsnap.snapshot.replica import probe_path_sockets
 from coldsnap.secrets.engine_env import engine_environment
+from coldsnap.secrets.served_key import served_key_in_command
 from coldsnap.settings import SETTINGS
 
 UNIT_BARRIERS = {"wait_until_ready": "ready", "dump": "dumped"}
@@ -229,6 +230,7 @@ class CaptureSequence:
         leave at the end."""
         if self.output_ready:
             return
+        self.refuse_served_key()
         artifact, unit = self.artifact, self.unit
         self.before = artifact.entries() if artifact.root.exists() else None
         artifact.root.mkdir(parents=True, exist_ok=True)
@@ -236,6 +238,16 @@ class CaptureSequence:
         self.engine_tmp = Path(unit.env.get("TMPDIR") or os.environ.get("TMPDIR") or "/tmp")
         self.engine_tmp_sockets = socket_files_in(self.engine_tmp)
         self.output_ready = True
+
+    def refuse_served_key(self) -> None:
+        """A command that gives its server an API key would put the key in the capsule: refused before anything
+        starts, naming the way to give it (at restore)."""
+        given = served_key_in_command(self.request.engine, list(self.unit.command), self.engine_env.variables)
+        if given is not None:
+            raise OperationFailed("capture.secret", f"{given}: the server's API key would be in the capsule (its "
+                                  "memory and argv), and so in every registry it is published to. Capture the command "
+                                  "without it and give the key to each restore: coldsnap restore DIR --api-key-file F "
+                                  "(docs/secrets.md)")
 
     def _note_environment(self, span: dict[str, str | int | bool]) -> None:
         """The secret-bearing names withheld and held, in the start's span and (once) the progress: names only."""

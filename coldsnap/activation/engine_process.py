@@ -102,11 +102,25 @@ def _top_ones(prompt_logprobs: Any) -> list[int] | None:
     return top
 
 
+_SERVED_KEYS: dict[int, str] = {}
+
+
+def use_served_key(port: int, key: str) -> None:
+    """From now on this process's requests to the local ``port`` carry ``Authorization: Bearer key`` (a restore's
+    --api-key-file: the canary and probes ask the server with the key it now requires)."""
+    _SERVED_KEYS[port] = key
+
+
+def _headers(port: int) -> dict[str, str]:
+    key = _SERVED_KEYS.get(port)
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+
+
 def post_json(port: int, path: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
     """POST ``body`` as JSON to ``path`` on the local server; its JSON answer ({} when empty). HTTP errors
     raise :class:`urllib.error.HTTPError` (an :class:`OSError`), as a server that does not answer does."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
+                                     headers=_headers(port))
     with urllib.request.urlopen(request, timeout=timeout) as response:
         answer = response.read()
     return json.loads(answer) if answer else {}
@@ -116,7 +130,7 @@ def post_empty(port: int, path: str, timeout: float = 600.0) -> tuple[float, dic
     """POST nothing to ``path`` on the local server (vLLM's ``/sleep``, ``/wake_up``): (seconds, its JSON
     answer, or ``{"body": text}`` when the answer is not JSON)."""
     started = time.perf_counter()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=b"", method="POST", headers=_headers(port))
     with urllib.request.urlopen(req, timeout=timeout) as response:
         body = response.read()
     seconds = time.perf_counter() - started

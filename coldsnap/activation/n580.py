@@ -139,6 +139,7 @@ class TemplateCapture(CaptureSequence):
     def launch(self) -> None:
         """The unit's command under the template launcher."""
         self.command = list(self.unit.command)
+        self.refuse_served_key()
         launcher = [interpreter_of(self.command), "-m", "coldsnap.agent.template", "--control", self.template_control,
                     "--preload", ",".join(self.preload), "--placement-abi", str(self.placement_abi), "--", *self.command]
         self.before = self.artifact.entries() if self.artifact.root.exists() else None
@@ -355,7 +356,7 @@ CAPTURE_STEPS = ("launch", "wait_for_boundary", "check_no_nvidia_state", "dump",
                  "record_canary", "prepare_ranks", "note_gpus", "commit")
 """The template dumped before any of the engine runs; then restored and placed once to prove it, record the
 canary and write the native pack (the commit is not checked again: the capture restored it already)."""
-RESTORE_STEPS = ("restore_tree", "place", "wait_for_engine", "check_canary")
+RESTORE_STEPS = ("restore_tree", "place", "wait_for_engine", "install_served_key", "check_canary")
 
 
 def capture(context: OperationContext, artifact: ArtifactDir, ready_timeout: float, check_restore: object) -> OperationOutcome:

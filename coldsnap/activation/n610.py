@@ -37,10 +37,11 @@ __all__ = ["CAPTURE_STEPS", "RESTORE_STEPS", "WAKE_STEPS", "WARM_STEPS", "captur
 
 CAPTURE_STEPS = ("start_reference", "launch", "wait_until_ready", "record_canary", "check_reference", "prepare_ranks",
                  "refuse_outside_connections", "checkpoint_cuda", "dump", "commit_checked")
-RESTORE_STEPS = ("restore_tree", "take_lease", "restore_cuda", "collect_staged_weights", "resume_ranks", "check_canary")
+RESTORE_STEPS = ("restore_tree", "take_lease", "restore_cuda", "collect_staged_weights", "resume_ranks",
+                 "install_served_key", "check_canary")
 WARM_STEPS = ("restore_tree", "take_lease", "restore_cuda", "collect_staged_weights", "park")
 """Restored (CUDA included) and parked, not serving; the weights' pack read into the page cache for the wake."""
-WAKE_STEPS = ("take_lease", "resume_ranks", "check_canary")
+WAKE_STEPS = ("take_lease", "resume_ranks", "install_served_key", "check_canary")
 """A parked standby hydrated, resumed and proven by the canary."""
 
 

@@ -113,6 +113,11 @@ def plan(images: Path, captured_port: int, port: int, controls: dict[int, str], 
     if template_control is not None and renamed_template is not None:
         renamed[template_control] = renamed_template
     names = {_abstract(old): _abstract(new) for old, new in renamed.items() if old.startswith("@")}
+    # any other socket named after an agent's control (the served HTTP process's key gate,
+    # coldsnap.agent.api_key) moves with it
+    for name in tree_names:
+        if name not in names and name.startswith(b"\0coldsnap-agent-"):
+            names[name] = _abstract(replica_control("@" + name[1:].decode(errors="replace"), replica_token))
     paths = path_socket_names(tree_names, replica_name(port))
     names.update(paths)  # (the CUDA driver's: by the replica's pid 1)
     # Any other abstract name the tree binds is restored as it is: taken by another process (another

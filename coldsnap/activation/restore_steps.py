@@ -26,14 +26,14 @@ from coldsnap.activation.admission import WeightSource
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
 from coldsnap.activation.canary_probes import ask_probe, first_difference, float_of
 from coldsnap.activation.early_restore import EarlyRestore
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.engine_process import ask_canary, use_served_key
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica
 from coldsnap.activation.replica_plan import write_replica_images
 from coldsnap.activation.staging import WeightStager, stages_rank
 from coldsnap.activation.state import forget_removed_artifacts
 from coldsnap.activation.units import moved_addresses
-from coldsnap.agent.client import AgentClient, AgentError, Lease
+from coldsnap.agent.client import AgentClient, AgentError, KeyGateError, Lease, install_api_key
 from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
@@ -43,6 +43,7 @@ from coldsnap.payload.arrival import ArrivalFailed, arrival_for
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file
 from coldsnap.progress import PhaseProgress
+from coldsnap.secrets.served_key import ApiKeyFileError, read_api_key
 from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, PendingRestore, SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, start_cuda_in_background
 from coldsnap.snapshot.process_tree import kill_tree
@@ -379,6 +380,22 @@ class RestoreSequence:
                 span.update({f"{prefix}{step}_ns": int(seconds * 1e9) for step, seconds in resumed.seconds.items()})
                 if resumed.graphs_recaptured:
                     span[f"{prefix}graphs_recaptured"] = ",".join(resumed.graphs_recaptured)
+
+    def install_served_key(self) -> None:
+        """``--api-key-file``: the key into the restored HTTP process's key gate (:mod:`coldsnap.agent.api_key`),
+        before the canary, which then asks with it (and so proves the key works). Nothing without the flag."""
+        path = self.context.request.api_key_file
+        if path is None or self.serving_port is None:
+            return
+        with self.step(f"{self.op}.api_key", "restore.api_key") as span:
+            try:
+                key = read_api_key(path)
+                reply = install_api_key(self.controls[min(self.controls)], key)
+            except (ApiKeyFileError, KeyGateError) as exc:
+                raise OperationFailed("restore.api_key", str(exc)) from None
+            span["gates"] = int(reply["gates"])
+        use_served_key(self.serving_port, key)
+        self.context.progress("the restored server requires the API key from --api-key-file")
 
     def check_canary(self) -> None:
         """The restored server must answer as the captured one did. Where capture recorded the prefill's

@@ -30,7 +30,8 @@ from coldsnap.agent.protocol import (
     receive_line,
 )
 
-__all__ = ["AgentClient", "AgentError", "Lease", "TemplateClient", "TemplateLink", "TemplateRefused", "rank_control"]
+__all__ = ["AgentClient", "AgentError", "KeyGateError", "Lease", "TemplateClient", "TemplateLink", "TemplateRefused", "install_api_key",
+           "rank_control"]
 
 R = TypeVar("R", StatusReply, PrepareReply, ResumeReply, StandbyReply)
 OnProgress = Callable[[str, int, int], None]
@@ -199,3 +200,37 @@ class TemplateLink:
 
 class TemplateRefused(ValueError):
     """A template refused its placement (another placement ABI, a malformed record)."""
+
+
+class KeyGateError(RuntimeError):
+    """The served HTTP process's key gate did not take the API key (none listening, or it refused)."""
+
+
+def install_api_key(control: str, key: str, timeout: float = 10.0) -> dict[str, Any]:
+    """Send the served API key to the key gate of rank 0's HTTP process (:mod:`coldsnap.agent.api_key`), named
+    after ``control``; its reply (``gates``: the apps now guarded). :class:`KeyGateError` on any failure."""
+    from coldsnap.agent.addresses import key_gate_control
+
+    name = key_gate_control(control)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
+            connection.settimeout(timeout)
+            connection.connect(address(name))
+            connection.sendall(json.dumps({"api_key": key}).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = connection.recv(4096)
+                if not chunk:
+                    break
+                data += chunk
+        reply = json.loads(data)
+    except OSError as exc:
+        raise KeyGateError(f"no key gate answered at {name} ({exc.strerror or exc}): the server's HTTP process runs "
+                           "without coldsnap's engine plugin, or was captured by a build without the gate") from None
+    except ValueError:
+        raise KeyGateError(f"the key gate at {name} answered something that is not JSON") from None
+    if not reply.get("ok"):
+        raise KeyGateError(f"the key gate at {name} refused the key: {reply.get('error')}")
+    if not reply.get("gates"):
+        raise KeyGateError(f"the key gate at {name} guards no HTTP app yet (the server has not built one)")
+    return dict(reply)

@@ -292,11 +292,19 @@ def _add_restore(commands: Any) -> None:
     p.add_argument("--gpu", metavar="N[,M...]", help="the GPU(s) to place the ranks on, in rank order "
                    "(CUDA_VISIBLE_DEVICES of this host: ordinals or UUIDs; default: the capture's)")
     _add_weights_flag(p)
+    _add_api_key_flag(p)
     _add_host_thp_flag(p)
     _add_state_dir_flag(p)
     _add_unit_flags(p)
     _add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="restore")
+
+
+def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key-file", metavar="F", help="the restored server requires this API key from now on (vLLM, "
+                   "SGLang: what their --api-key does; F holds the key, one line): installed in its HTTP process "
+                   "before the canary, which asks with it. A capture never holds a key (docs/secrets.md); the "
+                   "request records the path, never the key")
 
 
 def _add_warm(commands: Any) -> None:
@@ -336,6 +344,7 @@ def _add_wake(commands: Any) -> None:
     )
     p.add_argument("artifact", nargs="?", metavar="DIR|ID", help="artifact directory, or a standby id from coldsnap status")
     _add_weights_flag(p)
+    _add_api_key_flag(p)
     _add_state_dir_flag(p)
     _add_unit_flags(p)
     _add_operation_flags(p)

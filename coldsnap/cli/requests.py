@@ -13,6 +13,7 @@ from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 
 from coldsnap.operation import UsageError
+from coldsnap.secrets.served_key import ApiKeyFileError, read_api_key
 from coldsnap.operation_ids import new_operation_id
 
 
@@ -291,6 +292,13 @@ def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
             unit["serving_port"] = args.port
         if args.gpu is not None:
             unit.setdefault("env", {})["CUDA_VISIBLE_DEVICES"] = args.gpu
+    if getattr(args, "api_key_file", None):
+        key_file = Path(args.api_key_file).resolve()
+        try:
+            read_api_key(key_file)  # said now, before anything of the host is touched
+        except ApiKeyFileError as exc:
+            raise UsageError(f"--api-key-file: {exc}") from None
+        captured["api_key_file"] = str(key_file)
     if operation == "warm" and args.ttl is not None:
         captured["standby_ttl_s"] = args.ttl
     if args.weights:

@@ -38,6 +38,8 @@ ERROR_CODES: dict[str, str] = {
                          "command (twice: the message names the request and token), or plain starts of the command "
                          "disagree on this host, or the plain reference start did not come up or answer; nothing "
                          "committed",
+    "capture.secret": "the serving command gives its server an API key (vLLM / SGLang --api-key, VLLM_API_KEY passed "
+                      "on): it would be in the capsule; nothing started (give the key at restore: --api-key-file)",
     "capture.prepare": "a rank's agent could not drain, release its graphs and memory, tear down NCCL or write its packs",
     "capture.connections": "the serving tree holds TCP connections to peers outside it (each named), which no "
                            "restore could take up again; nothing was checkpointed",
@@ -100,6 +102,9 @@ ERROR_CODES: dict[str, str] = {
                             "(the registry or the network failed, or a chunk did not match its digest); what arrived "
                             "stays in the cache for the next restore to resume",
     "restore.resume": "a rank's agent could not map and fill its memory, rebuild NCCL or recapture its graphs",
+    "restore.api_key": "--api-key-file: the key file could not be read or holds no key, or the restored server's HTTP "
+                       "process has no coldsnap key gate (captured by an older build, or its engine plugin did not load) "
+                       "or refused the key",
     "restore.canary": "the restored server did not answer the canary, or answered other tokens than at capture",
     # Warm standby (`coldsnap warm`): admission and the restore's steps as above, then
     "warm.standby": "a rank's agent could not park as a standby (rebuild NCCL), or the standby could not be recorded",

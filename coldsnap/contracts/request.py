@@ -227,6 +227,11 @@ class OperationRequest(Contract):
     standby_ttl_s: int | None = Field(default=None, ge=1, le=7 * 86400)
     """``warm`` only: seconds the standby waits for ``wake`` before it stops itself (default 3600).
     Left out of the canonical form when absent, so requests without it keep their digests."""
+    api_key_file: str | None = Field(default=None, min_length=1)
+    """``restore`` and ``wake`` only: a file holding the API key the restored server requires from then on
+    (``Authorization: Bearer KEY`` on the engine's guarded paths), installed in its HTTP process before the
+    canary, which asks with it. A path, never the key: requests and receipts are kept and the key is never
+    captured (docs/secrets.md). Left out of the canonical form when absent."""
     policy: Policy = Field(default_factory=Policy)
     """Overrides of the snapshot driver's default policy."""
     owner: FileOwner | None = None
@@ -281,11 +286,14 @@ class OperationRequest(Contract):
             raise ValueError(f"prepare_only applies to restore only, not {self.operation}")
         if self.standby_ttl_s is not None and self.operation != "warm":
             raise ValueError(f"standby_ttl_s applies to warm only, not {self.operation}")
+        if self.api_key_file is not None and self.operation not in ("restore", "wake"):
+            raise ValueError(f"api_key_file applies to restore and wake only, not {self.operation} (a capture's "
+                             "server runs without a key, so none is in its capsule)")
         return self
 
     def to_json_value(self) -> dict[str, Any]:
         value = super().to_json_value()
-        for optional in ("standby_ttl_s", "owner", "unit"):
+        for optional in ("standby_ttl_s", "owner", "unit", "api_key_file"):
             if value.get(optional) is None:
                 value.pop(optional, None)
         return value

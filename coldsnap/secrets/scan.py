@@ -46,6 +46,9 @@ class TokenFormat:
     """The longest text ``body`` matches (the confirmation window)."""
     unless: bytes | None = None
     """A match holding this is a documented example, not a secret (``AKIAIOSFODNN7EXAMPLE``)."""
+    mixed: bool = False
+    """A match must mix upper case, lower case and digits, as generated keys do (``sk-`` is also how identifiers
+    such as ``task-scheduler_...`` end)."""
 
     def exact(self) -> re.Pattern[bytes]:
         return re.compile(self.before + b"(?:" + self.body + b")" + self.after)
@@ -58,7 +61,8 @@ _NOT_TOKEN_BEFORE = rb"(?<![" + _ALNUM + rb"_\-])"
 TOKEN_FORMATS: tuple[TokenFormat, ...] = (
     TokenFormat("huggingface", rb"hf_[A-Za-z]{34}", _NOT_ALNUM_BEFORE, _NOT_ALNUM_AFTER, 37),
     TokenFormat("huggingface-org", rb"api_org_[A-Za-z]{34}", _NOT_ALNUM_BEFORE, _NOT_ALNUM_AFTER, 42),
-    TokenFormat("openai-style", rb"sk-(?:proj-|svcacct-|admin-|ant-)?[A-Za-z0-9_\-]{32}", _NOT_TOKEN_BEFORE, b"", 43),
+    TokenFormat("openai-style", rb"sk-(?:proj-|svcacct-|admin-|ant-)?[A-Za-z0-9_\-]{40}", _NOT_TOKEN_BEFORE, b"", 51,
+                mixed=True),
     TokenFormat("github", rb"gh[pousr]_[A-Za-z0-9]{36}", _NOT_ALNUM_BEFORE, _NOT_ALNUM_AFTER, 40),
     TokenFormat("github-fine-grained", rb"github_pat_[A-Za-z0-9_]{82}", _NOT_ALNUM_BEFORE, b"", 93),
     TokenFormat("aws-access-key-id", rb"(?:AKIA|ASIA|ABIA|ACCA)[A-Z0-9]{16}", _NOT_ALNUM_BEFORE, _NOT_ALNUM_AFTER, 20,
@@ -177,8 +181,10 @@ class SecretScanner:
             first = max(0, start - self.longest)
             stop = min(size, start + CHUNK_BYTES)
             before = len(candidates)
-            chunk: Any = view[first:stop]  # (a buffer: Hyperscan's stubs say str or bytes)
-            self._database.scan(chunk, match_event_handler=on_match, context=first, scratch=scratch)
+            with view[first:stop] as chunk:  # released at once: the file's mapping closes after the scan
+                buffer: Any = chunk  # (Hyperscan's stubs say str or bytes; it takes any buffer)
+                self._database.scan(buffer, match_event_handler=on_match, context=first, scratch=scratch)
+                del buffer
             # an end inside the part scanned again belongs to the previous chunk, which confirmed it
             candidates[before:] = [c for c in candidates[before:] if c[1] > start or start == 0]
         for expression, end in candidates:
@@ -201,7 +207,10 @@ class SecretScanner:
             match = exact.search(window, match.start() + 1)
         if match is None or match.end() != target:
             return None
-        if token.unless is not None and token.unless in match.group(0):
+        text = match.group(0)
+        if token.unless is not None and token.unless in text:
+            return None
+        if token.mixed and not all(re.search(kind, text[3:]) for kind in (rb"[A-Z]", rb"[a-z]", rb"[0-9]")):
             return None
         return first + match.start(), token.kind
 

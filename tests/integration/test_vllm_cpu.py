@@ -368,6 +368,53 @@ def test_restores_answer_like_vllms_default_loader(captured, reference):
         stop_restored(artifact, port)
 
 
+def _status_of(port: int, key: str | None) -> int:
+    body = json.dumps({"prompt": PROMPT_2, "max_tokens": 2, "temperature": 0}).encode()
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                                           headers=headers), timeout=120) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_replica_restored_with_an_api_key_file_requires_the_key(captured, reference, tmp_path):
+    """The capsule holds no key (the capture ran without one; the scan finds nothing in it); `restore
+    --api-key-file` installs vLLM's own --api-key check in the restored API server before the canary, which asks
+    with the key: without it /v1 answers 401, with it the captured answers; /health stays open, as in vLLM."""
+    artifact, captured_port, _ = captured
+    scan = coldsnap("validate", "secrets", str(artifact))
+    assert scan.returncode == 0, scan.stderr.decode()
+    key_file = tmp_path / "key"
+    key_file.write_text("sk-test-" + "Zx9Kq2Lm7Np4Rs1Tv6Wy3Ab8Cd5Ef0GhIjKl\n")
+    key = key_file.read_text().strip()
+    port = _free_ports_near(captured_port + 40, 1)[0]  # a replica: the key gate's socket renamed with the agents'
+    receipt_path = tmp_path / "restore.json"
+    try:
+        result = coldsnap("restore", str(artifact), "--port", str(port), "--api-key-file", str(key_file),
+                          "--receipt-json", str(receipt_path))
+        assert result.returncode == 0, result.stderr.decode()[-3000:]
+        assert b"canary matched" in result.stderr and key.encode() not in result.stderr + receipt_path.read_bytes()
+        spans = {s["name"]: s["attributes"] for s in json.loads(receipt_path.read_text())["timing"]["spans"]}
+        assert spans["restore.api_key"]["gates"] == 1 and spans["restore.canary_probes"]["probes"] == 1
+        assert _status_of(port, None) == 401 and _status_of(port, "wrong") == 401
+        assert _status_of(port, key) == 200
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as response:
+            assert response.status == 200
+        body = json.dumps({"prompt": PROMPT_2, "max_tokens": 12, "temperature": 0, "return_token_ids": True}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, headers={
+            "Content-Type": "application/json", "Authorization": f"Bearer {key}"})
+        with urllib.request.urlopen(request, timeout=120) as response:
+            assert json.loads(response.read())["choices"][0]["token_ids"] == reference["tokens"]
+    finally:
+        stop_restored(artifact, port)
+    # a capture of a command that gives its key is refused before anything starts
+    refused = coldsnap("capture", "--reference", "none", "--out", str(tmp_path / "keyed"), "--",
+                       *serve(artifact, port, "--load-format", "coldsnap", "--api-key", key))
+    assert refused.returncode == 1 and b"capture.secret" in refused.stderr and not (tmp_path / "keyed").exists()
+
+
 def test_captures_in_a_row_each_restore_to_a_plain_starts_answers(model, tmp_path):
     """benchmarks/capture_equality.py on vLLM's CPU build: two captures in a row, each into empty vLLM, Inductor
     and Triton caches of its own and each with its reference check (on by default for vLLM: a plain start of the
