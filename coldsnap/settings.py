@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Literal, Mapping
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping
 
 __all__ = ["Setting", "SettingError", "SettingsRegistry", "SETTINGS", "TRUE_WORDS", "FALSE_WORDS"]
 
@@ -123,29 +123,24 @@ class SettingsRegistry:
 
     def number(self, name: str, environ: Mapping[str, str] | None = None) -> int | None:
         """A whole number (kinds ``int`` and ``bytes``) >= 0; None when unset."""
-        value = self.text(name, environ)
-        if value is None:
-            return None
-        try:
-            number = int(value)
-            if number < 0:
-                raise ValueError
-        except ValueError:
-            return self._invalid(self.get(name), f"{name}={value!r}: want a whole number >= 0", None)
-        return number
+        return self._parsed(name, environ, int, lambda number: number >= 0, "a whole number >= 0")
 
     def seconds(self, name: str, environ: Mapping[str, str] | None = None) -> float | None:
         """A duration in seconds > 0; None when unset."""
+        return self._parsed(name, environ, float, lambda seconds: seconds > 0, "seconds > 0")
+
+    def _parsed(self, name: str, environ: Mapping[str, str] | None, convert: Callable[[str], Any],
+                valid: Callable[[Any], bool], want: str) -> Any:
         value = self.text(name, environ)
         if value is None:
             return None
         try:
-            seconds = float(value)
-            if not seconds > 0:
-                raise ValueError
+            parsed = convert(value)
         except ValueError:
-            return self._invalid(self.get(name), f"{name}={value!r}: want seconds > 0", None)
-        return seconds
+            parsed = None
+        if parsed is None or not valid(parsed):
+            return self._invalid(self.get(name), f"{name}={value!r}: want {want}", None)
+        return parsed
 
     def _invalid(self, setting: Setting, problem: str, fallback: Any) -> Any:
         if "agent" in setting.readers:  # (also) inside the engine: warn, never raise

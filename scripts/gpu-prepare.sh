@@ -4,7 +4,7 @@
 #   bash scripts/gpu-prepare.sh [--vllm] [--sglang] [BUNDLE_DIR]     (default .gpu-bundle, git-ignored)
 #
 # BUNDLE_DIR/wheels     Python 3.12 manylinux x86_64 wheels of coldsnap's runtime dependencies that the
-#                       GPU host's image does not have (pydantic and its parts, pyzmq), versions pinned to
+#                       GPU host's image does not have (pydantic and its parts, pyzmq, hyperscan for the secret scan), versions pinned to
 #                       this checkout's .venv where it has them; none of a distribution the host has at an
 #                       equal or newer version (scripts/gpu-bundle-wheels.py, scripts/h200-host-packages.txt);
 # BUNDLE_DIR/criu-debs  the CRIU 4.2.1 .debs (about 9.3 MB) and the criu binary built from them with
@@ -30,7 +30,7 @@ while [ "${1:-}" = "--vllm" ] || [ "${1:-}" = "--sglang" ]; do engines+=("${1#--
 bundle=${1:-.gpu-bundle}
 log() { printf 'gpu-prepare: %s\n' "$*" >&2; }
 
-packages=(pydantic pydantic_core annotated_types typing_extensions typing_inspection pyzmq)
+packages=(pydantic pydantic_core annotated_types typing_extensions typing_inspection pyzmq hyperscan)
 python=python3
 [ -x .venv/bin/python ] && python=.venv/bin/python
 specs=()

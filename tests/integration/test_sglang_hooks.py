@@ -242,3 +242,46 @@ def test_a_speculative_shapes_draft_predicts_its_targets_tokens(tmp_path):
         print("ok")
     """, tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "ok"
+
+
+def test_a_key_given_at_restore_is_checked_by_sglangs_own_api_key_middleware(tmp_path):
+    """The key gate (coldsnap/agent/api_key.py) in a process started under coldsnap, with SGLang's plugin
+    registered: an app built afterwards passes everything until `install_api_key` gives a key over the gate's
+    socket; then SGLang's own add_api_key_middleware class decides: 401 without the key, 200 with it, /health
+    open. (SGLang's HTTP server itself needs a GPU to start: the app here is a FastAPI app with its paths.)"""
+    done = run("""
+        import asyncio, os, uuid
+        os.environ["COLDSNAP_CONTROL"] = f"@coldsnap-agent-{uuid.uuid4().hex[:16]}"
+        from coldsnap_sglang import register
+        register()
+        from fastapi import FastAPI
+        from coldsnap.agent.client import install_api_key
+
+        app = FastAPI()
+        app.get("/v1/models")(lambda: {"ok": True})
+        app.get("/health")(lambda: {"ok": True})
+
+        async def status(path, key=None):
+            headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+            scope = {"type": "http", "method": "GET", "path": path, "raw_path": path.encode(), "query_string": b"",
+                     "headers": headers, "root_path": "", "scheme": "http", "server": ("127.0.0.1", 1),
+                     "client": ("127.0.0.1", 2), "http_version": "1.1", "asgi": {"version": "3.0"}}
+            sent = []
+            async def receive():
+                return {"type": "http.request", "body": b"", "more_body": False}
+            async def send(message):
+                sent.append(message)
+            await app(scope, receive, send)
+            return next(m["status"] for m in sent if m["type"] == "http.response.start")
+
+        async def main():
+            before = await status("/v1/models")
+            reply = install_api_key(os.environ["COLDSNAP_CONTROL"], "s3cret-key")
+            after = [await status("/v1/models"), await status("/v1/models", "wrong"), await status("/v1/models", "s3cret-key"),
+                     await status("/health")]
+            print("statuses", before, after, reply["gates"], type(app.middleware_stack.current).__name__)
+
+        asyncio.run(main())
+        """, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "statuses 200 [401, 401, 200, 200] 1 _ApiKeyASGIMiddleware" in done.stdout, done.stdout
