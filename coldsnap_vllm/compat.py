@@ -45,13 +45,13 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from coldsnap.plugin import exists as _exists
 from coldsnap.plugin import lookup
 from coldsnap.plugin import release as _release
+from coldsnap.settings import SETTINGS
 
 __all__ = ["SUPPORTED", "KV_ALLOCATION_SITES", "PROBED", "KvAllocationSite", "vllm_version", "supported",
            "probe", "lookup", "disabled", "create_model", "online_quantized_before_build",
@@ -215,7 +215,7 @@ def finalize_online_quantization(model: Any, model_config: Any) -> None:
 
 def sleep_backend_override() -> str | None:
     """The sleep backend ``COLDSNAP_VLLM_SLEEP_BACKEND`` selects (for vLLMs without the CLI flag)."""
-    return os.environ.get(SLEEP_BACKEND_ENV) or None
+    return SETTINGS.text(SLEEP_BACKEND_ENV)
 
 
 def _selected_sleep_backend(model_config: Any) -> str:

@@ -35,6 +35,7 @@ from vllm.device_allocator.sleep_mode_backend import SleepModeBackend
 
 from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.atomic import write_atomic
+from coldsnap.settings import SETTINGS
 
 __all__ = ["ColdsnapSleepBackend", "BACKEND_NAME"]
 
@@ -59,7 +60,7 @@ class ColdsnapSleepBackend(SleepModeBackend):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pack_dir = Path(os.environ.get("COLDSNAP_SLEEP_PACK_DIR", f"/dev/shm/coldsnap-sleep-{os.getpgrp()}"))
+        self.pack_dir = Path(SETTINGS.text("COLDSNAP_SLEEP_PACK_DIR") or f"/dev/shm/coldsnap-sleep-{os.getpgrp()}")
         self.packs: dict[str, str] = {}
         self.seconds: dict[str, float] = {}
         from coldsnap_vllm.process import distributed_rank

@@ -53,9 +53,11 @@ EARLY_RESTORE_ENV = "COLDSNAP_EARLY_RESTORE"
 EARLY_STAGING_ENV = "COLDSNAP_EARLY_STAGING"
 """``0``: the entry starts CRIU but leaves the weights' staging to the restore's own step (after admission)."""
 
-_VALUED_FLAGS = ("--port", "--gpu", "--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--weights")
+_VALUED_FLAGS = ("--port", "--gpu", "--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--weights",
+                 "--api-key-file")
 """``coldsnap restore`` flags this step takes (none changes what CRIU restores but the port and the state
-directory); any other flag leaves the restore to the full path."""
+directory; the API key is installed by the full path, after the ranks resumed); any other flag leaves the
+restore to the full path."""
 
 
 @dataclass

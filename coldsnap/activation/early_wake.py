@@ -42,7 +42,7 @@ def start_prefill(arguments: list[str]) -> int:
 
 
 # `coldsnap wake`'s options that take a value (see coldsnap.cli); the one positional is DIR|ID.
-VALUE_OPTIONS = ("--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--owner",
+VALUE_OPTIONS = ("--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--owner", "--api-key-file",
                  # one unit of several: its standby fills its own ranks' weights early, like any other
                  "--units", "--unit", "--rendezvous", "--rendezvous-token-file", "--serve-rendezvous",
                  "--rendezvous-timeout", "--address")

@@ -11,12 +11,12 @@ free — for tests of the refusal path only; it never applies to a capsule that 
 
 from __future__ import annotations
 
-import os
 
 from coldsnap.activation.gpu_room import LAUNCHER_CONTEXT_BYTES, GpuNeed, needs_per_gpu, shortfalls
 from coldsnap.activation.replica import GpuPlacement
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
+from coldsnap.settings import SETTINGS
 
 __all__ = ["GpuNeed", "LAUNCHER_CONTEXT_BYTES", "STANDIN_FREE_ENV", "admit_gpu_memory", "gpu_needs"]
 
@@ -50,7 +50,7 @@ def admit_gpu_memory(context: OperationContext, capsule: CapsuleManifest, gpus: 
     check for a capsule without recorded GPU use (CPU, or NVML could not tell at capture). ``held``: GPU
     UUID → bytes this launcher holds there already for the restore (the weights its entry is staging, and
     its context): free for it."""
-    standin = os.environ.get(STANDIN_FREE_ENV)
+    standin = SETTINGS.number(STANDIN_FREE_ENV)
     if capsule.metadata.gpu_memory:
         needs = gpu_needs(capsule, gpus, staging)
         from coldsnap.snapshot.nvml import NvmlError, device_memory
@@ -61,7 +61,7 @@ def admit_gpu_memory(context: OperationContext, capsule: CapsuleManifest, gpus: 
             context.warn(f"GPU memory not admitted: {exc}")
             return
     elif standin is not None and not capsule.metadata.gpu_pids:
-        needs, free = _standin_needs(capsule), {STANDIN_GPU: int(standin)}
+        needs, free = _standin_needs(capsule), {STANDIN_GPU: standin}
     else:
         return
     short = shortfalls(needs, free, span)

@@ -27,6 +27,7 @@ import threading
 from typing import Any, Callable
 
 from coldsnap.agent.addresses import address, key_gate_control
+from coldsnap.settings import SETTINGS
 
 __all__ = ["KeyGate", "Guard", "install_key_gates", "gates"]
 
@@ -65,7 +66,7 @@ def install_key_gates(guard: Guard) -> bool:
     """Wrap every FastAPI app's middleware stack this process builds from now on in a :class:`KeyGate` (one
     listener per process); False, and nothing done, when the process runs without coldsnap (no
     ``COLDSNAP_CONTROL``). Idempotent; an engine's plugin calls it at registration, before its app exists."""
-    control = os.environ.get("COLDSNAP_CONTROL")
+    control = SETTINGS.text("COLDSNAP_CONTROL")
     if not control:
         return False
     from fastapi import FastAPI

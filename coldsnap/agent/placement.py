@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from coldsnap.memory import StableRegion, reserve
 from coldsnap.hydrate import hydrate_pack
 from coldsnap.payload import NativePack, verify_file
 from coldsnap.payload.errors import PackError
+from coldsnap.settings import SETTINGS
 
 __all__ = ["ALIGN", "MODES", "OPTION_KEYS", "PackDoesNotFit", "PlacedModel", "append_model_to_region", "check_pack_fits",
            "layout_for", "load_options", "open_fitting_pack", "pack_end", "place_model_in_region", "placed_extents",
@@ -175,10 +175,10 @@ def load_options(extra: dict[str, Any], option: str) -> tuple[str, Path | None]:
     through the engine; ``native`` requires a fitting pack; ``recovery`` always loads through the engine.
     Where the config names neither, an n580 restore's placement does (``COLDSNAP_WEIGHTS_MODE``,
     ``COLDSNAP_NATIVE_PACK``): the template's engine hydrates the capture's pack at load time."""
-    mode = extra.get("mode", os.environ.get(WEIGHTS_MODE_ENV) or "auto")
+    mode = extra.get("mode", SETTINGS.choice(WEIGHTS_MODE_ENV) or "auto")
     if mode not in MODES:
         raise ValueError(f"{option} mode must be one of {', '.join(MODES)}, not {mode!r}")
-    pack = extra.get("pack", os.environ.get(NATIVE_PACK_ENV) or None)
+    pack = extra.get("pack", SETTINGS.text(NATIVE_PACK_ENV))
     if pack is not None and not isinstance(pack, str):
         raise ValueError(f"{option} pack must be a path to a native pack, not {pack!r}")
     if mode == "native" and not pack:

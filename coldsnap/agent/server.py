@@ -668,7 +668,7 @@ def attach(memory: ModelMemory, *, serving_lock: threading.Lock, port: int | Non
     ``serving_lock`` is held by the engine while it serves a request (``prepare`` drains by taking it);
     ``hooks`` add what only the engine knows (graphs, work before the regions are released);
     ``collectives`` are torn down at ``prepare`` and rebuilt at ``resume`` when ``world`` > 1."""
-    control = os.environ.get(CONTROL_ENV)
+    control = SETTINGS.text(CONTROL_ENV)
     if not control:
         return None
     return start_agent(control, memory, serving_lock=serving_lock, port=port, hooks=hooks, rank=rank, world=world,

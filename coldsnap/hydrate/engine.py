@@ -8,6 +8,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 
 from coldsnap.memory.regions import StableRegion
 from coldsnap.native import native
+from coldsnap.settings import SETTINGS
 
 __all__ = [
     "DEFAULT_THREADS",
@@ -25,13 +26,13 @@ __all__ = [
 # work, and the pinned ring must stay small enough to live in the last-level cache, so the DMA engine
 # reads it from there instead of DRAM. 2 MiB chunks with a 96 MiB ring and 12 threads reached
 # 51 GB/s; a 1 GiB ring with 16 MiB chunks stayed under 39 GB/s (benchmarks/hydrate.py).
-DEFAULT_THREADS = int(os.environ.get("COLDSNAP_HYDRATE_THREADS", str(min(16, max(4, (os.cpu_count() or 4) * 3 // 4)))))
-DEFAULT_CHUNK_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_CHUNK_BYTES", str(2 << 20)))
+DEFAULT_THREADS = SETTINGS.number("COLDSNAP_HYDRATE_THREADS") or min(16, max(4, (os.cpu_count() or 4) * 3 // 4))
+DEFAULT_CHUNK_BYTES = SETTINGS.number("COLDSNAP_HYDRATE_CHUNK_BYTES") or 2 << 20
 # The pinned ring is the only memory hydration holds, whatever the pack size.
-DEFAULT_RING_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_RING_BYTES", str(96 << 20)))
+DEFAULT_RING_BYTES = SETTINGS.number("COLDSNAP_HYDRATE_RING_BYTES") or 96 << 20
 # O_DIRECT (cold file) reads are disk-bound and want large requests: their own chunk and ring bound.
-DIRECT_CHUNK_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_DIRECT_CHUNK_BYTES", str(16 << 20)))
-DIRECT_RING_BYTES = int(os.environ.get("COLDSNAP_HYDRATE_DIRECT_RING_BYTES", str(512 << 20)))
+DIRECT_CHUNK_BYTES = SETTINGS.number("COLDSNAP_HYDRATE_DIRECT_CHUNK_BYTES") or 16 << 20
+DIRECT_RING_BYTES = SETTINGS.number("COLDSNAP_HYDRATE_DIRECT_RING_BYTES") or 512 << 20
 
 Progress = Callable[[int, int], object]
 

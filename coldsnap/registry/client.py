@@ -29,6 +29,7 @@ from typing import Callable, Iterable
 from coldsnap.atomic import write_atomic
 from coldsnap.registry.credentials import Credentials, find_credentials
 from coldsnap.registry.reference import Reference
+from coldsnap.settings import SETTINGS
 
 __all__ = [
     "PLAIN_HTTP_ENV",
@@ -561,6 +562,6 @@ _ACCEPT = ", ".join([
 
 def client_for(reference: Reference, push: bool = False) -> RegistryClient:
     """A client of ``reference``'s repository with the credentials the container auth files hold for it."""
-    plain = reference.registry in {r.strip() for r in os.environ.get(PLAIN_HTTP_ENV, "").split(",") if r.strip()}
+    plain = reference.registry in {r.strip() for r in (SETTINGS.text(PLAIN_HTTP_ENV) or "").split(",") if r.strip()}
     return RegistryClient(reference.registry, reference.repository, credentials=find_credentials(reference.registry),
                           plain_http=plain, push=push)

@@ -56,7 +56,7 @@ from coldsnap.settings import SETTINGS
 __all__ = ["DestinationTaken", "PullError", "PullResult", "PullSession", "incomplete", "lock_path", "pull", "staging_dir"]
 
 PARALLEL_BLOBS = 4
-PARALLEL_STREAMS = int(os.environ.get("COLDSNAP_PULL_STREAMS") or min(16, max(4, 2 * (os.cpu_count() or 1))))
+PARALLEL_STREAMS = SETTINGS.number("COLDSNAP_PULL_STREAMS") or min(16, max(4, 2 * (os.cpu_count() or 1)))
 """Chunks (and ranges of a large file) fetched at once: each stream receives, hashes and writes on its own
 thread, so more streams use more cores, up to what the link and the registry give."""
 _STATE = ".coldsnap-pull.json"

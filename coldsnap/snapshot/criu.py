@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Literal
 
 from coldsnap.snapshot.criu_images import ImageFormatError
+from coldsnap.settings import SETTINGS
 
 if TYPE_CHECKING:
     from coldsnap.snapshot.criu_pages import ImageCensus
@@ -143,7 +144,7 @@ def thp_fill_wanted(balloons: Path = VIRTIO_BALLOONS) -> bool:
     """Whether restores ask CRIU to fill huge pages: ``COLDSNAP_CRIU_THP_FILL=1`` always, ``0`` never;
     otherwise (``auto``, the default) unless this machine reports free pages to a hypervisor
     (:func:`reports_free_pages`)."""
-    value = os.environ.get(THP_FILL_ENV, "auto")
+    value = SETTINGS.choice(THP_FILL_ENV) or "auto"
     if value in ("0", "1"):
         return value == "1"
     return not reports_free_pages(balloons)
@@ -156,7 +157,7 @@ def fill_threads_wanted() -> int:
     restore fills its GPU process and its API server at once while the weights stage beside them, so the
     helpers get half the CPUs; one thread fills ~2 GB/s of image (the page faults of the destination),
     and the fill is what most of CRIU's step is for an engine's process."""
-    value = os.environ.get(FILL_THREADS_ENV, "auto")
+    value = SETTINGS.text(FILL_THREADS_ENV) or "auto"
     if value.isdigit():
         return min(int(value), FILL_THREADS_MAX)
     try:
@@ -173,7 +174,7 @@ def _tail(text: str, lines: int = 20) -> str:
 
 def find_criu() -> str | None:
     """Path of the CRIU executable coldsnap will use, or ``None``."""
-    explicit = os.environ.get("COLDSNAP_CRIU")
+    explicit = SETTINGS.text("COLDSNAP_CRIU")
     if explicit:
         return explicit if os.access(explicit, os.X_OK) else None
     return shutil.which("criu")
@@ -215,7 +216,7 @@ class Criu:
     def __init__(self, path: str | None = None):
         found = path or find_criu()
         if found is None:
-            where = os.environ.get("COLDSNAP_CRIU")
+            where = SETTINGS.text("COLDSNAP_CRIU")
             hint = f"COLDSNAP_CRIU={where} is not executable" if where else "no criu on PATH and COLDSNAP_CRIU unset"
             raise CriuError("locate", None, f"{hint}; install it with scripts/install-criu.sh")
         self.path = found
@@ -746,5 +747,5 @@ def _children(pid: int) -> list[int]:
 def _log_level() -> list[str]:
     """``COLDSNAP_CRIU_LOG_LEVEL=4`` (0-4) makes CRIU's logs verbose and timestamped, for diagnosing
     where a dump or restore spends its time; unset, CRIU's default (warnings and errors)."""
-    level = os.environ.get("COLDSNAP_CRIU_LOG_LEVEL", "")
-    return [f"-v{level}"] if level in ("0", "1", "2", "3", "4") else []
+    level = SETTINGS.choice("COLDSNAP_CRIU_LOG_LEVEL")
+    return [f"-v{level}"] if level is not None else []

@@ -321,3 +321,26 @@ def test_an_interrupted_chunked_pull_resumes_in_place(published, registry, tmp_p
     assert not incomplete(destination)
     pack = next((destination / "payload").glob("*.pack"))
     assert verify_file(pack).method == "record"
+
+
+def test_an_artifact_holding_a_secret_is_published_only_with_allow_secrets(registry, tmp_path):
+    """`capture --env HF_TOKEN` puts the token in the capsule (the artifact says so): publish refuses it before
+    sending anything, naming the name, the file, offset and kind but never the value; --allow-secrets publishes."""
+    secret = {"HF_TOKEN": "hf_" + "QwErTyUiOpAsDfGhJkLzXcVbNmQwErTyUi"}
+    port = free_port()
+    artifact = tmp_path / "artifact"
+    done = coldsnap("capture", "--env", "HF_TOKEN", "--out", str(artifact), "--", *workload(port),
+                    env={"COLDSNAP_STATE_DIR": str(tmp_path / "state"), **secret})
+    assert done.returncode == 0, done.stderr
+    reference = f"{registry.address}/team/holds-a-token:v1"
+    refused = coldsnap("publish", str(artifact), reference, "--json", env={**registry.client_env(), **secret})
+    assert refused.returncode == 1 and refused.stdout == "", refused.stderr
+    assert "the capsule holds HF_TOKEN" in refused.stderr and "pages-1.img:" in refused.stderr
+    assert secret["HF_TOKEN"] not in refused.stderr
+    nothing = coldsnap("pull", reference, str(tmp_path / "pulled"), env=registry.client_env())
+    assert nothing.returncode != 0  # nothing went up: the tag does not exist
+    published = coldsnap("publish", str(artifact), reference, "--json", "--allow-secrets",
+                         env={**registry.client_env(), **secret})
+    assert published.returncode == 0, published.stderr
+    assert "publishing all the same (--allow-secrets)" in published.stderr
+    assert json.loads(published.stdout)["reference"].startswith(reference)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import sys
 import time
@@ -16,6 +15,7 @@ import torch
 
 from coldsnap.contracts.placement import GRAPHS_AFTER_READY, GRAPHS_ENV, NATIVE_PACK_ENV, WEIGHTS_MODE_ENV
 from coldsnap.workloads.torch_lm.model import TorchLM, decode, encode
+from coldsnap.settings import SETTINGS
 
 __all__ = ["serve"]
 
@@ -222,12 +222,12 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             communicator = collectives.connect("tp", backend, unique_id)
     weights_file = Path(args.weights).resolve() / "model.safetensors" if args.weights else None
     # An n580 restore's placement names the capture's native pack (single rank: the pack is rank 0's).
-    pack = os.environ.get(NATIVE_PACK_ENV) if os.environ.get(WEIGHTS_MODE_ENV) != "recovery" and world == 1 else None
+    pack = SETTINGS.text(NATIVE_PACK_ENV) if SETTINGS.choice(WEIGHTS_MODE_ENV) != "recovery" and world == 1 else None
     model = TorchLM(args.size, device, args.seed, args.max_seq, cuda_graphs=not args.no_cuda_graphs,
                     rank=rank, world=world, communicator=communicator,
                     followers=(_RequestChannels(requests) if requests is not None else channels) if rank == 0 else None,
                     weights_file=weights_file, native_pack=Path(pack) if pack else None,
-                    defer_graphs=os.environ.get(GRAPHS_ENV) == GRAPHS_AFTER_READY)
+                    defer_graphs=SETTINGS.choice(GRAPHS_ENV) == GRAPHS_AFTER_READY)
     if args.write_safetensors:
         print(model.write_safetensors(Path(args.write_safetensors)))
         return 0
