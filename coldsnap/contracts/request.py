@@ -289,6 +289,8 @@ class OperationRequest(Contract):
         if self.api_key_file is not None and self.operation not in ("restore", "wake"):
             raise ValueError(f"api_key_file applies to restore and wake only, not {self.operation} (a capture's "
                              "server runs without a key, so none is in its capsule)")
+        if self.api_key_file is not None and self.engine not in ("vllm", "sglang"):
+            raise ValueError(f"api_key_file: {self.engine} has no API key check to install (vLLM and SGLang have)")
         return self
 
     def to_json_value(self) -> dict[str, Any]:
