@@ -211,6 +211,8 @@ SETTINGS = SettingsRegistry([
             "kills its process group.", _A),
     Setting("COLDSNAP_TRIM_LOCAL_MEMORY", "flag", "1", "Lower the CUDA stack limit before the checkpoint, restore it "
             "at resume.", _A),
+    Setting("COLDSNAP_KEY_GATE_HELD", "flag", "0", "Set by coldsnap (n580 restore with --api-key-file): the served "
+            "HTTP process's key gate starts held (the engine's guarded paths answer 401) until the key is given.", _A),
     Setting("COLDSNAP_NATIVE_PACK", "path", "set by coldsnap (n580)", "The native pack the load format hydrates the "
             "weights from at load.", _A),
     Setting("COLDSNAP_WEIGHTS_MODE", "choice", "auto", "The load format's mode when its own config names none.", _A,

@@ -31,7 +31,7 @@ from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, ra
 from coldsnap.activation.reference_check import (REFERENCE_ENV, ReferenceAnswers, ReferenceMode, ask_probes, ask_reference,
                                                  reference_mode, reference_plan)
 from coldsnap.activation.units import artifact_request, selected_unit
-from coldsnap.agent.client import AgentClient, AgentError
+from coldsnap.agent.client import AgentClient, AgentError, KeyGateError, KeyGateMissing, key_gate
 from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
 from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, EnvironmentRecord, PinnedFile,
                                         PlatformRecord, ReferenceRecord, UnitRecord, WorkerRecord)
@@ -170,6 +170,7 @@ class CaptureSequence:
         self.captured_answers: ReferenceAnswers | None = None
         self.plain_starts = 0
         self.capture_starts = 0
+        self.held_gates = 0  # the served HTTP process's key gates held before the snapshot (hold_served_requests)
         # the command's environment: the launcher's less its secrets and coldsnap's own settings
         self.engine_env = engine_environment(self.unit.env, self.unit.pass_env)
 
@@ -520,6 +521,22 @@ class CaptureSequence:
                                capture_starts=self.capture_starts, canary_token_ids=answers.canary.token_ids,
                                probes=[_probe_record(a) for a in answers.answered()],
                                answers_sha256=answers.sha256())
+
+    def hold_served_requests(self) -> None:
+        """The last HTTP request of the capture answered: the served HTTP process's key gate is held (the engine's
+        guard with a key nobody knows: its guarded paths answer 401, ``/health`` stays open) in the image, so a
+        restored server answers nothing on them before its restore opens the gate or gives it the API key
+        (:mod:`coldsnap.agent.api_key`): CRIU lets connections in before the ranks resume. An engine without a
+        gate (the reference workload): nothing to hold."""
+        if not self.serves or not self.controls:
+            return
+        try:
+            reply = key_gate(self.controls[0], {"hold": True})
+        except KeyGateMissing:
+            return
+        except KeyGateError as exc:
+            raise OperationFailed("capture.prepare", f"the served HTTP process's key gate: {exc}") from None
+        self.held_gates = int(reply.get("gates") or 0)
 
     def prepare_ranks(self) -> None:
         """Every rank at once: drain, drop the graphs the policy drops, tear NCCL down, write its packs,

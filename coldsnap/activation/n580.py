@@ -51,6 +51,8 @@ from coldsnap.snapshot.cuda_checkpoint import cuda_devices, gpu_processes
 from coldsnap.snapshot.nvidia_mappings import nvidia_userspace_state
 from coldsnap.snapshot.process_tree import kill_tree, tree_pids
 
+KEY_GATE_HELD_ENV = "COLDSNAP_KEY_GATE_HELD"  # (coldsnap.agent.api_key: the engine's gate built held)
+
 __all__ = ["TemplateCapture", "TemplateRestore", "template_placement"]
 
 BOUNDARY_TIMEOUT_S = 300.0
@@ -274,6 +276,8 @@ def template_placement(context: OperationContext, artifact: ArtifactDir, descrip
         env[WEIGHTS_MODE_ENV] = "recovery"
     env.pop(PRELOAD_ENV, None)
     env.pop(PLACEMENT_ABI_ENV, None)
+    if context.request.api_key_file is not None:  # its gate built held: nothing served before the key is in
+        env[KEY_GATE_HELD_ENV] = "1"
     if context.request.policy.graphs.mode == "recreate":  # n580's default: eager first, graphs after readiness
         env.setdefault(GRAPHS_ENV, GRAPHS_AFTER_READY)
     if template.placement_abi not in PLACEMENT_ABIS:

@@ -35,8 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["CAPTURE_STEPS", "RESTORE_STEPS", "WAKE_STEPS", "WARM_STEPS", "capture", "restore", "warm", "wake"]
 
-CAPTURE_STEPS = ("start_reference", "launch", "wait_until_ready", "record_canary", "check_reference", "prepare_ranks",
-                 "refuse_outside_connections", "checkpoint_cuda", "dump", "commit_checked")
+CAPTURE_STEPS = ("start_reference", "launch", "wait_until_ready", "record_canary", "check_reference",
+                 "hold_served_requests", "prepare_ranks", "refuse_outside_connections", "checkpoint_cuda", "dump",
+                 "commit_checked")
 RESTORE_STEPS = ("restore_tree", "take_lease", "restore_cuda", "collect_staged_weights", "resume_ranks",
                  "install_served_key", "check_canary")
 WARM_STEPS = ("restore_tree", "take_lease", "restore_cuda", "collect_staged_weights", "park")

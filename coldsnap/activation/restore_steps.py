@@ -33,7 +33,7 @@ from coldsnap.activation.replica_plan import write_replica_images
 from coldsnap.activation.staging import WeightStager, stages_rank
 from coldsnap.activation.state import forget_removed_artifacts
 from coldsnap.activation.units import moved_addresses
-from coldsnap.agent.client import AgentClient, AgentError, KeyGateError, Lease, install_api_key
+from coldsnap.agent.client import AgentClient, AgentError, KeyGateError, KeyGateMissing, Lease, install_api_key, key_gate
 from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
@@ -383,14 +383,25 @@ class RestoreSequence:
 
     def install_served_key(self) -> None:
         """``--api-key-file``: the key into the restored HTTP process's key gate (:mod:`coldsnap.agent.api_key`),
-        before the canary, which then asks with it (and so proves the key works). Nothing without the flag."""
+        before the canary, which then asks with it (and so proves the key works). Without it the gate the capture
+        held is opened: the server as captured. An engine without a gate (the reference workload, an earlier
+        build's capture): nothing to do."""
         path = self.context.request.api_key_file
-        if path is None or self.serving_port is None:
+        if self.serving_port is None:
+            return
+        control = self.controls[min(self.controls)]
+        if path is None:
+            try:
+                key_gate(control, {"open": True})
+            except KeyGateMissing:
+                pass
+            except KeyGateError as exc:
+                raise OperationFailed("restore.api_key", f"the restored server's key gate could not be opened: {exc}") from None
             return
         with self.step(f"{self.op}.api_key", "restore.api_key") as span:
             try:
                 key = read_api_key(path)
-                reply = install_api_key(self.controls[min(self.controls)], key)
+                reply = install_api_key(control, key)
             except (ApiKeyFileError, KeyGateError) as exc:
                 raise OperationFailed("restore.api_key", str(exc)) from None
             span["gates"] = int(reply["gates"])

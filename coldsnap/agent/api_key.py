@@ -11,6 +11,12 @@ the agent's control (:func:`coldsnap.agent.addresses.key_gate_control`): restore
 renamed with the agents' for a replica; ``coldsnap restore --api-key-file F`` sends the key there before the
 canary, which then asks with it.
 
+CRIU lets the restored tree's sockets take connections before its ranks resume and the key arrives, so the
+capture *holds* the gate just before its snapshot: the engine's guard with a random key nobody knows (its guarded
+paths answer 401, ``/health`` stays open). Every restore then either gives the key or opens the gate (no key: the
+server as captured), after the ranks resumed. An n580 engine starts anew at each restore: its placement's
+``COLDSNAP_KEY_GATE_HELD=1`` builds its gate held when a key is to come.
+
 Starlette builds an app's middleware stack once, at its first ASGI call (uvicorn's lifespan startup), and
 reads ``app.middleware_stack`` on every request: the gate wraps what ``build_middleware_stack`` returns, for
 every app the process builds while ``COLDSNAP_CONTROL`` is set. Standard library only; it imports no engine.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import struct
 import threading
@@ -38,7 +45,7 @@ Guard = Callable[[Any, Any, str], Any]
 
 _gates: list["KeyGate"] = []
 _lock = threading.Lock()
-_key: str | None = None  # the key given before an app was built (a gate built later takes it)
+_key: str | None = None  # the key (or the hold's) given before an app was built: a gate built later takes it
 _listening = False
 
 
@@ -53,8 +60,10 @@ class KeyGate:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await self.current(scope, receive, send)
 
-    def install(self, key: str) -> None:
-        self.current = self.guard(self.app, self.stack, key)  # one store: a request in flight keeps its stack
+    def install(self, key: str | None) -> None:
+        """The engine's guard with ``key``; None: the stack as it is (open). One store: a request in flight keeps
+        the stack it started on."""
+        self.current = self.stack if key is None else self.guard(self.app, self.stack, key)
 
 
 def gates() -> list[KeyGate]:
@@ -66,9 +75,13 @@ def install_key_gates(guard: Guard) -> bool:
     """Wrap every FastAPI app's middleware stack this process builds from now on in a :class:`KeyGate` (one
     listener per process); False, and nothing done, when the process runs without coldsnap (no
     ``COLDSNAP_CONTROL``). Idempotent; an engine's plugin calls it at registration, before its app exists."""
+    global _key
     control = SETTINGS.text("COLDSNAP_CONTROL")
     if not control:
         return False
+    if SETTINGS.flag("COLDSNAP_KEY_GATE_HELD"):
+        with _lock:
+            _key = _key or secrets.token_urlsafe(32)
     from fastapi import FastAPI
 
     original = FastAPI.build_middleware_stack
@@ -142,9 +155,17 @@ def _answer(connection: socket.socket) -> dict[str, Any]:
         if not chunk:
             break
         data += chunk
-    key = json.loads(data)["api_key"]
-    if not isinstance(key, str) or not key:
-        return {"ok": False, "error": "api_key must be a non-empty string"}
+    message = json.loads(data)
+    if "api_key" in message:
+        key = message["api_key"]
+        if not isinstance(key, str) or not key:
+            return {"ok": False, "error": "api_key must be a non-empty string"}
+    elif message.get("hold") is True:
+        key = secrets.token_urlsafe(32)  # nobody's: the guarded paths answer 401 until a restore says otherwise
+    elif message.get("open") is True:
+        key = None
+    else:
+        return {"ok": False, "error": "want {\"api_key\": KEY}, {\"hold\": true} or {\"open\": true}"}
     with _lock:
         _key = key
         for gate in _gates:

@@ -30,8 +30,8 @@ from coldsnap.agent.protocol import (
     receive_line,
 )
 
-__all__ = ["AgentClient", "AgentError", "KeyGateError", "Lease", "TemplateClient", "TemplateLink", "TemplateRefused", "install_api_key",
-           "rank_control"]
+__all__ = ["AgentClient", "AgentError", "KeyGateError", "KeyGateMissing", "Lease", "TemplateClient", "TemplateLink",
+           "TemplateRefused", "install_api_key", "key_gate", "rank_control"]
 
 R = TypeVar("R", StatusReply, PrepareReply, ResumeReply, StandbyReply)
 OnProgress = Callable[[str, int, int], None]
@@ -203,20 +203,31 @@ class TemplateRefused(ValueError):
 
 
 class KeyGateError(RuntimeError):
-    """The served HTTP process's key gate did not take the API key (none listening, or it refused)."""
+    """The served HTTP process's key gate did not take the message (it refused, or answered no JSON)."""
 
 
-def install_api_key(control: str, key: str, timeout: float = 10.0) -> dict[str, Any]:
-    """Send the served API key to the key gate of rank 0's HTTP process (:mod:`coldsnap.agent.api_key`), named
-    after ``control``; its reply (``gates``: the apps now guarded). :class:`KeyGateError` on any failure."""
+class KeyGateMissing(KeyGateError):
+    """No key gate listens for this control: an engine without one (the reference workload), or a capture by a
+    build before it."""
+
+
+def key_gate(control: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    """Send ``message`` (``{"api_key": KEY}``, ``{"hold": true}``, ``{"open": true}``) to the key gate of rank 0's
+    HTTP process (:mod:`coldsnap.agent.api_key`), named after ``control``; its reply (``gates``: the apps it
+    guards)."""
     from coldsnap.agent.addresses import key_gate_control
 
     name = key_gate_control(control)
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(timeout)
-            connection.connect(address(name))
-            connection.sendall(json.dumps({"api_key": key}).encode() + b"\n")
+            try:
+                connection.connect(address(name))
+            except (FileNotFoundError, ConnectionRefusedError) as exc:
+                raise KeyGateMissing(f"no key gate answered at {name} ({exc.strerror or exc}): the server's HTTP "
+                                     "process runs without coldsnap's engine plugin, or was captured by a build "
+                                     "without the gate") from None
+            connection.sendall(json.dumps(message).encode() + b"\n")
             data = b""
             while not data.endswith(b"\n"):
                 chunk = connection.recv(4096)
@@ -225,12 +236,17 @@ def install_api_key(control: str, key: str, timeout: float = 10.0) -> dict[str, 
                 data += chunk
         reply = json.loads(data)
     except OSError as exc:
-        raise KeyGateError(f"no key gate answered at {name} ({exc.strerror or exc}): the server's HTTP process runs "
-                           "without coldsnap's engine plugin, or was captured by a build without the gate") from None
+        raise KeyGateError(f"the key gate at {name} did not answer: {exc.strerror or exc}") from None
     except ValueError:
         raise KeyGateError(f"the key gate at {name} answered something that is not JSON") from None
     if not reply.get("ok"):
-        raise KeyGateError(f"the key gate at {name} refused the key: {reply.get('error')}")
-    if not reply.get("gates"):
-        raise KeyGateError(f"the key gate at {name} guards no HTTP app yet (the server has not built one)")
+        raise KeyGateError(f"the key gate at {name} refused: {reply.get('error')}")
     return dict(reply)
+
+
+def install_api_key(control: str, key: str, timeout: float = 10.0) -> dict[str, Any]:
+    """The served API key into the key gate (:func:`key_gate`); :class:`KeyGateError` unless an app now requires it."""
+    reply = key_gate(control, {"api_key": key}, timeout)
+    if not reply.get("gates"):
+        raise KeyGateError(f"the key gate at {control} guards no HTTP app yet (the server has not built one)")
+    return reply

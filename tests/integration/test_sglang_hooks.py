@@ -246,8 +246,9 @@ def test_a_speculative_shapes_draft_predicts_its_targets_tokens(tmp_path):
 
 def test_a_key_given_at_restore_is_checked_by_sglangs_own_api_key_middleware(tmp_path):
     """The key gate (coldsnap/agent/api_key.py) in a process started under coldsnap, with SGLang's plugin
-    registered: an app built afterwards passes everything until `install_api_key` gives a key over the gate's
-    socket; then SGLang's own add_api_key_middleware class decides: 401 without the key, 200 with it, /health
+    registered: an app built afterwards passes everything; held (a capture, before its snapshot) its guarded paths
+    answer 401 and /health 200; opened (a restore without a key) everything passes again; given a key over the
+    gate's socket, SGLang's own add_api_key_middleware class decides: 401 without the key, 200 with it, /health
     open. (SGLang's HTTP server itself needs a GPU to start: the app here is a FastAPI app with its paths.)"""
     done = run("""
         import asyncio, os, uuid
@@ -255,7 +256,7 @@ def test_a_key_given_at_restore_is_checked_by_sglangs_own_api_key_middleware(tmp
         from coldsnap_sglang import register
         register()
         from fastapi import FastAPI
-        from coldsnap.agent.client import install_api_key
+        from coldsnap.agent.client import install_api_key, key_gate
 
         app = FastAPI()
         app.get("/v1/models")(lambda: {"ok": True})
@@ -275,13 +276,18 @@ def test_a_key_given_at_restore_is_checked_by_sglangs_own_api_key_middleware(tmp
             return next(m["status"] for m in sent if m["type"] == "http.response.start")
 
         async def main():
+            control = os.environ["COLDSNAP_CONTROL"]
             before = await status("/v1/models")
-            reply = install_api_key(os.environ["COLDSNAP_CONTROL"], "s3cret-key")
+            key_gate(control, {"hold": True})  # what a capture does before its snapshot
+            held = [await status("/v1/models"), await status("/health")]
+            key_gate(control, {"open": True})  # a restore without a key
+            opened = await status("/v1/models")
+            reply = install_api_key(control, "s3cret-key")
             after = [await status("/v1/models"), await status("/v1/models", "wrong"), await status("/v1/models", "s3cret-key"),
                      await status("/health")]
-            print("statuses", before, after, reply["gates"], type(app.middleware_stack.current).__name__)
+            print("statuses", before, held, opened, after, reply["gates"], type(app.middleware_stack.current).__name__)
 
         asyncio.run(main())
         """, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "statuses 200 [401, 401, 200, 200] 1 _ApiKeyASGIMiddleware" in done.stdout, done.stdout
+    assert "statuses 200 [401, 200] 200 [401, 401, 200, 200] 1 _ApiKeyASGIMiddleware" in done.stdout, done.stdout

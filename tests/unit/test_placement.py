@@ -58,7 +58,7 @@ def _restore_scene(tmp_path, abi=2, driver="580.159.04", port=9100, env=None, gr
     worker = NS(rank=0, payload=NS(path="payload/abc.pack"))
     descriptor = NS(units=[NS(workers=[worker])])
     unit = NS(serving_port=port, env=env or {})
-    context = NS(request=NS(units=[unit], unit=None, policy=NS(graphs=NS(mode=graphs))))
+    context = NS(request=NS(units=[unit], unit=None, policy=NS(graphs=NS(mode=graphs)), api_key_file=None))
     return context, NS(root=tmp_path), descriptor, capsule
 
 
