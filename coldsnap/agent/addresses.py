@@ -3,7 +3,7 @@ agents' sockets before pydantic, which :mod:`coldsnap.agent.protocol` builds its
 
 from __future__ import annotations
 
-__all__ = ["KEY_GATE_SUFFIX", "address", "key_gate_control"]
+__all__ = ["KEY_GATE_SUFFIX", "MOST_GATES", "address", "key_gate_control"]
 
 
 def address(control: str) -> str | bytes:
@@ -12,9 +12,12 @@ def address(control: str) -> str | bytes:
 
 
 KEY_GATE_SUFFIX = ".http"
+MOST_GATES = 64
+"""HTTP processes of one engine with a key gate each (vLLM's ``--api-server-count``)."""
 
 
-def key_gate_control(control: str) -> str:
+def key_gate_control(control: str, index: int = 0) -> str:
     """The name the served HTTP process's key gate listens at (:mod:`coldsnap.agent.api_key`): rank 0's control
-    name and a suffix, so a replica's restore renames it with the agents' (same id)."""
-    return control + KEY_GATE_SUFFIX
+    name and a suffix (``.http``, then ``.http.1``, ``.http.2`` for further HTTP processes), so a replica's
+    restore renames it with the agents' (same id)."""
+    return control + KEY_GATE_SUFFIX + (f".{index}" if index else "")

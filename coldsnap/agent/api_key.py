@@ -33,7 +33,7 @@ import struct
 import threading
 from typing import Any, Callable
 
-from coldsnap.agent.addresses import address, key_gate_control
+from coldsnap.agent.addresses import MOST_GATES, address, key_gate_control
 from coldsnap.settings import SETTINGS
 
 __all__ = ["KeyGate", "Guard", "install_key_gates", "gates"]
@@ -103,21 +103,25 @@ def install_key_gates(guard: Guard) -> bool:
 
 
 def _listen(control: str) -> None:
+    """One listener per process, at the first free of the control's gate names: a vLLM with several API server
+    processes (``--api-server-count``) has one gate each, and the launcher tells every one."""
     global _listening
     with _lock:
         if _listening:
             return
         _listening = True
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(address(key_gate_control(control)))
-        listener.listen(4)
-    except OSError as exc:  # (a second API server process of the same engine: the first one's name is taken)
-        listener.close()
-        logger.warning("coldsnap: no key gate listener in pid %d (%s): --api-key-file cannot reach this process",
-                       os.getpid(), exc)
+    for index in range(MOST_GATES):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address(key_gate_control(control, index)))
+            listener.listen(4)
+        except OSError:  # taken by another HTTP process of this engine
+            listener.close()
+            continue
+        threading.Thread(target=_serve, args=(listener,), name="coldsnap-key-gate", daemon=True).start()
         return
-    threading.Thread(target=_serve, args=(listener,), name="coldsnap-key-gate", daemon=True).start()
+    logger.warning("coldsnap: no key gate listener in pid %d (%d gate names taken): --api-key-file cannot reach "
+                   "this process", os.getpid(), MOST_GATES)
 
 
 def _peer_allowed(connection: socket.socket) -> bool:

@@ -212,12 +212,26 @@ class KeyGateMissing(KeyGateError):
 
 
 def key_gate(control: str, message: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
-    """Send ``message`` (``{"api_key": KEY}``, ``{"hold": true}``, ``{"open": true}``) to the key gate of rank 0's
-    HTTP process (:mod:`coldsnap.agent.api_key`), named after ``control``; its reply (``gates``: the apps it
-    guards)."""
-    from coldsnap.agent.addresses import key_gate_control
+    """Send ``message`` (``{"api_key": KEY}``, ``{"hold": true}``, ``{"open": true}``) to the key gate of every
+    HTTP process of rank 0's engine (:mod:`coldsnap.agent.api_key`), named after ``control``: ``gates``, the apps
+    they guard in all; ``processes``, how many answered. :class:`KeyGateMissing` when none listens."""
+    from coldsnap.agent.addresses import MOST_GATES, key_gate_control
 
-    name = key_gate_control(control)
+    gates = processes = 0
+    for index in range(MOST_GATES):
+        name = key_gate_control(control, index)
+        try:
+            reply = _key_gate_call(name, message, timeout)
+        except KeyGateMissing:
+            if index == 0:
+                raise
+            break
+        gates += int(reply.get("gates") or 0)
+        processes += 1
+    return {"ok": True, "gates": gates, "processes": processes}
+
+
+def _key_gate_call(name: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as connection:
             connection.settimeout(timeout)
@@ -245,7 +259,7 @@ def key_gate(control: str, message: dict[str, Any], timeout: float = 10.0) -> di
 
 
 def install_api_key(control: str, key: str, timeout: float = 10.0) -> dict[str, Any]:
-    """The served API key into the key gate (:func:`key_gate`); :class:`KeyGateError` unless an app now requires it."""
+    """The served API key into every key gate (:func:`key_gate`); :class:`KeyGateError` unless an app now requires it."""
     reply = key_gate(control, {"api_key": key}, timeout)
     if not reply.get("gates"):
         raise KeyGateError(f"the key gate at {control} guards no HTTP app yet (the server has not built one)")
