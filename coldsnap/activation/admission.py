@@ -225,6 +225,7 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
         if early is not None and not early.matches(artifact.root, artifact_id(artifact.root), capsule.unit_id, port):
             early.abandon()  # (another artifact, unit or port than the entry's: its tree and lock go)
             early = None
+            span["early_restore_declined"] = "the entry's tree was for another artifact, unit or port"
         # One operation per port from here on: a concurrent restore, warm or wake of it loses here (the entry's
         # early restore took it already: this process holds it)
         hold_port(context, port, str(artifact.root))

@@ -47,7 +47,7 @@ from coldsnap.snapshot.criu import CriuSnapshotter, PendingRestore, SnapshotOpti
 from coldsnap.snapshot.thp import HOST_THP_ENV
 from coldsnap.settings import SETTINGS, SettingError
 
-__all__ = ["EARLY_RESTORE_ENV", "EarlyRestore", "abandon_unadopted", "early_restore", "start_tree"]
+__all__ = ["EARLY_RESTORE_ENV", "EarlyRestore", "abandon_unadopted", "early_decision", "early_restore", "start_tree"]
 
 EARLY_RESTORE_ENV = "COLDSNAP_EARLY_RESTORE"
 EARLY_STAGING_ENV = "COLDSNAP_EARLY_STAGING"
@@ -149,6 +149,17 @@ class EarlyStaging:
 
 
 _started: EarlyRestore | None = None
+_declined: str | None = "the program's entry did not run it"  # why no tree was started (None: one was)
+
+
+class _Declined(Exception):
+    """The fast entry leaves this restore to the full path, for the reason given (the receipt says it)."""
+
+
+def early_decision() -> tuple[bool, str | None]:
+    """Whether the entry started this restore's tree, and why not when it did not (the receipt's
+    ``restore.admission.early``)."""
+    return _declined is None, _declined
 
 
 def early_restore() -> EarlyRestore | None:
@@ -166,41 +177,53 @@ def abandon_unadopted() -> None:
 def start_tree(argv: list[str], origin: tuple[int, int] | None = None) -> None:
     """``coldsnap restore`` ARGV's tree started (:func:`early_restore` has it), or nothing done. Never raises.
     ``origin``: (monotonic, unix) nanoseconds of the program's start, the operation's clock (default now)."""
-    global _started
-    try:
-        if not SETTINGS.flag(EARLY_RESTORE_ENV):
-            return
-    except SettingError:  # the full path says what is wrong, if anything reads it
-        return
+    global _started, _declined
     origin = origin or (time.monotonic_ns(), time.time_ns())
-    flags = _flags(argv)
-    if flags is None or os.geteuid() != 0 or os.environ.get("SUDO_UID") or os.environ.get("SUDO_GID") \
-            or SETTINGS.text(HOST_THP_ENV):
-        return
     try:
+        try:
+            if not SETTINGS.flag(EARLY_RESTORE_ENV):
+                raise _Declined(f"{EARLY_RESTORE_ENV} is off")
+        except SettingError as exc:  # the full path says what is wrong, if anything reads it
+            raise _Declined(str(exc)) from None
+        flags = _flags(argv)
+        if os.geteuid() != 0:
+            raise _Declined("not root")
+        if os.environ.get("SUDO_UID") or os.environ.get("SUDO_GID"):
+            raise _Declined("under sudo (the full path hands what it writes to the caller)")
+        if SETTINGS.text(HOST_THP_ENV):
+            raise _Declined("--host-thp (the host's THP mode is switched by the full path)")
         _started = _start(flags, origin)
-    except Exception:  # noqa: BLE001 - the full path does everything again and says what is wrong
-        _started = None
+        _declined = None
+    except _Declined as declined:
+        _started, _declined = None, str(declined)
+    except Exception as exc:  # noqa: BLE001 - the full path does everything again and says what is wrong
+        _started, _declined = None, f"{type(exc).__name__}: {exc}"
 
 
-def _flags(argv: list[str]) -> dict[str, str] | None:
-    """``DIR`` and the valued flags of :data:`_VALUED_FLAGS` (``--flag V`` or ``--flag=V``); None for anything else."""
+def _flags(argv: list[str]) -> dict[str, str]:
+    """``DIR`` and the valued flags of :data:`_VALUED_FLAGS` (``--flag V`` or ``--flag=V``); :class:`_Declined`
+    for anything else."""
     flags: dict[str, str] = {}
     tokens = iter(argv)
     for token in tokens:
         if token.startswith("-"):
             name, equals, value = token.partition("=")
             if name not in _VALUED_FLAGS or name in flags:
-                return None
+                raise _Declined(f"{name} is not an option the fast entry takes" if name not in _VALUED_FLAGS
+                                else f"{name} given twice")
             value = value if equals else next(tokens, "")
             if not value:
-                return None
+                raise _Declined(f"{name} without a value")
             flags[name] = value
-        elif "DIR" in flags or "://" in token:
-            return None
+        elif "://" in token:
+            raise _Declined("an oci:// reference (pulled by the full path first)")
+        elif "DIR" in flags:
+            raise _Declined(f"a second operand {token!r}")
         else:
             flags["DIR"] = token
-    return flags if "DIR" in flags else None
+    if "DIR" not in flags:
+        raise _Declined("no artifact directory")
+    return flags
 
 
 def _object(document: Any, *keys: str) -> Any:
@@ -210,7 +233,7 @@ def _object(document: Any, *keys: str) -> Any:
     return document
 
 
-def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | None:
+def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore:
     if "--state-dir" in flags:  # (as the full path's --state-dir does)
         SETTINGS.give(STATE_DIR_ENV, os.path.abspath(flags["--state-dir"]))
     root = Path(flags["DIR"]).resolve()
@@ -219,30 +242,33 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
     units = _object(descriptor, "units")
     if (descriptor.get("snapshot_driver") != "n610" or len(units) != 1 or len(captured.get("units") or [{}]) != 1
             or _object(descriptor, "platform", "arch") != os.uname().machine):  # (platform.machine(), unimported)
-        return None
+        raise _Declined("not a one-unit n610 artifact of this machine's architecture")
     unit = units[0]
     identity = artifact_id(root)
     records = state_root() / identity / "records"
     capsule_path = root / _object(unit, "capsule", "path")
     images = root / "units" / unit["unit_id"] / "images"
     if capsule_path.parent != images.parent:
-        return None
+        raise _Declined("the capsule is not beside its images")
     capsule = parse_strict_json(capsule_path.read_bytes())
     if capsule.get("unit_id") != unit["unit_id"]:
-        return None
+        raise _Declined("the capsule is another unit's")
     files = [(capsule_path, _object(unit, "capsule", "sha256"))]
     files += [(images / entry["path"], entry["sha256"]) for entry in capsule["files"]]
     record_dirs = {folder: records / folder.relative_to(root) for folder in {path.parent for path, _ in files}}
-    if any(".." in Path(entry["path"]).parts for entry in capsule["files"]) or not vouched_by_records(files, record_dirs):
-        return None
+    if any(".." in Path(entry["path"]).parts for entry in capsule["files"]):
+        raise _Declined("a capsule file outside its images")
+    if not vouched_by_records(files, record_dirs):
+        raise _Declined("its files are not vouched for by this host's validation records yet (the full path checks "
+                        "and records them: the next restore here takes the fast entry)")
     metadata = capsule["metadata"]
     port = int(flags["--port"]) if "--port" in flags else (captured.get("units") or [{}])[0].get("serving_port") \
         or metadata["serving_port"]
     operation_id = flags.get("--operation-id") or new_operation_id("restore")
     try:
         lock = PortLock(port, "restore", operation_id, str(root)).acquire()
-    except LockHeld:
-        return None
+    except LockHeld as exc:
+        raise _Declined(f"the port's lock is held: {exc}") from None
     pending: PendingRestore | None = None
     try:
         template = metadata.get("template")
@@ -264,9 +290,9 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore | Non
             if metadata.get("gpu_pids") and SETTINGS.flag(EARLY_STAGING_ENV) else None
         return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, lock, pending, origin,
                             (0, checked_ns), criu_started_ns, staging)
-    except PortsTaken:
+    except PortsTaken as exc:
         lock.release()
-        return None
+        raise _Declined(f"the replica's ports: {exc}") from None
     except BaseException:
         if pending is not None:
             pending.abandon()

@@ -22,7 +22,7 @@ from pathlib import Path
 from coldsnap.activation.admission import Admitted, admit, weight_sources
 from coldsnap.activation.artifact_dir import ArtifactDir, claim_state
 from coldsnap.activation.drivers import driver_for
-from coldsnap.activation.early_restore import early_restore
+from coldsnap.activation.early_restore import early_decision, early_restore
 from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
 from coldsnap.activation.state import artifact_id
@@ -71,10 +71,18 @@ def capture(context: OperationContext, ready_timeout: float | None = None) -> Op
 
 def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> OperationOutcome:
     """``artifact``: the request's by default; a capture's check restore passes its pending one."""
+    checking = artifact is not None  # (a capture's own restore: no program entry to speak of)
     artifact = artifact or ArtifactDir(Path(context.request.artifact))
     early = early_restore()  # the tree this process's entry started: adopted by admission, or killed here
     if early is not None:
-        context.timer.add_timeline_span(f"{context.request.operation}.admission.early", *early.checked_ns)
+        context.timer.add_timeline_span(f"{context.request.operation}.admission.early", *early.checked_ns,
+                                        decision="taken")
+    elif context.request.operation == "restore" and not checking:
+        # the fast entry declined (or never ran: a restore from --request-json or in-process): why, in the receipt
+        _, reason = early_decision()
+        now = context.timer.now_ns()
+        context.timer.add_timeline_span("restore.admission.early", now, now, decision="declined", reason=reason or "")
+        context.progress(f"the fast entry declined ({reason}); the full path restores")
     try:
         return _restore(context, artifact)
     finally:

@@ -115,6 +115,7 @@ def test_restore_twice_gives_the_same_greedy_tokens(captured):
         assert spans["restore.admission.port"]["attributes"]["early_restore"] is True
         assert spans["restore.criu_restore"]["start_ns"] < spans["restore.admission.descriptor"]["start_ns"]
         assert spans["restore.admission.early"]["start_ns"] == 0  # (the operation's clock starts at the entry)
+        assert spans["restore.admission.early"]["attributes"] == {"decision": "taken"}
         kill_replicas(artifact)
     record = json.loads((artifact / "artifact.json").read_text())["canary"]
     # the reference workload's tokens are a begin token and the prompt's 45 bytes: 45 predictions after the first
@@ -207,9 +208,33 @@ def test_a_failed_admission_kills_the_tree_the_entry_started(captured, tmp_path)
     assert result.returncode == 1
     receipt = json.loads(result.stdout)
     assert receipt["error"]["code"] == "admission.payload"
-    assert "restore.admission.early" in {s["name"] for s in receipt["timing"]["spans"]}  # CRIU had started
+    early = next(s for s in receipt["timing"]["spans"] if s["name"] == "restore.admission.early")
+    assert early["attributes"]["decision"] == "taken"  # CRIU had started
     assert replica_members(artifact) == []
     assert port_free(port)
+
+
+def test_a_declined_fast_entry_says_why_in_the_receipt(captured, tmp_path):
+    """The fast entry leaves a restore to the full path for a reason, which the receipt and the progress say:
+    an option it does not take, the switch, an artifact copy whose images no record vouches for yet."""
+    artifact, port, _, _ = captured
+    copy = tmp_path / "artifact"
+    shutil.copytree(artifact, copy)
+    cases = [(("restore", str(artifact), "--owner", f"{os.getuid()}:{os.getgid()}"), {},
+              "--owner is not an option the fast entry takes"),
+             (("restore", str(artifact)), {"COLDSNAP_EARLY_RESTORE": "0"}, "COLDSNAP_EARLY_RESTORE is off"),
+             (("restore", str(copy)), {}, "not vouched for by this host's validation records yet")]
+    for argv, env, reason in cases:
+        result = subprocess.run([sys.executable, "-m", "coldsnap", *argv, "--receipt-json", "-"], capture_output=True,
+                                timeout=300, env={**os.environ, **env})
+        try:
+            assert result.returncode == 0, result.stderr.decode()[-2000:]
+            early = next(s for s in json.loads(result.stdout)["timing"]["spans"] if s["name"] == "restore.admission.early")
+            assert early["attributes"]["decision"] == "declined" and reason in early["attributes"]["reason"], early
+            assert b"the fast entry declined (" in result.stderr
+        finally:
+            kill_replicas(artifact)
+            kill_replicas(copy)
 
 
 def test_an_image_corrupted_in_place_is_refused_before_anything_starts(captured, tmp_path):
