@@ -76,10 +76,11 @@ def capsule_root_pid(artifact: str | os.PathLike[str], unit: str = "unit-0") -> 
     return int(json.loads((Path(artifact) / "units" / unit / "capsule.json").read_text())["metadata"]["root_pid"])
 
 
-def replica_members(artifact: str | os.PathLike[str], unit: str = "unit-0") -> list[int]:
+def replica_members(artifact: str | os.PathLike[str], unit: str = "unit-0", exiting: bool = False) -> list[int]:
     """Host pids of the live processes restored from ``artifact`` (any of its replicas), sorted: those in a
     pid namespace other than this one whose process group there is the capsule's ``root_pid``. Zombies
-    and exiting processes left out, as in :func:`group_members`."""
+    left out, and exiting processes too (as in :func:`group_members`) unless ``exiting``: one that is exiting
+    still holds its files and sockets until it is a zombie."""
     captured = capsule_root_pid(artifact, unit)
     members = []
     for entry in os.listdir("/proc"):
@@ -97,7 +98,7 @@ def replica_members(artifact: str | os.PathLike[str], unit: str = "unit-0") -> l
             stat = stat_fields(entry)
         except OSError:
             continue
-        if stat[0] not in (b"Z", b"X") and not int(stat[6]) & PF_EXITING:
+        if stat[0] not in (b"Z", b"X") and (exiting or not int(stat[6]) & PF_EXITING):
             members.append(int(entry))
     return sorted(members)
 
@@ -119,11 +120,13 @@ def kill_replicas(artifact: str | os.PathLike[str], timeout: float = 10) -> list
 
 
 def wait_replicas_gone(artifact: str | os.PathLike[str], timeout: float) -> list[int]:
-    """Wait up to ``timeout`` s for ``artifact`` to have no live restored process; those left (``[]``: gone)."""
+    """Wait up to ``timeout`` s for ``artifact`` to have no live restored process, an exiting one included (its
+    serving port is free only once it is a zombie: a next test's restore of the same port once found it taken);
+    those left (``[]``: gone)."""
     deadline = time.monotonic() + timeout
-    while (members := replica_members(artifact)) and time.monotonic() < deadline:
+    while (members := replica_members(artifact, exiting=True)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return members
+    return [pid for pid in members if pid in replica_members(artifact)] if members else []
 
 
 def restore_killed_at(artifact: str | os.PathLike[str], step: str, receipt: str | os.PathLike[str],

@@ -43,18 +43,25 @@ def test_the_first_step_takes_a_plain_restore(argv, flags):
     ["art", "--"],
 ])
 def test_anything_else_is_left_to_the_full_path(argv):
-    assert early_restore._flags(argv) is None
+    """Left with a reason, which the receipt's ``restore.admission.early`` says."""
+    with pytest.raises(early_restore._Declined) as declined:
+        early_restore._flags(argv)
+    assert str(declined.value)
 
 
 def test_switched_off_or_not_root_it_starts_nothing(monkeypatch):
     monkeypatch.setattr(early_restore, "_started", None)
     monkeypatch.setattr(early_restore, "_start", lambda *a: pytest.fail("the first step ran"))
+    monkeypatch.setattr(early_restore, "_declined", None)
     monkeypatch.setenv(early_restore.EARLY_RESTORE_ENV, "0")
     early_restore.start_tree(["/nonexistent"])
+    assert early_restore.early_decision() == (False, "COLDSNAP_EARLY_RESTORE is off")  # (the receipt's reason)
     monkeypatch.delenv(early_restore.EARLY_RESTORE_ENV)
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setenv("SUDO_UID", "1000")  # sudo's caller would own what it writes: claimed by the full path
     early_restore.start_tree(["/nonexistent"])
     assert early_restore.early_restore() is None
+    assert early_restore.early_decision()[1].startswith("under sudo")
 
 
 def test_a_failure_inside_leaves_nothing_started(monkeypatch):
@@ -62,8 +69,10 @@ def test_a_failure_inside_leaves_nothing_started(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.delenv("SUDO_UID", raising=False)
     monkeypatch.delenv("SUDO_GID", raising=False)
+    monkeypatch.setattr(early_restore, "_declined", None)
     early_restore.start_tree(["/nonexistent/artifact"])  # no artifact.json: the full path reports it
     assert early_restore.early_restore() is None
+    assert early_restore.early_decision()[1].startswith("FileNotFoundError")
 
 
 def test_a_record_vouches_as_the_verifier_trusts_it(tmp_path):
