@@ -170,7 +170,6 @@ class CaptureSequence:
         self.captured_answers: ReferenceAnswers | None = None
         self.plain_starts = 0
         self.capture_starts = 0
-        self.held_gates = 0  # the served HTTP process's key gates held before the snapshot (hold_served_requests)
         # the command's environment: the launcher's less its secrets and coldsnap's own settings
         self.engine_env = engine_environment(self.unit.env, self.unit.pass_env)
 
@@ -531,12 +530,11 @@ class CaptureSequence:
         if not self.serves or not self.controls:
             return
         try:
-            reply = key_gate(self.controls[0], {"hold": True})
+            key_gate(self.controls[0], {"hold": True})
         except KeyGateMissing:
             return
         except KeyGateError as exc:
             raise OperationFailed("capture.prepare", f"the served HTTP process's key gate: {exc}") from None
-        self.held_gates = int(reply.get("gates") or 0)
 
     def prepare_ranks(self) -> None:
         """Every rank at once: drain, drop the graphs the policy drops, tear NCCL down, write its packs,

@@ -242,12 +242,7 @@ def _key_gate_call(name: str, message: dict[str, Any], timeout: float) -> dict[s
                                      "process runs without coldsnap's engine plugin, or was captured by a build "
                                      "without the gate") from None
             connection.sendall(json.dumps(message).encode() + b"\n")
-            data = b""
-            while not data.endswith(b"\n"):
-                chunk = connection.recv(4096)
-                if not chunk:
-                    break
-                data += chunk
+            data, _ = receive_line(connection)
         reply = json.loads(data)
     except OSError as exc:
         raise KeyGateError(f"the key gate at {name} did not answer: {exc.strerror or exc}") from None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping
 
-__all__ = ["SECRET_WORDS", "SECRET_PREFIXES", "SECRET_NAMES", "is_secret_name", "secret_names"]
+__all__ = ["SECRET_WORDS", "SECRET_PREFIXES", "SECRET_NAMES", "is_secret_name", "names_a_secret", "secret_names"]
 
 SECRET_WORDS = frozenset({
     "TOKEN", "TOKENS", "SECRET", "SECRETS", "PASSWORD", "PASSWORDS", "PASSWD", "PASS", "PASSPHRASE",
@@ -30,12 +30,16 @@ SECRET_NAMES = frozenset({"DOCKER_CONFIG", "DOCKER_AUTH_CONFIG", "GOOGLE_APPLICA
 def is_secret_name(name: str) -> bool:
     """Whether the variable ``name`` bears a secret by the rules above (coldsnap's own ``COLDSNAP_*`` never:
     they are settings, :mod:`coldsnap.settings`)."""
+    return names_a_secret(name) or (not name.upper().startswith("COLDSNAP_") and name.upper().startswith(SECRET_PREFIXES))
+
+
+def names_a_secret(name: str) -> bool:
+    """Whether ``name`` itself says its value is a secret (a secret word, or a name of :data:`SECRET_NAMES`), not
+    only its family (``AWS_REGION``): the names whose values the scan searches for."""
     upper = name.upper()
     if upper.startswith("COLDSNAP_"):
         return False
-    if upper in SECRET_NAMES or upper.startswith(SECRET_PREFIXES):
-        return True
-    return any(word in SECRET_WORDS for word in upper.replace("-", "_").split("_"))
+    return upper in SECRET_NAMES or any(word in SECRET_WORDS for word in upper.replace("-", "_").split("_"))
 
 
 def secret_names(environment: Mapping[str, str] | Iterable[str]) -> list[str]:

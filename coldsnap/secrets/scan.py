@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from coldsnap.secrets.names import SECRET_NAMES, SECRET_WORDS
+from coldsnap.secrets.names import names_a_secret
 
 __all__ = ["TokenFormat", "TOKEN_FORMATS", "Finding", "ScanReport", "SecretScanner", "ScannerMissing",
            "secret_values", "MIN_VALUE_BYTES", "scan_artifact"]
@@ -130,15 +130,8 @@ def secret_values(environment: Mapping[str, str] | None = None) -> dict[str, str
     they are secret (a word such as TOKEN or KEY, or a name of :data:`SECRET_NAMES`), at least
     :data:`MIN_VALUE_BYTES` long, and not a file path (the file's contents are the secret, not its name)."""
     environment = os.environ if environment is None else environment
-    values = {}
-    for name, value in environment.items():
-        upper = name.upper()
-        if upper.startswith("COLDSNAP_"):
-            continue
-        named = upper in SECRET_NAMES or any(word in SECRET_WORDS for word in upper.replace("-", "_").split("_"))
-        if named and len(value.encode()) >= MIN_VALUE_BYTES and not os.path.isabs(value):
-            values[name] = value
-    return dict(sorted(values.items()))
+    return {name: value for name, value in sorted(environment.items())
+            if names_a_secret(name) and len(value.encode()) >= MIN_VALUE_BYTES and not os.path.isabs(value)}
 
 
 def _literal(value: bytes) -> bytes:
@@ -230,12 +223,6 @@ class SecretScanner:
                     view.release()
 
 
-def _native_packs(root: Path) -> set[Path]:
-    """The artifact's native weight packs: the model's parameters as the GPU held them (GBs, and nothing of
-    the process's own memory)."""
-    return {p for p in root.rglob("*.pack") if p.is_file()}
-
-
 def scan_artifact(root: Path, scanner: SecretScanner | None = None, include_packs: bool = False,
                   threads: int | None = None, files: Iterable[Path] | None = None) -> ScanReport:
     """Scan every regular file under ``root`` (page images, every other CRIU image, the descriptor, request,
@@ -243,11 +230,11 @@ def scan_artifact(root: Path, scanner: SecretScanner | None = None, include_pack
     threads at once (default: the CPUs this process may use, at most 8); Hyperscan releases the GIL."""
     scanner = scanner if scanner is not None else SecretScanner(secret_values())
     report = ScanReport(str(root), values_searched=sorted(scanner.values))
-    skip = set() if include_packs else _native_packs(root)
     chosen = []
     for path in sorted(files if files is not None else (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())):
         relative = str(path.relative_to(root))
-        if path in skip:
+        # the native weight packs: the model's parameters as the GPU held them (GBs, nothing of the process's memory)
+        if path.suffix == ".pack" and not include_packs:
             report.not_scanned.append((relative, "native weight pack (model parameters; --include-packs scans it)"))
         else:
             chosen.append((path, relative))
