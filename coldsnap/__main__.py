@@ -10,6 +10,7 @@ import time
 
 
 def main() -> None:
+    entry = None  # restore: what the entry did (a tree started, or why not), handed to the restore
     if sys.argv[1:2] == ["wake"]:
         from coldsnap.activation.early_wake import start_prefill
 
@@ -18,15 +19,14 @@ def main() -> None:
         origin = (time.monotonic_ns(), time.time_ns())  # (the operation's clock starts here, not after the import)
         from coldsnap.activation.early_restore import start_tree
 
-        start_tree(sys.argv[2:], origin)
+        entry = start_tree(sys.argv[2:], origin)
     try:
         from coldsnap.cli import run
     except BaseException:  # (^C during the imports: the tree the entry started goes with this process)
-        early = sys.modules.get("coldsnap.activation.early_restore")
-        if early is not None:
-            early.abandon_unadopted()
+        if entry is not None:
+            entry.abandon()
         raise
-    run()
+    run(entry)
 
 
 if __name__ == "__main__":

@@ -6,13 +6,17 @@ its SHA-256, the host files the captured tree maps or holds open (``admission.fi
 weight source (native pack, or the pinned safetensors: :func:`weight_sources`), the GPU (driver floors,
 model, checkpoint API), CRIU (version, ``criu check``), then the serving port: its lock (one operation per
 port, :mod:`coldsnap.activation.operation_locks`) and every bind the restored tree will make
-(:func:`coldsnap.activation.replica.plan_replica`). ``criu check`` and the CUDA probe run in threads while
-the images are checked. What a driver admits on top (n610: the GPUs and their free memory; n580: the
+(:meth:`~coldsnap.activation.restore_inputs.RestoreInputs.replica`). What the restore brings back and where
+(the unit, the port, the weights' mode, the GPUs) is decided by :mod:`coldsnap.activation.restore_inputs`, the
+rules the program's fast entry decided with (:mod:`coldsnap.activation.early_restore`): a tree the entry
+started is adopted where it decided the same, and abandoned, saying how it differed, where not.
+``criu check`` and the CUDA probe run in threads while the images are checked. What a driver admits on top (n610: the GPUs and their free memory; n580: the
 template's placement) is the driver's (:mod:`coldsnap.activation.drivers`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import stat
@@ -22,11 +26,13 @@ from pathlib import Path
 from typing import Any, Callable, Literal
 
 from coldsnap.activation.artifact_dir import ArtifactDir
-from coldsnap.activation.early_restore import EarlyRestore, early_restore
+from coldsnap.activation.early_restore import NOT_RUN, EarlyRestore, FastEntry
 from coldsnap.activation.operation_locks import hold_port
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.ranks import rank_prefix
-from coldsnap.activation.replica import Replica, plan_replica, refuse_gpus_for_a_cpu_artifact, serving_port
+from coldsnap.activation.replica_plan import GpuPlacement, PortsTaken, Replica
+from coldsnap.activation.restore_inputs import RestoreInputs, decide, differences
+from coldsnap.activation.units import moved_addresses
 from coldsnap.activation.staging import stages_rank
 from coldsnap.activation.standby import live_standby
 from coldsnap.activation.state import artifact_id, host_cache_dir
@@ -40,11 +46,11 @@ from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file, verify_files
 from coldsnap.snapshot.criu import MINIMUM_VERSION, CriuError, checked_criu
 from coldsnap.snapshot.criu_images import ImageFormatError
-from coldsnap.snapshot.cuda_checkpoint import cached_probe_cuda
+from coldsnap.snapshot.cuda_checkpoint import cached_probe_cuda, cuda_devices
 from coldsnap.snapshot.host_files import changed_host_files
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, thp_mode
 
-__all__ = ["Admitted", "WeightSource", "admit", "launcher_stages", "weight_sources"]
+__all__ = ["Admitted", "WeightSource", "admit", "gpu_placement", "launcher_stages", "restore_inputs", "weight_sources"]
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,7 @@ class Admitted:
 
     descriptor: ArtifactDescriptor
     capsule: CapsuleManifest
+    inputs: RestoreInputs
     sources: dict[int, "WeightSource"]
     replica: Replica
     early: EarlyRestore | None = None
@@ -114,9 +121,8 @@ def _regular_file_size(path: Path) -> int | None:
     return status.st_size if stat.S_ISREG(status.st_mode) else None
 
 
-def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: UnitRecord
-                   ) -> tuple[CapsuleManifest, dict[int, "WeightSource"]]:
-    """The unit's capsule manifest and every image it lists, then each rank's weight source."""
+def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: UnitRecord) -> CapsuleManifest:
+    """The unit's capsule manifest and every image it lists, and the host files its tree maps."""
     timer, op = context.timer, context.request.operation
     with timer.span(f"{op}.admission.capsule") as span:
         capsule_path = artifact.capsule_path(unit.unit_id)
@@ -160,13 +166,12 @@ def _admit_capsule(context: OperationContext, artifact: ArtifactDir, unit: UnitR
                                   f"changed since capture: {'; '.join(changed[:20])}"
                                   f"{f' (and {len(changed) - 20} more)' if len(changed) > 20 else ''} — restore "
                                   "where they are as at capture, or capture again")
-    with timer.span(f"{op}.admission.payload") as span:
-        sources = weight_sources(context, artifact, unit.workers, span)
-    return capsule, sources
+    return capsule
 
 
-def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
-    """Every check restore can make without starting anything; raises OperationFailed with the first problem."""
+def admit(context: OperationContext, artifact: ArtifactDir, entry: FastEntry = NOT_RUN) -> Admitted:
+    """Every check restore can make without starting anything; raises OperationFailed with the first problem.
+    ``entry``: what the program's entry did for this restore (its tree adopted here, or abandoned)."""
     timer = context.timer
     op = context.request.operation  # restore or warm: the same admission, each under its own span names
     with timer.span(f"{op}.admission.descriptor"):
@@ -181,7 +186,6 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
             raise OperationFailed("admission.driver", f"artifact is {descriptor.engine}/{descriptor.snapshot_driver}, "
                                   f"request asks {context.request.engine}/{context.request.snapshot_driver}")
         index = _admit_topology(context, descriptor)
-        refuse_gpus_for_a_cpu_artifact(context, artifact, descriptor.platform.gpu_model)
     # `criu check` (~0.1 s) and the CUDA probe (~0.15 s: driver init) run in threads while the capsule's
     # images are checked; their spans are the waits, in the order their failures are reported.
     cache_dir = host_cache_dir()
@@ -193,7 +197,11 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
             raise OperationFailed("admission.platform", f"captured on {descriptor.platform.arch}, this is {platform.machine()}")
         if context.request.policy.compatibility.kernel == "exact" and descriptor.platform.kernel != platform.release():
             raise OperationFailed("admission.kernel", f"captured on kernel {descriptor.platform.kernel}, this is {platform.release()}")
-    capsule, sources = _admit_capsule(context, artifact, unit := descriptor.units[index])
+    capsule = _admit_capsule(context, artifact, unit := descriptor.units[index])
+    inputs = restore_inputs(context, artifact, descriptor, capsule)
+    _refuse_gpus_for_a_cpu_artifact(artifact, inputs, descriptor.platform.gpu_model)
+    with timer.span(f"{op}.admission.payload") as span:
+        sources = weight_sources(context, artifact, unit.workers, inputs.weights_mode, span)
     if gpu_probe is not None:
         with timer.span(f"{op}.admission.gpu"):
             _admit_gpu(context, descriptor, gpu_probe.result())
@@ -220,25 +228,86 @@ def admit(context: OperationContext, artifact: ArtifactDir) -> Admitted:
         if not check.ok:
             raise OperationFailed("admission.criu", f"criu check failed: {check.output.splitlines()[-1:] or ''}")
     with timer.span(f"{op}.admission.port") as span:
-        port = serving_port(context, capsule)
-        early = early_restore() if op == "restore" else None
-        if early is not None and not early.matches(artifact.root, artifact_id(artifact.root), capsule.unit_id, port):
-            early.abandon()  # (another artifact, unit or port than the entry's: its tree and lock go)
-            early = None
-            span["early_restore_declined"] = "the entry's tree was for another artifact, unit or port"
+        early = _adopted(entry, inputs, artifact, span) if op == "restore" else None
         # One operation per port from here on: a concurrent restore, warm or wake of it loses here (the entry's
         # early restore took it already: this process holds it)
-        hold_port(context, port, str(artifact.root))
+        hold_port(context, inputs.serving_port, str(artifact.root))
         if early is not None:  # planned, probed and being restored since the entry: admitted, it is this one's
             context.held.callback(early.lock.release)  # (the port's lock too: released when the operation ends)
             replica = early.replica
             span["early_restore"] = True
         else:
-            replica = plan_replica(context, artifact, capsule, lambda: getattr(live_standby(artifact), "pid", None))
+            replica = _plan_replica(context, artifact, capsule, inputs)
         span["serving_port"] = replica.serving_port
         if replica.generation.shift:
             span["port_shift"] = replica.generation.shift
-    return Admitted(descriptor, capsule, sources, replica, early)
+    return Admitted(descriptor, capsule, inputs, sources, replica, early)
+
+
+def restore_inputs(context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
+                   capsule: CapsuleManifest) -> RestoreInputs:
+    """What this restore brings back and where (:func:`coldsnap.activation.restore_inputs.decide`), from the
+    strictly decoded request, descriptor and capsule: the rules the program's fast entry decided with."""
+    try:
+        captured = json.loads(artifact.request_path.read_text())
+    except (OSError, ValueError):
+        captured = None  # (the capture's GPUs then unknown: as unset)
+    return decide(context.request.to_json_value(), captured if isinstance(captured, dict) else None,
+                  descriptor.to_json_value(), capsule.to_json_value(), artifact.root)
+
+
+def _adopted(entry: FastEntry, inputs: RestoreInputs, artifact: ArtifactDir, span: dict[str, Any]) -> EarlyRestore | None:
+    """The tree the program's entry started, where it decided what admission decided (then this restore's); else
+    abandoned — its tree and its port's lock go — saying how it differed."""
+    early = entry.tree
+    if early is None or early.settled:
+        return None
+    differing = differences(early.inputs, inputs)
+    if early.artifact_id != artifact_id(artifact.root):
+        differing.append("the artifact's identity")
+    if differing:
+        early.abandon()
+        span["early_restore_declined"] = f"the entry decided otherwise: {'; '.join(differing)}"
+        return None
+    return early
+
+
+def _plan_replica(context: OperationContext, artifact: ArtifactDir, capsule: CapsuleManifest,
+                  inputs: RestoreInputs) -> Replica:
+    """This restore's :class:`Replica` (:meth:`RestoreInputs.replica`); ``admission.port`` when a port it needs is
+    taken (naming the artifact's warm standby when that is what holds the captured port)."""
+    # One unit of several: every unit's captured address → its new one, published here (every unit admits
+    # at once), so the probe binds where the restore will.
+    units = context.units
+    try:
+        return inputs.replica(moved_addresses(units.place(capsule.metadata.address)) if units is not None else None)
+    except PortsTaken as exc:
+        pid = getattr(live_standby(artifact), "pid", None) if exc.serving_port_taken else None
+        if pid is not None:
+            raise OperationFailed("admission.port", f"serving port {inputs.serving_port} is held by a warm standby of "
+                                  f"this artifact (pid {pid}): `coldsnap wake {artifact.root}` makes it serve") from None
+        raise OperationFailed("admission.port", str(exc)) from None
+
+
+def gpu_placement(inputs: RestoreInputs, capsule: CapsuleManifest) -> GpuPlacement:
+    """This restore's :class:`GpuPlacement` (``admission.gpu`` when the request's GPUs are not there): the
+    request's ``CUDA_VISIBLE_DEVICES`` (``--gpu``) against the capture's."""
+    metadata = capsule.metadata
+    if not metadata.gpu_pids:
+        return GpuPlacement(pairs=[], launcher_ordinals={})
+    try:
+        return inputs.gpu_placement(metadata.gpu_uuids, [d["uuid"] for d in cuda_devices(host_cache_dir())])
+    except ValueError as exc:
+        raise OperationFailed("admission.gpu", str(exc)) from None
+
+
+def _refuse_gpus_for_a_cpu_artifact(artifact: ArtifactDir, inputs: RestoreInputs, gpu_model: str | None) -> None:
+    """``admission.gpu`` when the request places the engine on GPUs (``--gpu``: a ``CUDA_VISIBLE_DEVICES``
+    other than the capture's) and the artifact was captured without a GPU (no ``gpu_model`` recorded):
+    nothing of it would run there, so admitting it would promise what the restore does not do."""
+    if gpu_model is None and inputs.gpus is not None and inputs.gpus != inputs.captured_gpus:
+        raise OperationFailed("admission.gpu", f"GPU {inputs.gpus} asked for (--gpu), but {artifact.root} was "
+                              "captured without a GPU: it restores on the CPU, as captured; restore it without --gpu")
 
 
 def _admit_topology(context: OperationContext, descriptor: ArtifactDescriptor) -> int:
@@ -264,14 +333,13 @@ def _admit_topology(context: OperationContext, descriptor: ArtifactDescriptor) -
 WeightSource = Literal["native", "recovery"]
 
 
-def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: list[WorkerRecord],
+def weight_sources(context: OperationContext, artifact: ArtifactDir, workers: list[WorkerRecord], mode: str,
                    span: dict[str, Any]) -> dict[int, WeightSource]:
     """Where each rank's weights will come from, every file verified (stat-bound record or full hash):
     ``native`` the payload pack, ``recovery`` the safetensors the capture pinned — by ``weights.mode``:
     ``native`` needs the pack, ``recovery`` the safetensors, ``auto`` takes the pack and falls back to
-    the safetensors (with a warning) when the pack is missing or fails verification. The residual is
-    needed either way."""
-    mode = context.request.policy.weights.mode or "auto"
+    the safetensors (with a warning) when the pack is missing or fails verification (``mode``: the request's,
+    :attr:`RestoreInputs.weights_mode`). The residual is needed either way."""
 
     def check(path: Path, sha256: str, record_dir: Path | None) -> str:
         if arrival_for(path) is not None:  # being pulled by this restore: each chunk is verified as it lands

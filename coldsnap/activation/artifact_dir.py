@@ -40,6 +40,7 @@ import os
 import shutil
 from pathlib import Path
 
+from coldsnap.activation.restore_inputs import unit_capsule, unit_images
 from coldsnap.activation.state import STANDBY_RECORD, STATE_DIR_ENV, artifact_id, state_root
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
@@ -85,10 +86,10 @@ class ArtifactDir:
         return self.root / "units" / unit_id
 
     def images(self, unit_id: str) -> Path:
-        return self.unit_dir(unit_id) / "images"
+        return unit_images(self.root, unit_id)
 
     def capsule_path(self, unit_id: str) -> Path:
-        return self.unit_dir(unit_id) / "capsule.json"
+        return unit_capsule(self.root, unit_id)
 
     def log_path(self, unit_id: str) -> Path:
         return self.root / "logs" / f"{unit_id}.log"

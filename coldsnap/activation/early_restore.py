@@ -22,52 +22,63 @@ places that rank's weights as the entry did; any failure before that kills the t
 memory (:meth:`EarlyRestore.abandon`). The restored tree holds no GPU memory until the CUDA restore, which
 only an admitted restore reaches, so an abandoned one loses nothing.
 
-Whatever this step does not handle — another command or flag (``--prepare-only``, ``--request-json``,
-``--owner``, units, ``oci://``, ``--host-thp``), sudo's caller as owner, not root, an n580 artifact, a
-file no record vouches for, a port or lock taken, any error — leaves everything to the full path, which
-does it all and reports what is wrong as before. ``COLDSNAP_EARLY_RESTORE=0`` turns the step off.
+What it restores and where — the unit, the serving port, the weights' mode, the GPUs, the replica — it
+decides with the rules admission decides with (:mod:`coldsnap.activation.restore_inputs`), from flags parsed
+by the CLI's own definitions (:func:`coldsnap.cli.flags.restore_arguments`); admission then checks that it
+decided the same. Whatever this step does not handle — another flag (``--prepare-only``, ``--request-json``,
+``--owner``, units, ``--host-thp``), ``oci://``, sudo's caller as owner, not root, an n580 artifact, a file
+no record vouches for, a port or lock taken, any error — leaves everything to the full path, which does it
+all and reports what is wrong as before; the receipt says why (``restore.admission.early``).
+``COLDSNAP_EARLY_RESTORE=0`` turns the step off.
+
+What it did is one object, :class:`FastEntry`, handed from the program's entry to the CLI and on to the
+restore (:func:`coldsnap.activation.lifecycle.restore`); whoever holds it last abandons a tree no restore adopted.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 from coldsnap.activation.operation_locks import LockHeld, OperationLock, PortLock
-from coldsnap.activation.replica_plan import PortsTaken, Replica, plan, write_replica_images
+from coldsnap.activation.replica_plan import PortsTaken, Replica, write_replica_images
+from coldsnap.activation.restore_inputs import (RequestProblem, RestoreInputs, aimed_request, chosen_unit, decide,
+                                               unit_capsule)
 from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root
+from coldsnap.cli.flags import restore_arguments
 from coldsnap.contracts.canonical import parse_strict_json
 from coldsnap.operation_ids import new_operation_id
 from coldsnap.payload.records import vouched_by_records
+from coldsnap.secrets.served_key import ApiKeyFileError, read_api_key
 from coldsnap.snapshot.criu import CriuSnapshotter, PendingRestore, SnapshotOptions
 from coldsnap.snapshot.thp import HOST_THP_ENV
 from coldsnap.settings import SETTINGS, SettingError
 
-__all__ = ["EARLY_RESTORE_ENV", "EarlyRestore", "abandon_unadopted", "early_decision", "early_restore", "start_tree"]
+__all__ = ["EARLY_RESTORE_ENV", "EarlyRestore", "EntryPlan", "FastEntry", "entry_plan", "start_tree"]
 
 EARLY_RESTORE_ENV = "COLDSNAP_EARLY_RESTORE"
 EARLY_STAGING_ENV = "COLDSNAP_EARLY_STAGING"
 """``0``: the entry starts CRIU but leaves the weights' staging to the restore's own step (after admission)."""
 
-_VALUED_FLAGS = ("--port", "--gpu", "--state-dir", "--receipt-json", "--timing-events", "--operation-id", "--weights",
-                 "--api-key-file")
-"""``coldsnap restore`` flags this step takes (none changes what CRIU restores but the port and the state
-directory; the API key is installed by the full path, after the ranks resumed); any other flag leaves the
-restore to the full path."""
+_TAKEN = frozenset({"artifact", "port", "gpu", "weights", "api_key_file", "state_dir", "receipt_json", "timing_events",
+                    "operation_id"})
+"""The destinations of ``coldsnap restore``'s flags this step takes (none changes what CRIU restores but the
+port and the state directory; the API key is installed by the full path, after the ranks resumed); any other
+flag given leaves the restore to the full path."""
 
 
 @dataclass
 class EarlyRestore:
     """A tree whose CRIU restore this process started at its entry, not yet adopted by the restore."""
 
-    root: Path
-    """The artifact directory (resolved)."""
+    inputs: RestoreInputs
+    """What the entry decided (admission checks it decides the same: :func:`~coldsnap.activation.restore_inputs.differences`)."""
     artifact_id: str
-    unit_id: str
     operation_id: str
     replica: Replica
     lock: OperationLock
@@ -79,23 +90,19 @@ class EarlyRestore:
     criu_started_ns: int
     staging: EarlyStaging | None = None
     """The launcher's staging of the ranks' weights, started beside CRIU (where it stages)."""
-    _done: bool = False
-
-    def matches(self, root: Path, identity: str, unit_id: str, serving_port: int) -> bool:
-        """Whether the admitted restore is the one this step started (same artifact bytes, unit and port)."""
-        return ((not self._done) and root.resolve() == self.root and identity == self.artifact_id
-                and unit_id == self.unit_id and serving_port == self.replica.serving_port)
+    settled: bool = False
+    """Adopted by the restore (its to finish) or abandoned: nobody's to take any more."""
 
     def adopt(self) -> PendingRestore:
         """The restore's from here on: its CRIU to finish (and to kill on failure, as its own)."""
-        self._done = True
+        self.settled = True
         return self.pending
 
     def abandon(self) -> None:
         """Kill the tree and release the port (an admission failed, or another restore was admitted)."""
-        if self._done:
+        if self.settled:
             return
-        self._done = True
+        self.settled = True
         self.pending.abandon()
         if self.staging is not None:
             self.staging.drop()
@@ -148,36 +155,31 @@ class EarlyStaging:
         self.stagers.clear()
 
 
-_started: EarlyRestore | None = None
-_declined: str | None = "the program's entry did not run it"  # why no tree was started (None: one was)
+@dataclass
+class FastEntry:
+    """What the program's entry did for this ``coldsnap restore``: the tree it started, or why it declined."""
+
+    tree: EarlyRestore | None
+    declined: str | None
+    """Why no tree was started (None: one was): the receipt's ``restore.admission.early``."""
+
+    def abandon(self) -> None:
+        """A tree no restore adopted is killed (a no-op once adopted, or when none was started)."""
+        if self.tree is not None:
+            self.tree.abandon()
+
+
+NOT_RUN = FastEntry(None, "the program's entry did not run it")
+"""A restore started otherwise than by ``coldsnap restore`` (in process, a capture's check restore)."""
 
 
 class _Declined(Exception):
     """The fast entry leaves this restore to the full path, for the reason given (the receipt says it)."""
 
 
-def early_decision() -> tuple[bool, str | None]:
-    """Whether the entry started this restore's tree, and why not when it did not (the receipt's
-    ``restore.admission.early``)."""
-    return _declined is None, _declined
-
-
-def early_restore() -> EarlyRestore | None:
-    """The tree this process's entry started, until a restore adopts or abandons it."""
-    return _started if _started is not None and not _started._done else None
-
-
-def abandon_unadopted() -> None:
-    """At the program's end: a tree no restore adopted (a usage error after the entry started it) is killed."""
-    pending = early_restore()
-    if pending is not None:
-        pending.abandon()
-
-
-def start_tree(argv: list[str], origin: tuple[int, int] | None = None) -> None:
-    """``coldsnap restore`` ARGV's tree started (:func:`early_restore` has it), or nothing done. Never raises.
-    ``origin``: (monotonic, unix) nanoseconds of the program's start, the operation's clock (default now)."""
-    global _started, _declined
+def start_tree(argv: list[str], origin: tuple[int, int] | None = None) -> FastEntry:
+    """``coldsnap restore`` ARGV's tree started, or nothing done and why. Never raises. ``origin``: (monotonic,
+    unix) nanoseconds of the program's start, the operation's clock (default now)."""
     origin = origin or (time.monotonic_ns(), time.time_ns())
     try:
         try:
@@ -185,45 +187,82 @@ def start_tree(argv: list[str], origin: tuple[int, int] | None = None) -> None:
                 raise _Declined(f"{EARLY_RESTORE_ENV} is off")
         except SettingError as exc:  # the full path says what is wrong, if anything reads it
             raise _Declined(str(exc)) from None
-        flags = _flags(argv)
         if os.geteuid() != 0:
             raise _Declined("not root")
         if os.environ.get("SUDO_UID") or os.environ.get("SUDO_GID"):
             raise _Declined("under sudo (the full path hands what it writes to the caller)")
         if SETTINGS.text(HOST_THP_ENV):
             raise _Declined("--host-thp (the host's THP mode is switched by the full path)")
-        _started = _start(flags, origin)
-        _declined = None
+        return FastEntry(_start(entry_plan(argv), origin), None)
     except _Declined as declined:
-        _started, _declined = None, str(declined)
+        return FastEntry(None, str(declined))
     except Exception as exc:  # noqa: BLE001 - the full path does everything again and says what is wrong
-        _started, _declined = None, f"{type(exc).__name__}: {exc}"
+        return FastEntry(None, f"{type(exc).__name__}: {exc}")
 
 
-def _flags(argv: list[str]) -> dict[str, str]:
-    """``DIR`` and the valued flags of :data:`_VALUED_FLAGS` (``--flag V`` or ``--flag=V``); :class:`_Declined`
-    for anything else."""
-    flags: dict[str, str] = {}
-    tokens = iter(argv)
-    for token in tokens:
-        if token.startswith("-"):
-            name, equals, value = token.partition("=")
-            if name not in _VALUED_FLAGS or name in flags:
-                raise _Declined(f"{name} is not an option the fast entry takes" if name not in _VALUED_FLAGS
-                                else f"{name} given twice")
-            value = value if equals else next(tokens, "")
-            if not value:
-                raise _Declined(f"{name} without a value")
-            flags[name] = value
-        elif "://" in token:
-            raise _Declined("an oci:// reference (pulled by the full path first)")
-        elif "DIR" in flags:
-            raise _Declined(f"a second operand {token!r}")
-        else:
-            flags["DIR"] = token
-    if "DIR" not in flags:
+class _EntryParser(argparse.ArgumentParser):
+    """The restore's own flags (:func:`~coldsnap.cli.flags.restore_arguments`), a bad one declined, not exited on."""
+
+    def error(self, message: str) -> NoReturn:
+        raise _Declined(f"the arguments: {message}")
+
+
+def _parsed(argv: list[str]) -> argparse.Namespace:
+    """ARGV as ``coldsnap restore`` parses it; :class:`_Declined` for a flag given that the entry does not take."""
+    parser = _EntryParser(prog="coldsnap restore", add_help=False)
+    restore_arguments(parser)
+    args = parser.parse_args(argv)
+    for action in parser._actions:
+        if action.dest not in _TAKEN and getattr(args, action.dest) != action.default:
+            raise _Declined(f"{max(action.option_strings, key=len)} is not an option the fast entry takes")
+    if args.artifact is None:
         raise _Declined("no artifact directory")
-    return flags
+    if "://" in args.artifact:
+        raise _Declined("an oci:// reference (pulled by the full path first)")
+    return args
+
+
+@dataclass(frozen=True)
+class EntryPlan:
+    """What the entry decided from its argv and the artifact's JSON, before it touches anything."""
+
+    args: argparse.Namespace
+    inputs: RestoreInputs
+    descriptor: dict[str, Any]
+    captured: dict[str, Any]
+    """The capture's ``request.json``."""
+    request: dict[str, Any]
+    """This restore's request (:func:`~coldsnap.activation.restore_inputs.aimed_request`)."""
+    capsule: dict[str, Any]
+
+
+def entry_plan(argv: list[str]) -> EntryPlan:
+    """The restore ARGV asks for, decided as admission decides it (:func:`~coldsnap.activation.restore_inputs.decide`);
+    :class:`_Declined` where the entry leaves it to the full path. Reads files, changes nothing."""
+    args = _parsed(argv)
+    root = Path(args.artifact).resolve()
+    descriptor = parse_strict_json((root / "artifact.json").read_bytes())
+    captured = parse_strict_json((root / "request.json").read_bytes())
+    if args.api_key_file:
+        try:
+            read_api_key(Path(args.api_key_file))
+        except ApiKeyFileError as exc:
+            raise _Declined(f"--api-key-file: {exc}") from None
+    try:
+        request = aimed_request(captured, "restore", root, args.operation_id or "", args, None)
+    except RequestProblem as exc:
+        raise _Declined(str(exc)) from None
+    if (descriptor.get("snapshot_driver") != "n610" or len(descriptor["units"]) != 1
+            or _object(descriptor, "platform", "arch") != os.uname().machine):  # (platform.machine(), unimported)
+        raise _Declined("not a one-unit n610 artifact of this machine's architecture")
+    _, unit = chosen_unit(request, descriptor)
+    capsule_path = root / _object(unit, "capsule", "path")
+    if capsule_path != unit_capsule(root, unit["unit_id"]):
+        raise _Declined("the capsule is not beside its images")
+    capsule = parse_strict_json(capsule_path.read_bytes())
+    if capsule.get("unit_id") != unit["unit_id"]:
+        raise _Declined("the capsule is another unit's")
+    return EntryPlan(args, decide(request, captured, descriptor, capsule, root), descriptor, captured, request, capsule)
 
 
 def _object(document: Any, *keys: str) -> Any:
@@ -233,27 +272,15 @@ def _object(document: Any, *keys: str) -> Any:
     return document
 
 
-def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore:
-    if "--state-dir" in flags:  # (as the full path's --state-dir does)
-        SETTINGS.give(STATE_DIR_ENV, os.path.abspath(flags["--state-dir"]))
-    root = Path(flags["DIR"]).resolve()
-    descriptor = parse_strict_json((root / "artifact.json").read_bytes())
-    captured = parse_strict_json((root / "request.json").read_bytes())
-    units = _object(descriptor, "units")
-    if (descriptor.get("snapshot_driver") != "n610" or len(units) != 1 or len(captured.get("units") or [{}]) != 1
-            or _object(descriptor, "platform", "arch") != os.uname().machine):  # (platform.machine(), unimported)
-        raise _Declined("not a one-unit n610 artifact of this machine's architecture")
-    unit = units[0]
+def _start(decided: EntryPlan, origin: tuple[int, int]) -> EarlyRestore:
+    args, inputs, capsule = decided.args, decided.inputs, decided.capsule
+    if args.state_dir:  # (as the full path's --state-dir does)
+        SETTINGS.give(STATE_DIR_ENV, os.path.abspath(args.state_dir))
+    root, images = inputs.artifact, inputs.images
     identity = artifact_id(root)
     records = state_root() / identity / "records"
-    capsule_path = root / _object(unit, "capsule", "path")
-    images = root / "units" / unit["unit_id"] / "images"
-    if capsule_path.parent != images.parent:
-        raise _Declined("the capsule is not beside its images")
-    capsule = parse_strict_json(capsule_path.read_bytes())
-    if capsule.get("unit_id") != unit["unit_id"]:
-        raise _Declined("the capsule is another unit's")
-    files = [(capsule_path, _object(unit, "capsule", "sha256"))]
+    capsule_path = unit_capsule(root, inputs.unit_id)
+    files = [(capsule_path, _object(decided.descriptor, "units", inputs.unit_index, "capsule", "sha256"))]
     files += [(images / entry["path"], entry["sha256"]) for entry in capsule["files"]]
     record_dirs = {folder: records / folder.relative_to(root) for folder in {path.parent for path, _ in files}}
     if any(".." in Path(entry["path"]).parts for entry in capsule["files"]):
@@ -262,18 +289,14 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore:
         raise _Declined("its files are not vouched for by this host's validation records yet (the full path checks "
                         "and records them: the next restore here takes the fast entry)")
     metadata = capsule["metadata"]
-    port = int(flags["--port"]) if "--port" in flags else (captured.get("units") or [{}])[0].get("serving_port") \
-        or metadata["serving_port"]
-    operation_id = flags.get("--operation-id") or new_operation_id("restore")
+    operation_id = args.operation_id or new_operation_id("restore")
     try:
-        lock = PortLock(port, "restore", operation_id, str(root)).acquire()
+        lock = PortLock(inputs.serving_port, "restore", operation_id, str(root)).acquire()
     except LockHeld as exc:
         raise _Declined(f"the port's lock is held: {exc}") from None
     pending: PendingRestore | None = None
     try:
-        template = metadata.get("template")
-        replica = plan(images, metadata["serving_port"], port, {w["rank"]: w["control"] for w in metadata["workers"]},
-                       template["control"] if template else None)
+        replica = inputs.replica()
         checked_ns = time.monotonic_ns() - origin[0]
         state_dir = state_root() / identity / replica.name
         state_dir.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -286,10 +309,10 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore:
         criu_started_ns = time.monotonic_ns() - origin[0]
         pending = CriuSnapshotter(options=SnapshotOptions(tcp=metadata["criu_tcp"])).start_restore(
             copy, state_dir, root, own_images=True)
-        staging = _start_staging(flags, captured, unit, metadata, root, records, origin) \
+        staging = _start_staging(decided, records, origin) \
             if metadata.get("gpu_pids") and SETTINGS.flag(EARLY_STAGING_ENV) else None
-        return EarlyRestore(root, identity, unit["unit_id"], operation_id, replica, lock, pending, origin,
-                            (0, checked_ns), criu_started_ns, staging)
+        return EarlyRestore(inputs, identity, operation_id, replica, lock, pending, origin, (0, checked_ns),
+                            criu_started_ns, staging)
     except PortsTaken as exc:
         lock.release()
         raise _Declined(f"the replica's ports: {exc}") from None
@@ -300,20 +323,17 @@ def _start(flags: dict[str, str], origin: tuple[int, int]) -> EarlyRestore:
         raise
 
 
-def _start_staging(flags: dict[str, str], captured: dict, unit: dict, metadata: dict, root: Path, records: Path,
-                   origin: tuple[int, int]) -> EarlyStaging:
+def _start_staging(decided: EntryPlan, records: Path, origin: tuple[int, int]) -> EarlyStaging:
     """Each rank's weights staged as the restore would stage them (:func:`~coldsnap.activation.staging.stages_rank`),
     where its packs are vouched for by their records and its GPUs, placed as the request places them, have
     room for the whole restore (:func:`~coldsnap.activation.gpu_room.shortfalls`); decided on a thread."""
     from coldsnap.activation.gpu_room import LAUNCHER_CONTEXT_BYTES, needs_per_gpu, shortfalls
-    from coldsnap.activation.replica_plan import gpu_remap
     from coldsnap.activation.staging import WeightStager, stages_rank
     from coldsnap.activation.state import host_cache_dir
 
-    mode = flags.get("--weights") or ((captured.get("policy") or {}).get("weights") or {}).get("mode") or "auto"
-    request_unit = (captured.get("units") or [{}])[0]
-    requested = flags.get("--gpu") or (request_unit.get("env") or {}).get("CUDA_VISIBLE_DEVICES")
-    captured_visible = (request_unit.get("env") or {}).get("CUDA_VISIBLE_DEVICES")
+    inputs, metadata = decided.inputs, decided.capsule["metadata"]
+    root, mode = inputs.artifact, inputs.weights_mode
+    unit = decided.descriptor["units"][inputs.unit_index]
     by_rank = {w["rank"]: w for w in metadata["workers"]}
 
     def decide() -> tuple[dict[int, Any], dict[int, int], dict[str, int]]:
@@ -331,7 +351,7 @@ def _start_staging(flags: dict[str, str], captured: dict, unit: dict, metadata: 
         if not ranks:
             return {}, {}, {}
         current = [device["uuid"] for device in cuda_devices(host_cache_dir())]
-        placement = gpu_remap(metadata["gpu_uuids"], captured_visible, current, requested)
+        placement = inputs.gpu_placement(metadata["gpu_uuids"], current)
         cuda_regions = {by_rank[rank]["pid"]: {tag: r["high_water"] for tag, r in by_rank[rank]["regions"].items()
                                                if r["backend"] == "cuda"} for rank in by_rank}
         needs = needs_per_gpu([(u["gpu_uuid"], u["pid"], u["serving_bytes"]) for u in metadata.get("gpu_memory", [])],

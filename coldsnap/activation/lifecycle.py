@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from coldsnap.activation.admission import Admitted, admit, weight_sources
+from coldsnap.activation.admission import Admitted, admit, restore_inputs, weight_sources
 from coldsnap.activation.artifact_dir import ArtifactDir, claim_state
 from coldsnap.activation.drivers import driver_for
-from coldsnap.activation.early_restore import early_decision, early_restore
+from coldsnap.activation.early_restore import NOT_RUN, FastEntry
 from coldsnap.activation.operation_locks import hold_port, hold_standby
 from coldsnap.activation.standby import DEFAULT_TTL_S, live_standby
 from coldsnap.activation.state import artifact_id
@@ -69,31 +69,32 @@ def capture(context: OperationContext, ready_timeout: float | None = None) -> Op
         return driver.capture(context, artifact, ready_timeout, restore)
 
 
-def restore(context: OperationContext, artifact: ArtifactDir | None = None) -> OperationOutcome:
-    """``artifact``: the request's by default; a capture's check restore passes its pending one."""
+def restore(context: OperationContext, artifact: ArtifactDir | None = None, entry: FastEntry = NOT_RUN
+            ) -> OperationOutcome:
+    """``artifact``: the request's by default; a capture's check restore passes its pending one. ``entry``: what
+    the program's entry did for this restore (:func:`coldsnap.activation.early_restore.start_tree`): its tree is
+    adopted by admission, or killed here."""
     checking = artifact is not None  # (a capture's own restore: no program entry to speak of)
     artifact = artifact or ArtifactDir(Path(context.request.artifact))
-    early = early_restore()  # the tree this process's entry started: adopted by admission, or killed here
-    if early is not None:
-        context.timer.add_timeline_span(f"{context.request.operation}.admission.early", *early.checked_ns,
+    if entry.tree is not None:
+        context.timer.add_timeline_span(f"{context.request.operation}.admission.early", *entry.tree.checked_ns,
                                         decision="taken")
     elif context.request.operation == "restore" and not checking:
-        # the fast entry declined (or never ran: a restore from --request-json or in-process): why, in the receipt
-        _, reason = early_decision()
+        # the fast entry declined (or never ran: a restore in-process): why, in the receipt
         now = context.timer.now_ns()
-        context.timer.add_timeline_span("restore.admission.early", now, now, decision="declined", reason=reason or "")
-        context.progress(f"the fast entry declined ({reason}); the full path restores")
+        context.timer.add_timeline_span("restore.admission.early", now, now, decision="declined",
+                                        reason=entry.declined or "")
+        context.progress(f"the fast entry declined ({entry.declined}); the full path restores")
     try:
-        return _restore(context, artifact)
+        return _restore(context, artifact, entry)
     finally:
-        if early is not None:
-            early.abandon()  # (a no-op once adopted)
+        entry.abandon()  # (a no-op once adopted)
 
 
-def _restore(context: OperationContext, artifact: ArtifactDir) -> OperationOutcome:
+def _restore(context: OperationContext, artifact: ArtifactDir, entry: FastEntry) -> OperationOutcome:
     with unit_activation(context) as units:
         claim_state(context.hand_over, artifact)
-        admitted = admit(context, artifact)
+        admitted = admit(context, artifact, entry)
         driver = driver_for(admitted.descriptor.snapshot_driver)
         placement = driver.admit_placement(context, artifact, admitted)
         if units is not None:
@@ -113,7 +114,7 @@ def _every_unit_admitted(context: OperationContext, units: UnitRendezvous, artif
             raise OperationFailed("admission.port", f"the units' port generations differ (shifts {shifts}): "
                                   "restore every unit onto the same serving port")
         captured = admitted.capsule.metadata.address
-        others = {a for a in units.placed if a != captured}  # (published at admission: plan_replica)
+        others = {a for a in units.placed if a != captured}  # (published at admission: admission._plan_replica)
         if shifts[0] and connections_to(artifact.images(admitted.capsule.unit_id), packed_addresses(others)):
             raise OperationFailed("admission.port", f"the units' trees are connected to each other, which "
                                   f"ties their ports to the capture's: restore onto the captured serving port "
@@ -176,7 +177,8 @@ def wake(context: OperationContext) -> OperationOutcome:
             if live_standby(artifact) is None:
                 raise OperationFailed("wake.standby", f"the warm standby of {artifact.root} was woken or stopped meanwhile")
         with context.timer.span("wake.admission.payload") as span:
-            sources = weight_sources(context, artifact, unit.workers, span)
+            mode = restore_inputs(context, artifact, descriptor, capsule).weights_mode
+            sources = weight_sources(context, artifact, unit.workers, mode, span)
         if units is not None:  # every unit's standby is there before any rank hydrates
             with context.timer.span("wake.units.admitted"):
                 units.barrier("wake.admitted")

@@ -34,7 +34,7 @@ from coldsnap.activation.admission import Admitted, WeightSource
 from coldsnap.activation.capture_steps import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
-from coldsnap.activation.replica import Replica, serving_port
+from coldsnap.activation.replica_plan import Replica
 from coldsnap.activation.restore_steps import RestoreSequence
 from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
@@ -260,9 +260,10 @@ class TemplateCapture(CaptureSequence):
 
 
 def template_placement(context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
-                       capsule: CapsuleManifest, sources: dict[int, WeightSource], agent_control: str) -> PlacementRecord:
+                       capsule: CapsuleManifest, sources: dict[int, WeightSource], agent_control: str,
+                       serving_port: int) -> PlacementRecord:
     """What this restore hands the template, checked against its placement ABI (``admission.placement``):
-    the request's serving port and environment (``CUDA_VISIBLE_DEVICES`` there selects the GPU), a fresh
+    the serving port (:attr:`~coldsnap.activation.restore_inputs.RestoreInputs.serving_port`), the request's environment (``CUDA_VISIBLE_DEVICES`` there selects the GPU), a fresh
     agent socket, and the native pack the engine hydrates at load time (none for a recovery restore: the
     engine loads its safetensors itself)."""
     template = capsule.metadata.template
@@ -284,7 +285,7 @@ def template_placement(context: OperationContext, artifact: ArtifactDir, descrip
         raise OperationFailed("admission.placement", f"the template speaks placement ABI {template.placement_abi}; this "
                               f"build speaks {', '.join(map(str, PLACEMENT_ABIS))}")
     try:
-        record = PlacementRecord(abi=template.placement_abi, serving_port=serving_port(context, capsule),
+        record = PlacementRecord(abi=template.placement_abi, serving_port=serving_port,
                                  visible_devices=env.pop("CUDA_VISIBLE_DEVICES", None), env=env)
         check_placement_abi(template.placement_abi, record, template.nvidia_driver, nvidia_kernel_driver())
     except (ValueError, PlacementRefused) as exc:  # (a pydantic ValidationError is a ValueError)
@@ -371,7 +372,7 @@ def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: 
     """What the template will be handed, checked before anything starts (``admission.placement``)."""
     with context.timer.span("restore.admission.placement"):
         return template_placement(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources,
-                                  admitted.replica.controls[0])
+                                  admitted.replica.controls[0], admitted.inputs.serving_port)
 
 
 def restore(context: OperationContext, artifact: ArtifactDir, admitted: Admitted, placement: PlacementRecord

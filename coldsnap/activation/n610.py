@@ -14,11 +14,11 @@ import functools
 import time
 from typing import TYPE_CHECKING, Callable
 
-from coldsnap.activation.admission import Admitted, WeightSource, launcher_stages
+from coldsnap.activation.admission import Admitted, WeightSource, gpu_placement, launcher_stages
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.gpu_memory import admit_gpu_memory
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.activation.replica import GpuPlacement, gpu_placement
+from coldsnap.activation.replica_plan import GpuPlacement
 from coldsnap.activation.restore_steps import RestoreSequence
 from coldsnap.activation.standby import StandbyRecord, record_path
 from coldsnap.agent.client import AgentClient
@@ -57,7 +57,7 @@ def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: 
     """The GPUs the ranks go to (``admission.gpu``) and their room (``admission.gpu_memory``)."""
     op = context.request.operation
     with context.timer.span(f"{op}.admission.gpus"):
-        gpus = gpu_placement(context, artifact, admitted.capsule)
+        gpus = gpu_placement(admitted.inputs, admitted.capsule)
     with context.timer.span(f"{op}.admission.gpu_memory") as span:
         # (a standby's agents hydrate at its wake: the launcher stages nothing for a warm)
         staging = launcher_stages(op, admitted.descriptor, admitted.capsule, admitted.sources)

@@ -1,6 +1,6 @@
 """One restore's replica and its GPUs, planned from plain facts of its image (standard library only).
 
-:func:`coldsnap.activation.replica.plan_replica` plans admission's replica from the decoded capsule;
+admission plans its replica from the decoded capsule (:mod:`coldsnap.activation.restore_inputs`);
 a restore's first step (:mod:`coldsnap.activation.early_restore`) plans the same one before pydantic is
 imported, so that CRIU can start then. Both call :func:`plan`: the serving port and the port generation
 that moves the tree's other ports with it, every bind the restored tree will make probed, the agents'

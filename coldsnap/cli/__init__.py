@@ -6,23 +6,39 @@ to stderr. Bad input exits with status 2 and one line per problem, never a trace
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
+from typing import TYPE_CHECKING, Any
 
-from coldsnap.cli.handlers import VALIDATORS
-from coldsnap.cli.parser import build_parser, capture_request
-from coldsnap.cli.requests import _artifact_request, _capture_request, _infer_engine, new_operation_id, port_number
-from coldsnap.operation import EXIT_OK, EXIT_USAGE
-from coldsnap.settings import SettingError
+if TYPE_CHECKING:
+    from coldsnap.activation.early_restore import FastEntry
 
-# the package's parts: parser (one function per command), requests (what the friendly flags stand for),
-# handlers (what each command does); the tests reach the request builders through here
-__all__ = ["VALIDATORS", "_artifact_request", "_capture_request", "_infer_engine", "build_parser", "capture_request",
-           "main", "new_operation_id", "port_number", "run"]
+# the package's parts: flags (the flags commands share, standard library only: the restore's fast entry
+# parses with them), parser (one function per command), requests (what the friendly flags stand for),
+# handlers (what each command does); the tests reach the request builders through here. They are imported
+# when first named, so that importing coldsnap.cli.flags alone imports none of them.
+_PARTS = {"VALIDATORS": "handlers", "build_parser": "parser", "capture_request": "parser",
+          "_artifact_request": "requests", "_capture_request": "requests", "_infer_engine": "requests",
+          "new_operation_id": "requests", "port_number": "requests"}
+__all__ = [*_PARTS, "main", "run"]
 
 
-def main(argv: list[str] | None = None) -> int:
+def __getattr__(name: str) -> Any:
+    if name not in _PARTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_PARTS[name]}"), name)
+
+
+def main(argv: list[str] | None = None, entry: FastEntry | None = None) -> int:
+    """``entry``: what the program's entry did for a ``coldsnap restore`` (:func:`coldsnap.activation.early_restore.start_tree`),
+    handed to the restore it is for."""
+    from coldsnap.cli.parser import build_parser
+    from coldsnap.operation import EXIT_OK, EXIT_USAGE
+    from coldsnap.settings import SettingError
+
     args = build_parser().parse_args(argv)
+    args.entry = entry
     try:
         return args.func(args)
     except SettingError as exc:  # a COLDSNAP_* variable its type does not allow (coldsnap/settings.py)
@@ -35,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def run() -> None:
+def run(entry: FastEntry | None = None) -> None:
     """The ``coldsnap`` program: :func:`main`, then out without tearing down what the OS reclaims anyway.
 
     By then everything is written and closed (receipt, timing events, staged memory); the interpreter's
@@ -43,11 +59,10 @@ def run() -> None:
     delays the exit a restore's caller waits for (~0.1 s on the H200). coldsnap registers no exit
     handlers of its own."""
     try:
-        status = main()
+        status = main(entry=entry)
     finally:
-        early = sys.modules.get("coldsnap.activation.early_restore")
-        if early is not None:  # a tree the entry started that no restore adopted (a usage error came first)
-            early.abandon_unadopted()
+        if entry is not None:  # a tree the entry started that no restore adopted (a usage error came first)
+            entry.abandon()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -214,10 +215,12 @@ def _run_lifecycle(args: argparse.Namespace, build: Callable[[argparse.Namespace
     if operation == "capture":
         from coldsnap.activation.lifecycle import capture as perform
     elif operation == "restore":
-        from coldsnap.activation.early_restore import early_restore
-        from coldsnap.activation.lifecycle import restore as perform
+        from coldsnap.activation.early_restore import NOT_RUN
+        from coldsnap.activation.lifecycle import restore
 
-        early = early_restore() if not args.request_json else None
+        entry = args.entry or NOT_RUN  # (what the program's entry did: handed to the restore it is for)
+        early = entry.tree
+        perform = functools.partial(restore, entry=entry)
     elif operation == "warm":
         from coldsnap.activation.lifecycle import warm as perform
     else:

@@ -14,7 +14,10 @@ from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 from coldsnap.cli.handlers import (VALIDATORS, _cmd_artifact_operation, _cmd_capabilities, _cmd_capture,
                                    _cmd_coordinator, _cmd_demo, _cmd_doctor, _cmd_payload_verify, _cmd_publish,
                                    _cmd_pull, _cmd_status, _cmd_validate, _cmd_version)
-from coldsnap.cli.requests import _capture_request, _env_name, _port_argument, _positive_int
+from coldsnap.cli.flags import (add_api_key_flag, add_host_thp_flag, add_operation_flags, add_owner_flag,
+                                add_state_dir_flag, add_unit_flags, add_weights_flag, port_argument, positive_int,
+                                restore_arguments)
+from coldsnap.cli.requests import _capture_request, _env_name
 from coldsnap.operation import EXIT_USAGE
 
 
@@ -42,45 +45,6 @@ which happened: `record` or `full-hash`.
 Exit status: 0 valid; 1 verified and rejected (digest mismatch); 2 usage error (missing or unreadable
 file, a name that is not <sha256>.pack/.residual without --expected, a malformed --expected).
 """
-
-
-def _add_operation_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--request-json", metavar="PATH|-", help="strict request (format 4) instead of the friendly flags; - for stdin")
-    p.add_argument("--receipt-json", metavar="PATH|-", help="write the one receipt (format 2) here; - for stdout (progress stays on stderr)")
-    p.add_argument("--timing-events", metavar="PATH|-", help="live NDJSON timing events (needs --receipt-json); a new absolute path or -")
-    p.add_argument("--operation-id", help="operation identity echoed in the receipt (default: "
-                   "OPERATION-<local time>-<pid>, e.g. restore-20261202T090450-3850)")
-    _add_owner_flag(p)
-
-
-def _add_owner_flag(p: argparse.ArgumentParser) -> None:
-    """``--owner UID:GID`` (a command that writes artifacts or state as root: the lifecycle operations,
-    publish, pull); :func:`coldsnap.ownership.resolve_owner` takes its value."""
-    p.add_argument("--owner", metavar="UID:GID", help="who gets every file and directory this writes under the "
-                   "artifact directory and the state directory, modes kept, failures included (default: the "
-                   "request's owner, else SUDO_UID:SUDO_GID under sudo, else they stay root's)")
-
-
-def _add_weights_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--weights", choices=["auto", "native", "recovery"], metavar="MODE",
-                   help="where the weights come from: auto (the native pack, else — missing or failing verification — "
-                   "the safetensors the capture pinned, with a warning), native (the pack or nothing), recovery (the "
-                   "pinned safetensors, replayed into the captured layout); default: the capture's policy (auto)")
-
-
-def _add_host_thp_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host-thp", action="store_true",
-                   help="switch this HOST's transparent huge pages to `always` while CRIU fills the restored memory "
-                   "(faster fill: CRIU 4.2 fills 4 KiB pages otherwise), then back to the mode it found (the last "
-                   "of concurrent restores puts it back). Every process on the host allocating meanwhile gets huge "
-                   "pages too: the host owner's call. Needs root. Same as COLDSNAP_HOST_THP=always")
-
-
-def _add_state_dir_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--state-dir", metavar="STATE",
-                   help="where restores write (STATE/<artifact id>/port-<P>/logs/<unit>.log is the log of the "
-                   "server restored on port P, STATE/<artifact id>/standby.json a warm standby's record); default "
-                   "$COLDSNAP_STATE_DIR, else $XDG_RUNTIME_DIR/coldsnap, else /run/coldsnap (root) or /tmp/coldsnap-<uid>")
 
 
 class CommandParser(argparse.ArgumentParser):
@@ -172,26 +136,6 @@ def _add_payload(commands: Any) -> None:
     p.set_defaults(func=_cmd_payload_verify)
 
 
-def _add_unit_flags(p: argparse.ArgumentParser) -> None:
-    """Unit K of an activation of N launch units, each on its own host, meeting at a coordinator."""
-    units = p.add_argument_group(
-        "one unit of several (each unit's host runs its own `coldsnap` with its own --unit; like torchrun's "
-        "--nnodes/--node-rank/--rdzv-endpoint)")
-    units.add_argument("--units", type=_positive_int, metavar="N", help="the activation's launch units (2 or more)")
-    units.add_argument("--unit", type=int, metavar="K", help="the unit this host runs, 0..N-1 (unit 0 serves HTTP "
-                       "and answers the canary)")
-    units.add_argument("--rendezvous", metavar="HOST:PORT", help="the activation's coordinator every unit joins "
-                       "(`coldsnap coordinator --units N`, or unit 0's --serve-rendezvous)")
-    units.add_argument("--rendezvous-token-file", metavar="F", help="the activation's token (>= 16 bytes), the same "
-                       "file content on every unit's host")
-    units.add_argument("--serve-rendezvous", metavar="HOST:PORT", help="this unit serves the coordinator itself, "
-                       "listening there (e.g. 0.0.0.0:29600 on unit 0); --rendezvous then defaults to --address:PORT")
-    units.add_argument("--rendezvous-timeout", type=_positive_int, metavar="SECONDS", help="how long to wait for the "
-                       "coordinator to answer first (default 60: a unit may start before the one serving it)")
-    units.add_argument("--address", metavar="ADDR", help="this unit's address, where the other units reach it "
-                       "(default: this host's address on its route to --rendezvous)")
-
-
 def _add_capture(commands: Any) -> None:
     p = commands.add_parser(
         "capture",
@@ -210,7 +154,7 @@ def _add_capture(commands: Any) -> None:
         "Exit 0 on success, 1 on a failed capture, 2 for bad input.",
     )
     p.add_argument("--out", help="artifact directory (must not hold a committed artifact)")
-    p.add_argument("--port", type=_port_argument, help="serving port (default: the command's --port)")
+    p.add_argument("--port", type=port_argument, help="serving port (default: the command's --port)")
     # The contract's names stay choices, so that one this build lacks is refused by name (request.unsupported).
     p.add_argument("--engine", choices=get_args(EngineName), help="engine adapter (default: from the command when it "
                    "runs vllm, sglang or coldsnap.workloads.torch_lm; needed otherwise; implemented in this build: "
@@ -261,8 +205,8 @@ def _add_capture(commands: Any) -> None:
                    "*AUTH* and the like, AWS_*, AZURE_*, DOCKER_CONFIG, GOOGLE_APPLICATION_CREDENTIALS, whose values would "
                    "otherwise be in the capsule's page images (docs/secrets.md). A variable passed on is recorded by name "
                    "in the artifact, and `coldsnap publish` refuses the artifact unless --allow-secrets")
-    _add_unit_flags(p)
-    _add_operation_flags(p)
+    add_unit_flags(p)
+    add_operation_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the serving command")
     p.set_defaults(func=_cmd_capture)
 
@@ -284,27 +228,8 @@ def _add_restore(commands: Any) -> None:
         "engine's own startup runs in it before the canary. Exit 0 when serving, 1 on a failed restore, 2 for bad "
         "input.",
     )
-    p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture, or "
-                   "oci://REF: pulled (verified) into STATE/oci/ first, before anything else")
-    p.add_argument("--prepare-only", action="store_true", help="admission only: check everything, start nothing")
-    p.add_argument("--port", type=_port_argument, metavar="P", help="serve on port P (default: the captured port); the "
-                   "tree's other bound ports move by the same shift")
-    p.add_argument("--gpu", metavar="N[,M...]", help="the GPU(s) to place the ranks on, in rank order "
-                   "(CUDA_VISIBLE_DEVICES of this host: ordinals or UUIDs; default: the capture's)")
-    _add_weights_flag(p)
-    _add_api_key_flag(p)
-    _add_host_thp_flag(p)
-    _add_state_dir_flag(p)
-    _add_unit_flags(p)
-    _add_operation_flags(p)
+    restore_arguments(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="restore")
-
-
-def _add_api_key_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--api-key-file", metavar="F", help="the restored server requires this API key from now on (vLLM, "
-                   "SGLang: what their --api-key does; F holds the key, one line): installed in its HTTP process "
-                   "before the canary, which asks with it. A capture never holds a key (docs/secrets.md); the "
-                   "request records the path, never the key")
 
 
 def _add_warm(commands: Any) -> None:
@@ -320,13 +245,13 @@ def _add_warm(commands: Any) -> None:
     )
     p.add_argument("artifact", nargs="?", metavar="DIR", help="artifact directory written by coldsnap capture, or "
                    "oci://REF: pulled (verified) into STATE/oci/ first")
-    p.add_argument("--ttl", type=_positive_int, metavar="SECONDS",
+    p.add_argument("--ttl", type=positive_int, metavar="SECONDS",
                    help="how long the standby waits for a wake before it stops itself (default 3600)")
-    _add_weights_flag(p)
-    _add_host_thp_flag(p)
-    _add_state_dir_flag(p)
-    _add_unit_flags(p)
-    _add_operation_flags(p)
+    add_weights_flag(p)
+    add_host_thp_flag(p)
+    add_state_dir_flag(p)
+    add_unit_flags(p)
+    add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="warm")
 
 
@@ -343,11 +268,11 @@ def _add_wake(commands: Any) -> None:
         "on a failed wake (or no standby: code wake.standby), 2 for bad input.",
     )
     p.add_argument("artifact", nargs="?", metavar="DIR|ID", help="artifact directory, or a standby id from coldsnap status")
-    _add_weights_flag(p)
-    _add_api_key_flag(p)
-    _add_state_dir_flag(p)
-    _add_unit_flags(p)
-    _add_operation_flags(p)
+    add_weights_flag(p)
+    add_api_key_flag(p)
+    add_state_dir_flag(p)
+    add_unit_flags(p)
+    add_operation_flags(p)
     p.set_defaults(func=_cmd_artifact_operation, operation="wake")
 
 
@@ -360,7 +285,7 @@ def _add_status(commands: Any) -> None:
         "(killed, expired) are removed on the way. Exit 0.",
     )
     p.add_argument("--json", action="store_true", help="machine-readable JSON on stdout")
-    _add_state_dir_flag(p)
+    add_state_dir_flag(p)
     p.set_defaults(func=_cmd_status)
 
 
@@ -382,7 +307,7 @@ def _add_demo(commands: Any) -> None:
     p.add_argument("--compile", action="store_true", help="vllm: keep torch.compile on (default --enforce-eager)")
     p.add_argument("--size", choices=["tiny", "1b", "8b"], default="tiny", help="workload size (default tiny)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
-    p.add_argument("--tp", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="torch-lm: tensor-parallel ranks (one GPU each with --device cuda; default 1)")
     p.add_argument("--dir", help="where to keep the model, artifact and receipts (default: a temporary directory, "
                    "removed at the end)")
@@ -439,7 +364,7 @@ def _add_pull(commands: Any) -> None:
     p.add_argument("reference", metavar="REF", help="REGISTRY/REPOSITORY[:TAG][@sha256:DIGEST] (oci:// optional)")
     p.add_argument("directory", metavar="DIR", help="where the artifact goes (must not exist, or hold the same one)")
     p.add_argument("--json", action="store_true", help="one JSON object on stdout: directory, digest, what was fetched")
-    _add_owner_flag(p)
+    add_owner_flag(p)
     p.set_defaults(func=_cmd_pull)
 
 
@@ -455,7 +380,7 @@ def _add_coordinator(commands: Any) -> None:
     )
     p.add_argument("--listen", required=True, metavar="HOST:PORT", help="where to listen; port 0 picks a free one")
     p.add_argument("--token-file", required=True, metavar="F", help="file holding the activation token (>= 16 bytes)")
-    p.add_argument("--ranks", required=True, type=_positive_int, metavar="N", help="number of ranks of the activation")
+    p.add_argument("--ranks", required=True, type=positive_int, metavar="N", help="number of ranks of the activation")
     p.add_argument("--units", type=int, default=0, metavar="N",
                    help="number of launch units whose launchers meet here (default 0: ranks only)")
     p.add_argument("--ttl", type=float, default=600.0, metavar="SECONDS", help="lifetime limit (default 600)")

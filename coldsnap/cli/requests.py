@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+from coldsnap.cli.flags import parse_port
 from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 
@@ -56,14 +57,6 @@ def _infer_engine(command: list[str]) -> str | None:
     return None
 
 
-def _port_argument(text: str) -> int:
-    """argparse's type for a port option: 1–65535, else argparse's one-line error."""
-    try:
-        return port_number(text, "a port")
-    except UsageError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def _env_name(text: str) -> str:
     """argparse's type for an environment variable's name."""
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", text):
@@ -72,25 +65,12 @@ def _env_name(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"want a whole number, not {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"want at least 1, not {value}")
-    return value
-
-
 def port_number(text: str | int, what: str = "the serving port") -> int:
     """``text`` as a TCP port (1–65535), or a :class:`UsageError` saying what was wrong."""
     try:
-        port = int(text)
-    except ValueError:
-        raise UsageError(f"{what} must be a number from 1 to 65535, not {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise UsageError(f"{what} must be from 1 to 65535, not {port}")
-    return port
+        return parse_port(text, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _served_model(command: list[str]) -> str | None:

@@ -16,63 +16,60 @@ from coldsnap.payload.records import vouched_by_records
 from coldsnap.payload.validation import hash_and_record, verify_file
 
 
-@pytest.mark.parametrize("argv, flags", [
-    (["art"], {"DIR": "art"}),
-    (["art", "--port", "8100", "--gpu=1"], {"DIR": "art", "--port": "8100", "--gpu": "1"}),
+@pytest.mark.parametrize("argv, taken", [
+    (["art"], {"artifact": "art"}),
+    (["art", "--port", "8100", "--gpu=1"], {"artifact": "art", "port": 8100, "gpu": "1"}),
     (["--receipt-json", "-", "art", "--timing-events", "/t/e.ndjson", "--state-dir", "/s"],
-     {"DIR": "art", "--receipt-json": "-", "--timing-events": "/t/e.ndjson", "--state-dir": "/s"}),
+     {"artifact": "art", "receipt_json": "-", "timing_events": "/t/e.ndjson", "state_dir": "/s"}),
     (["art", "--operation-id", "op-1", "--weights", "native"],
-     {"DIR": "art", "--operation-id": "op-1", "--weights": "native"}),
+     {"artifact": "art", "operation_id": "op-1", "weights": "native"}),
+    (["art", "--port", "1", "--port", "2"], {"artifact": "art", "port": 2}),  # (as the CLI: the last one)
 ])
-def test_the_first_step_takes_a_plain_restore(argv, flags):
-    assert early_restore._flags(argv) == flags
+def test_the_first_step_takes_a_plain_restore(argv, taken):
+    """Parsed by the CLI's own definition of ``coldsnap restore`` (coldsnap.cli.flags.restore_arguments)."""
+    args = vars(early_restore._parsed(argv))
+    assert {name: value for name, value in args.items() if value not in (None, False)} == taken
 
 
-@pytest.mark.parametrize("argv", [
-    [],                                           # no artifact: the CLI says so
-    ["art", "--prepare-only"],                    # admission only: nothing may start
-    ["--request-json", "-"],                      # a strict request: decoded before anything starts
-    ["art", "--owner", "1000:1000"],              # what it writes is handed over: claimed first
-    ["art", "--host-thp"],
-    ["art", "--units", "2", "--unit", "0"],       # one unit of several meets the others first
-    ["oci://registry/repo@sha256:" + "0" * 64],   # pulled first
-    ["art", "other"],
-    ["art", "--port"],                            # a flag without its value
-    ["art", "--port", "1", "--port", "2"],
-    ["art", "-h"],
-    ["art", "--"],
+@pytest.mark.parametrize("argv, reason", [
+    ([], "no artifact directory"),                                   # the CLI says so
+    (["art", "--prepare-only"], "--prepare-only is not an option"),  # admission only: nothing may start
+    (["--request-json", "-"], "--request-json is not an option"),    # a strict request: decoded first
+    (["art", "--owner", "1000:1000"], "--owner is not an option"),   # what it writes is handed over: claimed first
+    (["art", "--host-thp"], "--host-thp is not an option"),
+    (["art", "--units", "2", "--unit", "0"], "--units is not an option"),  # one unit of several meets the others
+    (["oci://registry/repo@sha256:" + "0" * 64], "an oci:// reference"),    # pulled first
+    (["art", "other"], "the arguments: unrecognized arguments: other"),
+    (["art", "--port"], "the arguments: argument --port: expected one argument"),
+    (["art", "--port", "70000"], "the arguments: argument --port: a port must be from 1 to 65535"),
+    (["art", "-h"], "the arguments: unrecognized arguments: -h"),
 ])
-def test_anything_else_is_left_to_the_full_path(argv):
+def test_anything_else_is_left_to_the_full_path(argv, reason):
     """Left with a reason, which the receipt's ``restore.admission.early`` says."""
     with pytest.raises(early_restore._Declined) as declined:
-        early_restore._flags(argv)
-    assert str(declined.value)
+        early_restore._parsed(argv)
+    assert str(declined.value).startswith(reason)
 
 
 def test_switched_off_or_not_root_it_starts_nothing(monkeypatch):
-    monkeypatch.setattr(early_restore, "_started", None)
     monkeypatch.setattr(early_restore, "_start", lambda *a: pytest.fail("the first step ran"))
-    monkeypatch.setattr(early_restore, "_declined", None)
     monkeypatch.setenv(early_restore.EARLY_RESTORE_ENV, "0")
-    early_restore.start_tree(["/nonexistent"])
-    assert early_restore.early_decision() == (False, "COLDSNAP_EARLY_RESTORE is off")  # (the receipt's reason)
+    entry = early_restore.start_tree(["/nonexistent"])
+    assert (entry.tree, entry.declined) == (None, "COLDSNAP_EARLY_RESTORE is off")  # (the receipt's reason)
     monkeypatch.delenv(early_restore.EARLY_RESTORE_ENV)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setenv("SUDO_UID", "1000")  # sudo's caller would own what it writes: claimed by the full path
-    early_restore.start_tree(["/nonexistent"])
-    assert early_restore.early_restore() is None
-    assert early_restore.early_decision()[1].startswith("under sudo")
+    entry = early_restore.start_tree(["/nonexistent"])
+    assert entry.tree is None and entry.declined.startswith("under sudo")
 
 
 def test_a_failure_inside_leaves_nothing_started(monkeypatch):
-    monkeypatch.setattr(early_restore, "_started", None)
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.delenv("SUDO_UID", raising=False)
     monkeypatch.delenv("SUDO_GID", raising=False)
-    monkeypatch.setattr(early_restore, "_declined", None)
-    early_restore.start_tree(["/nonexistent/artifact"])  # no artifact.json: the full path reports it
-    assert early_restore.early_restore() is None
-    assert early_restore.early_decision()[1].startswith("FileNotFoundError")
+    entry = early_restore.start_tree(["/nonexistent/artifact"])  # no artifact.json: the full path reports it
+    assert entry.tree is None and entry.declined.startswith("FileNotFoundError")
+    entry.abandon()  # (nothing to abandon: a no-op)
 
 
 def test_a_record_vouches_as_the_verifier_trusts_it(tmp_path):

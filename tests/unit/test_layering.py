@@ -59,6 +59,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("coldsnap.__main__", "coldsnap.activation.early_restore.start_tree"):
         "`coldsnap restore` starts CRIU before the CLI's imports (the module uses the standard library only; the "
         "full admission adopts or kills the tree)",
+    ("coldsnap.activation.early_restore", "coldsnap.cli.flags.restore_arguments"):
+        "the fast entry parses `coldsnap restore`'s argv with the CLI's own definition of its flags, so that a "
+        "flag is defined once for both ways into a restore (the module uses the standard library only)",
 }
 
 

@@ -68,12 +68,13 @@ def test_an_n580_placement_carries_the_port_the_gpu_the_units_env_and_the_pack(t
     monkeypatch.setattr(n580, "nvidia_kernel_driver", lambda: "590.1")  # ABI 2: any driver
     scene = _restore_scene(tmp_path, env={"CUDA_VISIBLE_DEVICES": "1", "HF_HUB_OFFLINE": "1",
                                           "COLDSNAP_TEMPLATE_PRELOAD": "torch", "COLDSNAP_PLACEMENT_ABI": "2"})
-    record = n580.template_placement(*scene, {0: "native"}, "@agent")
+    record = n580.template_placement(*scene, {0: "native"}, "@agent", 9100)
     assert record.abi == 2 and record.serving_port == 9100 and record.visible_devices == "1"
     assert record.env == {"HF_HUB_OFFLINE": "1", "COLDSNAP_CONTROL": "@agent", "COLDSNAP_WEIGHTS_MODE": "native",
                           "COLDSNAP_NATIVE_PACK": str(tmp_path / "payload" / "abc.pack"),
                           "COLDSNAP_GRAPHS": "after-ready"}  # graph policy recreate: eager first
-    recovery = n580.template_placement(*_restore_scene(tmp_path, port=None, graphs="retain"), {0: "recovery"}, "@agent")
+    recovery = n580.template_placement(*_restore_scene(tmp_path, port=None, graphs="retain"), {0: "recovery"}, "@agent",
+                                       8000)
     assert recovery.serving_port == 8000 and recovery.visible_devices is None  # the captured port
     assert recovery.env == {"COLDSNAP_CONTROL": "@agent", "COLDSNAP_WEIGHTS_MODE": "recovery"}  # the engine loads
 
@@ -88,21 +89,8 @@ def test_an_n580_placement_the_template_cannot_take_is_refused_at_admission(tmp_
 
     monkeypatch.setattr(n580, "nvidia_kernel_driver", lambda: host)
     with pytest.raises(OperationFailed) as caught:
-        n580.template_placement(*_restore_scene(tmp_path, abi=abi), {0: "native"}, "@agent")
+        n580.template_placement(*_restore_scene(tmp_path, abi=abi), {0: "native"}, "@agent", 9100)
     assert caught.value.code == "admission.placement" and problem in caught.value.message
-
-
-def test_a_restore_serves_on_the_requested_port_else_the_captured_one():
-    from types import SimpleNamespace as NS
-
-    from coldsnap.activation.replica import serving_port
-
-    def port(requested, template=None):
-        context = NS(request=NS(units=[NS(serving_port=requested)], unit=None))
-        return serving_port(context, NS(metadata=NS(serving_port=8000, template=template)))
-
-    assert port(None) == port(8000) == 8000
-    assert port(9000, template=NS()) == port(9000) == 9000  # n580 by placement, n610 by its port generation
 
 
 def test_the_template_runs_with_the_commands_own_python(tmp_path):

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from coldsnap.activation.replica import gpu_remap
+from coldsnap.activation.replica_plan import gpu_remap
 from coldsnap.activation.replica_plan import replica_control
 from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
 from coldsnap.snapshot.replica import (namespace_socket_names, path_socket_names, port_generation,
