@@ -265,7 +265,7 @@ def entry_plan(argv: list[str]) -> EntryPlan:
     return EntryPlan(args, decide(request, captured, descriptor, capsule, root), descriptor, captured, request, capsule)
 
 
-def _object(document: Any, *keys: str) -> Any:
+def _object(document: Any, *keys: str | int) -> Any:
     """``document[k0][k1]...``; KeyError/TypeError on anything missing (the caller falls back)."""
     for key in keys:
         document = document[key]
@@ -282,7 +282,8 @@ def _start(decided: EntryPlan, origin: tuple[int, int]) -> EarlyRestore:
     capsule_path = unit_capsule(root, inputs.unit_id)
     files = [(capsule_path, _object(decided.descriptor, "units", inputs.unit_index, "capsule", "sha256"))]
     files += [(images / entry["path"], entry["sha256"]) for entry in capsule["files"]]
-    record_dirs = {folder: records / folder.relative_to(root) for folder in {path.parent for path, _ in files}}
+    record_dirs: dict[Path, Path | None] = {folder: records / folder.relative_to(root)
+                                            for folder in {path.parent for path, _ in files}}
     if any(".." in Path(entry["path"]).parts for entry in capsule["files"]):
         raise _Declined("a capsule file outside its images")
     if not vouched_by_records(files, record_dirs):

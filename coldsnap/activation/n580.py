@@ -34,8 +34,7 @@ from coldsnap.activation.admission import Admitted, WeightSource
 from coldsnap.activation.capture_steps import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
-from coldsnap.activation.replica_plan import Replica
-from coldsnap.activation.restore_steps import RestoreSequence
+from coldsnap.activation.restore_steps import RestorePlan, RestoreSequence, Step
 from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor
@@ -296,18 +295,14 @@ def template_placement(context: OperationContext, artifact: ArtifactDir, descrip
 class TemplateRestore(RestoreSequence):
     """n580's restore: the template restored by CRIU, placed, and the engine's own startup proven by the canary."""
 
-    def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
-                 capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica,
-                 placement: PlacementRecord):
-        super().__init__(context, artifact, descriptor, capsule, sources, replica)
+    def __init__(self, plan: RestorePlan, placement: PlacementRecord):
+        super().__init__(plan)
         self.placement = placement
         self.agent_control = placement.env[CONTROL_ENV]
-        assert placement.serving_port is not None
-        self.serving_port = placement.serving_port
-        assert capsule.metadata.template is not None
-        self.template = capsule.metadata.template
-        assert replica.template_control is not None
-        self.template_control = replica.template_control
+        assert plan.metadata.template is not None and plan.replica is not None
+        self.template = plan.metadata.template
+        assert plan.replica.template_control is not None
+        self.template_control = plan.replica.template_control
         self.tree: RestoredTree | None = None
         self.link: TemplateLink | None = None  # until the agent's lease holds the engine
 
@@ -319,10 +314,10 @@ class TemplateRestore(RestoreSequence):
         with self.step(f"{self.op}.criu_restore", "restore.criu") as span:
             state_dir = self.state_dir()
             span["state_dir"] = str(state_dir)
-            self.tree = _restore_template(self.artifact, self.unit.unit_id, self.replica_images(state_dir),
+            self.tree = _restore_template(self.plan.artifact, self.plan.unit.unit_id, self.replica_images(state_dir),
                                           self.agent_control, state_dir)
-            self.restored_pid = span["pid"] = self.tree.pid
-        self.context.progress(f"template restored (pid {self.tree.pid})")
+            self.held.restored_pid = span["pid"] = self.tree.pid
+        self.plan.context.progress(f"template restored (pid {self.tree.pid})")
 
     def place(self) -> None:
         with self.step(f"{self.op}.place", "restore.place") as span:
@@ -330,10 +325,10 @@ class TemplateRestore(RestoreSequence):
                 self.link = TemplateClient(self.template_control).place(self.placement.to_json_value())
             except ValueError as exc:  # refused, or not a template's answer
                 raise OperationFailed("restore.place", str(exc)) from None
-            span["serving_port"] = self.serving_port
+            span["serving_port"] = self.plan.serving_port
             if self.placement.visible_devices is not None:
                 span["visible_devices"] = self.placement.visible_devices
-        self.context.progress(f"placed on port {self.serving_port}"
+        self.plan.context.progress(f"placed on port {self.plan.serving_port}"
                               + (f", GPU {self.placement.visible_devices}" if self.placement.visible_devices else "")
                               + f"; {self.template.command[0]} starting")
 
@@ -346,10 +341,10 @@ class TemplateRestore(RestoreSequence):
         with self.step(f"{self.op}.engine_start", "restore.engine_start") as span:
             try:
                 status = wait_for_agent(self.agent_control, tree.alive, timeout)
-                self.lease = Lease([rank_control(self.agent_control, rank) for rank in range(status.world_size)])
+                self.held.lease = Lease([rank_control(self.agent_control, rank) for rank in range(status.world_size)])
                 assert self.link is not None
                 self.link.handover()  # the lease holds the engine from here
-                wait_for_http(self.serving_port, tree.alive, timeout)
+                wait_for_http(self.plan.serving_port, tree.alive, timeout)
             except LaunchError as exc:
                 tail = tree.log_tail(1)
                 raise OperationFailed("restore.engine_start", f"{exc}{f' | engine log: {tail}' if tail else ''}") from None
@@ -361,7 +356,8 @@ CAPTURE_STEPS = ("launch", "wait_for_boundary", "check_no_nvidia_state", "dump",
                  "record_canary", "prepare_ranks", "note_gpus", "commit")
 """The template dumped before any of the engine runs; then restored and placed once to prove it, record the
 canary and write the native pack (the commit is not checked again: the capture restored it already)."""
-RESTORE_STEPS = ("restore_tree", "place", "wait_for_engine", "install_served_key", "check_canary")
+RESTORE_STEPS = (Step(TemplateRestore.restore_tree), Step(TemplateRestore.place), Step(TemplateRestore.wait_for_engine),
+                 Step(RestoreSequence.install_served_key), Step(RestoreSequence.check_canary))
 
 
 def capture(context: OperationContext, artifact: ArtifactDir, ready_timeout: float, check_restore: object) -> OperationOutcome:
@@ -377,5 +373,7 @@ def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: 
 
 def restore(context: OperationContext, artifact: ArtifactDir, admitted: Admitted, placement: PlacementRecord
             ) -> OperationOutcome:
-    return TemplateRestore(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources, admitted.replica,
-                           placement).run(RESTORE_STEPS)
+    assert placement.serving_port is not None  # (the restore's: admit_placement put it there)
+    plan = RestorePlan.of(context, artifact, admitted.descriptor, admitted.capsule, admitted.sources, admitted.replica,
+                          serving_port=placement.serving_port)
+    return TemplateRestore(plan, placement).run(RESTORE_STEPS)

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import os
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -32,12 +33,12 @@ from coldsnap.activation.replica_plan import GpuPlacement, Replica
 from coldsnap.activation.replica_plan import write_replica_images
 from coldsnap.activation.staging import WeightStager, stages_rank
 from coldsnap.activation.state import forget_removed_artifacts
-from coldsnap.activation.units import moved_addresses
+from coldsnap.activation.units import UnitRendezvous, moved_addresses
 from coldsnap.agent.client import AgentClient, AgentError, KeyGateError, KeyGateMissing, Lease, install_api_key, key_gate
 from coldsnap.agent.protocol import Resume, ResumeReply
-from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
+from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, UnitRecord, WorkerRecord
 from coldsnap.contracts.base import ContractError
-from coldsnap.contracts.capsule import CapsuleManifest
+from coldsnap.contracts.capsule import ActivationMetadata, CapsuleManifest, WorkerActivation
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.payload.arrival import ArrivalFailed, arrival_for
 from coldsnap.payload.errors import PackError
@@ -49,61 +50,124 @@ from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoin
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill
 
-__all__ = ["RestoreSequence", "UNIT_BARRIERS"]
+__all__ = ["RestoreHeld", "RestorePlan", "RestoreSequence", "Step"]
 
-UNIT_BARRIERS = {"check_canary": "released", "park": "parked"}
-"""One unit of several: after these steps it waits for every unit (``restore.units.<barrier>``): no unit lets
-its tree go before unit 0's canary matched, nor leaves a standby before every unit's is parked (one failure
-is every unit's). The ``network_unlock`` barrier is inside the CRIU restore (:meth:`RestoreSequence.restore_tree`)."""
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """What every step of one restore reads and none changes: admission's findings and this restore's place."""
+
+    context: OperationContext
+    artifact: ArtifactDir
+    descriptor: ArtifactDescriptor
+    unit: UnitRecord
+    workers: list[WorkerRecord]
+    """The unit's ranks, in rank order."""
+    records: dict[int, WorkerActivation]
+    """Rank → what the capture recorded of it (its regions, its agent)."""
+    metadata: ActivationMetadata
+    sources: dict[int, WeightSource]
+    """Rank → where admission found its weights."""
+    replica: Replica | None
+    """This restore's place (admission's); a standby's wake has none: its tree is restored already."""
+    serving_port: int
+    controls: dict[int, str]
+    """Rank → its agent's control socket in this restored tree."""
+    gpus: GpuPlacement | None
+    early: EarlyRestore | None
+    """The tree the program's entry started restoring for this replica (admission adopted it): its CRIU is
+    waited for, not started."""
+
+    @property
+    def units(self) -> UnitRendezvous | None:
+        """One unit of several: its seat at the activation's coordinator."""
+        return self.context.units
+
+    @property
+    def first_unit(self) -> bool:
+        """Unit 0 (or the only one): serves HTTP and answers the canary."""
+        return self.unit.unit_id == self.descriptor.units[0].unit_id
+
+    @classmethod
+    def of(cls, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
+           capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica | None,
+           gpus: GpuPlacement | None = None, early: EarlyRestore | None = None, controls: list[str] | None = None,
+           serving_port: int | None = None) -> "RestorePlan":
+        """``controls``, ``serving_port``: a standby's, from its record (no replica is planned for a wake)."""
+        unit = next(u for u in descriptor.units if u.unit_id == capsule.unit_id)
+        workers = sorted(unit.workers, key=lambda w: w.rank)
+        records = {record.rank: record for record in capsule.metadata.workers}
+        # (a standby's record lists its agents in this unit's rank order: unit K's ranks are not 0..R-1)
+        by_rank = (dict(zip((w.rank for w in workers), controls)) if controls is not None
+                   else replica.controls if replica is not None
+                   else {rank: record.control for rank, record in records.items()})
+        port = serving_port or (replica.serving_port if replica is not None else capsule.metadata.serving_port)
+        return cls(context, artifact, descriptor, unit, workers, records, capsule.metadata, sources, replica, port,
+                   by_rank, gpus, early)
+
+
+@dataclass
+class RestoreHeld:
+    """What the steps have started and hand on, each field set by the step named: after any failure
+    :meth:`RestoreSequence.unwind` releases all of it."""
+
+    criu: PendingRestore | None = None
+    """``restore_tree``: CRIU under way, killed by unwind until it has restored the tree."""
+    restored_pid: int | None = None
+    """``restore_tree`` (a standby's: from the start): what unwind kills."""
+    host_pids: dict[int, int] = field(default_factory=dict)
+    """``restore_tree``: captured pid → its pid on this host (a replica's namespace)."""
+    stagers: dict[int, WeightStager] = field(default_factory=dict)
+    """``restore_tree``: the launcher's staging of each rank's weights."""
+    early_staged: set[int] = field(default_factory=set)
+    """``restore_tree``: ranks whose staging the program's entry started."""
+    warmer: threading.Thread | None = None
+    """``restore_tree``: the payload's read-ahead."""
+    prefetch_errors: list[BaseException] = field(default_factory=list)
+    lease: Lease | None = None
+    """``take_lease``: until the canary matched, the restored tree dies with this launcher."""
+    staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = field(default_factory=dict)
+    """``collect_staged_weights``: rank → (adopted chunks, staging stats)."""
+    fds_by_rank: dict[int, list[int]] = field(default_factory=dict)
+    """``collect_staged_weights``: rank → the descriptors of its staged memory, sent with its resume."""
+    handed_over: list[int] = field(default_factory=list)
+    """``collect_staged_weights``: every such descriptor, closed once sent (or on failure)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a driver's pipeline: the sequence's method it runs, and the units' barrier after it."""
+
+    run: Callable[[Any], None]
+    barrier: str | None = None
+    """One unit of several: after this step it waits for every unit (``<op>.units.<barrier>``)."""
+    first_unit_only: bool = False
+    """Run by unit 0 alone (the canary: asked through its serving port; its answer needs every unit's ranks)."""
+
+    @property
+    def name(self) -> str:
+        return self.run.__name__
 
 
 class RestoreSequence:
-    """The steps of one admitted restore, each its own method, span and error code (:meth:`step`), and
+    """The steps of one admitted restore, each its own method, span and error code (:meth:`step`), over one
+    :class:`RestorePlan` (what they read) and one :class:`RestoreHeld` (what they start and hand on), and
     one :meth:`unwind` for every failure: staging cancelled, handed-over memory closed, whatever CRIU
     restored killed, the lease dropped. The artifact is only read.
 
     A warm standby runs the same steps in two operations (:mod:`coldsnap.activation.standby`):
     ``warm`` up to the CUDA restore, then parks the ranks (:class:`coldsnap.activation.n610.StandbySequence`);
     ``wake`` takes the parked tree from there (n610's ``WAKE_STEPS``). Spans are named after the operation (``warm.criu_restore``);
-    error codes after the step (``restore.criu``)."""
+    error codes after the step (``restore.criu``). One unit of several waits for the others at the steps'
+    barriers (:attr:`Step.barrier`); the ``network_unlock`` barrier is inside the CRIU restore
+    (:meth:`restore_tree`)."""
 
-    def __init__(self, context: OperationContext, artifact: ArtifactDir, descriptor: ArtifactDescriptor,
-                 capsule: CapsuleManifest, sources: dict[int, WeightSource], replica: Replica | None,
-                 restored_pid: int | None = None, controls: list[str] | None = None,
-                 gpus: GpuPlacement | None = None, early: EarlyRestore | None = None):
-        """``replica``: this restore's place (admission's); a standby's wake has none — it is handed the
-        parked tree's ``restored_pid`` and agent ``controls`` instead. ``early``: the tree the process's
-        entry started restoring for this replica (admission matched it): its CRIU is waited for, not started."""
-        self.context = context
-        self.op = context.request.operation
-        self.timer = context.timer
-        self.artifact = artifact
-        self.descriptor = descriptor
-        self.unit = next(u for u in descriptor.units if u.unit_id == capsule.unit_id)
-        self.units = context.units  # one unit of several: its seat at the activation's coordinator
-        self.first_unit = self.unit.unit_id == descriptor.units[0].unit_id  # serves HTTP, answers the canary
-        self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
-        self.metadata = capsule.metadata
-        self.replica = replica
-        self.serving_port = replica.serving_port if replica is not None else capsule.metadata.serving_port
-        self.records = {record.rank: record for record in self.metadata.workers}
-        # (a standby's record lists its agents in this unit's rank order: unit K's ranks are not 0..R-1)
-        self.controls = (dict(zip((w.rank for w in self.workers), controls)) if controls is not None else replica.controls if replica is not None
-                         else {rank: record.control for rank, record in self.records.items()})
-        self.gpus = gpus
-        self.host_pids: dict[int, int] = {}  # captured pid → its pid on this host (a replica's namespace)
-        self.sources = sources  # rank → where admission found its weights
-        self.stagers: dict[int, WeightStager] = {}
-        self.prefetch_errors: list[BaseException] = []
-        self.warmer: threading.Thread | None = None
-        self.restored_pid = restored_pid  # what unwind kills: set once CRIU restored it (a standby's from the start)
-        self.lease: Lease | None = None
-        self.handed_over: list[int] = []  # descriptors of staged memory, closed once sent (or on failure)
-        self.staged: dict[int, tuple[dict[str, int], dict[str, Any]]] = {}  # rank → (adopted chunks, staging stats)
-        self.fds_by_rank: dict[int, list[int]] = {}
-        self.early = early
-        self.early_staged: set[int] = set()  # ranks whose staging the entry started
-        self.criu: PendingRestore | None = None  # CRIU under way: killed by unwind until it has restored the tree
+    def __init__(self, plan: RestorePlan, held: RestoreHeld | None = None):
+        """``held``: a standby's wake is handed its parked tree (``restored_pid``)."""
+        self.plan = plan
+        self.held = held or RestoreHeld()
+        self.op = plan.context.request.operation
+        self.timer = plan.context.timer
 
     def step(self, span: str, code: str, started_ns: int | None = None) -> ContextManager[dict[str, str | int | bool]]:
         """One step (:func:`coldsnap.operation.step`): a failure of what it calls (CRIU, CUDA, an agent,
@@ -111,21 +175,20 @@ class RestoreSequence:
         return step(self.timer, span, code, (CriuError, CudaCheckpointError, AgentError, OSError, ContractError),
                     lambda exc: f"{type(exc).__name__}: {exc}", started_ns)
 
-    def run(self, steps: Sequence[str]) -> OperationOutcome:
-        """The named steps (methods of this sequence), in order, as the snapshot driver lists them
-        (:mod:`coldsnap.activation.n610`, :mod:`coldsnap.activation.n580`); then the lease is released and
-        the process is on its own. Any failure: :meth:`unwind`. Either way: :meth:`release`."""
+    def run(self, steps: Sequence[Step]) -> OperationOutcome:
+        """The driver's steps, in order (:mod:`coldsnap.activation.n610`, :mod:`coldsnap.activation.n580`);
+        then the lease is released and the process is on its own. Any failure: :meth:`unwind`. Either way:
+        :meth:`release`."""
+        plan, held = self.plan, self.held
         try:
-            for name in steps:
-                # (unit 0 alone asks the canary, through its serving port; its answer needs every unit's ranks)
-                if name != "check_canary" or self.units is None or self.first_unit:
-                    getattr(self, name)()
-                barrier = UNIT_BARRIERS.get(name)
-                if self.units is not None and barrier is not None:
-                    with self.timer.span(f"{self.op}.units.{barrier}"):
-                        self.units.barrier(f"{self.op}.{barrier}")
-            assert self.lease is not None
-            self.lease.release()  # the process is on its own now
+            for each in steps:
+                if not each.first_unit_only or plan.units is None or plan.first_unit:
+                    each.run(self)
+                if plan.units is not None and each.barrier is not None:
+                    with self.timer.span(f"{self.op}.units.{each.barrier}"):
+                        plan.units.barrier(f"{self.op}.{each.barrier}")
+            assert held.lease is not None
+            held.lease.release()  # the process is on its own now
             self.release_staged()
         except BaseException:
             self.unwind()
@@ -133,12 +196,12 @@ class RestoreSequence:
         finally:
             self.release()
         # housekeeping after the canary matched, off the restore's path: the state of artifacts deleted since
-        forget_removed_artifacts(self.artifact.state_path().parent)
-        warnings = [f"prefetch failed: {e}" for e in self.prefetch_errors]
-        matched = "" if self.op == "warm" else ", canary matched" if self.first_unit else ", unit 0's canary matched"
-        where = f"port {self.serving_port}" if self.units is None or self.first_unit else f"unit {self.units.index}"
-        self.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {self.restored_pid}, {where}{matched}")
-        return OperationOutcome(artifact=str(self.artifact.root), warnings=warnings)
+        forget_removed_artifacts(plan.artifact.state_path().parent)
+        warnings = [f"prefetch failed: {e}" for e in held.prefetch_errors]
+        matched = "" if self.op == "warm" else ", canary matched" if plan.first_unit else ", unit 0's canary matched"
+        where = f"port {plan.serving_port}" if plan.units is None or plan.first_unit else f"unit {plan.units.index}"
+        plan.context.progress(f"{'warm standby' if self.op == 'warm' else 'ready'}: pid {held.restored_pid}, {where}{matched}")
+        return OperationOutcome(artifact=str(plan.artifact.root), warnings=warnings)
 
     def release(self) -> None:
         """What the sequence holds besides the restored tree, let go after success or failure (n580: the
@@ -149,48 +212,48 @@ class RestoreSequence:
         maps the memory it adopted at resume on its own, so nothing the server reads goes with them, and
         unmapping 16 GB of chunks took 10–16 ms of an 8B restore's resume (H100) when done there. After a
         failure :meth:`unwind` releases them."""
-        if any(stager.staged for stager in self.stagers.values()):
+        if any(stager.staged for stager in self.held.stagers.values()):
             with self.timer.span(f"{self.op}.release_staged"):
-                for stager in self.stagers.values():
+                for stager in self.held.stagers.values():
                     stager.release()
 
     def pack(self, ref: FileRef | None) -> Path | None:
-        return self.artifact.root / ref.path if ref is not None else None
+        return self.plan.artifact.root / ref.path if ref is not None else None
 
     def restore_tree(self) -> None:
         """CRIU restores the tree; meanwhile each rank's GPU weights are hydrated by this launcher into
         shareable chunks (handed over at resume), or else its payload is read into the page cache."""
         # (a standby's weights are hydrated at wake, by its own agents: only its pack is read ahead)
-        ordinals = self.gpus.launcher_ordinals if self.gpus is not None else {}
-        early_staging = self.early.staging if self.early is not None else None  # (started beside CRIU: taken as is)
-        for w in self.workers:
-            regions = self.records[w.rank].regions
-            if w.payload is not None and stages_rank(self.op, self.sources[w.rank], w.payload, regions):
+        ordinals = self.plan.gpus.launcher_ordinals if self.plan.gpus is not None else {}
+        early_staging = self.plan.early.staging if self.plan.early is not None else None  # (started beside CRIU: taken as is)
+        for w in self.plan.workers:
+            regions = self.plan.records[w.rank].regions
+            if w.payload is not None and stages_rank(self.op, self.plan.sources[w.rank], w.payload, regions):
                 taken = early_staging.take(w.rank, ordinals) if early_staging is not None else None
                 if taken is not None:
-                    self.early_staged.add(w.rank)
-                self.stagers[w.rank] = taken or WeightStager(regions, self.artifact.root / w.payload.path,
+                    self.held.early_staged.add(w.rank)
+                self.held.stagers[w.rank] = taken or WeightStager(regions, self.plan.artifact.root / w.payload.path,
                                                              self.pack(w.residual), w.layout_digest, self.timer.now_ns,
                                                              ordinals)
         if early_staging is not None:
             early_staging.drop()  # (what admission placed otherwise, or does not stage)
-        for w in self.workers:  # a pack still arriving that this launcher does not stage: its agent reads it whole
-            arrival = arrival_for(self.artifact.root / w.payload.path) if w.payload is not None else None
-            if arrival is not None and w.rank not in self.stagers:
+        for w in self.plan.workers:  # a pack still arriving that this launcher does not stage: its agent reads it whole
+            arrival = arrival_for(self.plan.artifact.root / w.payload.path) if w.payload is not None else None
+            if arrival is not None and w.rank not in self.held.stagers:
                 arrival.read_when_whole()
-        early = self.early
+        early = self.plan.early
         with self.step(f"{self.op}.criu_restore", "restore.criu",
                        started_ns=early.criu_started_ns if early is not None else None) as span:
             state_dir = self.state_dir()
-            if self.metadata.gpu_pids and early is None:  # the checkpoint API ready when the tree is
+            if self.plan.metadata.gpu_pids and early is None:  # the checkpoint API ready when the tree is
                 start_cuda_in_background()
             if early is not None:  # CRIU runs since the process's entry
-                self.criu = early.adopt()
+                self.held.criu = early.adopt()
                 span["early"] = True
-            for stager in self.stagers.values():
+            for stager in self.held.stagers.values():
                 stager.start()
-            self.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
-            self.warmer.start()
+            self.held.warmer = threading.Thread(target=self._prefetch, name="coldsnap-prefetch", daemon=True)
+            self.held.warmer.start()
             span["state_dir"] = str(state_dir)
             with contextlib.ExitStack() as window:
                 if host_thp_requested():  # the operator's choice (--host-thp), checked at admission
@@ -198,23 +261,23 @@ class RestoreSequence:
                         span["host_thp_before"] = window.enter_context(huge_pages_for_the_fill(state_root()))
                     except ThpError as exc:
                         raise OperationFailed("admission.host_thp", str(exc)) from None
-                if self.criu is None:
+                if self.held.criu is None:
                     images = self.replica_images(state_dir)
-                    options = SnapshotOptions(tcp=self.metadata.criu_tcp)  # as dumped
-                    self.criu = CriuSnapshotter(options=options).start_restore(
-                        images, state_dir, self.artifact.root, own_images=True, before_unlock=self._network_unlock_barrier())
-                result = self.criu.finish()
-            self.restored_pid = span["pid"] = result.pid
+                    options = SnapshotOptions(tcp=self.plan.metadata.criu_tcp)  # as dumped
+                    self.held.criu = CriuSnapshotter(options=options).start_restore(
+                        images, state_dir, self.plan.artifact.root, own_images=True, before_unlock=self._network_unlock_barrier())
+                result = self.held.criu.finish()
+            self.held.restored_pid = span["pid"] = result.pid
             span["thp_fill"] = result.thp_fill  # (CRIU fills huge pages where its build and the host's mode allow)
             span["fill_threads"] = result.fill_threads  # (helpers per process, where CRIU's build has them)
-            self.host_pids = result.host_pids
-        self.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
+            self.held.host_pids = result.host_pids
+        self.plan.context.progress(f"process tree restored (pid {result.pid}) in {result.seconds:.2f} s")
 
     def _network_unlock_barrier(self) -> Callable[[], None] | None:
         """One unit of several: CRIU holds the restored tree, its connections still in repair mode, until every
         unit's tree is restored (``restore.units.network_unlock``): a connection to another unit's tree then
         finds its peer's socket there, and no rank talks to another host before all are back."""
-        units = self.units
+        units = self.plan.units
         if units is None:
             return None
 
@@ -227,25 +290,25 @@ class RestoreSequence:
     def replica_images(self, state_dir: Path) -> Path:
         """The images CRIU restores this replica from: the capture's, with ``files.img`` rewritten for its
         ports and sockets in ``state_dir`` (the artifact is only read)."""
-        assert self.replica is not None
-        return write_replica_images(self.artifact.images(self.unit.unit_id), state_dir, self.replica,
+        assert self.plan.replica is not None
+        return write_replica_images(self.plan.artifact.images(self.plan.unit.unit_id), state_dir, self.plan.replica,
                                     self.moved_addresses())
 
     def moved_addresses(self) -> dict[bytes, bytes] | None:
         """One unit of several placed on other hosts: every unit's captured address, packed, onto its new one
         (admission's :meth:`~coldsnap.activation.units.UnitRendezvous.place`), for every socket of the tree
         bound to one or connected to one: its own listeners and the connections between the units' trees."""
-        if self.units is None:
+        if self.plan.units is None:
             return None
-        return moved_addresses(self.units.placed) or None
+        return moved_addresses(self.plan.units.placed) or None
 
     def state_dir(self) -> Path:
         """This replica's state directory under the artifact's, made if needed (``restore.state_dir`` when
         it cannot be): restores on other ports share nothing in it."""
-        assert self.replica is not None
+        assert self.plan.replica is not None
         try:
-            path = self.artifact.state_dir() / self.replica.name
-            self.context.hand_over.claim(path)  # (all of it is this replica's: its log, CRIU's files, its images)
+            path = self.plan.artifact.state_dir() / self.plan.replica.name
+            self.plan.context.hand_over.claim(path)  # (all of it is this replica's: its log, CRIU's files, its images)
             path.mkdir(exist_ok=True, mode=0o700)
             return path
         except OSError as exc:
@@ -256,63 +319,63 @@ class RestoreSequence:
         from coldsnap.hydrate import prefetch_file
 
         try:
-            for w in self.workers:
-                if self.sources[w.rank] == "native" and w.payload is not None and w.rank not in self.stagers:
-                    if arrival_for(self.artifact.root / w.payload.path) is None:  # (a pull's bytes are cached already)
-                        prefetch_file(self.artifact.root / w.payload.path)
-                elif self.sources[w.rank] == "recovery" and w.recovery:
+            for w in self.plan.workers:
+                if self.plan.sources[w.rank] == "native" and w.payload is not None and w.rank not in self.held.stagers:
+                    if arrival_for(self.plan.artifact.root / w.payload.path) is None:  # (a pull's bytes are cached already)
+                        prefetch_file(self.plan.artifact.root / w.payload.path)
+                elif self.plan.sources[w.rank] == "recovery" and w.recovery:
                     for pinned in w.recovery:
                         prefetch_file(Path(pinned.path))
         except BaseException as exc:  # only a hint: hydration still reads the file itself
-            self.prefetch_errors.append(exc)
+            self.held.prefetch_errors.append(exc)
 
     def take_lease(self) -> None:
         """Until the canary matches, the restored tree dies with this launcher."""
         with self.step(f"{self.op}.lease", "restore.lease"):
-            self.lease = Lease([self.controls[w.rank] for w in self.workers])
+            self.held.lease = Lease([self.plan.controls[w.rank] for w in self.plan.workers])
 
     def restore_cuda(self) -> None:
-        gpu_pids = list(self.metadata.gpu_pids)
+        gpu_pids = list(self.plan.metadata.gpu_pids)
         if not gpu_pids:
             return
         with self.step(f"{self.op}.cuda_restore", "restore.cuda") as span:
             # The placed GPUs, by UUID; a replica's processes by their pids on this host.
-            pairs = self.gpus.pairs if self.gpus is not None else []
+            pairs = self.plan.gpus.pairs if self.plan.gpus is not None else []
             TreeCheckpoint().restore([self.host_pid(pid) for pid in gpu_pids], pairs)
             span["processes"] = len(gpu_pids)
             if pairs:
                 span["gpus_remapped"] = ",".join(f"{old}->{new}" for old, new in pairs)
 
     def host_pid(self, captured: int) -> int:
-        return self.host_pids.get(captured, captured)
+        return self.held.host_pids.get(captured, captured)
 
     def collect_staged_weights(self) -> None:
         """The chunks each stager hydrated, exported for its rank's resume. A failed staging is a warning:
         that rank's agent hydrates from the pack itself."""
-        if self.stagers:
+        if self.held.stagers:
             with self.timer.span(f"{self.op}.stage_wait"):
-                staged = {rank: stager.join() for rank, stager in self.stagers.items()}
-            for rank, stager in self.stagers.items():
+                staged = {rank: stager.join() for rank, stager in self.held.stagers.items()}
+            for rank, stager in self.held.stagers.items():
                 self.timer.add_timeline_span(f"{self.op}.stage_weights" + (f".rank{rank}" if rank else ""),
                                              stager.started_ns, stager.finished_ns,
                                              **{k: v for k, v in stager.stats.items() if isinstance(v, (int, bool, str))},
-                                             **({"early": True} if rank in self.early_staged else {}))
+                                             **({"early": True} if rank in self.held.early_staged else {}))
                 if staged[rank]:
-                    adopted, self.fds_by_rank[rank] = stager.export()
-                    self.handed_over += self.fds_by_rank[rank]
-                    self.staged[rank] = (adopted, stager.stats)
+                    adopted, self.held.fds_by_rank[rank] = stager.export()
+                    self.held.handed_over += self.held.fds_by_rank[rank]
+                    self.held.staged[rank] = (adopted, stager.stats)
                 else:
-                    self.context.warn(f"rank {rank}: staging the weights failed ({stager.error}); "
+                    self.plan.context.warn(f"rank {rank}: staging the weights failed ({stager.error}); "
                                       "the process hydrates them itself")
-        if self.warmer is not None:
-            self.warmer.join()
+        if self.held.warmer is not None:
+            self.held.warmer.join()
 
     def _resume_command(self, w: Any, coordinator: ActivationCoordinator) -> Resume:
-        if w.rank in self.staged:  # the memory rides along with the command
-            adopted, stats = self.staged[w.rank]
+        if w.rank in self.held.staged:  # the memory rides along with the command
+            adopted, stats = self.held.staged[w.rank]
             return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(), adopted=adopted,
                           staged=stats)
-        if self.sources[w.rank] == "recovery":
+        if self.plan.sources[w.rank] == "recovery":
             plan = self._recovery_plan(w)
             return Resume(layout_digest=w.layout_digest, coordinator=coordinator.command_field(),
                           safetensors=[pinned.path for pinned in w.recovery or []], residual=str(self.pack(w.residual)),
@@ -328,11 +391,11 @@ class RestoreSequence:
         paths = []
         try:
             for ref in (w.recovery_plan, w.recovery_gap):
-                path = self.artifact.root / ref.path
-                verify_file(path, ref.sha256, self.artifact.record_dir(path))
+                path = self.plan.artifact.root / ref.path
+                verify_file(path, ref.sha256, self.plan.artifact.record_dir(path))
                 paths.append(str(path))
         except (PackError, OSError) as exc:
-            self.context.warn(f"rank {w.rank}: the recovery plan is unusable ({exc}); its engine's loaders replay "
+            self.plan.context.warn(f"rank {w.rank}: the recovery plan is unusable ({exc}); its engine's loaders replay "
                               "the safetensors instead (slower)")
             return None
         return paths[0], paths[1]
@@ -340,9 +403,9 @@ class RestoreSequence:
     def wait_for_arriving_packs(self) -> None:
         """A pack this restore still pulls (``restore oci://`` on a host that had no copy), which a rank's agent
         reads itself (no staging: a host region, or staging failed): every chunk in and verified first."""
-        arriving = [(w.rank, arrival) for w in self.workers if w.payload is not None and w.rank not in self.staged
-                    and self.sources[w.rank] == "native"
-                    and (arrival := arrival_for(self.artifact.root / w.payload.path)) is not None]
+        arriving = [(w.rank, arrival) for w in self.plan.workers if w.payload is not None and w.rank not in self.held.staged
+                    and self.plan.sources[w.rank] == "native"
+                    and (arrival := arrival_for(self.plan.artifact.root / w.payload.path)) is not None]
         if not arriving:
             return
         with self.step(f"{self.op}.pack_arrival", "restore.pack_arrival") as span:
@@ -357,20 +420,20 @@ class RestoreSequence:
         """Every rank at once: map and fill its regions, zero the KV cache, rebuild NCCL, recapture graphs."""
         self.wait_for_arriving_packs()
         with self.step(f"{self.op}.resume", "restore.resume") as span, \
-                ActivationCoordinator(len(self.workers), self.units) as coordinator:
-            bars = PhaseProgress(f"coldsnap {self.op} [{self.descriptor.engine}/{self.descriptor.snapshot_driver}]: ")
+                ActivationCoordinator(len(self.plan.workers), self.plan.units) as coordinator:
+            bars = PhaseProgress(f"coldsnap {self.op} [{self.plan.descriptor.engine}/{self.plan.descriptor.snapshot_driver}]: ")
 
             def resume(w: Any) -> ResumeReply:
-                return AgentClient(self.controls[w.rank]).resume(
+                return AgentClient(self.plan.controls[w.rank]).resume(
                     self._resume_command(w, coordinator), on_progress=bars if w.rank == 0 else None,
-                    fds=self.fds_by_rank.get(w.rank, []))
+                    fds=self.held.fds_by_rank.get(w.rank, []))
 
             try:
-                resumed_ranks = call_every_rank([(w.rank, functools.partial(resume, w)) for w in self.workers], coordinator)
+                resumed_ranks = call_every_rank([(w.rank, functools.partial(resume, w)) for w in self.plan.workers], coordinator)
             finally:
                 bars.finish()
                 self._close_handed_over()  # (the launcher's own mappings go after the canary: release_staged)
-            for w, resumed in zip(self.workers, resumed_ranks):
+            for w, resumed in zip(self.plan.workers, resumed_ranks):
                 prefix = rank_prefix(w.rank)
                 hydrated = resumed.hydrate
                 span.update({f"{prefix}bytes": hydrated.bytes, f"{prefix}source": hydrated.source,
@@ -386,10 +449,8 @@ class RestoreSequence:
         before the canary, which then asks with it (and so proves the key works). Without it the gate the capture
         held is opened: the server as captured. An engine without a gate (the reference workload, an earlier
         build's capture): nothing to do."""
-        path = self.context.request.api_key_file
-        if self.serving_port is None:
-            return
-        control = self.controls[min(self.controls)]
+        path = self.plan.context.request.api_key_file
+        control = self.plan.controls[min(self.plan.controls)]
         if path is None:
             try:
                 key_gate(control, {"open": True})
@@ -405,20 +466,20 @@ class RestoreSequence:
             except (ApiKeyFileError, KeyGateError) as exc:
                 raise OperationFailed("restore.api_key", str(exc)) from None
             span["gates"] = int(reply["gates"])
-        use_served_key(self.serving_port, key)
-        self.context.progress("the restored server requires the API key from --api-key-file")
+        use_served_key(self.plan.serving_port, key)
+        self.plan.context.progress("the restored server requires the API key from --api-key-file")
 
     def check_canary(self) -> None:
         """The restored server must answer as the captured one did. Where capture recorded the prefill's
         predictions, one prefill checks them at every prompt position plus the first generated tokens;
         else every token and the text."""
-        record = self.descriptor.canary
+        record = self.plan.descriptor.canary
         quick_tokens = record.restore_tokens if record.prompt_argmax is not None else None
         quick = quick_tokens is not None
         tokens = quick_tokens or len(record.token_ids) or 16
         with self.step(f"{self.op}.canary", "restore.canary") as span:
             # HTTP errors are OSErrors: the restored server did not answer right
-            canary = ask_canary(self.serving_port, record.prompt, tokens, prompt_argmax=quick)
+            canary = ask_canary(self.plan.serving_port, record.prompt, tokens, prompt_argmax=quick)
             span["tokens"] = len(canary.token_ids)
             span["checked"] = (f"prompt argmax at {len(record.prompt_argmax or [])} positions + {tokens} tokens" if quick
                                else f"{tokens} tokens and the text")
@@ -436,7 +497,7 @@ class RestoreSequence:
         """Each recorded probe asked again, in the captured order: the same token ids and logprobs, exactly."""
         with self.step(f"{self.op}.canary_probes", "restore.canary") as span:
             for index, probe in enumerate(probes):
-                answer = ask_probe(self.serving_port, probe.prompt_ids, len(probe.token_ids))
+                answer = ask_probe(self.plan.serving_port, probe.prompt_ids, len(probe.token_ids))
                 if answer is None:
                     raise OperationFailed("restore.canary", f"canary probe {index} ({len(probe.prompt_ids)} prompt tokens): "
                                           "the restored server refused it or answered without token ids and logprobs")
@@ -447,21 +508,21 @@ class RestoreSequence:
             span["probes"] = len(probes)
 
     def _close_handed_over(self) -> None:
-        for fd in self.handed_over:
+        for fd in self.held.handed_over:
             os.close(fd)
-        self.handed_over.clear()
+        self.held.handed_over.clear()
 
     def unwind(self) -> None:
         """After any failure (an interrupt included): nothing this restore started survives it."""
-        for stager in self.stagers.values():
+        for stager in self.held.stagers.values():
             stager.cancel()
-        for stager in self.stagers.values():
+        for stager in self.held.stagers.values():
             stager.join()
             stager.release()
         self._close_handed_over()
-        if self.criu is not None:  # (still restoring: CRIU and what it restored so far; restored: nothing left to do)
-            self.criu.abandon()
-        if self.restored_pid is not None:
-            kill_tree(self.restored_pid)
-        if self.lease is not None:
-            self.lease.close()
+        if self.held.criu is not None:  # (still restoring: CRIU and what it restored so far; restored: nothing left to do)
+            self.held.criu.abandon()
+        if self.held.restored_pid is not None:
+            kill_tree(self.held.restored_pid)
+        if self.held.lease is not None:
+            self.held.lease.close()

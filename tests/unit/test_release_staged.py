@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from coldsnap.activation.restore_steps import RestoreSequence
+from coldsnap.activation.restore_steps import RestoreHeld, RestoreSequence
 from coldsnap.timing import OperationTimer
 
 
@@ -20,7 +20,7 @@ class FakeGpuStager:
 
 def sequence_with(stagers: dict[int, FakeGpuStager]) -> RestoreSequence:
     sequence = object.__new__(RestoreSequence)  # (only what release_staged reads)
-    sequence.stagers, sequence.timer, sequence.op = stagers, OperationTimer(None), "restore"
+    sequence.held, sequence.timer, sequence.op = RestoreHeld(stagers=stagers), OperationTimer(None), "restore"  # type: ignore[arg-type]
     return sequence
 
 

@@ -42,20 +42,31 @@ def test_ruff_is_clean():
 
 
 def test_every_snapshot_driver_step_is_a_method_of_its_sequence():
+    """Capture steps are named methods of the capture's sequence; restore, warm and wake steps are the
+    sequence's methods themselves (:class:`coldsnap.activation.restore_steps.Step`), and the canary's barrier
+    is named where it stands in the list."""
     from coldsnap.activation import n580, n610
     from coldsnap.activation.capture_steps import CaptureSequence
-    from coldsnap.activation.restore_steps import RestoreSequence
+    from coldsnap.activation.restore_steps import RestoreSequence, Step
 
-    sequences = {
-        (n610, "CAPTURE_STEPS"): CaptureSequence, (n610, "RESTORE_STEPS"): RestoreSequence,
-        (n610, "WARM_STEPS"): n610.StandbySequence, (n610, "WAKE_STEPS"): RestoreSequence,
-        (n580, "CAPTURE_STEPS"): n580.TemplateCapture, (n580, "RESTORE_STEPS"): n580.TemplateRestore,
-    }
-    for module in (n580, n610):  # every *_STEPS tuple of a driver is in the table
-        assert {name for name in vars(module) if name.endswith("_STEPS")} == {n for m, n in sequences if m is module}
-    for (module, name), sequence in sequences.items():
-        missing = [step for step in getattr(module, name) if not callable(getattr(sequence, step, None))]
-        assert not missing, f"{module.__name__}.{name}: no method {missing} on {sequence.__name__}"
+    captures = {n610: CaptureSequence, n580: n580.TemplateCapture}
+    restores = {(n610, "RESTORE_STEPS"): RestoreSequence, (n610, "WARM_STEPS"): n610.StandbySequence,
+                (n610, "WAKE_STEPS"): RestoreSequence, (n580, "RESTORE_STEPS"): n580.TemplateRestore}
+    for module in (n580, n610):  # every *_STEPS tuple of a driver is in the tables
+        assert {name for name in vars(module) if name.endswith("_STEPS")} == \
+            {"CAPTURE_STEPS"} | {n for m, n in restores if m is module}
+        missing = [step for step in module.CAPTURE_STEPS if not callable(getattr(captures[module], step, None))]
+        assert not missing, f"{module.__name__}.CAPTURE_STEPS: no method {missing} on {captures[module].__name__}"
+    for (module, name), sequence in restores.items():
+        steps = getattr(module, name)
+        assert all(isinstance(step, Step) for step in steps)
+        strangers = [step.name for step in steps if getattr(sequence, step.name, None) is not step.run
+                     and not issubclass(sequence, RestoreSequence)]
+        assert not strangers, f"{module.__name__}.{name}: {strangers} are not methods of {sequence.__name__}"
+        for step in steps:
+            assert step.run.__qualname__.split(".")[0] in {klass.__name__ for klass in sequence.__mro__}
+    assert [s.barrier for s in n610.RESTORE_STEPS if s.barrier] == ["released"]
+    assert [s.barrier for s in n610.WARM_STEPS if s.barrier] == ["parked"]
 
 
 def test_the_early_wake_knows_every_option_of_wake_that_takes_a_value():
