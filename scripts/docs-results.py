@@ -14,7 +14,6 @@ a run that carries a headline figure also has a ``figures.json`` (:data:`FIGURE_
 from __future__ import annotations
 
 import json
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,10 +26,14 @@ README = ROOT / "README.md"
 STATUS_MARKERS = ("<!-- status tables -->", "<!-- end -->")
 README_MARKERS = ("<!-- measured:begin -->", "<!-- measured:end -->")
 
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import RUN_ENGINES, RUN_MACHINES, RUN_NAME as NAME  # noqa: E402
+
 ENGINES = {"vllm": "vLLM", "sglang": "SGLang", "torch-lm": "reference workload", "none": "no engine"}
-MACHINES = {"h100": "one H100", "h200": "one H200", "h200x2": "two H200s", "cpu": "the 2-core CPU machine"}
-NAME = re.compile(rf"^(?P<date>\d{{4}}-\d{{2}}-\d{{2}})-(?P<engine>{'|'.join(ENGINES)})-(?P<machine>{'|'.join(MACHINES)})"
-                  r"-(?P<topic>[a-z0-9]+(?:-[a-z0-9]+)*)$")
+MACHINES = {"h100": "one H100", "h100x2": "two H100s", "h100x4": "four H100s", "h100x8": "eight H100s",
+            "h200": "one H200", "h200x2": "two H200s", "h200x4": "four H200s", "h200x8": "eight H200s",
+            "cpu": "the 2-core CPU machine"}
+assert tuple(ENGINES) == RUN_ENGINES and tuple(MACHINES) == RUN_MACHINES, "a display name for every engine and machine"
 
 # What one figure in a run's figures.json says; the keys marked * are required.
 FIGURE_KEYS = {
