@@ -130,10 +130,11 @@ def index(all_runs: list[Run]) -> str:
 One folder per run, named `YYYY-MM-DD-ENGINE-MACHINE-TOPIC`: the date of the run (its first result's commit),
 the engine (`vllm`, `sglang`, `torch-lm` for the reference workload `coldsnap.workloads.torch_lm`, `none` when
 no engine ran), the machine (`cpu` for this project's 2-core CPU machine, `h100`, `h200`, `h200x2` for two H200s of
-one host) and what it measured. Each folder's `README.md` says what ran, the command, the code it ran and its
+one host, and so on) and what it measured. Each folder's `README.md` says what ran, the command, the code it ran and its
 figures; a run with a headline figure also has a `figures.json`, from which `scripts/docs-results.py` writes this
-index, the tables of [docs/status.md](../../docs/status.md) and the README's measured table. A benchmark writes a new
-run's folder with `benchmarks.common.run_folder` (README stub and `figures.json` included). The summary tables
+index, the tables of [docs/status.md](../../docs/status.md) and the README's measured table. `restore_latency`, `vllm_startup`
+and `sglang_startup` make a new run's folder with `--results MACHINE-TOPIC` (`benchmarks.common.run_folder`: README
+stub, then `figures.json`). The summary tables
 are in [docs/benchmarks.md](../../docs/benchmarks.md).
 
 A figure of `figures.json` (`{{"commit": "...", "recorded": "YYYY-MM-DDTHH:MM", "figures": [...]}}`: the commit that
