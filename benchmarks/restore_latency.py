@@ -339,9 +339,10 @@ def measure(args: argparse.Namespace, work: Path) -> int:
             if f"cold start ({cache})" in summary and f"{kind} ({cache})" in summary:
                 n = len(seconds("cold start", cache))  # the ratio says how many cold starts it divides by
                 print(f"speedup of {kind} ({cache}): {summary[f'cold start ({cache})'] / summary[f'{kind} ({cache})']:.2f}x "
-                      f"(÷ the median of {n} cold start{'s' if n > 1 else ''})")
+                      f"(÷ {f'the median of {n} cold starts' if n > 1 else '1 cold start'})")
     if args.run_folder:
-        workload = f"{args.engine} {args.size}" + (f" at TP {args.tp}" if args.tp > 1 else "")
+        workload = (f"{'reference workload' if args.engine == 'torch-lm' else 'vLLM CPU build'}, {args.size}"
+                    + (f" at TP {args.tp}" if args.tp > 1 else ""))
         write_figures(args.run_folder, [cold_start_figure(workload, kind, seconds(kind, "warm"), seconds("cold start", "warm"))
                                         for kind in ("restore", "wake") if seconds(kind, "warm")])
     print(f"process image {document['image_bytes'] / 2**20:.1f} MiB = {document['image_to_non_model_rss']}x the "
