@@ -7,14 +7,26 @@ prompts and comparison); nothing here imports an engine.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_artifact", "drop_caches", "draw_medians", "empty_compile_caches", "finish", "pyplot",
-           "receipt_timeline"]
+__all__ = ["RUN_ENGINES", "RUN_MACHINES", "RUN_NAME", "check_artifact", "cold_start_figure", "drop_caches",
+           "draw_medians", "empty_compile_caches", "finish", "pyplot", "receipt_timeline", "results_argument",
+           "run_folder", "write_figures"]
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# A run's folder under benchmarks/results: YYYY-MM-DD-ENGINE-MACHINE-TOPIC (scripts/docs-results.py indexes them).
+RUN_ENGINES = ("vllm", "sglang", "torch-lm", "none")
+RUN_MACHINES = ("h100", "h100x2", "h100x4", "h100x8", "h200", "h200x2", "h200x4", "h200x8", "cpu")
+RUN_NAME = re.compile(rf"^(?P<date>\d{{4}}-\d{{2}}-\d{{2}})-(?P<engine>{'|'.join(RUN_ENGINES)})"
+                      rf"-(?P<machine>{'|'.join(RUN_MACHINES)})-(?P<topic>[a-z0-9]+(?:-[a-z0-9]+)*)$")
 
 
 def empty_compile_caches(directory: Path) -> dict[str, str]:
@@ -106,3 +118,62 @@ def finish(result: dict, out: Path | None, table: str) -> int:
         out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print(table)
     return 0
+
+
+def _commit() -> str:
+    """The checkout's commit (with ``+`` when its tree has changes), or ``unknown`` outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=RESULTS.parent, capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("+" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def results_argument(parser: argparse.ArgumentParser) -> None:
+    """``--results MACHINE-TOPIC``: the run's JSON goes into its folder under benchmarks/results (:func:`run_folder`)."""
+    parser.add_argument("--results", metavar="MACHINE-TOPIC",
+                        help=f"write the JSON, a README stub and figures.json into benchmarks/results/"
+                        f"TODAY-ENGINE-MACHINE-TOPIC/ (MACHINE one of {', '.join(RUN_MACHINES)})")
+
+
+def run_folder(engine: str, machine_topic: str, *, day: datetime.date | None = None, results: Path = RESULTS) -> Path:
+    """A run's folder, ``results/YYYY-MM-DD-ENGINE-MACHINE-TOPIC`` (today's date), made with a README stub that
+    names the command and the code's commit; what ran and what it showed are the author's to add."""
+    name = f"{(day or datetime.date.today()).isoformat()}-{engine}-{machine_topic}"
+    if not RUN_NAME.match(name):
+        raise ValueError(f"{name!r}: a run folder is YYYY-MM-DD-ENGINE-MACHINE-TOPIC, ENGINE one of {RUN_ENGINES}, "
+                         f"MACHINE one of {RUN_MACHINES}, TOPIC lower-case words joined by '-'")
+    folder = results / name
+    folder.mkdir(parents=True, exist_ok=True)
+    readme = folder / "README.md"
+    if not readme.exists():
+        command = shlex.join(["python", "-m", f"benchmarks.{Path(sys.argv[0]).stem}",
+                              *sys.argv[1:]])
+        readme.write_text(f"# {engine}, {machine_topic} ({name[:10]}): WHAT RAN, IN ONE LINE\n\n"
+                          f"The code of commit {_commit()}. Command:\n\n    {command}\n\n"
+                          "What ran (engine version, model, host, driver), what it showed, the headline figures and "
+                          "how many cold starts each ratio divides by; the files.\n")
+    return folder
+
+
+def cold_start_figure(workload: str, metric: str, values: list[float], cold_starts: list[float],
+                      unit: str = "s") -> dict:
+    """A figure for figures.json: the median of ``values`` against the median of ``cold_starts`` in the same run,
+    naming how many cold starts the ratio divides by (a headline figure wants ≥ 3)."""
+    import statistics
+
+    figure: dict[str, Any] = {"workload": workload, "metric": metric, "value": round(statistics.median(values), 3),
+                              "unit": unit, "runs": len(values)}
+    if cold_starts:
+        figure.update(cold_start=round(statistics.median(cold_starts), 3), cold_starts=len(cold_starts))
+    return figure
+
+
+def write_figures(folder: Path, figures: list[dict]) -> Path:
+    """``folder/figures.json``, which scripts/docs-results.py reads for the index and the status tables."""
+    now = datetime.datetime.now()
+    path = folder / "figures.json"
+    path.write_text(json.dumps({"commit": _commit(), "recorded": now.strftime("%Y-%m-%dT%H:%M"), "figures": figures},
+                               indent=1, ensure_ascii=False) + "\n")
+    return path

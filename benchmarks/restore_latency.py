@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import drop_caches, pyplot, receipt_timeline
+from benchmarks.common import (cold_start_figure, drop_caches, pyplot, receipt_timeline, results_argument, run_folder,
+                               write_figures)
 from coldsnap.contracts.placement import PLACEMENT_ABI_ENV, PRELOAD_ENV
 from coldsnap.demo import cold_start, engine_commands, run_demo, scratch_env
 from coldsnap.contracts.receipt import restored_pid
@@ -236,11 +237,19 @@ def main(engine: str = "torch-lm") -> int:
                         help="also restore N replicas of the capsule at once (each on its own port), --repeat times")
     parser.add_argument("--replica-gpus", metavar="G0,G1,...", help="the GPU of each replica (its --gpu)")
     parser.add_argument("--out", default="restore_latency.json")
+    results_argument(parser)
     parser.add_argument("--png", help="draw the phase chart here (needs matplotlib)")
     parser.add_argument("--dir", help="work directory, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--png-from", metavar="JSON", help="only draw --png from an earlier run's JSON (e.g. one brought "
                         "back from a GPU host without matplotlib)")
     args = parser.parse_args()
+    args.run_folder = None
+    if args.results:
+        try:
+            args.run_folder = run_folder(args.engine, args.results)
+        except ValueError as error:
+            parser.error(str(error))
+        args.out = str(args.run_folder / Path(args.out).name)
     if args.png_from:
         if not args.png:
             parser.error("--png-from needs --png")
@@ -322,10 +331,20 @@ def measure(args: argparse.Namespace, work: Path) -> int:
     print(f"{'what':<{width}} {'median s':>9}")
     for name, value in summary.items():
         print(f"{name:<{width}} {value:>9.3f}")
+    def seconds(kind: str, cache: str) -> list[float]:
+        return [r["seconds"] for r in runs if r.get("kind") == kind and r.get("cache") == cache]
+
     for cache in ("warm", "cold"):
         for kind in ("restore", *(v["label"] for v in n580), "wake"):
             if f"cold start ({cache})" in summary and f"{kind} ({cache})" in summary:
-                print(f"speedup of {kind} ({cache}): {summary[f'cold start ({cache})'] / summary[f'{kind} ({cache})']:.2f}x")
+                n = len(seconds("cold start", cache))  # the ratio says how many cold starts it divides by
+                print(f"speedup of {kind} ({cache}): {summary[f'cold start ({cache})'] / summary[f'{kind} ({cache})']:.2f}x "
+                      f"(÷ {f'the median of {n} cold starts' if n > 1 else '1 cold start'})")
+    if args.run_folder:
+        workload = (f"{'reference workload' if args.engine == 'torch-lm' else 'vLLM CPU build'}, {args.size}"
+                    + (f" at TP {args.tp}" if args.tp > 1 else ""))
+        write_figures(args.run_folder, [cold_start_figure(workload, kind, seconds(kind, "warm"), seconds("cold start", "warm"))
+                                        for kind in ("restore", "wake") if seconds(kind, "warm")])
     print(f"process image {document['image_bytes'] / 2**20:.1f} MiB = {document['image_to_non_model_rss']}x the "
           f"non-model memory ({document['non_model_bytes'] / 2**20:.1f} MiB); payload {document['payload_bytes'] / 2**30:.2f} GiB")
     if replicas:

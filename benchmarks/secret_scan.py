@@ -1,7 +1,7 @@
 """The secret scan's rate (``coldsnap validate secrets`` / the scan before ``coldsnap publish``), on a real
 artifact's files and on a page image of a GPU capsule's size built from them.
 
-    python -m benchmarks.secret_scan --artifact DIR --out benchmarks/results/secret-scan-cpu [--gpu-sized-gib 2.7]
+    python -m benchmarks.secret_scan --artifact DIR --out benchmarks/results/2026-12-07-vllm-cpu-secret-scan [--gpu-sized-gib 2.7]
 
 For each: the scan on one thread and on every CPU, page cache warm (a publish follows the capture or the pull
 that just wrote the files), repeated (--repeats, the median kept). The goal (issue: ≥ 1 GB/s per core, an 8B

@@ -91,7 +91,8 @@ from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from benchmarks.equality import EQUALITY_PROMPTS, EQUALITY_TOKENS, equality_answers, equality_summary, render_summary  # noqa: E402
 from benchmarks.image_attribution import capsule_attribution, render_capsule  # noqa: E402
-from benchmarks.common import draw_medians, drop_caches, empty_compile_caches, receipt_timeline  # noqa: E402
+from benchmarks.common import (cold_start_figure, draw_medians, drop_caches, empty_compile_caches, receipt_timeline,  # noqa: E402
+                               results_argument, run_folder, write_figures)
 
 STEPS = ("model", "cold-empty", "capture", "restore", "restore-4k", "restore-1t", "restore-late", "standby", "restore-recovery", "restore-log", "race",
          "gpu-short", "cold-warm", "serving", "equality", "equality-cold", "equality-cold-empty", "equality-native", "native", "sleep", "dropped", "fresh-node")
@@ -723,7 +724,8 @@ def summarize(runs: list[dict]) -> dict[str, float]:
     restore = summary.get("restore (warm page cache)")
     for label in list(summary):
         if label.startswith("cold start (warm page cache") and restore:
-            summary[f"speedup vs {label}"] = round(summary[label] / restore, 1)
+            n = len(groups[label])  # the ratio names how many cold starts it divides by
+            summary[f"speedup vs {label}, ÷ {n} cold start{'s' if n > 1 else ''}"] = round(summary[label] / restore, 1)
     return summary
 
 
@@ -814,6 +816,7 @@ def main() -> int:
         from benchmarks.restore_latency import main as restore_latency_main  # noqa: E402
 
         sys.argv = [sys.argv[0], "--repeat", str(args.repeat), *(["--out", args.out] if args.out else []),
+                    *(["--results", args.results] if args.results else []),
                     *(["--png", args.png] if args.png else []), *(["--compile"] if args.compile else []), *rest]
         return restore_latency_main(engine="vllm")
     if rest:
@@ -825,6 +828,7 @@ def main() -> int:
 
 def add_variant_arguments(parser: argparse.ArgumentParser) -> None:
     """The arguments both engines' startup benchmarks take for the artifact they capture and check."""
+    results_argument(parser)
     parser.add_argument("--graphs", choices=["retain", "recreate"],
                         help="capture with `coldsnap capture --graphs POLICY` into DIR/artifact-POLICY (runs and results "
                         "named graphs=POLICY); default: the driver's policy, into DIR/artifact")
@@ -843,12 +847,26 @@ def run_steps(bench_class: type[Bench], parser: argparse.ArgumentParser, args: a
     if unknown:
         parser.error(f"unknown step(s) {', '.join(unknown)}; steps are {', '.join(known)}")
     args.dir = args.dir or tempfile.mkdtemp(prefix=f"coldsnap-{engine}-bench-")
+    folder = None
+    if getattr(args, "results", None):
+        try:
+            folder = run_folder(engine, args.results)
+        except ValueError as error:
+            parser.error(str(error))
+        args.out = str(folder / Path(args.out or f"{engine}-startup.json").name)
     bench = bench_class(args)
     bench.state[engine] = version
     for step in steps:
         print(f"{bench.name}: step {step}", file=sys.stderr, flush=True)
         getattr(bench, "step_" + step.replace("-", "_"))()
     bench.save()
+    if folder:
+        runs = bench.state["runs"]
+        cold = [r["seconds"] for r in runs if r["kind"] == "cold start" and r["cache"] == "warm"
+                and r.get("compile_cache", "warm") == "warm"]
+        write_figures(folder, [cold_start_figure(f"{args.shape}-shaped Llama, {engine} {version}", kind,
+                                                 [r["seconds"] for r in runs if r["kind"] == kind and r["cache"] == "warm"], cold)
+                               for kind in ("restore", "wake") if any(r["kind"] == kind for r in runs)])
     print(render(bench.state))
     if args.png:
         draw(bench.state, Path(args.png))

@@ -31,7 +31,7 @@ and its gloo ``cpu_group``, and replaces only the NCCL communicator inside it:
 Both ``retain`` and ``recreate`` recapture at TP > 1: stock NCCL cannot rebuild a communicator in
 place, so a retained graph would replay kernels of a destroyed one.
 
-What vLLM 0.26 at TP 2 on two H200s showed (``benchmarks/results/vllm-h200-tp2/``): the CUDA checkpoint
+What vLLM 0.26 at TP 2 on two H200s showed (``benchmarks/results/2026-11-30-vllm-h200x2-tp2/``): the CUDA checkpoint
 API of driver 580 restores a process only once every cross-process GPU mapping is gone; it refuses a live
 NCCL communicator and a rendezvoused torch symmetric-memory buffer (``CUDA_ERROR_NOT_SUPPORTED``) and an
 open legacy CUDA IPC mapping (``CUDA_ERROR_INVALID_VALUE``), as ``tests/gpu/cuda_checkpoint_limits.py``

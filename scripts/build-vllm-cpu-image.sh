@@ -27,7 +27,7 @@ Usage: ${0##*/} [--venv DIR] [--out DIR] [--keep] [--fresh-base]
    .criu-debs/ made by scripts/install-criu.sh --download-only) as localhost/coldsnap-vllm:cpu;
 3. \`podman run --rm --privileged --network none localhost/coldsnap-vllm:cpu coldsnap doctor\`.
 
-Logs, timings and sizes go to DIR (default benchmarks/results/container-images/). After a success the
+Logs, timings and sizes go to DIR (default benchmarks/results/TODAY-none-cpu-container-images/, a run folder of its own). After a success the
 two images are removed unless --keep (vfs: each is a full copy, ~4-5 GB); after a failure they stay, for
 the next run to reuse the base (\`buildah --storage-driver vfs rmi localhost/coldsnap-vllm-cpu-base\`
 drops it). Needs root, network (apt, PyPI for coldsnap's build requirements) and
@@ -35,7 +35,7 @@ scripts/install-containers.sh's tools.
 EOF
 }
 
-VENV=${COLDSNAP_VLLM_VENV:-$repo/.venv-vllm} OUT=$repo/benchmarks/results/container-images KEEP=0 FRESH_BASE=0
+VENV=${COLDSNAP_VLLM_VENV:-$repo/.venv-vllm} OUT=$repo/benchmarks/results/$(date +%F)-none-cpu-container-images KEEP=0 FRESH_BASE=0
 while [ $# -gt 0 ]; do
     case $1 in
         -h|--help) usage; exit 0 ;;

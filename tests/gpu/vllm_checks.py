@@ -30,7 +30,7 @@ VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1", "COLDSNAP
             "NCCL_NVLS_ENABLE": "0"}
 # vLLM 0.26's FlashInfer all-reduce + RMSNorm fusion (backend mnnvl) breaks TP 2 on the H200 pair with
 # NVLS off: cuBLAS init failure and an illegal address in the first profile run, with or without
-# coldsnap (benchmarks/results/vllm-h200-tp2/). The TP checks turn the fusion off.
+# coldsnap (benchmarks/results/2026-11-30-vllm-h200x2-tp2/). The TP checks turn the fusion off.
 TP_FLAGS = ("--tensor-parallel-size", "2", "--compilation-config", '{"pass_config": {"fuse_allreduce_rms": false}}')
 KV_LINE = re.compile(r"Available KV cache memory: ([0-9.]+) GiB")
 

@@ -9,7 +9,7 @@ from benchmarks import sglang_speculative as bench
 
 ROOT = Path(__file__).resolve().parents[2]
 
-RESULT = ROOT / "benchmarks" / "results" / "sglang-speculative-h200-8b" / "sglang-speculative-8b.json"
+RESULT = ROOT / "benchmarks" / "results" / "2026-12-02-sglang-h200-speculative" / "sglang-speculative-8b.json"
 
 
 def _bench(tmp_path: Path) -> bench.SpeculativeBench:
