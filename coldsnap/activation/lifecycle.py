@@ -79,6 +79,7 @@ def restore(context: OperationContext, artifact: ArtifactDir | None = None, entr
     if entry.tree is not None:
         context.timer.add_timeline_span(f"{context.request.operation}.admission.early", *entry.tree.checked_ns,
                                         decision="taken")
+        context.progress(f"the fast entry took it: CRIU started {entry.tree.criu_started_ns / 1e9:.2f} s after exec")
     elif context.request.operation == "restore" and not checking:
         # the fast entry declined (or never ran: a restore in-process): why, in the receipt
         now = context.timer.now_ns()

@@ -248,40 +248,19 @@ def _captured_request(directory: Path) -> dict:
 
 
 def _artifact_request(args: argparse.Namespace, operation: str) -> dict:
-    """The request of ``operation`` (restore, warm, wake) on an artifact: its capture's, re-aimed."""
+    """The request of ``operation`` (restore, warm, wake) on an artifact: its capture's, re-aimed by the flags
+    as the restore's fast entry re-aims it (:func:`coldsnap.activation.restore_inputs.aimed_request`)."""
+    from coldsnap.activation.restore_inputs import RequestProblem, aimed_request
+
     directory = Path(args.artifact).resolve()
     captured = _captured_request(directory)
-    captured.update(operation=operation, operation_id=args.operation_id or new_operation_id(operation),
-                    artifact=str(directory))
-    captured.pop("owner", None)  # the capture's caller's: this operation's owner is its own caller's
-    selection = unit_selection(args)
-    units = captured.get("units") or [{}]
-    if selection:
-        if selection["unit"]["units"] != len(units):
-            raise UsageError(f"--units {selection['unit']['units']}, but {directory} is an artifact of {len(units)} "
-                             "launch unit(s)")
-        captured["unit"] = selection["unit"] | {"unit_id": units[selection["index"]].get("unit_id")}
-    elif len(units) > 1:
-        raise UsageError(f"{directory} is an artifact of {len(units)} launch units: {operation} each on its own host "
-                         f"with --units {len(units)} --unit K --rendezvous HOST:PORT --rendezvous-token-file F (all at "
-                         f"once; a subset of the units is never {'woken' if operation == 'wake' else operation + 'ed'})")
-    if operation == "restore":
-        captured["prepare_only"] = args.prepare_only
-        unit = units[selection["index"]] if selection else units[0]
-        if args.port is not None:
-            unit["serving_port"] = args.port
-        if args.gpu is not None:
-            unit.setdefault("env", {})["CUDA_VISIBLE_DEVICES"] = args.gpu
     if getattr(args, "api_key_file", None):
-        key_file = Path(args.api_key_file).resolve()
         try:
-            read_api_key(key_file)  # said now, before anything of the host is touched
+            read_api_key(Path(args.api_key_file).resolve())  # said now, before anything of the host is touched
         except ApiKeyFileError as exc:
             raise UsageError(f"--api-key-file: {exc}") from None
-        captured["api_key_file"] = str(key_file)
-    if operation == "warm" and args.ttl is not None:
-        captured["standby_ttl_s"] = args.ttl
-    if args.weights:
-        policy = captured.setdefault("policy", {})
-        policy.setdefault("weights", {})["mode"] = args.weights
-    return captured
+    try:
+        return aimed_request(captured, operation, directory, args.operation_id or new_operation_id(operation), args,
+                             unit_selection(args))
+    except RequestProblem as exc:
+        raise UsageError(str(exc)) from None
