@@ -3,22 +3,22 @@
     sudo python -m benchmarks.replica_start --artifact DIR [--cuda-sockets N] [--repeat 25] [--out F]
 
 Every restore of a replica runs ``unshare --pid --fork --mount-proc`` and, as pid 1 of the new namespaces,
-:mod:`coldsnap.snapshot.replica_init`: it mounts the replica's ``/dev/shm``, puts the image's saved
+:mod:`coldsnap.snapshot.namespace_init`: it mounts the replica's ``/dev/shm``, puts the image's saved
 ``/dev/shm`` files back, renames the sockets named after their pid namespace (the CUDA driver's) in its own
 ``files.img``, then replaces itself with CRIU. All of that is on the restore's path before CRIU starts.
 Timed here, each run a new process from spawn to exit, with ``/bin/true`` standing in for CRIU (so a run
 ends where CRIU would begin), ``--repeat`` times interleaved, medians reported:
 
   floor             ``unshare ... python -S -c pass``: the namespaces and an interpreter, nothing else
-  replica_init      what a restore runs: the launcher's options (``/dev/shm`` names, the sockets to rename)
-  replica_init, decoding files.img   the same without the sockets' names: ``files.img`` decoded there
+  namespace_init      what a restore runs: the launcher's options (``/dev/shm`` names, the sockets to rename)
+  namespace_init, decoding files.img   the same without the sockets' names: ``files.img`` decoded there
                                      (what every GPU restore did before, and what it still does where
                                      replacing the names' bytes would not be exact)
 
 ``--artifact``: a captured artifact (unit-0's images are linked into a scratch directory, the artifact is
 only read). ``--cuda-sockets N`` adds N unix sockets named as the CUDA driver names them to the scratch
 copy's ``files.img``: a CPU capture has none, a GPU capture's engine has some, and only they make
-replica_init rename anything. Needs root (the namespaces, the tmpfs). Writes ``--out`` (JSON) and prints
+namespace_init rename anything. Needs root (the namespaces, the tmpfs). Writes ``--out`` (JSON) and prints
 a table.
 """
 
@@ -39,8 +39,8 @@ from benchmarks.common import check_artifact, finish
 
 from coldsnap.snapshot.criu_images import FILES_IMAGE, _encode
 from coldsnap.snapshot.process_tree import STATE_FILE, TreeFiles
-from coldsnap.snapshot.replica import namespace_sockets
-from coldsnap.snapshot.replica_init import ENTRY
+from coldsnap.snapshot.moved_sockets import namespace_sockets
+from coldsnap.snapshot.namespace_init import ENTRY
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[1])
 _VARINT, _LENGTH = 0, 2
@@ -80,9 +80,9 @@ def commands(images: Path) -> dict[str, list[str]]:
     tail = [str(images), "1", "/bin/true"]
     return {
         "floor": [*namespaces, "pass"],
-        "replica_init": [*namespaces, ENTRY, *shm, "--own-images",
+        "namespace_init": [*namespaces, ENTRY, *shm, "--own-images",
                          f"--namespace-sockets={','.join(n.hex() for n in names or [])}", *tail],
-        "replica_init, decoding files.img": [*namespaces, ENTRY, *shm, "--own-images", *tail],
+        "namespace_init, decoding files.img": [*namespaces, ENTRY, *shm, "--own-images", *tail],
     }
 
 

@@ -2,10 +2,11 @@
 """Regenerate docs/architecture.md's walk of ``coldsnap restore DIR`` from a traced restore.
 
 The restore runs as ``coldsnap restore DIR`` does (``python -m coldsnap``), with a profile hook on its main
-thread that notes the first *function call* into each module of coldsnap's restore path (imports are not
-visits). The page's list, between ``<!-- restore walk -->`` and ``<!-- end -->``, is that order, each module
-with the first line of its docstring. tests/integration/test_capture_restore.py restores its capture this
-way and compares the order with the page, so a walk that changes fails the tests until the page says so.
+thread that notes the first *function call* into each module of coldsnap's restore path (an import, and what
+runs inside one, is not a visit). The page's list, between ``<!-- restore walk -->`` and ``<!-- end -->``, is
+that order, each module with the first sentence of its docstring. tests/integration/test_capture_restore.py
+restores its capture this way and compares the order with the page, so a walk that changes fails the tests
+until the page says so.
 
     python scripts/docs-restore-walk.py DIR [RESTORE FLAGS...]           restore DIR traced, rewrite the list
     python scripts/docs-restore-walk.py --check DIR [RESTORE FLAGS...]   exit 1 when the page differs
@@ -38,11 +39,20 @@ import sys
 visited, out = set(), open(sys.argv[1], "w")
 walked = tuple(sys.argv[2].split(","))
 
+def importing(frame):
+    # whether frame runs inside an import: a module's body below it (but the tracer's own, outermost)
+    frame = frame.f_back
+    while frame is not None and frame.f_back is not None:
+        if frame.f_code.co_name == "<module>":
+            return True
+        frame = frame.f_back
+    return False
+
 def profile(frame, event, arg):
-    if event != "call" or frame.f_code.co_name == "<module>":
+    if event != "call" or not frame.f_code.co_flags & 0x02:  # (CO_NEWLOCALS: a function, not a module or class body)
         return
     name = frame.f_globals.get("__name__", "")
-    if name not in visited and name.startswith(walked):
+    if name not in visited and name.startswith(walked) and not importing(frame):
         visited.add(name)
         out.write(name + "\\n")
         out.flush()  # (the program ends with os._exit)

@@ -30,7 +30,7 @@ from coldsnap.activation.early_restore import NOT_RUN, EarlyRestore, FastEntry
 from coldsnap.activation.operation_locks import hold_port
 from coldsnap.activation.qualification import check_driver_floor, require_implemented_driver
 from coldsnap.activation.ranks import rank_prefix
-from coldsnap.activation.replica_plan import GpuPlacement, PortsTaken, Replica
+from coldsnap.activation.restore_place import GpuPlacement, PortsTaken, Replica
 from coldsnap.activation.restore_inputs import RestoreInputs, decide, differences
 from coldsnap.activation.units import moved_addresses
 from coldsnap.activation.staging import stages_rank

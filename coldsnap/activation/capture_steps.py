@@ -52,7 +52,7 @@ from coldsnap.snapshot.host_files import read_only_mtimes
 from coldsnap.snapshot.nvml import NvmlError, process_memory
 from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files, kill_tree, remove_socket_files,
                                             resident_bytes, socket_files_in, tcp_connections, tree_pids)
-from coldsnap.snapshot.replica import probe_path_sockets
+from coldsnap.snapshot.moved_sockets import probe_path_sockets
 from coldsnap.secrets.engine_env import engine_environment
 from coldsnap.secrets.served_key import served_key_in_command
 from coldsnap.settings import SETTINGS
@@ -663,7 +663,7 @@ class CaptureSequence:
             self.dumped = True
             engine.process.wait(timeout=30)
             # The dump ended the tree; the socket files it had bound (vLLM's ZeroMQ ipc:// in /tmp) would stay.
-            # (Restores bind their own: <path>.port-P, coldsnap.snapshot.replica.path_socket_names.)
+            # (Restores bind their own: <path>.port-P, coldsnap.snapshot.moved_sockets.path_socket_names.)
             remove_socket_files(socket_files)
             self.sweep_engine_tmp()
             span["image_bytes"] = result.image_bytes

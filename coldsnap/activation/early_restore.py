@@ -9,7 +9,7 @@ with the standard library, it checks what must hold before anything of the artif
 - the capsule manifest and every CRIU image are the bytes the descriptor binds, vouched for by their
   validation records (:mod:`coldsnap.payload.records`; nothing is hashed here);
 - the serving port's lock (:mod:`coldsnap.activation.operation_locks`) and every bind of the replica
-  (:func:`coldsnap.activation.replica_plan.plan`) —
+  (:func:`coldsnap.activation.restore_place.plan`) —
 
 then writes the replica's images and starts CRIU (:meth:`~coldsnap.snapshot.criu.CriuSnapshotter.start_restore`),
 and, where the restore's launcher stages weights (:mod:`coldsnap.activation.staging`: the native packs
@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, NoReturn
 
 from coldsnap.activation.operation_locks import LockHeld, OperationLock, PortLock
-from coldsnap.activation.replica_plan import PortsTaken, Replica, write_replica_images
+from coldsnap.activation.restore_place import PortsTaken, Replica, write_replica_images
 from coldsnap.activation.restore_inputs import (RequestProblem, RestoreInputs, aimed_request, chosen_unit, decide,
                                                unit_capsule)
 from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 
 from coldsnap.activation.gpu_room import LAUNCHER_CONTEXT_BYTES, GpuNeed, needs_per_gpu, shortfalls
-from coldsnap.activation.replica_plan import GpuPlacement
+from coldsnap.activation.restore_place import GpuPlacement
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
 from coldsnap.settings import SETTINGS

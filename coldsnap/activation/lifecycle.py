@@ -30,7 +30,7 @@ from coldsnap.activation.units import (UnitRendezvous, join_capture_request, pac
                                       unit_activation)
 from coldsnap.contracts.base import ContractError
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
-from coldsnap.snapshot.replica import connections_to
+from coldsnap.snapshot.moved_sockets import connections_to
 
 __all__ = ["capture", "restore", "warm", "wake"]
 

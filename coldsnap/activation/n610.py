@@ -18,7 +18,7 @@ from coldsnap.activation.admission import Admitted, WeightSource, gpu_placement,
 from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.gpu_memory import admit_gpu_memory
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.activation.replica_plan import GpuPlacement
+from coldsnap.activation.restore_place import GpuPlacement
 from coldsnap.activation.restore_steps import RestoreHeld, RestorePlan, RestoreSequence, Step
 from coldsnap.activation.standby import StandbyRecord, record_path
 from coldsnap.agent.client import AgentClient

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coldsnap.activation.replica_plan import GpuPlacement, Replica, gpu_remap, plan
+from coldsnap.activation.restore_place import GpuPlacement, Replica, gpu_remap, plan
 
 __all__ = ["RequestProblem", "RestoreInputs", "aimed_request", "chosen_unit", "decide", "differences", "unit_capsule",
            "unit_images"]
@@ -113,14 +113,14 @@ class RestoreInputs:
         return unit_images(self.artifact, self.unit_id)
 
     def replica(self, moved: dict[bytes, bytes] | None = None) -> Replica:
-        """This restore's place on the host, every bind probed (:func:`coldsnap.activation.replica_plan.plan`;
-        :class:`~coldsnap.activation.replica_plan.PortsTaken` when something it needs is taken). ``moved``: one
+        """This restore's place on the host, every bind probed (:func:`coldsnap.activation.restore_place.plan`;
+        :class:`~coldsnap.activation.restore_place.PortsTaken` when something it needs is taken). ``moved``: one
         unit of several, every unit's captured address → its new one."""
         return plan(self.images, self.captured_port, self.serving_port, dict(self.controls), self.template_control,
                     moved)
 
     def gpu_placement(self, captured_uuids: list[str], current_uuids: list[str]) -> GpuPlacement:
-        """Where the image's GPUs go on this host (:func:`coldsnap.activation.replica_plan.gpu_remap`; a
+        """Where the image's GPUs go on this host (:func:`coldsnap.activation.restore_place.gpu_remap`; a
         :class:`ValueError` when the GPUs asked for are not there)."""
         return gpu_remap(captured_uuids, self.captured_gpus, current_uuids, self.gpus)
 

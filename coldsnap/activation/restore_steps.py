@@ -29,8 +29,8 @@ from coldsnap.activation.canary_probes import ask_probe, first_difference, float
 from coldsnap.activation.early_restore import EarlyRestore
 from coldsnap.activation.engine_process import ask_canary, use_served_key
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.activation.replica_plan import GpuPlacement, Replica
-from coldsnap.activation.replica_plan import write_replica_images
+from coldsnap.activation.restore_place import GpuPlacement, Replica
+from coldsnap.activation.restore_place import write_replica_images
 from coldsnap.activation.staging import WeightStager, stages_rank
 from coldsnap.activation.state import forget_removed_artifacts
 from coldsnap.activation.units import UnitRendezvous, moved_addresses

@@ -50,7 +50,7 @@ def standby_record_file(target: str, root: Path | None = None) -> Path:
 
 def _artifact_gone(state: Path) -> bool:
     """Whether the artifact ``state`` belongs to is gone: its replicas' image folders link into the
-    artifact's capsule images (:func:`coldsnap.snapshot.replica.replica_images`), and those links dangle."""
+    artifact's capsule images (:func:`coldsnap.snapshot.moved_sockets.replica_images`), and those links dangle."""
     linked = False
     for link in state.glob("port-*/images/*"):
         if link.is_symlink():

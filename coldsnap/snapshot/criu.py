@@ -445,9 +445,9 @@ class CriuSnapshotter:
         restored, so nothing of the tree is left running.
 
         ``replica`` (the default): the tree gets its own pid and mount namespaces and ``/dev/shm``
-        (:mod:`coldsnap.snapshot.replica_init`), so restores of one image can run side by side; the
+        (:mod:`coldsnap.snapshot.namespace_init`), so restores of one image can run side by side; the
         result names its pids as this host sees them. ``own_images`` says ``images`` is this restore's
-        copy (:func:`coldsnap.snapshot.replica.replica_images`), where the sockets named after their pid
+        copy (:func:`coldsnap.snapshot.moved_sockets.replica_images`), where the sockets named after their pid
         namespace (the CUDA driver's) are renamed for the new one. Without ``replica``, the tree takes
         back its captured pids in the host's namespace (waiting up to ``wait_for_pids_s`` for a previous
         incarnation to go).
@@ -557,8 +557,8 @@ class PendingRestore:
             env = {**env, UNLOCK_HOLD_ENV: str(self.log.parent)}
         # python -S, coldsnap found through PYTHONPATH: no site-packages scan on the restore's path; what this
         # process knows already (the /dev/shm names, the sockets to rename) given, not read again there.
-        from coldsnap.snapshot.replica import namespace_sockets
-        from coldsnap.snapshot.replica_init import ENTRY
+        from coldsnap.snapshot.moved_sockets import namespace_sockets
+        from coldsnap.snapshot.namespace_init import ENTRY
 
         options = [f"--shm={name}" for name in shm]
         if own_images:
@@ -624,7 +624,7 @@ class PendingRestore:
     def _await_replica(self) -> tuple[int, dict[int, int]]:
         """The root's pid on this host and every restored pid's host pid by its captured one."""
         from coldsnap.snapshot import process_tree
-        from coldsnap.snapshot.replica_init import READY
+        from coldsnap.snapshot.namespace_init import READY
 
         launcher, hold = self.launcher, self._hold
         assert launcher is not None and launcher.stdout is not None and launcher.stderr is not None

@@ -20,7 +20,7 @@ from coldsnap.snapshot.criu_images import RegularFile, read_regular_files
 __all__ = ["changed_host_files", "read_only_mtimes"]
 
 # Restored from the image, not opened on the host: a replica's /dev/shm is a tmpfs of its own, filled
-# with the image's saved files (coldsnap.snapshot.replica_init).
+# with the image's saved files (coldsnap.snapshot.namespace_init).
 _FROM_THE_IMAGE = ("/dev/shm/",)
 
 

@@ -291,7 +291,7 @@ def capture_tree_files(images: Path, pids: list[int], written: dict[str, int], s
 def prepare_restore(images: Path, wait_for_pids_s: float = 10.0, host_namespace: bool = True) -> TreeFiles:
     """Put the host back in the state the image expects; raises :class:`ImageStateError` if it cannot.
     ``host_namespace``: the tree takes its captured pids and ``/dev/shm`` names on the host itself (not a
-    replica in namespaces of its own, whose ``/dev/shm`` :mod:`coldsnap.snapshot.replica_init` fills)."""
+    replica in namespaces of its own, whose ``/dev/shm`` :mod:`coldsnap.snapshot.namespace_init` fills)."""
     state = TreeFiles.load(images)
     if host_namespace:
         _wait_for_pids(state.pids, wait_for_pids_s)

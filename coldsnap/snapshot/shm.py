@@ -1,6 +1,6 @@
 """The /dev/shm files of a process tree, saved with its CRIU images and put back before each restore.
 
-Imports nothing but ``os``: :mod:`coldsnap.snapshot.replica_init` runs it as pid 1 of a replica's
+Imports nothing but ``os``: :mod:`coldsnap.snapshot.namespace_init` runs it as pid 1 of a replica's
 namespaces, before CRIU starts, where every millisecond of imports is on the restore's path (``pathlib``
 and ``shutil`` alone cost ~9 ms of a ``python -S`` start on the 2-core CPU machine). Paths are ``str`` or
 any ``os.PathLike``.

@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
         time.sleep(float(seconds))
         snapshotter.dump(child.pid, Path(images), compact=False)
     else:
-        from coldsnap.snapshot.replica import PortGeneration, replica_images
+        from coldsnap.snapshot.moved_sockets import PortGeneration, replica_images
 
         images, state, mapping, barrier_dir = Path(argv[1]), Path(argv[2]), json.loads(argv[3]), Path(argv[4])
         aborting = argv[5:] == ["abort"]

@@ -52,7 +52,7 @@ def test_a_capture_is_proved_equal_to_a_plain_start_that_ran_first(tmp_path):
     assert "reference check: a plain start of the command (no coldsnap agent) first" in done.stderr
     assert "reference check passed" in done.stderr
     assert (artifact / "logs" / "unit-0-reference.log").stat().st_size > 0
-    from coldsnap.activation.replica_plan import port_free
+    from coldsnap.activation.restore_place import port_free
 
     assert port_free(port)
 
@@ -98,7 +98,7 @@ def test_an_engine_deviant_under_every_capture_is_never_committed(tmp_path):
     assert "the captured engine generated" in message or "the captured engine predicted" in message
     assert _starts(tmp_path) == ["plain", "capture", "plain", "capture"]
     assert not artifact.exists()  # nothing committed, nothing left
-    from coldsnap.activation.replica_plan import port_free
+    from coldsnap.activation.restore_place import port_free
 
     assert port_free(port)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.activation.replica_plan import port_free
+from coldsnap.activation.restore_place import port_free
 from coldsnap.snapshot.process_tree import namespace_pid
 from tests.processes import (capsule_root_pid, group_members, kill_group, kill_replicas, launched_pid, replica_members,
                              restore_killed_at, wait_replicas_gone)
@@ -189,6 +189,19 @@ def test_prepare_only_detects_a_corrupt_payload(captured, tmp_path):
     assert result.returncode == 1
     assert json.loads(result.stdout)["error"]["code"] == "admission.payload"
     assert replica_members(artifact) == []
+
+
+def test_the_architecture_page_walks_a_restore_as_it_runs(captured):
+    """docs/architecture.md lists the modules a restore calls into, in order: a traced restore of this capture
+    (the fast entry taken) calls into exactly those, in that order (scripts/docs-restore-walk.py)."""
+    artifact, _, _, _ = captured
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "scripts" / "docs-restore-walk.py"), "--check", str(artifact)],
+                          capture_output=True, timeout=600)
+    try:
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+    finally:
+        kill_replicas(artifact)
 
 
 def test_a_failed_admission_kills_the_tree_the_entry_started(captured, tmp_path):
@@ -718,7 +731,7 @@ def test_failed_operations_hand_over_what_they_wrote_and_nothing_else(captured, 
 
 
 def test_a_replicas_first_process_renames_the_drivers_sockets_in_its_namespace(captured, tmp_path):
-    """benchmarks/replica_start.py runs replica_init as a restore does, in new namespaces, over a copy of the
+    """benchmarks/replica_start.py runs namespace_init as a restore does, in new namespaces, over a copy of the
     capture's images with sockets named as the CUDA driver names them: both ways (their names from the
     launcher, replaced in place; files.img decoded there) rename them, or it fails."""
     artifact, *_ = captured
@@ -728,4 +741,4 @@ def test_a_replicas_first_process_renames_the_drivers_sockets_in_its_namespace(c
                           cwd=Path(__file__).resolve().parents[2])
     assert done.returncode == 0, done.stderr[-2000:]
     medians = json.loads(out.read_text())["median_s"]
-    assert set(medians) == {"floor", "replica_init", "replica_init, decoding files.img"} and all(medians.values())
+    assert set(medians) == {"floor", "namespace_init", "namespace_init, decoding files.img"} and all(medians.values())

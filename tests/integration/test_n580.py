@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from coldsnap.activation.engine_process import ask_canary
-from coldsnap.activation.replica_plan import port_free
+from coldsnap.activation.restore_place import port_free
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from tests.helpers import coldsnap_receipt, file_digests, free_port
 from tests.processes import kill_replicas

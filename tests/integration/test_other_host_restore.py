@@ -14,7 +14,7 @@ import pytest
 
 from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
 from coldsnap.snapshot.process_tree import kill_tree
-from coldsnap.snapshot.replica import PortGeneration, replica_images
+from coldsnap.snapshot.moved_sockets import PortGeneration, replica_images
 from tests.simulated_hosts import simulated_hosts
 
 pytestmark = [

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.activation.replica_plan import port_free
+from coldsnap.activation.restore_place import port_free
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from coldsnap.activation.engine_process import ask_canary

@@ -63,7 +63,7 @@ def complete(port: int, prompt: str, max_tokens: int = 12) -> list[int]:
 
 
 def port_taken(port: int) -> bool:
-    from coldsnap.activation.replica_plan import port_free
+    from coldsnap.activation.restore_place import port_free
 
     return not port_free(port)
 

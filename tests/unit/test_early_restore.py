@@ -182,7 +182,7 @@ def test_region_facts_from_the_capsule_json_are_plain_integers(record, ok):
 
 def test_staging_imports_no_pydantic_until_it_hydrates():
     code = ("import sys; import coldsnap.activation.staging, coldsnap.activation.gpu_room, "
-            "coldsnap.activation.replica_plan; print(sorted(m for m in sys.modules if m.startswith('pydantic')))")
+            "coldsnap.activation.restore_place; print(sorted(m for m in sys.modules if m.startswith('pydantic')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout
     assert out.strip() == "[]"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from coldsnap.activation.gpu_memory import LAUNCHER_CONTEXT_BYTES, gpu_needs
-from coldsnap.activation.replica_plan import GpuPlacement
+from coldsnap.activation.restore_place import GpuPlacement
 
 GiB = 1 << 30
 

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from coldsnap.activation.replica_plan import gpu_remap
-from coldsnap.activation.replica_plan import replica_control
+from coldsnap.activation.restore_place import gpu_remap
+from coldsnap.activation.restore_place import replica_control
 from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
-from coldsnap.snapshot.replica import (namespace_socket_names, path_socket_names, port_generation,
+from coldsnap.snapshot.moved_sockets import (namespace_socket_names, path_socket_names, port_generation,
                                        probe_abstract_names, probe_binds, replica_images)
 
 _VARINT, _LENGTH = 0, 2
@@ -310,7 +310,7 @@ def test_every_units_address_is_mapped_in_both_forms_and_a_family_change_is_refu
 
 def test_the_bind_probe_binds_a_units_sockets_at_its_new_address_and_connections_to_units_are_found(tmp_path):
     from coldsnap.snapshot.criu_images import InetSocket
-    from coldsnap.snapshot.replica import connections_to
+    from coldsnap.snapshot.moved_sockets import connections_to
 
     elsewhere, here = socket.inet_aton("10.232.0.11"), socket.inet_aton("127.0.0.1")
     listener = InetSocket(1, socket.AF_INET, socket.SOCK_STREAM, 10, 41235, 0, elsewhere)
@@ -326,10 +326,10 @@ def test_the_bind_probe_binds_a_units_sockets_at_its_new_address_and_connections
 
 
 def test_the_replicas_first_process_renames_the_drivers_sockets_in_place_as_the_decoder_would(tmp_path):
-    """replica_init gets the CUDA driver's socket names from the launcher and replaces their bytes in its
+    """namespace_init gets the CUDA driver's socket names from the launcher and replaces their bytes in its
     files.img, decoding nothing: the result is byte for byte what decoding and re-encoding gives."""
-    from coldsnap.snapshot.replica import namespace_sockets
-    from coldsnap.snapshot.replica_init import rename_in_place
+    from coldsnap.snapshot.moved_sockets import namespace_sockets
+    from coldsnap.snapshot.namespace_init import rename_in_place
 
     engine = b"\0cuda-uvmfd-4026531836-1798\0"
     worker = b"\0cuda-uvmfd-4026531836-1799\0"
@@ -350,8 +350,8 @@ def test_the_replicas_first_process_renames_the_drivers_sockets_in_place_as_the_
 
 
 def test_where_replacing_bytes_would_not_rename_exactly_the_sockets_the_replica_decodes_instead(tmp_path):
-    from coldsnap.snapshot.replica import namespace_sockets
-    from coldsnap.snapshot.replica_init import rename_in_place
+    from coldsnap.snapshot.moved_sockets import namespace_sockets
+    from coldsnap.snapshot.namespace_init import rename_in_place
 
     engine = b"\0cuda-uvmfd-4026531836-17\0"
     _image(tmp_path, _unix_entry(1, engine))
@@ -365,14 +365,14 @@ def test_where_replacing_bytes_would_not_rename_exactly_the_sockets_the_replica_
     _image(tmp_path, _unix_entry(1, b"\0coldsnap-agent-0123456789abcdef"))
     assert namespace_sockets(tmp_path) == []
     (tmp_path / "files.img").write_bytes(b"cuda-uvmfd but not an image")
-    assert namespace_sockets(tmp_path) is None  # (replica_init then decodes it and says what is wrong)
+    assert namespace_sockets(tmp_path) is None  # (namespace_init then decodes it and says what is wrong)
 
 
 def test_the_drivers_socket_name_is_told_apart_as_the_pattern_of_its_format_would():
-    # replica_init matches it without `re` (it runs before CRIU starts): the same verdict as the pattern
+    # namespace_init matches it without `re` (it runs before CRIU starts): the same verdict as the pattern
     import re
 
-    from coldsnap.snapshot.replica_init import is_namespace_socket
+    from coldsnap.snapshot.namespace_init import is_namespace_socket
 
     pattern = re.compile(rb"\0cuda-uvmfd-(\d+)-(\d+)(\0?)")
     for name in [b"\0cuda-uvmfd-4026531836-1798\0", b"\0cuda-uvmfd-4026531836-1798", b"\0cuda-uvmfd-1-2\0\0",

@@ -36,7 +36,7 @@ import sys
 __all__ = ["ENTRY", "READY", "REAPER", "is_namespace_socket", "namespace_renamed", "namespace_socket_names",
            "rename_in_place"]
 
-ENTRY = "import sys; from coldsnap.snapshot.replica_init import main; sys.exit(main(sys.argv[1:]))"
+ENTRY = "import sys; from coldsnap.snapshot.namespace_init import main; sys.exit(main(sys.argv[1:]))"
 """What ``python -S -c`` runs (``-m`` would import ``runpy`` first: ~3.5 ms)."""
 
 READY = b"coldsnap-replica-ready\n"
@@ -158,7 +158,7 @@ def _name_sockets_for_this_namespace(images: str, names: list[bytes] | None) -> 
 
 
 def main(argv: list[str]) -> int:
-    # replica_init [--own-images] [--shm=NAME]... [--namespace-sockets=HEX,...] IMAGES ROOT_PID CRIU [CRIU ARGS...]
+    # namespace_init [--own-images] [--shm=NAME]... [--namespace-sockets=HEX,...] IMAGES ROOT_PID CRIU [CRIU ARGS...]
     own_images, shm, names = False, [], None
     while argv and argv[0].startswith("--"):
         option, _, value = argv[0].partition("=")

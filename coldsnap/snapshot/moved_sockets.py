@@ -15,7 +15,7 @@ would push it out of range). Every resulting bind is probed before CRIU runs. Ab
 sockets named by coldsnap (the agent's and the template's control sockets) get the replica's own names;
 they are the only names a launcher connects to by name after the restore. Unix sockets bound to a file
 get a path of the replica's own; the CUDA driver's socket, named after its pid namespace, is renamed for
-the replica's by :mod:`coldsnap.snapshot.replica_init`.
+the replica's by :mod:`coldsnap.snapshot.namespace_init`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldsnap.snapshot.criu_images import FILES_IMAGE, ImageFormatError, InetSocket, read_sockets, rewrite_sockets
-from coldsnap.snapshot.replica_init import is_namespace_socket, namespace_socket_names
+from coldsnap.snapshot.namespace_init import is_namespace_socket, namespace_socket_names
 
 __all__ = ["PortGeneration", "connections_to", "port_generation", "probe_binds", "replica_images", "tree_sockets",
            "namespace_socket_names", "namespace_sockets", "probe_abstract_names", "path_socket_names",
@@ -147,8 +147,8 @@ def probe_binds(sockets: list[InetSocket], generation: PortGeneration,
 
 def namespace_sockets(images: Path) -> list[bytes] | None:
     """The names of ``images/files.img``'s unix sockets that encode their pid namespace, one per socket:
-    what :mod:`coldsnap.snapshot.replica_init` renames for the replica's namespace (``[]``: none; None: the
-    image could not be read here, so replica_init decodes it and reports what is wrong)."""
+    what :mod:`coldsnap.snapshot.namespace_init` renames for the replica's namespace (``[]``: none; None: the
+    image could not be read here, so namespace_init decodes it and reports what is wrong)."""
     try:
         if b"cuda-uvmfd" not in (images / FILES_IMAGE).read_bytes():
             return []
