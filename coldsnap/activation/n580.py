@@ -34,7 +34,8 @@ from coldsnap.activation.admission import Admitted, WeightSource
 from coldsnap.activation.capture_steps import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
 from coldsnap.activation.qualification import check_driver_floor
-from coldsnap.activation.restore_steps import RestorePlan, RestoreSequence, Step
+from coldsnap.activation.restore_state import RestorePlan, Step
+from coldsnap.activation.restore_steps import RestoreSequence
 from coldsnap.agent.client import Lease, TemplateClient, TemplateLink
 from coldsnap.agent.protocol import CONTROL_ENV, rank_control
 from coldsnap.contracts.artifact import ArtifactDescriptor

@@ -19,7 +19,8 @@ from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.gpu_memory import admit_gpu_memory
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.restore_place import GpuPlacement
-from coldsnap.activation.restore_steps import RestoreHeld, RestorePlan, RestoreSequence, Step
+from coldsnap.activation.restore_state import RestoreHeld, RestorePlan, Step
+from coldsnap.activation.restore_steps import RestoreSequence
 from coldsnap.activation.standby import StandbyRecord, record_path
 from coldsnap.agent.client import AgentClient
 from coldsnap.agent.protocol import Standby, StandbyReply

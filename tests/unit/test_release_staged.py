@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from coldsnap.activation.restore_steps import RestoreHeld, RestoreSequence
+from coldsnap.activation.restore_state import RestoreHeld
+from coldsnap.activation.restore_steps import RestoreSequence
 from coldsnap.timing import OperationTimer
 
 

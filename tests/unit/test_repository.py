@@ -47,7 +47,8 @@ def test_every_snapshot_driver_step_is_a_method_of_its_sequence():
     is named where it stands in the list."""
     from coldsnap.activation import n580, n610
     from coldsnap.activation.capture_steps import CaptureSequence
-    from coldsnap.activation.restore_steps import RestoreSequence, Step
+    from coldsnap.activation.restore_state import Step
+    from coldsnap.activation.restore_steps import RestoreSequence
 
     captures = {n610: CaptureSequence, n580: n580.TemplateCapture}
     restores = {(n610, "RESTORE_STEPS"): RestoreSequence, (n610, "WARM_STEPS"): n610.StandbySequence,
