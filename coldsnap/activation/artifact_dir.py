@@ -48,7 +48,7 @@ from coldsnap.contracts.capsule import CAPSULE_FORMAT, ActivationMetadata, Capsu
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.ownership import HandOver
 from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record, sha256_file
-from coldsnap.snapshot.criu import CHECK_CACHE
+from coldsnap.snapshot.criu_binary import CHECK_CACHE
 from coldsnap.snapshot.cuda_checkpoint import PROBE_CACHE
 from coldsnap.snapshot.thp import RECORD_FILES as THP_RECORD_FILES
 

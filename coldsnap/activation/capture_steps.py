@@ -46,7 +46,9 @@ from coldsnap.host import nvidia_kernel_driver
 from coldsnap.payload.validation import hash_and_record
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.progress import PhaseProgress
-from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_binary import CriuError
+from coldsnap.snapshot.criu_options import SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.host_files import read_only_mtimes
 from coldsnap.snapshot.nvml import NvmlError, process_memory

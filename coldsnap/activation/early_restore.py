@@ -43,7 +43,9 @@ from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root
 from coldsnap.contracts.canonical import parse_strict_json
 from coldsnap.operation_ids import new_operation_id
 from coldsnap.payload.records import vouched_by_records
-from coldsnap.snapshot.criu import CriuSnapshotter, PendingRestore, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_options import SnapshotOptions
+from coldsnap.snapshot.criu_restore import PendingRestore
 from coldsnap.snapshot.thp import HOST_THP_ENV
 from coldsnap.settings import SETTINGS, SettingError
 

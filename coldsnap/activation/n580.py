@@ -46,7 +46,8 @@ from coldsnap.contracts.placement import (GRAPHS_AFTER_READY, GRAPHS_ENV, NATIVE
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
 from coldsnap.host import live_start_ticks, nvidia_kernel_driver
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
-from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_options import SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import cuda_devices, gpu_processes
 from coldsnap.snapshot.nvidia_mappings import nvidia_userspace_state
 from coldsnap.snapshot.process_tree import kill_tree, tree_pids

@@ -44,7 +44,10 @@ from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file
 from coldsnap.progress import PhaseProgress
 from coldsnap.secrets.served_key import ApiKeyFileError, read_api_key
-from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, PendingRestore, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_binary import CriuError
+from coldsnap.snapshot.criu_options import SnapshotOptions
+from coldsnap.snapshot.criu_restore import PendingRestore
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, start_cuda_in_background
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill
