@@ -26,7 +26,8 @@ import urllib.error
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from coldsnap.activation.engine_process import ask_canary, post_empty
+from coldsnap.activation.canary import ask_canary
+from coldsnap.activation.engine_process import post_empty
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation

@@ -24,9 +24,10 @@ from typing import Any, Callable, ContextManager, Sequence
 
 from coldsnap.activation.admission import WeightSource
 from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
+from coldsnap.activation.canary import ask_canary
 from coldsnap.activation.canary_probes import ask_probe, first_difference, float_of
 from coldsnap.activation.early_restore import EarlyRestore
-from coldsnap.activation.engine_process import ask_canary, use_served_key
+from coldsnap.activation.engine_process import use_served_key
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.replica import GpuPlacement, Replica
 from coldsnap.activation.replica_plan import write_replica_images
