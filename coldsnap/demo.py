@@ -284,7 +284,8 @@ def _forget_restores(artifact: Path) -> None:
     the demo's artifact is gone afterwards (or kept in --dir, whose restores start afresh), so is that."""
     import shutil
 
-    from coldsnap.activation.state import artifact_id, state_root
+    from coldsnap.activation.state import artifact_id
+    from coldsnap.host import state_root
 
     try:
         shutil.rmtree(state_root() / artifact_id(artifact), ignore_errors=True)

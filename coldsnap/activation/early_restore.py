@@ -39,8 +39,9 @@ from typing import Any, Callable
 
 from coldsnap.activation.operation_locks import LockHeld, OperationLock, PortLock
 from coldsnap.activation.replica_plan import PortsTaken, Replica, plan, write_replica_images
-from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root
+from coldsnap.activation.state import artifact_id
 from coldsnap.contracts.canonical import parse_strict_json
+from coldsnap.host import STATE_DIR_ENV, state_root
 from coldsnap.operation_ids import new_operation_id
 from coldsnap.payload.records import vouched_by_records
 from coldsnap.snapshot.criu import CriuSnapshotter

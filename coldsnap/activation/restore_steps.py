@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
 from coldsnap.activation.admission import WeightSource
-from coldsnap.activation.artifact_dir import STATE_DIR_ENV, ArtifactDir, state_root
+from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.canary import ask_canary
 from coldsnap.activation.canary_probes import ask_probe, first_difference, float_of
 from coldsnap.activation.early_restore import EarlyRestore
@@ -39,6 +39,7 @@ from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import ArtifactDescriptor, CanaryProbe, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
 from coldsnap.contracts.capsule import CapsuleManifest
+from coldsnap.host import STATE_DIR_ENV, state_root
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.payload.arrival import ArrivalFailed, arrival_for
 from coldsnap.payload.errors import PackError

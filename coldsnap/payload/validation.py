@@ -41,8 +41,6 @@ from coldsnap.payload.pack import digest_from_file_name, open_regular_file
 from coldsnap.payload.records import RACY_WINDOW_NS, VALIDATION_RECORD_NAME, FileIdentity, identity_of, vouches
 
 __all__ = [
-    "VALIDATION_RECORD_NAME",
-    "RACY_WINDOW_NS",
     "ValidationEntry",
     "ValidationRecord",
     "Verification",

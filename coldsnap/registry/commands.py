@@ -23,7 +23,7 @@ from coldsnap.registry.pull import (DestinationTaken, PullError, PullResult, Pul
 from coldsnap.registry.publish import publish
 from coldsnap.registry.reference import OCI_SCHEME, BadReference, parse_reference
 
-__all__ = ["OCI_SCHEME", "CachedArtifact", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
+__all__ = ["CachedArtifact", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

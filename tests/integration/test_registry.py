@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.payload.validation import VALIDATION_RECORD_NAME, verify_file
+from coldsnap.payload.records import VALIDATION_RECORD_NAME
+from coldsnap.payload.validation import verify_file
 from coldsnap.registry import client as registry_client
 from coldsnap.registry.client import DigestMismatch, client_for
 from coldsnap.registry.publish import CHUNK_RECORD_NAME
