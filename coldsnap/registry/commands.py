@@ -19,7 +19,8 @@ from coldsnap.progress import ProgressBar
 from coldsnap.registry.client import RegistryError, client_for
 from coldsnap.registry.credentials import CredentialsError
 from coldsnap.registry.layout import LayoutError
-from coldsnap.registry.pull import (DestinationTaken, PullError, PullResult, PullSession, incomplete, lock_path, staging_dir)
+from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, PullSession
+from coldsnap.registry.pull_staging import incomplete, lock_path, staging_dir
 from coldsnap.registry.publish import publish
 from coldsnap.registry.reference import OCI_SCHEME, BadReference, parse_reference
 
