@@ -28,7 +28,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-from coldsnap.snapshot.criu import THP_FILL_ENV, Criu, CriuSnapshotter  # noqa: E402
+from coldsnap.snapshot.criu import CriuSnapshotter  # noqa: E402
+from coldsnap.snapshot.criu_binary import THP_FILL_ENV, Criu  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402
 from coldsnap.snapshot.thp import thp_mode  # noqa: E402
 

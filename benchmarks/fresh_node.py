@@ -275,7 +275,7 @@ def main() -> int:
     args = parser.parse_args()
     if os.geteuid() != 0:
         parser.error("needs root (CRIU, page-cache drops)")
-    from coldsnap.activation.engine_process import ask_canary
+    from coldsnap.activation.canary import ask_canary
     from coldsnap.demo import CHECK_PROMPT, cold_start
     from tests.helpers import free_port
 

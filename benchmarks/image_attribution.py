@@ -38,7 +38,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from coldsnap.secrets.engine_env import engine_environment
-from coldsnap.activation.engine_process import EngineProcess, ask_canary, wait_for_agent, wait_for_http
+from coldsnap.activation.canary import ask_canary
+from coldsnap.activation.engine_process import EngineProcess, wait_for_agent, wait_for_http
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank
 from coldsnap.agent.client import AgentClient
 from coldsnap.agent.protocol import Prepare, rank_control

@@ -177,7 +177,7 @@ def _stop(receipt: dict) -> None:
 
 
 def _tokens(port: int) -> list[int]:
-    from coldsnap.activation.engine_process import ask_canary
+    from coldsnap.activation.canary import ask_canary
     from coldsnap.demo import CHECK_PROMPT
 
     return ask_canary(port, CHECK_PROMPT, 8).token_ids

@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 
-from coldsnap.activation.engine_process import ask_canary  # noqa: E402
+from coldsnap.activation.canary import ask_canary  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402
 from coldsnap.snapshot.process_tree import kill_tree  # noqa: E402

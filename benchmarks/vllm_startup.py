@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import Iterator
 
 
-from coldsnap.activation.engine_process import ask_canary  # noqa: E402
+from coldsnap.activation.canary import ask_canary  # noqa: E402
 from coldsnap.demo import cold_start, first_answer, plain_server, sleep_wake_cycle  # noqa: E402
 from coldsnap.atomic import write_atomic  # noqa: E402
 from coldsnap.contracts.receipt import restored_pid  # noqa: E402

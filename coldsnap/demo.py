@@ -26,7 +26,8 @@ import urllib.error
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from coldsnap.activation.engine_process import ask_canary, post_empty
+from coldsnap.activation.canary import ask_canary
+from coldsnap.activation.engine_process import post_empty
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.operation import run_operation
@@ -283,7 +284,8 @@ def _forget_restores(artifact: Path) -> None:
     the demo's artifact is gone afterwards (or kept in --dir, whose restores start afresh), so is that."""
     import shutil
 
-    from coldsnap.activation.state import artifact_id, state_root
+    from coldsnap.activation.state import artifact_id
+    from coldsnap.host import state_root
 
     try:
         shutil.rmtree(state_root() / artifact_id(artifact), ignore_errors=True)

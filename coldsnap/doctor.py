@@ -13,8 +13,8 @@ from coldsnap import __version__
 from coldsnap.contracts.profiles import SNAPSHOT_DRIVERS
 from coldsnap.host import host_facts, nvidia_kernel_driver
 from coldsnap.native import probe_cuda
-from coldsnap.snapshot.criu import (THP_FILL_ENV, MINIMUM_VERSION, Criu, CriuError, fill_threads_wanted,
-                                    thp_fill_wanted)
+from coldsnap.snapshot.criu_binary import (MINIMUM_VERSION, THP_FILL_ENV, Criu, CriuError, fill_threads_wanted,
+                                           thp_fill_wanted)
 from coldsnap.settings import SETTINGS
 
 __all__ = ["collect_report", "render_table"]

@@ -192,7 +192,8 @@ def _entry(dir_fd: int, name: str, shown: Path, owner: Owner, report: HandOverRe
 
 def _directory(fd: int, shown: Path, owner: Owner, report: HandOverReport) -> None:
     """The directory ``fd``: its entries first, then itself."""
-    from coldsnap.payload.validation import VALIDATION_RECORD_NAME, carry_records_over
+    from coldsnap.payload.records import VALIDATION_RECORD_NAME
+    from coldsnap.payload.validation import carry_records_over
 
     with os.scandir(fd) as scan:
         names = sorted(entry.name for entry in scan)

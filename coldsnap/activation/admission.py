@@ -44,7 +44,7 @@ from coldsnap.operation import OperationContext, OperationFailed
 from coldsnap.payload.arrival import arrival_for
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file, verify_files
-from coldsnap.snapshot.criu import MINIMUM_VERSION, CriuError, checked_criu
+from coldsnap.snapshot.criu_binary import MINIMUM_VERSION, CriuError, checked_criu
 from coldsnap.snapshot.criu_images import ImageFormatError
 from coldsnap.snapshot.cuda_checkpoint import cached_probe_cuda, cuda_devices
 from coldsnap.snapshot.host_files import changed_host_files

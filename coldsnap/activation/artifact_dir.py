@@ -41,20 +41,21 @@ import shutil
 from pathlib import Path
 
 from coldsnap.activation.restore_inputs import unit_capsule, unit_images
-from coldsnap.activation.state import STANDBY_RECORD, STATE_DIR_ENV, artifact_id, state_root
+from coldsnap.activation.state import STANDBY_RECORD, artifact_id
 from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
 from coldsnap.contracts.capsule import CAPSULE_FORMAT, ActivationMetadata, CapsuleFile, CapsuleManifest
 from coldsnap.contracts.canonical import canonical_json
+from coldsnap.host import state_root
 from coldsnap.ownership import HandOver
-from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record, sha256_file
-from coldsnap.snapshot.criu import CHECK_CACHE
+from coldsnap.payload.records import VALIDATION_RECORD_NAME
+from coldsnap.payload.validation import hash_and_record, sha256_file
+from coldsnap.snapshot.criu_binary import CHECK_CACHE
 from coldsnap.snapshot.cuda_checkpoint import PROBE_CACHE
 from coldsnap.snapshot.thp import RECORD_FILES as THP_RECORD_FILES
 
-__all__ = ["ArtifactDir", "STATE_DIR_ENV", "claim_state", "external_record_dir", "file_ref", "sha256_file",
-           "state_root"]
+__all__ = ["ArtifactDir", "claim_state", "external_record_dir", "file_ref"]
 
 
 

@@ -24,9 +24,10 @@ from pathlib import Path
 from typing import Any, Callable, ContextManager, Literal, Sequence
 
 from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
+from coldsnap.activation.canary import Canary, ask_canary
 from coldsnap.activation.canary_probes import ProbeAnswer, bits_of, probe_plan
-from coldsnap.activation.engine_process import (AgentMissing, Canary, EngineProcess, LaunchError, ServingTree,
-                                                ask_canary, wait_for_agent, wait_for_http)
+from coldsnap.activation.engine_process import (AgentMissing, EngineProcess, LaunchError, ServingTree, wait_for_agent,
+                                                wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.reference_check import (REFERENCE_ENV, ReferenceAnswers, ReferenceMode, ask_probes, ask_reference,
                                                  reference_mode, reference_plan)
@@ -46,7 +47,9 @@ from coldsnap.host import nvidia_kernel_driver
 from coldsnap.payload.validation import hash_and_record
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
 from coldsnap.progress import PhaseProgress
-from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_binary import CriuError
+from coldsnap.snapshot.criu_options import SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.host_files import read_only_mtimes
 from coldsnap.snapshot.nvml import NvmlError, process_memory

@@ -49,13 +49,16 @@ from coldsnap.activation.operation_locks import LockHeld, OperationLock, PortLoc
 from coldsnap.activation.restore_place import PortsTaken, Replica, write_replica_images
 from coldsnap.activation.restore_inputs import (RequestProblem, RestoreInputs, aimed_request, chosen_unit, decide,
                                                unit_capsule)
-from coldsnap.activation.state import STATE_DIR_ENV, artifact_id, state_root
+from coldsnap.activation.state import artifact_id
 from coldsnap.cli.flags import restore_arguments
 from coldsnap.contracts.canonical import parse_strict_json
+from coldsnap.host import STATE_DIR_ENV, state_root
 from coldsnap.operation_ids import new_operation_id
 from coldsnap.payload.records import vouched_by_records
 from coldsnap.secrets.served_key import ApiKeyFileError, read_api_key
-from coldsnap.snapshot.criu import CriuSnapshotter, PendingRestore, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_options import SnapshotOptions
+from coldsnap.snapshot.criu_restore import PendingRestore
 from coldsnap.snapshot.thp import HOST_THP_ENV
 from coldsnap.settings import SETTINGS, SettingError
 

@@ -1,4 +1,4 @@
-"""The serving process as the launcher sees it: started, waited for, asked the canary, killed."""
+"""The serving process as the launcher sees it: started, waited for, asked over HTTP, killed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
@@ -20,8 +19,8 @@ from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import CONTROL_ENV, StatusReply
 from coldsnap.snapshot.process_tree import kill_tree
 
-__all__ = ["EngineProcess", "ServingTree", "LaunchError", "AgentMissing", "Canary", "ask_canary", "wait_for_agent",
-           "wait_for_http", "http_status", "new_control_name", "post_json"]
+__all__ = ["EngineProcess", "ServingTree", "LaunchError", "AgentMissing", "wait_for_agent", "wait_for_http", "http_status",
+           "new_control_name", "post_json"]
 
 
 class LaunchError(RuntimeError):
@@ -63,43 +62,6 @@ def wait_for_agent(control: str, alive: Callable[[], bool], timeout: float, http
                 raise LaunchError(f"no coldsnap agent answered at {control} within {timeout:.0f} s "
                                   "(is the engine started with coldsnap's plugin / COLDSNAP_CONTROL?)") from None
             time.sleep(0.1)
-
-
-@dataclass(frozen=True)
-class Canary:
-    text: str
-    token_ids: list[int]
-    seconds: float
-    prompt_argmax: list[int] | None = None
-    """The top-1 next token the prefill predicted at each prompt position but the first (None: not asked,
-    or the engine gave no prompt logprobs)."""
-
-
-def ask_canary(port: int, prompt: str, max_tokens: int, timeout: float = 120.0, prompt_argmax: bool = False) -> Canary:
-    """Greedy completion through the engine's own OpenAI-compatible ``POST /v1/completions``; with
-    ``prompt_argmax``, also the prefill's top-1 prediction at every prompt position (vLLM's
-    ``prompt_logprobs``: one forward pass checks the model at every position)."""
-    request: dict[str, Any] = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    if prompt_argmax:
-        request["prompt_logprobs"] = 1
-    started = time.perf_counter()
-    choice = post_json(port, "/v1/completions", request, timeout)["choices"][0]
-    predicted = _top_ones(choice.get("prompt_logprobs")) if prompt_argmax else None
-    return Canary(choice["text"], list(choice.get("token_ids") or []), time.perf_counter() - started, predicted)
-
-
-def _top_ones(prompt_logprobs: Any) -> list[int] | None:
-    """The rank-1 token at each prompt position after the first, from an OpenAI-style ``prompt_logprobs``
-    list (``[None, {"<token id>": {"logprob": ..., "rank": ...}, ...}, ...]``); None when it is not that."""
-    if not isinstance(prompt_logprobs, list) or len(prompt_logprobs) < 2:
-        return None
-    top = []
-    for entry in prompt_logprobs[1:]:
-        ranked = [int(token) for token, info in (entry or {}).items() if isinstance(info, dict) and info.get("rank") == 1]
-        if len(ranked) != 1:
-            return None
-        top.append(ranked[0])
-    return top
 
 
 _SERVED_KEYS: dict[int, str] = {}

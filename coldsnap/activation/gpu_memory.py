@@ -12,13 +12,13 @@ free — for tests of the refusal path only; it never applies to a capsule that 
 from __future__ import annotations
 
 
-from coldsnap.activation.gpu_room import LAUNCHER_CONTEXT_BYTES, GpuNeed, needs_per_gpu, shortfalls
+from coldsnap.activation.gpu_room import GpuNeed, needs_per_gpu, shortfalls
 from coldsnap.activation.restore_place import GpuPlacement
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.operation import OperationContext, OperationFailed
 from coldsnap.settings import SETTINGS
 
-__all__ = ["GpuNeed", "LAUNCHER_CONTEXT_BYTES", "STANDIN_FREE_ENV", "admit_gpu_memory", "gpu_needs"]
+__all__ = ["STANDIN_FREE_ENV", "admit_gpu_memory", "gpu_needs"]
 
 STANDIN_FREE_ENV = "COLDSNAP_STANDIN_GPU_FREE_BYTES"
 STANDIN_GPU = "stand-in GPU (host memory)"

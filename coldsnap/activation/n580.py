@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coldsnap.activation.artifact_dir import ArtifactDir, state_root
+from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.admission import Admitted, WeightSource
 from coldsnap.activation.capture_steps import READY_TIMEOUT_S, CaptureSequence
 from coldsnap.activation.engine_process import EngineProcess, LaunchError, new_control_name, wait_for_agent, wait_for_http
@@ -44,9 +44,10 @@ from coldsnap.contracts.placement import (GRAPHS_AFTER_READY, GRAPHS_ENV, NATIVE
                                           PRELOAD_ENV, WEIGHTS_MODE_ENV, PlacementRecord, PlacementRefused,
                                           check_placement_abi)
 from coldsnap.contracts.profiles import ENGINE_ADAPTERS
-from coldsnap.host import live_start_ticks, nvidia_kernel_driver
+from coldsnap.host import live_start_ticks, nvidia_kernel_driver, state_root
 from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome
-from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_options import SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import cuda_devices, gpu_processes
 from coldsnap.snapshot.nvidia_mappings import nvidia_userspace_state
 from coldsnap.snapshot.process_tree import kill_tree, tree_pids

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Literal, Sequence
 
 from coldsnap.activation.canary_probes import ProbeAnswer, ask_probe, bits_of, first_difference, parse_probes, probe_prompt
-from coldsnap.activation.engine_process import Canary, ask_canary
+from coldsnap.activation.canary import Canary, ask_canary
 from coldsnap.contracts.canonical import canonical_json
 from coldsnap.settings import SETTINGS
 

@@ -22,9 +22,9 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Sequence
 
-from coldsnap.activation.artifact_dir import STATE_DIR_ENV, state_root
+from coldsnap.activation.canary import ask_canary
 from coldsnap.activation.canary_probes import ask_probe, first_difference, float_of
-from coldsnap.activation.engine_process import ask_canary, use_served_key
+from coldsnap.activation.engine_process import use_served_key
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
 from coldsnap.activation.restore_place import write_replica_images
 from coldsnap.activation.restore_state import RestoreHeld, RestorePlan, Step
@@ -35,13 +35,16 @@ from coldsnap.agent.client import AgentClient, AgentError, KeyGateError, KeyGate
 from coldsnap.agent.protocol import Resume, ResumeReply
 from coldsnap.contracts.artifact import CanaryProbe, FileRef, WorkerRecord
 from coldsnap.contracts.base import ContractError
+from coldsnap.host import STATE_DIR_ENV, state_root
 from coldsnap.operation import OperationFailed, OperationOutcome, step
 from coldsnap.payload.arrival import ArrivalFailed, arrival_for
 from coldsnap.payload.errors import PackError
 from coldsnap.payload.validation import verify_file
 from coldsnap.progress import PhaseProgress
 from coldsnap.secrets.served_key import ApiKeyFileError, read_api_key
-from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_binary import CriuError
+from coldsnap.snapshot.criu_options import SnapshotOptions
 from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, start_cuda_in_background
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.snapshot.thp import ThpError, host_thp_requested, huge_pages_for_the_fill

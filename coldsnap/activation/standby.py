@@ -33,11 +33,11 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from coldsnap.activation.artifact_dir import ArtifactDir, state_root
+from coldsnap.activation.artifact_dir import ArtifactDir
 from coldsnap.activation.state import STANDBY_RECORD, standby_record_file
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.contracts.base import Contract, ContractError, load_document
-from coldsnap.host import live_start_ticks
+from coldsnap.host import live_start_ticks, state_root
 
 __all__ = ["DEFAULT_TTL_S", "StandbyRecord", "list_standbys", "live_standby", "record_path", "standby_artifact"]
 

@@ -13,10 +13,9 @@ import hashlib
 import re
 from pathlib import Path
 
-from coldsnap.host import STATE_DIR_ENV, state_root
+from coldsnap.host import state_root
 
-__all__ = ["STANDBY_RECORD", "STATE_DIR_ENV", "artifact_id", "forget_removed_artifacts", "standby_record_file",
-           "state_root"]
+__all__ = ["STANDBY_RECORD", "artifact_id", "forget_removed_artifacts", "standby_record_file"]
 
 STANDBY_RECORD = "standby.json"
 """A warm standby's record in its artifact's state directory (:mod:`coldsnap.activation.standby`)."""

@@ -7,6 +7,7 @@ import json
 import socket
 from typing import Any, Callable, Sequence, TypeVar
 
+from coldsnap.agent.addresses import address
 from coldsnap.agent.protocol import (
     MAX_FDS_PER_MESSAGE,
     AgentFailure,
@@ -23,15 +24,13 @@ from coldsnap.agent.protocol import (
     Status,
     StatusReply,
     TakeLease,
-    address,
     decode_reply,
     encode,
-    rank_control,
     receive_line,
 )
 
 __all__ = ["AgentClient", "AgentError", "KeyGateError", "KeyGateMissing", "Lease", "TemplateClient", "TemplateLink",
-           "TemplateRefused", "install_api_key", "key_gate", "rank_control"]
+           "TemplateRefused", "install_api_key", "key_gate"]
 
 R = TypeVar("R", StatusReply, PrepareReply, ResumeReply, StandbyReply)
 OnProgress = Callable[[str, int, int], None]

@@ -22,12 +22,10 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from coldsnap.agent.addresses import address
-
 __all__ = [
     "AgentFailure", "AgentState", "Command", "CoordinatorRef", "FailureCode", "Hydrated", "LeaseTaken", "PackRef",
     "Prefill", "PrefillReply", "Prepare", "PrepareReply", "ProgressLine", "ProtocolError", "RegionStatus", "Reply", "Resume", "ResumeReply",
-    "Standby", "StandbyReply", "Status", "StatusReply", "TakeLease", "address", "rank_control", "decode_command", "decode_reply", "encode",
+    "Standby", "StandbyReply", "Status", "StatusReply", "TakeLease", "rank_control", "decode_command", "decode_reply", "encode",
     "receive_line", "MAX_FDS_PER_MESSAGE",
 ]
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 from coldsnap.agent.device_state import (LocalMemoryTrim, cuda_devices_in_use, cuda_torch, device_used_bytes,
                                          torch_pool_bytes)
 from coldsnap.agent.memory import ModelMemory, ModelMemoryError
+from coldsnap.agent.addresses import address
 from coldsnap.agent.protocol import (
     CONTROL_ENV,
     AgentFailure,
@@ -41,7 +42,6 @@ from coldsnap.agent.protocol import (
     Status,
     StatusReply,
     TakeLease,
-    address,
     decode_command,
     encode,
     rank_control,

@@ -35,7 +35,7 @@ import sys
 import threading
 from typing import Any, Callable
 
-from coldsnap.agent.protocol import address
+from coldsnap.agent.addresses import address
 from coldsnap.contracts.base import ContractError, decode_document
 from coldsnap.contracts.placement import PLACEMENT_ABI, PLACEMENT_ABIS, PlacementRecord, PlacementRefused, check_placement_abi
 

@@ -303,7 +303,7 @@ def _cmd_capture(args: argparse.Namespace) -> int:
 
 def _use_state_dir(args: argparse.Namespace) -> None:
     if args.state_dir:
-        from coldsnap.activation.artifact_dir import STATE_DIR_ENV
+        from coldsnap.host import STATE_DIR_ENV
 
         SETTINGS.give(STATE_DIR_ENV, os.path.abspath(args.state_dir))
 
@@ -324,7 +324,7 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
         if args.operation == "wake":
             print("coldsnap wake: wake takes the artifact directory or standby id a warm used, not oci://", file=sys.stderr)
             return EXIT_USAGE
-        from coldsnap.activation.artifact_dir import state_root
+        from coldsnap.host import state_root
         from coldsnap.registry.commands import OciPullFailed, pull_into_cache
 
         # A restore on a host with no copy starts once everything but the packs is in: the weights are hydrated
@@ -367,7 +367,7 @@ def _cmd_pull(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     _use_state_dir(args)
-    from coldsnap.activation.artifact_dir import state_root
+    from coldsnap.host import state_root
     from coldsnap.activation.standby import list_standbys
 
     standbys = list_standbys()

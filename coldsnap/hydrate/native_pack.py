@@ -14,7 +14,9 @@ from coldsnap.memory.regions import StableRegion
 from coldsnap.native import native
 from coldsnap.payload.arrival import ArrivalFailed, PackArrival
 from coldsnap.payload.errors import PackError
-from coldsnap.payload.pack import NativePack, PackKind, PlannedExtent, WrittenPack, write_pack
+from coldsnap.payload.pack import PackKind
+from coldsnap.payload.pack_reader import NativePack
+from coldsnap.payload.pack_writer import PlannedExtent, WrittenPack, write_pack
 from coldsnap.payload.validation import record_written_file
 
 __all__ = ["payload_extents", "write_pack_from_regions", "hydrate_pack", "hydrate_pack_as_it_arrives", "PinnedPack"]

@@ -1,6 +1,7 @@
 """Native payload: the content-addressed pack format, the residual rule and the one verifier.
 
-- :mod:`coldsnap.payload.pack`: the versioned binary pack (:class:`NativePack`, :func:`write_pack`);
+- :mod:`coldsnap.payload.pack`: the versioned binary pack's format; :mod:`coldsnap.payload.pack_reader` reads one
+  (:class:`NativePack`), :mod:`coldsnap.payload.pack_writer` writes one (:func:`write_pack`);
 - :mod:`coldsnap.payload.residual`: the stable bytes not in the payload, and the exact-cover check;
 - :mod:`coldsnap.payload.validation`: :func:`verify_file` and ``.coldsnap-validation.json``;
 - :mod:`coldsnap.payload.records`: when such a record vouches for a file (standard library only).
@@ -16,9 +17,9 @@ if TYPE_CHECKING:  # what the names below are, for type checkers
         CoverError, ExpectedDigestError, ExtentOutOfRegion, PackBadMagic, PackCorrupt, PackDigestMismatch,
         PackError, PackLayoutMismatch, PackPlanInvalid, PackTruncated, PackUnreadable, PackUnsupportedVersion,
         RegionTooSmall)
-    from coldsnap.payload.pack import (
-        SUPPORTED_PACK_VERSIONS, HydrationCopy, NativePack, PackExtent, PackKind, PackTable, PlannedExtent,
-        WrittenPack, write_pack)
+    from coldsnap.payload.pack import SUPPORTED_PACK_VERSIONS, PackExtent, PackKind, PackTable
+    from coldsnap.payload.pack_reader import HydrationCopy, NativePack
+    from coldsnap.payload.pack_writer import PlannedExtent, WrittenPack, write_pack
     from coldsnap.payload.residual import check_cover, plan_residual, residual_extents
     from coldsnap.payload.validation import Verification, verify_file
 
@@ -29,8 +30,9 @@ _MODULE_EXPORTS = {
     "errors": ("CoverError", "ExpectedDigestError", "ExtentOutOfRegion", "PackBadMagic", "PackCorrupt",
         "PackDigestMismatch", "PackError", "PackLayoutMismatch", "PackPlanInvalid", "PackTruncated",
         "PackUnreadable", "PackUnsupportedVersion", "RegionTooSmall"),
-    "pack": ("SUPPORTED_PACK_VERSIONS", "HydrationCopy", "NativePack", "PackExtent", "PackKind", "PackTable",
-        "PlannedExtent", "WrittenPack", "write_pack"),
+    "pack": ("SUPPORTED_PACK_VERSIONS", "PackExtent", "PackKind", "PackTable"),
+    "pack_reader": ("HydrationCopy", "NativePack"),
+    "pack_writer": ("PlannedExtent", "WrittenPack", "write_pack"),
     "residual": ("check_cover", "plan_residual", "residual_extents"),
     "validation": ("Verification", "verify_file"),
 }

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Iterable, Mapping, Sequence
 
 from coldsnap.payload.errors import CoverError
-from coldsnap.payload.pack import PackTable, PlannedExtent
+from coldsnap.payload.pack import PackTable
+from coldsnap.payload.pack_writer import PlannedExtent
 
 __all__ = ["Allocations", "residual_extents", "plan_residual", "check_cover"]
 
@@ -121,7 +122,7 @@ def residual_extents(allocations: Allocations,
 
 
 def plan_residual(allocations: Allocations, payload_table: PackTable | Sequence[PlannedExtent]) -> list[PlannedExtent]:
-    """:func:`residual_extents` as the extents :func:`~coldsnap.payload.pack.write_pack` writes."""
+    """:func:`residual_extents` as the extents :func:`~coldsnap.payload.pack_writer.write_pack` writes."""
     return [
         PlannedExtent(region=tag, region_offset=offset, length=length)
         for tag, ranges in residual_extents(allocations, payload_table).items()

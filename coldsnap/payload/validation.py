@@ -37,12 +37,11 @@ from coldsnap.atomic import write_atomic
 from coldsnap.contracts.base import Contract, ContractError, Sha256Hex, decode_document
 from coldsnap.contracts.canonical import INT64_MAX
 from coldsnap.payload.errors import ExpectedDigestError, PackDigestMismatch, PackUnreadable
-from coldsnap.payload.pack import digest_from_file_name, open_regular_file
+from coldsnap.payload.pack import digest_from_file_name
+from coldsnap.payload.pack_reader import open_regular_file
 from coldsnap.payload.records import RACY_WINDOW_NS, VALIDATION_RECORD_NAME, FileIdentity, identity_of, vouches
 
 __all__ = [
-    "VALIDATION_RECORD_NAME",
-    "RACY_WINDOW_NS",
     "ValidationEntry",
     "ValidationRecord",
     "Verification",

@@ -19,11 +19,12 @@ from coldsnap.progress import ProgressBar
 from coldsnap.registry.client import RegistryError, client_for
 from coldsnap.registry.credentials import CredentialsError
 from coldsnap.registry.layout import LayoutError
-from coldsnap.registry.pull import (DestinationTaken, PullError, PullResult, PullSession, incomplete, lock_path, staging_dir)
+from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, PullSession
+from coldsnap.registry.pull_staging import incomplete, lock_path, staging_dir
 from coldsnap.registry.publish import publish
 from coldsnap.registry.reference import OCI_SCHEME, BadReference, parse_reference
 
-__all__ = ["OCI_SCHEME", "CachedArtifact", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
+__all__ = ["CachedArtifact", "OciPullFailed", "pull_into_cache", "run_publish", "run_pull"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

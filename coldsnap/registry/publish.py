@@ -28,7 +28,8 @@ from coldsnap.atomic import write_atomic
 from coldsnap.contracts.artifact import ArtifactDescriptor, FileRef
 from coldsnap.contracts.base import load_document
 from coldsnap.contracts.capsule import CapsuleManifest
-from coldsnap.payload.validation import VALIDATION_RECORD_NAME, sha256_file, verify_files
+from coldsnap.payload.records import VALIDATION_RECORD_NAME
+from coldsnap.payload.validation import sha256_file, verify_files
 from coldsnap.registry.client import RegistryClient, sha256_digest
 from coldsnap.registry.layout import (CAPSULE_TYPE, DESCRIPTOR_CONFIG_TYPE, CAPSULE_CONFIG_TYPE, DESCRIPTOR_TYPE,
                                       EMPTY_CONFIG, FILE_TYPE, INDEX_MEDIA_TYPE, MANIFEST_MEDIA_TYPE, PACK_TYPE, Blob,

@@ -23,17 +23,15 @@ oci://REF`` on a host with no copy): once every other file is in and checked, th
 renamed to DIR with the pull's state file still inside it (``.coldsnap-pull.json``: an incomplete DIR,
 which a later pull resumes in place), and each pack's :class:`~coldsnap.payload.arrival.PackArrival`
 says which chunks a reader may use.
+
+What a pull keeps on disk between runs (staging folder, lock, state and chunk progress) is
+:mod:`coldsnap.registry.pull_staging`; how the chunks reach the disk, :mod:`coldsnap.registry.pull_writes`.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import fcntl
-import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -46,20 +44,23 @@ from coldsnap.contracts.artifact import ArtifactDescriptor
 from coldsnap.contracts.base import ContractError, load_document
 from coldsnap.contracts.capsule import CapsuleManifest
 from coldsnap.payload.arrival import PackArrival, arriving, forget_arrival
-from coldsnap.payload.validation import record_written_file, recorded
-from coldsnap.registry.client import RANGE_BYTES, RegistryClient, sha256_digest
+from coldsnap.payload.validation import record_written_file
+from coldsnap.registry.client import RANGE_BYTES, RegistryClient
 from coldsnap.registry.layout import DESCRIPTOR_TYPE, Blob, Chunk, LayoutError, read_index, read_manifest
 from coldsnap.registry.publish import record_chunks
+from coldsnap.registry.pull_staging import (STATE_FILE, PullLock, arrived_whole, chunk_on_disk, chunk_progress_file,
+                                            incomplete, load_chunk_progress, reset_if_other, same_artifact, staging_dir,
+                                            state_digest)
+from coldsnap.registry.pull_writes import ChunkWriteback, direct_writes
 from coldsnap.registry.reference import Reference
 from coldsnap.settings import SETTINGS
 
-__all__ = ["DestinationTaken", "PullError", "PullResult", "PullSession", "incomplete", "lock_path", "pull", "staging_dir"]
+__all__ = ["DestinationTaken", "PullError", "PullResult", "PullSession", "pull"]
 
 PARALLEL_BLOBS = 4
 PARALLEL_STREAMS = SETTINGS.number("COLDSNAP_PULL_STREAMS") or min(16, max(4, 2 * (os.cpu_count() or 1)))
 """Chunks (and ranges of a large file) fetched at once: each stream receives, hashes and writes on its own
 thread, so more streams use more cores, up to what the link and the registry give."""
-_STATE = ".coldsnap-pull.json"
 
 
 class PullError(Exception):
@@ -83,20 +84,6 @@ class PullResult:
     already_there: bool = False
 
 
-def staging_dir(destination: Path) -> Path:
-    return destination.parent / f".{destination.name}.coldsnap-pull"
-
-
-def lock_path(destination: Path) -> Path:
-    return destination.parent / f".{destination.name}.coldsnap-pull.lock"
-
-
-def incomplete(directory: Path) -> bool:
-    """Whether ``directory`` is an artifact a streaming pull handed over before its packs were complete,
-    and which it did not finish (interrupted): a later pull resumes it in place."""
-    return (directory / _STATE).exists()
-
-
 def _contents(client: RegistryClient, reference: Reference) -> tuple[str, list[Blob]]:
     """The index digest and every file of the artifact, the descriptor's ``artifact.json`` first."""
     data, _, digest = client.get_manifest(reference.pinned)
@@ -118,68 +105,6 @@ def pull(reference: Reference, destination: Path, client: RegistryClient,
          on_progress: Callable[[int, int], None] | None = None, log: Callable[[str], None] = lambda _: None) -> PullResult:
     """Pull the artifact into ``destination``, whole and verified, before returning."""
     return PullSession(reference, destination, client, on_progress, log).run()
-
-
-_SYNC_FILE_RANGE_WRITE = 2
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-
-
-DIRECT_ENV = "COLDSNAP_PULL_DIRECT"
-"""``0``: never write the packs' chunks with O_DIRECT (:func:`_direct_writes`)."""
-
-
-def _direct_writes(stream: bool, pack: Blob) -> bool | None:
-    """Whether a pack's chunks may go to the disk with O_DIRECT (True) or only through the page cache (None).
-
-    O_DIRECT wherever nobody reads a chunk right after it arrived (``coldsnap pull``, a warm's pull, a restore
-    whose agents hydrate a pack only once it is whole): measured on the 2-core CI machine, buffered writes of
-    fresh pages cost 1–2 s of kernel time per GB there (0.56–0.68 GB/s with the fsync), O_DIRECT 0.25 s
-    (1.22 GB/s, at the disk's rate, durable when it returns), and a fleet host that pulls all day keeps its
-    page cache for what it serves. A streamed pull writes through the page cache while its
-    :class:`~coldsnap.payload.arrival.PackArrival` says a reader wants the chunks from there (the launcher's
-    GPU staging hydrates each right after it arrived). ``COLDSNAP_PULL_DIRECT=0``: never O_DIRECT."""
-    if not SETTINGS.flag(DIRECT_ENV) or any(c.offset % 4096 for c in pack.chunks):
-        return None
-    return True
-
-
-class _Writeback:
-    """Starts the writeback of each chunk to disk as soon as it is in (``sync_file_range``), on a thread of its
-    own: the call blocks while the disk's queue is full, and the receiving threads must not wait for the disk
-    (a restore hydrates the chunks from the page cache at once). The last ``fsync`` then finds little left to
-    write, and the pulled pack leaves no long tail of dirty pages behind."""
-
-    def __init__(self) -> None:
-        self._queue: list[tuple[int, int, int] | None] = []
-        self._ready = threading.Condition()
-        self._thread = threading.Thread(target=self._run, name="coldsnap-pull-writeback", daemon=True)
-        self._thread.start()
-
-    def start(self, fd: int, offset: int, length: int) -> None:
-        with self._ready:
-            self._queue.append((fd, offset, length))
-            self._ready.notify()
-
-    def close(self) -> None:
-        """After every range asked for was handed to the kernel (the descriptors may then be closed)."""
-        with self._ready:
-            self._queue.append(None)
-            self._ready.notify()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._ready:
-                while not self._queue:
-                    self._ready.wait()
-                item = self._queue.pop(0)
-            if item is None:
-                return
-            fd, offset, length = item
-            try:
-                _libc.sync_file_range(fd, ctypes.c_int64(offset), ctypes.c_int64(length), _SYNC_FILE_RANGE_WRITE)
-            except (AttributeError, OSError):  # best effort: fsync writes what this did not
-                pass
 
 
 class PullSession:
@@ -268,21 +193,21 @@ class PullSession:
         digest, blobs = _contents(self.client, self.reference)
         destination = self.destination
         result = self.result = PullResult(destination, digest, blobs=len(blobs), bytes_total=sum(b.size for b in blobs))
-        with _locked(destination, self.log):
+        with PullLock(destination, self.log):
             if destination.exists() and not incomplete(destination):  # checked under the lock: a pull that held
-                if _same_artifact(destination, blobs[0]):             # it may just have renamed its staging here
+                if same_artifact(destination, blobs[0]):             # it may just have renamed its staging here
                     result.already_there, result.seconds = True, time.monotonic() - started
                     return
                 raise DestinationTaken(f"{destination} already exists and is not this artifact: pull into a new directory")
-            if destination.exists() and _state_digest(destination) != digest:
+            if destination.exists() and state_digest(destination) != digest:
                 raise DestinationTaken(f"{destination} holds an unfinished pull of another artifact: pull into a new "
                                        "directory, or remove it")
             work = destination if destination.exists() else staging_dir(destination)
             work.mkdir(parents=True, exist_ok=True)
-            _reset_if_other(work, digest)
+            reset_if_other(work, digest)
             self._root = work
-            files = [b for b in blobs if not b.chunks and not _arrived(work, b)]
-            packs = [b for b in blobs if b.chunks and not _arrived(work, b)]
+            files = [b for b in blobs if not b.chunks and not arrived_whole(work, b)]
+            packs = [b for b in blobs if b.chunks and not arrived_whole(work, b)]
             result.blobs_fetched = len(files) + sum(len(p.chunks) for p in packs)
             fetched_before = sum(b.size for b in blobs) - sum(b.size for b in files) - sum(p.size for p in packs)
             if fetched_before:
@@ -290,7 +215,7 @@ class PullSession:
             self._to_fetch = sum(b.size for b in files) + sum(p.size for p in packs)
             fds: dict[str, int] = {}
             direct_fds: dict[str, int] = {}
-            writeback = _Writeback()
+            writeback = ChunkWriteback()
             try:
                 for pack in packs:  # opened now: the descriptors stay valid when the folder is renamed
                     target = work / pack.path
@@ -298,7 +223,7 @@ class PullSession:
                     fds[pack.path] = fd = os.open(target, os.O_RDWR | os.O_CREAT, 0o644)
                     if os.fstat(fd).st_size != pack.size:
                         os.ftruncate(fd, pack.size)
-                    direct = _direct_writes(self._stream, pack)
+                    direct = direct_writes(self._stream, pack)
                     if direct is not None:
                         try:
                             direct_fds[pack.path] = os.open(target, os.O_WRONLY | os.O_DIRECT)
@@ -331,9 +256,9 @@ class PullSession:
                     os.chmod(target, pack.mode)
                     record_written_file(target, pack.digest[7:])  # the chunks matched: see the module's note
                     record_chunks(target, pack.chunks[0].size, pack.chunks)  # (publishing it again reads nothing)
-                    _chunk_progress(target).unlink(missing_ok=True)
+                    chunk_progress_file(target).unlink(missing_ok=True)
                     forget_arrival(self.arrivals[pack.path].path)
-                (work / _STATE).unlink(missing_ok=True)
+                (work / STATE_FILE).unlink(missing_ok=True)
                 if work != destination:
                     os.rename(work, destination)
             fsync_directory(destination.parent)
@@ -363,7 +288,7 @@ class PullSession:
                 future.result()
 
     def _fetch_chunks(self, packs: list[Blob], fds: dict[str, int], direct_fds: dict[str, int],
-                      writeback: _Writeback) -> None:
+                      writeback: ChunkWriteback) -> None:
         """Every chunk not already here, :data:`PARALLEL_STREAMS` at once, each marked arrived the moment its
         digest matched; a chunk an interrupted pull left is hashed again from disk before it counts."""
         failures: list[BaseException] = []
@@ -373,7 +298,7 @@ class PullSession:
                 return
             fd = fds[pack.path]
             try:
-                if not (resumed and _chunk_on_disk(fd, chunk)):
+                if not (resumed and chunk_on_disk(fd, chunk)):
                     arrival = self.arrivals[pack.path]
                     direct_fd = None if self._stream and arrival.through_cache else direct_fds.get(pack.path)
                     self.client.fetch_chunk(chunk.digest, chunk.size, fd, chunk.offset, direct_fd=direct_fd,
@@ -392,7 +317,7 @@ class PullSession:
             futures = []
             for pack in packs:
                 with self._root_lock:
-                    done = _load_chunk_progress(self._root / pack.path, pack)
+                    done = load_chunk_progress(self._root / pack.path, pack)
                 futures += [pool.submit(fetch, pack, i, c, i in done) for i, c in enumerate(pack.chunks)]
             wait(futures)
         if failures:
@@ -405,95 +330,10 @@ class PullSession:
         arrival = self.arrivals[pack.path]
         with self._root_lock:
             done = [i for i in range(len(pack.chunks)) if arrival._arrived[i]]
-            path = _chunk_progress(self._root / pack.path)
+            path = chunk_progress_file(self._root / pack.path)
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(json.dumps({"sha256": pack.digest[7:], "chunks": [c.digest for c in pack.chunks], "done": done}))
             os.replace(tmp, path)
-
-
-def _chunk_progress(pack: Path) -> Path:
-    return pack.with_name(pack.name + ".chunks")
-
-
-def _load_chunk_progress(pack: Path, blob: Blob) -> set[int]:
-    try:
-        state = json.loads(_chunk_progress(pack).read_text())
-        if state["sha256"] == blob.digest[7:] and state["chunks"] == [c.digest for c in blob.chunks]:
-            return {int(i) for i in state["done"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return set()
-
-
-def _chunk_on_disk(fd: int, chunk: Chunk) -> bool:
-    """Whether the file already holds this chunk's bytes (an interrupted pull wrote it)."""
-    hasher = hashlib.sha256()
-    buffer = bytearray(min(8 << 20, chunk.size))
-    view = memoryview(buffer)
-    position, left = chunk.offset, chunk.size
-    while left:
-        n = os.preadv(fd, [view[:min(left, len(buffer))]], position)
-        if n <= 0:
-            return False
-        hasher.update(view[:n])
-        position += n
-        left -= n
-    return "sha256:" + hasher.hexdigest() == chunk.digest
-
-
-def _state_digest(directory: Path) -> str | None:
-    try:
-        return json.loads((directory / _STATE).read_text()).get("digest")
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _same_artifact(destination: Path, descriptor: Blob) -> bool:
-    try:
-        return sha256_digest((destination / "artifact.json").read_bytes()) == descriptor.digest
-    except OSError:
-        return False
-
-
-class _locked:
-    """One pull per destination at a time, across processes and containers sharing the folder: a flock on
-    ``.DIR.coldsnap-pull.lock`` beside DIR (kept: removing a lock file races with its next taker). A second
-    pull waits for the first, then finds DIR there."""
-
-    def __init__(self, destination: Path, log: Callable[[str], None]):
-        self.path = lock_path(destination)
-        self.log = log
-
-    def __enter__(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self.log(f"another pull into {self.path.parent} is under way; waiting for it")
-            fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc: object) -> None:
-        os.close(self.fd)
-
-
-def _reset_if_other(staging: Path, digest: str) -> None:
-    """A staging folder left by a pull of another artifact is emptied; one of this artifact resumes."""
-    state = staging / _STATE
-    try:
-        previous = json.loads(state.read_text()).get("digest")
-    except (OSError, ValueError, AttributeError):
-        previous = None
-    if previous != digest:
-        for child in staging.iterdir():
-            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
-    state.write_text(json.dumps({"digest": digest}))
-
-
-def _arrived(staging: Path, blob: Blob) -> bool:
-    """Whether an earlier, interrupted pull left this file whole (its validation record vouches)."""
-    path = staging / blob.path
-    return path.is_file() and path.stat().st_size == blob.size and recorded(path, blob.digest[7:])
 
 
 def _check_artifact(staging: Path, blobs: list[Blob], what: str) -> None:

@@ -29,7 +29,7 @@ from coldsnap.snapshot.shm import SHM_PATH, copy_sparse, restore_shm
 
 SHM_DIR = Path(SHM_PATH)
 
-__all__ = ["SHM_DIR", "group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "bound_socket_files", "remove_socket_files", "socket_files_in", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "copy_sparse", "capture_tree_files", "file_sizes", "prepare_restore", "namespace_pid", "inherited_files",
+__all__ = ["SHM_DIR", "group_members", "TreeFiles", "ImageStateError", "tree_pids", "kill_tree", "bound_socket_files", "remove_socket_files", "socket_files_in", "anonymous_bytes", "resident_bytes", "TcpConnection", "TcpConnections", "tcp_connections", "capture_tree_files", "file_sizes", "prepare_restore", "namespace_pid", "inherited_files",
            "STATE_FILE"]
 
 STATE_FILE = "coldsnap-tree-files.json"

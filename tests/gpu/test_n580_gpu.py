@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.canary import ask_canary
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from tests.gpu.gpu_checks import _free_port
 from tests.processes import kill_replicas

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from coldsnap.demo import cold_start, sleep_wake_cycle
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.canary import ask_canary
 from tests.gpu.gpu_checks import PROMPT_2, SKIP, NeedsMoreGpus, _coldsnap, _free_port
 
 LOGS = Path(os.environ.get("COLDSNAP_CHECK_LOGS") or tempfile.mkdtemp(prefix="coldsnap-vllm-logs-"))

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.canary import ask_canary
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from coldsnap.snapshot.process_tree import kill_tree

@@ -42,7 +42,8 @@ def talk(address: str, port: int, log) -> None:
 
 
 def main(argv: list[str]) -> None:
-    from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
+    from coldsnap.snapshot.criu import CriuSnapshotter
+    from coldsnap.snapshot.criu_options import SnapshotOptions
 
     snapshotter = CriuSnapshotter(options=SnapshotOptions(tcp="established", network_lock="nftables"))
     if argv[0] in ("server", "client"):

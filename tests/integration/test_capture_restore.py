@@ -519,7 +519,8 @@ def test_a_tree_restored_by_criu_that_no_launcher_leases_stops_itself(captured, 
     its prepared state with nobody to resume or lease it. Here CRIU restores it directly (no launcher at
     all); the agent sees it was restored and stops its tree once COLDSNAP_AGENT_LEASE_WAIT_S (15 s, as
     captured) passed without a lease."""
-    from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
+    from coldsnap.snapshot.criu import CriuSnapshotter
+    from coldsnap.snapshot.criu_options import SnapshotOptions
 
     artifact, _, _, _ = captured
     capsule = json.loads((artifact / "units" / "unit-0" / "capsule.json").read_text())["metadata"]

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from coldsnap.snapshot.criu import Criu, CriuError, find_criu
+from coldsnap.snapshot.criu_binary import Criu, CriuError, find_criu
 
 pytestmark = [
     pytest.mark.criu,

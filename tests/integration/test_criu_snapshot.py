@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.snapshot.criu import CriuError, CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_binary import CriuError
+from coldsnap.snapshot.criu_options import SnapshotOptions
 from coldsnap.snapshot.process_tree import kill_tree, namespace_pid
 from tests.helpers import free_port
 
@@ -328,7 +330,7 @@ def test_huge_page_fill_gives_the_same_memory_and_takes_back_its_advice(tmp_path
     MADV_NOHUGEPAGE (no huge pages for memory touched later, as before the dump);
     COLDSNAP_CRIU_THP_FILL=0 fills 4 KiB pages and leaves the zeros unmapped. (Forced on: the default,
     auto, leaves it off on a VM that reports free pages to its host, as CI's machine does.)"""
-    from coldsnap.snapshot.criu import Criu
+    from coldsnap.snapshot.criu_binary import Criu
     from coldsnap.snapshot.thp import thp_mode
 
     monkeypatch.setenv("COLDSNAP_CRIU_THP_FILL", "1")
@@ -383,7 +385,7 @@ def test_parallel_fill_gives_the_same_memory_threads_and_pids(tmp_path, monkeypa
     are gone."""
     import re
 
-    from coldsnap.snapshot.criu import Criu
+    from coldsnap.snapshot.criu_binary import Criu
 
     monkeypatch.setenv("COLDSNAP_CRIU_FILL_THREADS", "3")
     monkeypatch.setenv("COLDSNAP_CRIU_LOG_LEVEL", "3")  # (info: the fill's line)

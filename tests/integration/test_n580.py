@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.canary import ask_canary
 from coldsnap.activation.restore_place import port_free
 from coldsnap.demo import CHECK_PROMPT, cold_start
 from tests.helpers import coldsnap_receipt, file_digests, free_port

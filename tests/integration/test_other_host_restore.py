@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions
+from coldsnap.snapshot.criu import CriuSnapshotter
+from coldsnap.snapshot.criu_options import SnapshotOptions
 from coldsnap.snapshot.process_tree import kill_tree
 from coldsnap.snapshot.moved_sockets import PortGeneration, replica_images
 from tests.simulated_hosts import simulated_hosts
@@ -69,7 +70,8 @@ def test_a_tree_captured_on_one_host_serves_on_another_at_that_hosts_address(tmp
             # unit B's per-restore socket image: host A's address becomes host B's
             placed = replica_images(images, tmp_path / "placed", PortGeneration(shift=0), {},
                                     addresses={socket.inet_aton(a.address): socket.inet_aton(b.address)})
-            restore = ("from pathlib import Path; from coldsnap.snapshot.criu import CriuSnapshotter, SnapshotOptions\n"
+            restore = ("from pathlib import Path; from coldsnap.snapshot.criu import CriuSnapshotter\n"
+                       "from coldsnap.snapshot.criu_options import SnapshotOptions\n"
                        "result = CriuSnapshotter(options=SnapshotOptions(tcp='none')).restore("
                        f"Path({str(placed)!r}), Path({str(tmp_path / 'state')!r}), own_images=True)\n"
                        "print(result.pid)")

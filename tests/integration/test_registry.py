@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.payload.validation import VALIDATION_RECORD_NAME, verify_file
+from coldsnap.payload.records import VALIDATION_RECORD_NAME
+from coldsnap.payload.validation import verify_file
 from coldsnap.registry import client as registry_client
 from coldsnap.registry.client import DigestMismatch, client_for
 from coldsnap.registry.publish import CHUNK_RECORD_NAME
-from coldsnap.registry.pull import PullError, pull, staging_dir
+from coldsnap.registry.pull import PullError, pull
+from coldsnap.registry.pull_staging import staging_dir
 from coldsnap.registry.reference import parse_reference
 from tests.integration.test_capture_restore import PROMPT_2, cold_start_tokens, complete, workload
 from tests.helpers import free_port
@@ -290,7 +292,8 @@ def test_a_restore_starts_while_the_pack_arrives_and_keeps_what_it_pulled(publis
 def test_an_interrupted_chunked_pull_resumes_in_place(published, registry, tmp_path, monkeypatch):
     """A streaming pull cut off after some chunks leaves DIR handed over but incomplete; the next pull finds it,
     hashes the chunks that arrived again and fetches only the others."""
-    from coldsnap.registry.pull import PullSession, incomplete
+    from coldsnap.registry.pull import PullSession
+    from coldsnap.registry.pull_staging import incomplete
 
     _, reference, _, _ = published
     for name, value in registry.client_env().items():

@@ -20,7 +20,7 @@ import pytest
 from coldsnap.activation.restore_place import port_free
 from coldsnap.contracts.receipt import restored_pid
 from coldsnap.demo import CHECK_PROMPT, cold_start
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.canary import ask_canary
 from coldsnap.snapshot.process_tree import namespace_pid
 from tests.helpers import coldsnap_receipt, file_digests, free_port
 from tests.processes import capsule_root_pid, kill_replicas, replica_members

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from coldsnap.activation.engine_process import ask_canary
+from coldsnap.activation.canary import ask_canary
 from coldsnap.snapshot.criu import CriuSnapshotter
 from coldsnap.snapshot.nvidia_mappings import nvidia_userspace_state
 from coldsnap.snapshot.process_tree import kill_tree, tree_pids

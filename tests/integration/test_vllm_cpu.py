@@ -620,7 +620,7 @@ def _foreign_pack(directory: Path) -> Path:
     """A real native pack whose one tensor is not this model's (what a pack of another model looks like)."""
     from coldsnap.contracts.layout import TensorExtent
     from coldsnap.payload import PackKind
-    from coldsnap.payload.pack import PlannedExtent, write_pack
+    from coldsnap.payload.pack_writer import PlannedExtent, write_pack
 
     tensor = TensorExtent(name="model.embed_tokens.weight", dtype="uint8", shape=[8192], offset=0, length=8192)
     extent = PlannedExtent(region="weights", region_offset=0, length=8192, tensors=[tensor])

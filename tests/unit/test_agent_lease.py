@@ -13,7 +13,8 @@ import uuid
 import pytest
 
 from coldsnap.agent.client import Lease
-from coldsnap.agent.protocol import LeaseTaken, Reply, address
+from coldsnap.agent.addresses import address
+from coldsnap.agent.protocol import LeaseTaken, Reply
 from coldsnap.agent.server import AGENT_SWITCH_INTERVAL_S, AgentServer, hold_lease
 
 AGENT = """
@@ -73,7 +74,7 @@ def test_the_agent_hands_the_lease_to_its_own_thread_and_keeps_serving():
 SWITCH_INTERVALS = """
 import socket, sys, threading, time
 from coldsnap.agent.client import Lease
-from coldsnap.agent.protocol import address
+from coldsnap.agent.addresses import address
 from coldsnap.agent.server import AgentServer
 control = sys.argv[1]
 agent = AgentServer(control, memory=None, serving_lock=threading.Lock())

@@ -4,14 +4,14 @@ import os
 
 
 def test_a_state_directory_keeps_only_the_newest_criu_restore_logs(tmp_path):
-    from coldsnap.snapshot.criu import KEPT_RESTORE_LOGS, _drop_old_logs
+    from coldsnap.snapshot.criu_restore import KEPT_RESTORE_LOGS, drop_old_logs
 
     for index in range(KEPT_RESTORE_LOGS + 5):
         log = tmp_path / f"restore-{index:03d}.log"
         log.write_text("x")
         os.utime(log, ns=(index * 10**9, index * 10**9))
     (tmp_path / "restore.pid").write_text("1")
-    _drop_old_logs(tmp_path, "restore-*.log", KEPT_RESTORE_LOGS - 1)
+    drop_old_logs(tmp_path, "restore-*.log", KEPT_RESTORE_LOGS - 1)
     kept = sorted(p.name for p in tmp_path.glob("restore-*.log"))
     assert kept == [f"restore-{i:03d}.log" for i in range(6, KEPT_RESTORE_LOGS + 5)]
     assert (tmp_path / "restore.pid").exists()
@@ -24,7 +24,7 @@ def _balloon(root, features: str) -> None:
 
 
 def test_the_huge_page_fill_is_off_by_default_where_the_balloon_reports_free_pages(tmp_path, monkeypatch):
-    from coldsnap.snapshot.criu import reports_free_pages, thp_fill_wanted
+    from coldsnap.snapshot.criu_binary import reports_free_pages, thp_fill_wanted
 
     monkeypatch.delenv("COLDSNAP_CRIU_THP_FILL", raising=False)
     reporting, plain, none = tmp_path / "reporting", tmp_path / "plain", tmp_path / "none"
@@ -39,7 +39,7 @@ def test_the_huge_page_fill_is_off_by_default_where_the_balloon_reports_free_pag
 
 
 def test_the_fill_threads_are_half_the_cpus_less_one_unless_set(monkeypatch):
-    from coldsnap.snapshot import criu
+    from coldsnap.snapshot import criu_binary as criu
 
     monkeypatch.delenv(criu.FILL_THREADS_ENV, raising=False)
     for cpus, helpers in ((1, 1), (2, 1), (4, 1), (8, 3), (16, 7), (128, 7)):

@@ -59,7 +59,7 @@ def test_a_step_reports_what_fails_in_it_with_its_own_code(sequence):
 
     from coldsnap.activation.capture_steps import CaptureSequence
     from coldsnap.activation.restore_steps import RestoreSequence
-    from coldsnap.snapshot.criu import CriuError
+    from coldsnap.snapshot.criu_binary import CriuError
     from coldsnap.timing import OperationTimer
 
     owner = SimpleNamespace(timer=OperationTimer(None), engine=None, _last_log_line=lambda: "")  # no engine started

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from coldsnap.activation.gpu_memory import LAUNCHER_CONTEXT_BYTES, gpu_needs
+from coldsnap.activation.gpu_memory import gpu_needs
+from coldsnap.activation.gpu_room import LAUNCHER_CONTEXT_BYTES
 from coldsnap.activation.restore_place import GpuPlacement
 
 GiB = 1 << 30

@@ -1,11 +1,11 @@
-"""Host facts admission keeps per boot: the `criu check` verdict (coldsnap.snapshot.criu.checked_criu) and
+"""Host facts admission keeps per boot: the `criu check` verdict (coldsnap.snapshot.criu_binary.checked_criu) and
 the CUDA probe (coldsnap.snapshot.cuda_checkpoint.cached_probe_cuda)."""
 
 import os
 import stat
 
 from coldsnap.snapshot import cuda_checkpoint
-from coldsnap.snapshot.criu import checked_criu
+from coldsnap.snapshot.criu_binary import checked_criu
 
 
 def _fake_criu(path, calls, verdict="Looks good.", gitid=""):
@@ -76,7 +76,7 @@ def test_a_probe_that_found_no_gpu_is_not_kept(tmp_path, monkeypatch):
 
 def test_criu_keeps_this_boots_kernel_facts_in_the_state_root_and_drops_other_boots(tmp_path, monkeypatch):
     from coldsnap.host import boot_id
-    from coldsnap.snapshot.criu import KDAT_DIR_ENV, KDAT_FOLDER, criu_environment
+    from coldsnap.snapshot.criu_binary import KDAT_DIR_ENV, KDAT_FOLDER, criu_environment
 
     monkeypatch.setenv("COLDSNAP_STATE_DIR", str(tmp_path / "state"))
     earlier = tmp_path / "state" / KDAT_FOLDER / "an-earlier-boot"

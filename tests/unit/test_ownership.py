@@ -13,7 +13,8 @@ from coldsnap.contracts import ContractError, OperationRequest, decode_document
 from coldsnap.operation import EXIT_FAILED, EXIT_OK, EXIT_USAGE, OperationFailed, OperationOutcome, run_operation
 from coldsnap.ownership import (REQUEST_SOURCE, SUDO_SOURCE, HandOver, Owner, OwnerError, hand_over, parse_owner,
                                 resolve_owner)
-from coldsnap.payload.validation import VALIDATION_RECORD_NAME, hash_and_record, verify_file
+from coldsnap.payload.records import VALIDATION_RECORD_NAME
+from coldsnap.payload.validation import hash_and_record, verify_file
 from tests.conftest import make_request
 
 OWNER = Owner(12345, 23456)

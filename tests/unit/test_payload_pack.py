@@ -22,20 +22,10 @@ from coldsnap.payload.errors import (
     PackUnsupportedVersion,
     RegionTooSmall,
 )
-from coldsnap.payload.pack import (
-    HEADER_BYTES,
-    PACK_MAGIC,
-    SUPPORTED_PACK_VERSIONS,
-    HydrationCopy,
-    NativePack,
-    PackHeader,
-    PackKind,
-    PlannedExtent,
-    align_up,
-    digest_from_file_name,
-    pack_file_name,
-    write_pack,
-)
+from coldsnap.payload.pack import (HEADER_BYTES, PACK_MAGIC, SUPPORTED_PACK_VERSIONS, PackHeader, PackKind, align_up,
+                                   digest_from_file_name, pack_file_name)
+from coldsnap.payload.pack_reader import HydrationCopy, NativePack
+from coldsnap.payload.pack_writer import PlannedExtent, write_pack
 
 LAYOUT = hashlib.sha256(b"layout").hexdigest()
 MIB = 1024 * 1024

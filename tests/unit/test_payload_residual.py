@@ -6,7 +6,9 @@ import random
 import pytest
 
 from coldsnap.payload.errors import CoverError
-from coldsnap.payload.pack import NativePack, PackExtent, PackKind, PackTable, PlannedExtent, align_up, write_pack
+from coldsnap.payload.pack import PackExtent, PackKind, PackTable, align_up
+from coldsnap.payload.pack_reader import NativePack
+from coldsnap.payload.pack_writer import PlannedExtent, write_pack
 from coldsnap.payload.residual import check_cover, plan_residual, residual_extents
 
 LAYOUT = hashlib.sha256(b"layout").hexdigest()

@@ -12,12 +12,8 @@ import pytest
 
 from coldsnap.payload import validation
 from coldsnap.payload.errors import ExpectedDigestError, PackDigestMismatch, PackUnreadable
-from coldsnap.payload.validation import (
-    RACY_WINDOW_NS,
-    VALIDATION_RECORD_NAME,
-    read_validation_record,
-    verify_file,
-)
+from coldsnap.payload.records import RACY_WINDOW_NS, VALIDATION_RECORD_NAME
+from coldsnap.payload.validation import read_validation_record, verify_file
 
 
 def content_file(directory, content: bytes, suffix: str = ".pack"):

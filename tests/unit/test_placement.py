@@ -119,7 +119,7 @@ def test_a_template_answers_malformed_requests_and_keeps_waiting_for_its_placeme
     import uuid
 
     from coldsnap.agent.client import TemplateClient
-    from coldsnap.agent.protocol import address
+    from coldsnap.agent.addresses import address
     from coldsnap.agent.template import _listen, wait_for_placement
 
     control = f"@coldsnap-template-unit-{uuid.uuid4().hex[:12]}"

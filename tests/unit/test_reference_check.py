@@ -3,7 +3,7 @@
 import pytest
 
 from coldsnap.activation.canary_probes import PROBES, ProbeAnswer
-from coldsnap.activation.engine_process import Canary
+from coldsnap.activation.canary import Canary
 from coldsnap.activation.reference_check import (REFERENCE_ENV, ReferenceAnswers, reference_mode, reference_plan)
 
 
