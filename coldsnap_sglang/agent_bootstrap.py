@@ -145,7 +145,7 @@ def _attach(runner: Any) -> None:
     from coldsnap.agent import attach
     from coldsnap.agent.memory import ModelMemory
     from coldsnap.agent.placement import layout_for
-    from coldsnap.agent.server import AgentHooks
+    from coldsnap.agent.hooks import AgentHooks
     from coldsnap.memory import regions
 
     placed = ProcessState.placed

@@ -25,7 +25,7 @@ def attach_agent() -> None:
     if ProcessState.memory is None:
         return
     from coldsnap.agent import attach
-    from coldsnap.agent.server import AgentHooks
+    from coldsnap.agent.hooks import AgentHooks
     from coldsnap_vllm.distributed import VllmCollectives, VllmGraphs
     from coldsnap_vllm.graph_memory import GraphRegionPoison
 

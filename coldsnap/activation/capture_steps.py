@@ -10,6 +10,9 @@ outside the tree → CUDA checkpoint of the tree's GPU processes → CRIU dump o
 manifest → the capsule restored once and proven by the canary → artifact descriptor committed atomically.
 Each step is a method with its own span and error code (:mod:`coldsnap.contracts.errors`). A failure at
 any step kills what was started and commits nothing (one unwind); an earlier artifact is never touched.
+
+The canary and the reference check are :mod:`~coldsnap.activation.capture_reference`, the commit
+:mod:`~coldsnap.activation.capture_commit`, the state they share :mod:`~coldsnap.activation.capture_state`.
 """
 
 from __future__ import annotations
@@ -17,46 +20,33 @@ from __future__ import annotations
 import errno
 import functools
 import os
-import platform
 import socket
 import time
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Literal, Sequence
+from typing import Literal, Sequence
 
-from coldsnap.activation.artifact_dir import ArtifactDir, external_record_dir, file_ref
-from coldsnap.activation.canary import Canary, ask_canary
-from coldsnap.activation.canary_probes import ProbeAnswer, bits_of, probe_plan
+from coldsnap.activation.artifact_dir import external_record_dir
+from coldsnap.activation.capture_commit import CommitSteps
+from coldsnap.activation.capture_reference import ReferenceCheckSteps
 from coldsnap.activation.engine_process import (AgentMissing, EngineProcess, LaunchError, ServingTree, wait_for_agent,
                                                 wait_for_http)
 from coldsnap.activation.ranks import ActivationCoordinator, call_every_rank, rank_prefix
-from coldsnap.activation.reference_check import (REFERENCE_ENV, ReferenceAnswers, ReferenceMode, ask_probes, ask_reference,
-                                                 reference_mode, reference_plan)
-from coldsnap.activation.units import artifact_request, selected_unit
-from coldsnap.agent.client import AgentClient, AgentError, KeyGateError, KeyGateMissing, key_gate
-from coldsnap.agent.protocol import Prepare, PrepareReply, StatusReply, rank_control
-from coldsnap.contracts.artifact import (ArtifactDescriptor, CanaryProbe, CanaryRecord, EnvironmentRecord, PinnedFile,
-                                        PlatformRecord, ReferenceRecord, UnitRecord, WorkerRecord)
-from coldsnap.contracts.capsule import ActivationMetadata, GpuProcessMemory, RegionRecord, WorkerActivation
-from coldsnap.contracts.base import decode_document
-from coldsnap.contracts.canonical import canonical_json
-from coldsnap.contracts.profiles import resolve_request
-from coldsnap.contracts.request import OperationRequest
-from coldsnap.contracts.layout import SemanticManifest
+from coldsnap.agent.client import AgentClient, KeyGateError, KeyGateMissing, key_gate
+from coldsnap.agent.protocol import Prepare, PrepareReply, rank_control
+from coldsnap.contracts.artifact import PinnedFile
+from coldsnap.contracts.capsule import GpuProcessMemory
 from coldsnap.activation.qualification import check_driver_floor
 from coldsnap.host import nvidia_kernel_driver
 from coldsnap.payload.validation import hash_and_record
-from coldsnap.operation import OperationContext, OperationFailed, OperationOutcome, step
+from coldsnap.operation import OperationFailed, OperationOutcome
 from coldsnap.progress import PhaseProgress
 from coldsnap.snapshot.criu import CriuSnapshotter
-from coldsnap.snapshot.criu_binary import CriuError
 from coldsnap.snapshot.criu_options import SnapshotOptions
-from coldsnap.snapshot.cuda_checkpoint import CudaCheckpointError, TreeCheckpoint, cuda_devices, gpu_processes
-from coldsnap.snapshot.host_files import read_only_mtimes
+from coldsnap.snapshot.cuda_checkpoint import TreeCheckpoint, cuda_devices, gpu_processes
 from coldsnap.snapshot.nvml import NvmlError, process_memory
-from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files, kill_tree, remove_socket_files,
+from coldsnap.snapshot.process_tree import (anonymous_bytes, bound_socket_files, remove_socket_files,
                                             resident_bytes, socket_files_in, tcp_connections, tree_pids)
 from coldsnap.snapshot.moved_sockets import probe_path_sockets
-from coldsnap.secrets.engine_env import engine_environment
 from coldsnap.secrets.served_key import served_key_in_command
 from coldsnap.settings import SETTINGS
 
@@ -64,15 +54,7 @@ UNIT_BARRIERS = {"wait_until_ready": "ready", "dump": "dumped"}
 """One unit of several: after these steps it waits for every unit (``capture.units.<barrier>``): every
 engine serves before unit 0 asks the canary; every tree is dumped before any restores its check."""
 
-RESTORE_CANARY_TOKENS = 2
-"""Tokens a restore generates beside the prompt check: the first comes from the prefill, the second from
-one decode step (KV cache read back, the decode CUDA graph replayed)."""
-
-__all__ = ["AGENT_AFTER_HTTP_S", "CaptureSequence", "CheckRestore", "READY_TIMEOUT_S", "VERIFY_ENV", "port_taken",
-           "verify_at_capture"]
-
-CheckRestore = Callable[[OperationContext, ArtifactDir], OperationOutcome]
-"""Restore an artifact (seen through its pending descriptor) as ``coldsnap restore`` would."""
+__all__ = ["CaptureSequence", "READY_TIMEOUT_S", "VERIFY_ENV", "port_taken", "verify_at_capture"]
 
 READY_TIMEOUT_S = 900.0
 
@@ -86,11 +68,6 @@ def verify_at_capture() -> bool:
 STOPPED_WITHIN_S = 30.0
 """How long a stopped start (the reference's, or an engine the reference check starts again) may take to give
 its GPU memory and the serving port back."""
-
-AGENT_AFTER_HTTP_S = 60.0
-"""How long a capture waits for the coldsnap agent once the engine's HTTP port answers (``capture.agent``
-after that). An engine starts its agent while it loads the model, before its HTTP server comes up, so
-an HTTP server without an agent is an engine running without coldsnap, and no wait would bring one."""
 
 # Why an engine of each kind runs without its coldsnap agent, and what to do about it.
 AGENT_MISSING_CAUSES: dict[str, str] = {
@@ -120,79 +97,10 @@ def port_taken(port: int) -> bool:
     return False
 
 
-def _probe_record(answer: ProbeAnswer) -> CanaryProbe:
-    """A probe's answer as the descriptor keeps it (each logprob as its IEEE bits)."""
-    return CanaryProbe(prompt_ids=answer.prompt_ids, token_ids=answer.token_ids,
-                       logprob_bits=[bits_of(x) for x in answer.logprobs])
-
-
-class CaptureSequence:
+class CaptureSequence(ReferenceCheckSteps, CommitSteps):
     """The steps of one capture, each its own method, span and error code (:meth:`step`), and one
     :meth:`unwind` for every failure: the engine killed, everything the capture created in the output
     directory removed (a full disk must not stay full), the engine's last lines shown."""
-
-    def __init__(self, context: OperationContext, artifact: ArtifactDir, ready_timeout: float,
-                 check_restore: "CheckRestore | None" = None):
-        """``check_restore``: how the capture restores its own capsule before committing it (the lifecycle's
-        restore, passed in: this module does not import it back)."""
-        self.check_restore = check_restore
-        self.context = context
-        self.request = context.request
-        self.timer = context.timer
-        self.artifact = artifact
-        self.units = context.units  # one unit of several: its seat at the activation's coordinator
-        self.index = selected_unit(self.request) or 0
-        self.unit = self.request.units[self.index]
-        self.workers = sorted(self.unit.workers, key=lambda w: w.rank)
-        self.world = sum(len(u.workers) for u in self.request.units)  # the engine's ranks, over every unit
-        self.ready_timeout = ready_timeout
-        self.agent_after_http = AGENT_AFTER_HTTP_S
-        self.before: set[str] | None = None  # the output directory's entries before (None: it did not exist)
-        self.engine: ServingTree | None = None
-        self.dumped = False
-        self.engine_tmp: Path | None = None  # the engine's temporary folder and the sockets it held before (launch)
-        self.engine_tmp_sockets: set[Path] = set()
-        self.controls: list[str] = []
-        self.statuses: list[StatusReply] = []
-        self.canary: Canary | None = None
-        self.probes: list[CanaryProbe] = []
-        self.prepared: list[PrepareReply] = []
-        self.gpu_pids: list[int] = []
-        self.gpus: list[dict[str, Any]] = []
-        self.snapshotter: CriuSnapshotter | None = None
-        self.criu_tcp: Literal["established", "none"] = "none"
-        self.serving_gpu_bytes: dict[str, dict[int, int]] = {}  # GPU UUID → pid → bytes while serving
-        self.gpu_memory: list[GpuProcessMemory] = []
-        self.output_ready = False  # the output directory made and its earlier entries noted (first start)
-        # The reference check (start_reference, check_reference): the plain start's answers, the captured
-        # engine's, and what the descriptor records
-        self.reference_mode: ReferenceMode = "none"
-        self.reference_note: str | None = None
-        self.reference_engine: EngineProcess | None = None
-        self.reference_answers: ReferenceAnswers | None = None
-        self.captured_answers: ReferenceAnswers | None = None
-        self.plain_starts = 0
-        self.capture_starts = 0
-        # the command's environment: the launcher's less its secrets and coldsnap's own settings
-        self.engine_env = engine_environment(self.unit.env, self.unit.pass_env)
-
-    @property
-    def port(self) -> int:
-        """The unit's serving port; a unit of several that serves nothing has the activation's (unit 0's),
-        which names its replicas and moves its ports by the activation's one generation."""
-        port = self.unit.serving_port or self.request.units[0].serving_port
-        assert port is not None  # checked before the sequence
-        return port
-
-    @property
-    def serves(self) -> bool:
-        return self.unit.serving_port is not None
-
-    def step(self, span: str, code: str) -> ContextManager[dict[str, str | int | bool]]:
-        """One step (:func:`coldsnap.operation.step`): a failure of what it calls is reported with its
-        code and the engine's last log line."""
-        return step(self.timer, span, code, (LaunchError, AgentError, CriuError, CudaCheckpointError, OSError, ValueError),
-                    lambda exc: f"{exc}{self._last_log_line()}")
 
     def run(self, steps: Sequence[str]) -> OperationOutcome:
         """The named steps (methods of this sequence), in order, as the snapshot driver lists them; any
@@ -314,133 +222,6 @@ class CaptureSequence:
                                       f"{self._last_log_line(3)}") from None
             span["ranks"] = world
 
-    def _last_log_line(self, lines: int = 1) -> str:
-        """The engine log's last ``lines`` non-blank lines, for a receipt's message."""
-        tail = self.engine.log_tail(lines + 10) if self.engine is not None else ""
-        last = [line.strip() for line in tail.splitlines() if line.strip()][-lines:]
-        return f" | engine log: {' | '.join(last)}" if last else ""
-
-    def record_canary(self) -> None:
-        """The canary's answer, and where the engine gives them, its prefill's top-1 predictions at every
-        prompt position: a restore then checks those plus the first :data:`RESTORE_CANARY_TOKENS` tokens."""
-        if self.units is not None and self.index != 0:  # unit 0 serves and asks; the others follow its ranks
-            with self.step("capture.canary", "capture.canary"):
-                shared = self.units.get("capture/canary")
-            self.canary = Canary(text=shared["text"], token_ids=shared["token_ids"], seconds=0.0,
-                                 prompt_argmax=shared["prompt_argmax"])
-            self.probes = [CanaryProbe.model_validate(p) for p in shared["probes"]]
-            return
-        self._ask_canary()
-        if self.units is not None:
-            assert self.canary is not None
-            self.units.put("capture/canary", {"text": self.canary.text, "token_ids": self.canary.token_ids,
-                                              "prompt_argmax": self.canary.prompt_argmax,
-                                              "probes": [p.to_json_value() for p in self.probes]})
-
-    def _check_plan(self) -> tuple[tuple[int, int], ...]:
-        """The probes the captured engine is asked: the restore's, and with the reference check its own after them."""
-        return reference_plan(probe_plan()) if self.reference_mode == "plain" else probe_plan()
-
-    def _ask_canary(self) -> None:
-        """The canary, then the probes (:meth:`_check_plan`), one at a time: the same requests in the same order
-        as the reference start was asked. The restore's probes are recorded for every restore to check."""
-        validation = self.request.policy.validation
-        assert validation.prompt is not None and validation.max_tokens is not None  # resolve_request fills both
-        restore_lengths = {length for length, _ in probe_plan()}
-        with self.step("capture.canary", "capture.canary") as span:
-            self.canary = ask_canary(self.port, validation.prompt, validation.max_tokens, prompt_argmax=True)
-            span["tokens"] = len(self.canary.token_ids)
-        self.context.progress(f"canary answered {self.canary.text!r} ({len(self.canary.token_ids)} tokens)")
-        with self.step("capture.canary_probes", "capture.canary") as span:
-            answers = self.captured_answers = ReferenceAnswers(self.canary, ask_probes(self.port, self._check_plan()))
-            self.probes = [_probe_record(answer) for (length, _), answer in answers.probes
-                           if answer is not None and length in restore_lengths]
-            lengths = [str(len(p.prompt_ids)) for p in self.probes]
-            span["probes"] = ",".join(lengths)
-        if self.probes:
-            self.context.progress(f"canary probes recorded: {len(self.probes)} prompts of {', '.join(lengths)} tokens, "
-                                  "ids and logprobs")
-        else:
-            self.context.progress("no canary probes: the engine gave no token ids and logprobs for token-id prompts")
-
-    # The reference check (coldsnap.activation.reference_check) --------------------------------------------
-
-    def _reference_mode(self) -> tuple[ReferenceMode, str | None]:
-        """This capture's reference mode, and why it is ``none`` where it is."""
-        if self.units is not None:
-            return "none", ("one launch unit of several: the check would need every unit's plain start at once, "
-                            "which this build does not run")
-        try:
-            mode = reference_mode(self.request.engine)
-        except ValueError as exc:
-            raise OperationFailed("capture.reference", f"{REFERENCE_ENV}: {exc}") from None
-        if mode == "plain":
-            return mode, None
-        if SETTINGS.text(REFERENCE_ENV):
-            return mode, "skipped: --reference none"
-        return mode, (f"skipped: not on by default for {self.request.engine} (coldsnap's own deterministic workload); "
-                      "--reference plain runs it")
-
-    def start_reference(self) -> None:
-        """The plain start of the command (:mod:`coldsnap.activation.reference_check`), before the engine that
-        is captured: started as a user starts it, asked the canary and the check's probes, stopped. Skipped,
-        and recorded as skipped, with ``--reference none`` and for one launch unit of several."""
-        with self.step("capture.reference_start", "capture.reference") as span:
-            self.reference_mode, self.reference_note = self._reference_mode()
-            span["mode"] = self.reference_mode
-            if self.reference_mode == "none":
-                self.context.progress(f"reference check {self.reference_note}")
-                return
-            self.reference_answers = self._plain_start_answers(span)
-
-    def _plain_start_answers(self, span: dict[str, str | int | bool]) -> ReferenceAnswers:
-        """One plain start of the command: ready (HTTP ``/health``), asked the check's requests, stopped (its GPU
-        memory and the port free again before anything else starts)."""
-        validation, unit = self.request.policy.validation, self.unit
-        assert validation.prompt is not None and validation.max_tokens is not None  # resolve_request fills both
-        self._prepare_output()
-        plan = self._check_plan()
-        which = "a second plain start" if self.plain_starts else "a plain start"
-        self.context.progress(f"reference check: {which} of the command (no coldsnap agent) first; the engine captured "
-                              f"after it must give its canary and {len(plan)} probes back exactly, ids and logprob bits")
-        started = time.perf_counter()
-        engine = self.reference_engine = EngineProcess(list(unit.command), self.artifact.reference_log_path(unit.unit_id),
-                                                       self.engine_env.variables, agent=False)
-        self.plain_starts += 1
-        self._note_environment(span)
-        try:
-            wait_for_http(self.port, engine.alive, self.ready_timeout)
-            ready_s = time.perf_counter() - started
-            self.context.progress(f"reference start (pid {engine.pid}) ready after {ready_s:.1f} s; asking it the canary "
-                                  f"and {len(plan)} probes")
-            answers = ask_reference(self.port, validation.prompt, validation.max_tokens, plan)
-        except (LaunchError, OSError) as exc:
-            ended = engine.ended()
-            # (its log goes with the output directory: its last lines to the progress stream first)
-            self.context.progress(f"the plain reference start failed; its last lines:\n{engine.log_tail(20)}")
-            if isinstance(exc, LaunchError):
-                raise OperationFailed("capture.reference", f"the plain reference start of the command: {exc}"
-                                      f"{f' (the command {ended})' if ended else ''}{self._reference_log_tail()}") from None
-            raise OperationFailed("capture.reference", "the plain reference start did not answer the canary or a "
-                                  f"probe: {exc}{self._reference_log_tail()}") from None
-        finally:
-            self._stop_reference()
-        span[f"plain_start_{self.plain_starts}_ready_ns"] = int(ready_s * 1e9)
-        span[f"plain_start_{self.plain_starts}_ns"] = int((time.perf_counter() - started) * 1e9)
-        return answers
-
-    def _reference_log_tail(self) -> str:
-        engine = self.reference_engine
-        last = [line.strip() for line in (engine.log_tail(13) if engine else "").splitlines() if line.strip()][-3:]
-        return f" | reference log: {' | '.join(last)}" if last else ""
-
-    def _stop_reference(self) -> None:
-        """The reference start stopped (SIGTERM, then SIGKILL), its GPU memory given back and the port free again."""
-        engine = self.reference_engine
-        if engine is not None and engine.alive():
-            self._stop_tree(engine, graceful=True)
-        self.sweep_engine_tmp()
-
     def _stop_tree(self, tree: ServingTree, graceful: bool = False) -> None:
         """Stop a tree started here (``graceful``: as an operator would, SIGTERM first; else killed) and wait (at
         most :data:`STOPPED_WITHIN_S` each) until the GPU holds nothing of it (NVML, where it answers) and the
@@ -465,64 +246,6 @@ class CaptureSequence:
                 raise OperationFailed("capture.reference", f"port {self.port} is still taken {STOPPED_WITHIN_S:.0f} s "
                                       "after the start that served it was stopped")
             time.sleep(0.1)
-
-    def check_reference(self) -> None:
-        """The captured engine's answers must equal the plain start's, every token id and logprob bit. On a
-        mismatch, once more: a second plain start (which must agree with one of the two: else plain starts of
-        the command disagree on this host, and nothing can be proved), then the engine again, which must answer
-        as that second plain start did. ``capture.reference`` otherwise, nothing committed."""
-        if self.reference_mode == "none":
-            return
-        with self.step("capture.reference", "capture.reference") as span:
-            assert self.reference_answers is not None and self.captured_answers is not None
-            difference = self.reference_answers.difference(self.captured_answers, "the plain start", "the captured engine")
-            span["matched_first"] = difference is None
-            if difference is not None:
-                span["first_difference"] = difference[:500]
-                self._check_reference_again(difference, span)
-            answers = self.reference_answers
-            span.update(plain_starts=self.plain_starts, capture_starts=self.capture_starts,
-                        probes=len(answers.answered()), answers_sha256=answers.sha256())
-        probes = (f" and {len(answers.answered())} probes" if answers.answered() else
-                  " (it answered no probe: no token ids and logprobs for token-id prompts)")
-        self.context.progress(f"reference check passed: the captured engine answered a plain start's canary{probes} "
-                              "exactly, token ids and logprob bits")
-
-    def _check_reference_again(self, difference: str, span: dict[str, str | int | bool]) -> None:
-        first_plain, first_engine = self.reference_answers, self.captured_answers
-        assert first_plain is not None and first_engine is not None and self.engine is not None
-        self.context.progress(f"reference check: the captured engine answers differently from the plain start: "
-                              f"{difference}; trying once more (one more plain start, then the engine again)")
-        self._stop_tree(self.engine)
-        second = self._plain_start_answers(span)
-        against_plain = first_plain.difference(second, "the first plain start", "the second plain start")
-        against_engine = first_engine.difference(second, "the first engine start", "the second plain start")
-        if against_plain is not None and against_engine is not None:
-            raise OperationFailed("capture.reference", "plain starts of the command disagree on this host, so no "
-                                  f"capture can be proved equal to one: {against_plain}; and the first captured engine "
-                                  f"differed too ({difference}). Nothing was committed; `coldsnap capture --reference "
-                                  "none` captures without the check")
-        deviant = "the first plain start" if against_plain is not None else "the first start of the captured engine"
-        self.reference_note = f"retried: {deviant} answered unlike the other starts ({difference})"
-        self.reference_answers = second
-        self.launch()
-        self.wait_until_ready()
-        self.record_canary()
-        assert self.captured_answers is not None
-        again = second.difference(self.captured_answers, "the plain start", "the captured engine")
-        if again is not None:
-            raise OperationFailed("capture.reference", "the captured engine answers differently from a plain start of "
-                                  f"the same command, twice: {again}. Nothing was committed")
-
-    def _reference_record(self) -> ReferenceRecord:
-        """What the descriptor says of the check."""
-        answers = self.reference_answers
-        if self.reference_mode == "none" or answers is None:
-            return ReferenceRecord(mode="none", note=self.reference_note)
-        return ReferenceRecord(mode="plain", note=self.reference_note, plain_starts=self.plain_starts,
-                               capture_starts=self.capture_starts, canary_token_ids=answers.canary.token_ids,
-                               probes=[_probe_record(a) for a in answers.answered()],
-                               answers_sha256=answers.sha256())
 
     def hold_served_requests(self) -> None:
         """The last HTTP request of the capture answered: the served HTTP process's key gate is held (the engine's
@@ -701,126 +424,6 @@ class CaptureSequence:
                     for f in files]
         except OSError as exc:
             raise OperationFailed("capture.recovery", f"rank {rank}'s recovery safetensors: {exc}") from None
-
-    def activation_metadata(self) -> ActivationMetadata:
-        """The capsule's activation metadata: the tree, each rank's agent and memory, how it was dumped."""
-        engine, snapshotter = self.engine, self.snapshotter
-        assert engine is not None and snapshotter is not None
-        return ActivationMetadata(
-            control=engine.control, serving_port=self.port, root_pid=engine.pid,
-            workers=[WorkerActivation(rank=w.rank, control=c, pid=s.pid, layout=s.layout, layout_digest=p.layout_digest,
-                                      regions={tag: RegionRecord(**r.model_dump()) for tag, r in p.regions.items()},
-                                      graphs_released=p.graphs_released)
-                     for w, c, s, p in zip(self.workers, self.controls, self.statuses, self.prepared)],
-            criu_options=snapshotter.options.args(), criu_tcp=self.criu_tcp,
-            gpu_pids=self.gpu_pids, gpu_uuids=[d["uuid"] for d in self.gpus],
-            host_file_mtimes_ns=read_only_mtimes(self.artifact.images(self.unit.unit_id)), gpu_memory=self.gpu_memory,
-            address=self.units.address if self.units is not None else None,
-        )
-
-    def commit(self, verify: bool = False) -> None:
-        """The capsule manifest, the resolved request, then the descriptor, written atomically last; with
-        ``verify``, as a pending descriptor first, committed by one rename once the capture's own restore
-        of it served the canary's tokens (:meth:`verify`)."""
-        artifact, request_, engine, canary, snapshotter = self.artifact, self.request, self.engine, self.canary, self.snapshotter
-        assert engine is not None and canary is not None and snapshotter is not None
-        with self.step("capture.commit", "capture.commit"):
-            capsule = artifact.write_capsule(self.unit.unit_id, self.activation_metadata())
-            worker_records = []
-            for w, p in zip(self.workers, self.prepared):
-                if p.residual is None:
-                    raise OperationFailed("capture.residual", f"the agent of rank {w.rank} wrote no residual pack")
-                worker_records.append(WorkerRecord(
-                    worker_id=w.worker_id, rank=w.rank, layout_digest=p.layout_digest,
-                    residual=file_ref(artifact, Path(p.residual.path), p.residual.sha256),
-                    payload=file_ref(artifact, Path(p.payload.path), p.payload.sha256) if p.payload else None,
-                    recovery=(pinned := self.pin_recovery(w.rank, p)),
-                    recovery_plan=(file_ref(artifact, Path(p.recovery_plan.path), p.recovery_plan.sha256)
-                                   if pinned and p.recovery_plan and p.recovery_gap else None),
-                    recovery_gap=(file_ref(artifact, Path(p.recovery_gap.path), p.recovery_gap.sha256)
-                                  if pinned and p.recovery_plan and p.recovery_gap else None)))
-            recorded = artifact_request(request_)  # the whole activation, no unit's selection
-            artifact.request_path.write_bytes(canonical_json(recorded.to_json_value()) + b"\n")
-            unit_record = UnitRecord(unit_id=self.unit.unit_id, capsule=capsule, workers=worker_records,
-                                     environment=EnvironmentRecord(withheld=list(self.engine_env.withheld),
-                                                                   held=list(self.engine_env.held)))
-            records = [unit_record]
-            if self.units is not None:  # every unit's record, in one descriptor: unit 0's, committed by each unit
-                records = [UnitRecord.model_validate(r)
-                           for r in self.units.every_unit("capture/record", unit_record.to_json_value())]
-            descriptor = (self._descriptor(recorded, records) if self.units is None or self.index == 0 else
-                          decode_document(ArtifactDescriptor, self.units.get("capture/descriptor"), "unit 0's descriptor"))
-            if self.units is not None and self.index == 0:
-                self.units.put("capture/descriptor", descriptor.to_json_value())
-            elif descriptor.units != records:
-                raise OperationFailed("capture.commit", "unit 0's descriptor does not bind this unit's capsule")
-            target = artifact.pending() if verify else artifact
-            target.commit(descriptor)
-        if verify:
-            self.verify(target)
-            self._units_verified()
-            artifact.promote(target)
-
-    def _descriptor(self, recorded: OperationRequest, records: list[UnitRecord]) -> ArtifactDescriptor:
-        """The artifact descriptor of this capture (one unit's, or every unit's records from unit 0)."""
-        request_, canary, snapshotter = self.request, self.canary, self.snapshotter
-        assert canary is not None and snapshotter is not None
-        driver = nvidia_kernel_driver()
-        return ArtifactDescriptor(
-            format=9,
-            artifact_id=f"{request_.operation_id}",
-            created_unix_ns=time.time_ns(),
-            engine=request_.engine,
-            snapshot_driver=request_.snapshot_driver,
-            request_sha256=recorded.canonical_sha256(),
-            semantic_manifest_sha256=SemanticManifest.from_request(recorded).canonical_sha256(),
-            model=request_.model,
-            graph_policy=request_.policy.graphs.mode or "retain",
-            platform=PlatformRecord(
-                arch=platform.machine(), kernel=platform.release(), nvidia_driver=driver,
-                nvidia_driver_floor=int(driver.split(".")[0]) if driver else None,
-                gpu_model=self.gpus[0]["name"] if self.gpus else None,
-                compute_capability=self.gpus[0]["compute_capability"] if self.gpus else None,
-                criu_version=".".join(map(str, snapshotter.criu.version().numbers)),
-            ),
-            canary=CanaryRecord(prompt=self.request.policy.validation.prompt or "", expected_response=canary.text,
-                                token_ids=canary.token_ids, prompt_argmax=canary.prompt_argmax,
-                                restore_tokens=(min(RESTORE_CANARY_TOKENS, len(canary.token_ids))
-                                                if canary.prompt_argmax and canary.token_ids else None),
-                                probes=self.probes),
-            reference=self._reference_record(),
-            units=records,
-        )
-
-    def _units_verified(self) -> None:
-        """One unit of several commits only once every unit's check restore served (all or none)."""
-        if self.units is not None:
-            with self.timer.span("capture.units.verified"):
-                self.units.barrier("capture.verified")
-
-    def verify(self, pending: ArtifactDir) -> None:
-        """Restore the capsule once, as ``coldsnap restore`` of it would (same request, same weights policy,
-        the captured port), prove it with the canary, then stop it: a capsule that cannot restore is never
-        committed (``capture.verify``). ``COLDSNAP_CAPTURE_VERIFY=0`` (``capture --no-verify``) skips it."""
-        assert self.check_restore is not None, "a verified commit needs the lifecycle's restore"
-        document = self.request.to_json_value()
-        document.update(operation="restore", operation_id=f"{self.request.operation_id}-check", prepare_only=False)
-        request = resolve_request(decode_document(OperationRequest, canonical_json(document), "the capture's check"))
-        check = self.context.nested(request)
-        with self.timer.span("capture.verify") as span:
-            try:
-                with check.held:
-                    self.check_restore(check, pending)
-            except OperationFailed as exc:
-                raise OperationFailed("capture.verify", f"the capsule did not restore: {exc.code}: {exc.message}") from None
-            finally:
-                restored = [s.attributes.get("pid") for s in check.timer.envelope().spans if s.name.endswith(".criu_restore")]
-                if restored and isinstance(restored[0], int):
-                    kill_tree(restored[0])
-                self.context.warnings.extend(f"capture's check restore: {w}" for w in check.warnings)
-            span.update({f"restore.{s.name.split('.', 1)[1]}_ns": s.duration_ns for s in check.timer.envelope().spans
-                         if s.name.count(".") == 1 and s.duration_ns is not None})
-        self.context.progress("the capture's own restore served the captured canary; committing")
 
     def sweep_engine_tmp(self) -> None:
         """Unlink the socket files new in the engine's temporary folder that nothing listens on: what its tree

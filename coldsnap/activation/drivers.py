@@ -15,7 +15,7 @@ from coldsnap.activation.qualification import require_implemented_driver
 if TYPE_CHECKING:
     from coldsnap.activation.admission import Admitted
     from coldsnap.activation.artifact_dir import ArtifactDir
-    from coldsnap.activation.capture_steps import CheckRestore
+    from coldsnap.activation.capture_state import CheckRestore
     from coldsnap.operation import OperationContext, OperationOutcome
 
 __all__ = ["SnapshotDriver", "driver_for"]

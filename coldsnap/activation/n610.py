@@ -32,7 +32,7 @@ from coldsnap.operation import OperationContext, OperationFailed, OperationOutco
 from coldsnap.settings import SETTINGS
 
 if TYPE_CHECKING:
-    from coldsnap.activation.capture_steps import CheckRestore
+    from coldsnap.activation.capture_state import CheckRestore
 
 __all__ = ["CAPTURE_STEPS", "RESTORE_STEPS", "WAKE_STEPS", "WARM_STEPS", "capture", "restore", "warm", "wake"]
 

@@ -22,14 +22,16 @@ rebuild). The launcher side imports :mod:`~coldsnap.agent.protocol` and :mod:`~c
 only; the server (and what it imports) loads on first use of the names below.
 """
 
+import importlib
 from typing import Any
 
 __all__ = ["AgentHooks", "AgentServer", "attach", "start_agent"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from coldsnap.agent import server
+_HOMES = {"AgentHooks": "hooks", "AgentServer": "server", "attach": "engine_entry", "start_agent": "engine_entry"}
 
-        return getattr(server, name)
+
+def __getattr__(name: str) -> Any:
+    if name in _HOMES:
+        return getattr(importlib.import_module(f"coldsnap.agent.{_HOMES[name]}"), name)
     raise AttributeError(f"module 'coldsnap.agent' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Agent server (see the package docstring); its protocol is :mod:`coldsnap.agent.protocol`."""
+"""Agent server (see the package docstring); its protocol is :mod:`coldsnap.agent.protocol`. Engines start it
+through :mod:`coldsnap.agent.engine_entry` with their :mod:`~coldsnap.agent.hooks`."""
 
 from __future__ import annotations
 
@@ -6,23 +7,20 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable
 
-from coldsnap.agent.device_state import (LocalMemoryTrim, cuda_devices_in_use, cuda_torch, device_used_bytes,
-                                         torch_pool_bytes)
-from coldsnap.agent.memory import ModelMemory, ModelMemoryError
 from coldsnap.agent.addresses import address
+from coldsnap.agent.device_state import LocalMemoryTrim, cuda_devices_in_use, device_used_bytes, torch_pool_bytes
+from coldsnap.agent.failures import CommandFailed, failure_of
+from coldsnap.agent.hooks import AgentHooks
+from coldsnap.agent.memory import ModelMemory
+from coldsnap.agent.process_memory import empty_torch_cache, rss_bytes, torch_device_bytes, trim_heap
+from coldsnap.agent.progress_lines import ProgressLines
 from coldsnap.agent.protocol import (
-    CONTROL_ENV,
-    AgentFailure,
     AgentState,
-    CoordinatorRef,
-    FailureCode,
     Hydrated,
     LeaseTaken,
     PackRef,
@@ -30,9 +28,6 @@ from coldsnap.agent.protocol import (
     PrefillReply,
     Prepare,
     PrepareReply,
-    ProgressLine,
-    ProgressUpdate,
-    ProtocolError,
     RegionStatus,
     Reply,
     Resume,
@@ -47,108 +42,20 @@ from coldsnap.agent.protocol import (
     rank_control,
     receive_line,
 )
+from coldsnap.agent.rendezvous import command_rendezvous
+from coldsnap.agent.switch_interval import prompt_handoffs
 from coldsnap.agent.xstate import dynamic_permissions, request_permissions
 from coldsnap.host import process_start_ticks
 from coldsnap.timing import timed
 from coldsnap.settings import SETTINGS
 
 if TYPE_CHECKING:
-    from coldsnap.hydrate.recovery_plan import RecoveryPlan
     from coldsnap.collective.group import DistributedState, Rendezvous
     from coldsnap.hydrate import PinnedPack
 
-__all__ = ["AgentHooks", "AgentServer", "CommandFailed", "attach", "hold_lease", "start_agent"]
+__all__ = ["AgentServer", "hold_lease"]
 
 log = logging.getLogger(__name__)
-
-Hook = Callable[[], None]
-
-
-AGENT_SWITCH_INTERVAL_S = 0.0001
-"""The interpreter's thread switch interval while the agent works (CPython's default: 5 ms)."""
-
-
-class _PromptHandoffs:
-    """While a command or a lease is being served, a waiting thread gets the GIL after at most
-    :data:`AGENT_SWITCH_INTERVAL_S` instead of CPython's 5 ms. An engine's main loop may spin holding the
-    GIL (SGLang's scheduler polls its sockets without sleeping, and the agent does not pause it), and
-    every blocking call of the agent's (a socket read, a CUDA call, a lock) gives the GIL away and waits
-    up to a switch interval to get it back (100 such calls beside a spinning thread: 0.56 s against
-    0.02 s). SGLang's resume after a restore varies 0.17–0.86 s for ~0.1 s of timed work on the H200;
-    this did not remove that variance, whose cause is not found yet. Process-wide, so only while the
-    agent works: the first user lowers the interval, the last one puts the engine's own back."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved = 0.0
-
-    def enter(self) -> None:
-        with self._lock:
-            if self._users == 0:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._saved, AGENT_SWITCH_INTERVAL_S))
-            self._users += 1
-
-    def exit(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                sys.setswitchinterval(self._saved)
-
-
-_prompt_handoffs = _PromptHandoffs()
-
-
-class CommandFailed(RuntimeError):
-    """A command the agent refuses or cannot complete, with the code the launcher gets."""
-
-    def __init__(self, code: FailureCode, message: str):
-        super().__init__(message)
-        self.code: FailureCode = code
-
-
-def failure_of(exc: BaseException) -> AgentFailure:
-    """How an exception crosses the socket: :class:`CommandFailed` with its code; model memory errors as
-    ``agent.memory``; an exception whose class names a ``failure_code`` (an engine plugin's teardown
-    error, the collectives' errors) with it; anything else as ``agent.internal``."""
-    if isinstance(exc, CommandFailed):
-        code: FailureCode = exc.code
-    elif isinstance(exc, ModelMemoryError):
-        code = "agent.memory"
-    elif isinstance(exc, ProtocolError):
-        code = "agent.command"
-    else:
-        code = getattr(type(exc), "failure_code", "agent.internal")
-    return AgentFailure(code=code, type=type(exc).__name__, message=str(exc))
-
-
-@dataclass
-class AgentHooks:
-    """What an engine plugin adds around the memory work (each runs in the agent's thread)."""
-
-    before_release: list[Hook] = field(default_factory=list)
-    """After draining and the collectives' teardown, before the regions are unmapped (e.g. handing
-    cached allocator blocks back)."""
-    after_resume: list[Hook] = field(default_factory=list)
-    """After hydration, KV remap and the collectives' rebuild, before graphs are recaptured."""
-    release_graphs: Callable[[str], list[str]] | None = None
-    """Given the graph policy (``retain`` | ``recreate``), drop the CUDA graphs that will not be kept and
-    return their names. Graphs holding NCCL kernels are always dropped: a rebuilt communicator is a new
-    one, and kernels captured against the old one must not replay. Runs before the teardown."""
-    recapture_graphs: Callable[[], list[str]] | None = None
-    """Capture again what ``release_graphs`` dropped (every rank at once: warm-ups run collectives)."""
-    recovery_files: list[str] = field(default_factory=list)
-    """The safetensors files the engine loaded its weights from (absolute paths): the recovery source a
-    capture pins. Empty: this engine has none, and restores need the native pack."""
-    recovery_plan: Callable[[], "RecoveryPlan | None"] | None = None
-    """The recovery plan the engine's load recorded (:mod:`coldsnap.agent.weight_copies`), asked for at
-    prepare; written beside the packs with its gap pack, so recovery restores skip ``replay_weights``."""
-    replay_weights: Callable[[list[str]], int] | None = None
-    """Recovery: fill the mapped ``weights`` region from these safetensors files the engine's own way
-    (e.g. through its weight loaders, when its tensors are not the files' tensors by name); returns the
-    bytes read. None: coldsnap places each file tensor at the captured address of the layout tensor of
-    the same name (:func:`coldsnap.hydrate.replay_safetensors`)."""
 
 
 class AgentServer:
@@ -194,9 +101,9 @@ class AgentServer:
     def _serve(self) -> None:
         while True:
             connection, _ = self._listener.accept()
-            _prompt_handoffs.enter()
+            prompt_handoffs.enter()
             with contextlib.ExitStack() as closing:
-                closing.callback(_prompt_handoffs.exit)
+                closing.callback(prompt_handoffs.exit)
                 closing.callback(connection.close)
                 fds: list[int] = []
                 try:
@@ -210,7 +117,7 @@ class AgentServer:
                         threading.Thread(target=self._hold_lease, args=(connection,), name="coldsnap-agent-lease",
                                          daemon=True).start()
                         continue
-                    reply = Reply(ok=True, reply=self.handle(command, _ProgressLines(connection), fds))
+                    reply = Reply(ok=True, reply=self.handle(command, ProgressLines(connection), fds))
                 except Exception as exc:  # every failure goes back to the launcher, none kills the engine
                     log.exception("coldsnap agent command failed")
                     reply = Reply(ok=False, failure=failure_of(exc))
@@ -226,7 +133,7 @@ class AgentServer:
         try:
             hold_lease(connection, self.on_lease_lost)
         finally:
-            _prompt_handoffs.exit()
+            prompt_handoffs.exit()
         with self._lease_count:
             self._leases -= 1
         self._unpin_later(None)
@@ -241,9 +148,9 @@ class AgentServer:
                 while self._to_unpin:
                     threading.Thread(target=self._to_unpin.pop().close, name="coldsnap-agent-unpin", daemon=True).start()
 
-    def handle(self, command: Status | Prepare | Resume | Standby | Prefill, progress: "_ProgressLines | None" = None,
+    def handle(self, command: Status | Prepare | Resume | Standby | Prefill, progress: "ProgressLines | None" = None,
                fds: list[int] | None = None) -> StatusReply | PrepareReply | ResumeReply | StandbyReply | PrefillReply:
-        progress = progress or _ProgressLines(None)
+        progress = progress or ProgressLines(None)
         if isinstance(command, Status):
             return self.status()
         if isinstance(command, Prefill):
@@ -264,13 +171,13 @@ class AgentServer:
                                   high_water=r.high_water, chunk_bytes=r.chunk_bytes)
                 for tag, r in self.memory.regions.items()}
 
-    def prepare(self, command: Prepare, progress: "_ProgressLines") -> PrepareReply:
+    def prepare(self, command: Prepare, progress: "ProgressLines") -> PrepareReply:
         if self.state != "serving":
             raise CommandFailed("agent.state", f"prepare needs state serving, not {self.state}")
         seconds: dict[str, float] = {}
         pack_dir = Path(command.pack_dir) if command.pack_dir is not None else None
         graph_policy = command.graph_policy
-        with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
+        with command_rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             self._drain(rendezvous, seconds)
             try:
                 release_graphs = self.hooks.release_graphs
@@ -285,9 +192,9 @@ class AgentServer:
             except BaseException:
                 self.serving_lock.release()
                 raise
-        reserved_before_empty = _torch_device_bytes()
-        timed(seconds, "empty_cache", _empty_torch_cache)
-        timed(seconds, "malloc_trim", _trim_heap)
+        reserved_before_empty = torch_device_bytes()
+        timed(seconds, "empty_cache", empty_torch_cache)
+        timed(seconds, "malloc_trim", trim_heap)
         pools = torch_pool_bytes((r.base, r.size) for r in self.memory.regions.values() if r.backend == "cuda")
         devices = cuda_devices_in_use([r.device for r in self.memory.regions.values() if r.backend == "cuda"])
         trimmed = timed(seconds, "local_memory_trim", lambda: self.local_memory.lower(devices))
@@ -298,9 +205,9 @@ class AgentServer:
         return PrepareReply(
             payload=PackRef(**packs["payload"]) if "payload" in packs else None,
             residual=PackRef(**packs["residual"]) if "residual" in packs else None,
-            layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=_rss_bytes(),
-            device_bytes=_torch_device_bytes(), device_bytes_before_empty=reserved_before_empty,
-            device_bytes_allocated=_torch_device_bytes(allocated=True), regions=self._regions(), graphs_released=list(self.graphs_released),
+            layout_digest=self.memory.layout.digest(), seconds=seconds, rss_bytes=rss_bytes(),
+            device_bytes=torch_device_bytes(), device_bytes_before_empty=reserved_before_empty,
+            device_bytes_allocated=torch_device_bytes(allocated=True), regions=self._regions(), graphs_released=list(self.graphs_released),
             graph_pool_bytes=pools.get("graph_pool_reserved", 0),
             graph_pool_allocated_bytes=pools.get("graph_pool_allocated", 0),
             region_pool_bytes=pools.get("in_regions_reserved", 0),
@@ -370,7 +277,7 @@ class AgentServer:
 
         threading.Thread(target=watch, name="coldsnap-agent-watchdog", daemon=True).start()
 
-    def resume(self, command: Resume, progress: "_ProgressLines", fds: list[int]) -> ResumeReply:
+    def resume(self, command: Resume, progress: "ProgressLines", fds: list[int]) -> ResumeReply:
         """Map the regions again and fill them: from chunks the launcher already hydrated (``adopted``:
         tag → chunk count, the file descriptors in that order), else from the pack or safetensors.
         Then the collectives are rebuilt and dropped graphs recaptured, every rank together."""
@@ -380,7 +287,7 @@ class AgentServer:
         started = time.monotonic()
         self._request_permissions()
         timed(seconds, "local_memory_restore", self.local_memory.restore)  # before any kernel runs again
-        with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
+        with command_rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             pinned, self._pinned = self._pinned, None
             usable = pinned if pinned is not None and pinned.path == command.payload else None
             try:
@@ -432,7 +339,7 @@ class AgentServer:
         self._request_permissions()
         self.local_memory.restore()  # a standby's collectives and recaptured graphs run kernels
         recaptured: list[str] = []
-        with _rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
+        with command_rendezvous(command.coordinator, self.rank, self.world) as rendezvous:
             if self.collectives is not None:
                 assert rendezvous is not None  # collectives exist only for more than one rank (__init__)
                 self.collectives.rebuild(rendezvous, seconds)
@@ -555,135 +462,6 @@ def _hydrated(summary: dict[str, Any]) -> Hydrated:
     stats = dict(summary)
     return Hydrated(source=stats.pop("source"), bytes=int(stats.pop("bytes", 0)), staged=bool(stats.pop("staged", False)),
                     stats={k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))})
-
-
-@contextlib.contextmanager
-def _rendezvous(coordinator: CoordinatorRef | None, rank: int, world: int) -> Iterator["Rendezvous | None"]:
-    """The activation's coordinator for one command (none for a single rank). Its own ZeroMQ context
-    is terminated before the command returns: no connection to the launcher outlives it, so none is in
-    the process when CRIU dumps it."""
-    if world == 1:
-        yield None
-        return
-    if not coordinator:
-        raise CommandFailed("agent.command", f"rank {rank} of {world} needs the activation's coordinator in the command")
-    import zmq
-
-    from coldsnap.coord import CoordinatorClient
-
-    context = zmq.Context()
-    try:
-        client = CoordinatorClient(coordinator.endpoint, bytes.fromhex(coordinator.token), rank, context=context)
-        client.address = coordinator.address
-        completed = False
-        try:
-            yield client
-            completed = True
-        finally:
-            client.close(completed=completed)
-    finally:
-        context.term()
-
-
-class _ProgressLines:
-    """Streams ``{"progress": ...}`` lines to the launcher before the reply (at most ~5 a second)."""
-
-    def __init__(self, connection: socket.socket | None):
-        self.connection = connection
-
-    def phase(self, name: str) -> Callable[[int, int], None]:
-        last = [0.0]
-
-        def report(done: int, total: int) -> None:
-            now = time.monotonic()
-            if self.connection is None or (now - last[0] < 0.2 and done < total):
-                return
-            last[0] = now
-            try:
-                self.connection.sendall(encode(ProgressLine(progress=ProgressUpdate(phase=name, done=done, total=total))))
-            except OSError:
-                self.connection = None  # the launcher stopped listening; the work goes on
-
-        return report
-
-
-def _trim_heap() -> None:
-    """Hand the C heap's free pages back to the kernel (glibc ``malloc_trim``): freed host memory the
-    allocator kept would otherwise be resident, and CRIU writes every resident page into the image."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim this way
-        pass
-
-
-def _rss_bytes() -> int:
-    """Resident memory of this process (VmRSS)."""
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _torch_device_bytes(allocated: bool = False) -> int:
-    """GPU memory torch's caching allocator still holds outside the stable regions (graph pools,
-    activations): the CUDA checkpoint copies it into the process image. ``allocated``: only what live
-    tensors and graph pools use, not the cache's free blocks. 0 without CUDA torch."""
-    torch = cuda_torch()
-    if torch is None:
-        return 0
-    measure = torch.cuda.memory_allocated if allocated else torch.cuda.memory_reserved
-    return sum(measure(d) for d in range(torch.cuda.device_count()))
-
-
-def _empty_torch_cache() -> None:
-    """Hand the free blocks of torch's caching allocator back to the driver (the profile run's
-    activations, warm-up buffers): the CUDA checkpoint copies every byte a process holds on the GPU into
-    its image, used or not. Blocks of live CUDA-graph pools stay (their graphs replay from them). Every
-    engine's agent does this; vLLM at TP 1 with graphs kept never did (0.6 GB of an 8B capture's image)."""
-    torch = cuda_torch()
-    if torch is None:
-        return
-    import gc
-
-    gc.collect()  # tensors kept only by reference cycles free their blocks first
-    # No torch.cuda.synchronize() here: this thread's current device is 0, and on a TP rank of another
-    # GPU it would create a context there. empty_cache waits on each block's own device before freeing.
-    torch.cuda.empty_cache()
-
-
-_agent: AgentServer | None = None
-
-
-def attach(memory: ModelMemory, *, serving_lock: threading.Lock, port: int | None = None,
-           hooks: AgentHooks | None = None, rank: int = 0, world: int = 1,
-           collectives: "DistributedState | None" = None) -> AgentServer | None:
-    """The engine-facing entry point, called once per process when its model memory (weights, KV cache,
-    any graph region) is in place. Under ``coldsnap capture`` (:data:`CONTROL_ENV` in the environment) it
-    starts this process's agent at its rank's control socket and returns it; otherwise it starts nothing
-    and returns None, so an engine calls it unconditionally.
-
-    ``serving_lock`` is held by the engine while it serves a request (``prepare`` drains by taking it);
-    ``hooks`` add what only the engine knows (graphs, work before the regions are released);
-    ``collectives`` are torn down at ``prepare`` and rebuilt at ``resume`` when ``world`` > 1."""
-    control = SETTINGS.text(CONTROL_ENV)
-    if not control:
-        return None
-    return start_agent(control, memory, serving_lock=serving_lock, port=port, hooks=hooks, rank=rank, world=world,
-                       collectives=collectives)
-
-
-def start_agent(control: str, memory: ModelMemory, *, serving_lock: threading.Lock, port: int | None = None,
-                hooks: AgentHooks | None = None, rank: int = 0, world: int = 1,
-                collectives: "DistributedState | None" = None) -> AgentServer:
-    """Start this process's agent (once) over its model memory; rank ``rank`` of a tensor-parallel
-    ``world`` listens at :func:`rank_control` of ``control``."""
-    global _agent
-    if _agent is None:
-        _agent = AgentServer(control, memory, serving_lock, port, hooks, rank, world, collectives).start()
-    return _agent
 
 
 def _stop_process_group(reason: str = "the restoring launcher died before the canary matched") -> None:

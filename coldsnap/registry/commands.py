@@ -16,7 +16,8 @@ from coldsnap.contracts.base import ContractError
 from coldsnap.ownership import HandOver, Owner, OwnerError, resolve_owner
 from coldsnap.payload.errors import PackError
 from coldsnap.progress import ProgressBar
-from coldsnap.registry.client import RegistryError, client_for
+from coldsnap.registry.client import client_for
+from coldsnap.registry.errors import RegistryError
 from coldsnap.registry.credentials import CredentialsError
 from coldsnap.registry.layout import LayoutError
 from coldsnap.registry.pull import DestinationTaken, PullError, PullResult, PullSession

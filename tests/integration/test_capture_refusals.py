@@ -24,7 +24,7 @@ def _in_process(argv: list[str]) -> int:
 def test_a_server_without_a_coldsnap_agent_fails_once_its_http_answers(tmp_path, monkeypatch, capsys):
     """``python3 -m http.server`` (vLLM started without ``--load-format coldsnap`` looks the same): its port
     answers, no agent ever will; the capture says so within the agent's grace, not after 900 s."""
-    capture_module = importlib.import_module("coldsnap.activation.capture_steps")
+    capture_module = importlib.import_module("coldsnap.activation.capture_state")
     monkeypatch.setattr(capture_module, "AGENT_AFTER_HTTP_S", 2.0)
     port = free_port()
     out, receipt = tmp_path / "artifact", tmp_path / "receipt.json"

@@ -12,7 +12,8 @@ import pytest
 from coldsnap.payload.records import VALIDATION_RECORD_NAME
 from coldsnap.payload.validation import verify_file
 from coldsnap.registry import client as registry_client
-from coldsnap.registry.client import DigestMismatch, client_for
+from coldsnap.registry.client import client_for
+from coldsnap.registry.errors import DigestMismatch, RegistryNotFound, RegistryUnreachable
 from coldsnap.registry.publish import CHUNK_RECORD_NAME
 from coldsnap.registry.pull import PullError, pull
 from coldsnap.registry.pull_staging import staging_dir
@@ -159,12 +160,12 @@ def test_an_interrupted_pull_resumes_with_what_arrived(published, registry, tmp_
     def flaky(digest, headers):
         calls["n"] += 1
         if calls["n"] == 12:
-            raise registry_client.RegistryUnreachable("the network went away (test)")
+            raise RegistryUnreachable("the network went away (test)")
         return real(digest, headers)
 
     monkeypatch.setattr(client, "_blob_response", flaky)
     destination = tmp_path / "pulled"
-    with pytest.raises(registry_client.RegistryUnreachable):
+    with pytest.raises(RegistryUnreachable):
         pull(ref, destination, client)
     assert not destination.exists() and staging_dir(destination).is_dir()
     calls["n"] = -10**6  # the network is back
@@ -232,7 +233,7 @@ def test_a_digest_that_does_not_match_is_refused_before_any_file(published, regi
         monkeypatch.setenv(name, value)
     ref = parse_reference(reference)
     wrong = ref.with_digest("sha256:" + "0" * 64)
-    with pytest.raises((registry_client.RegistryNotFound, DigestMismatch, PullError)):
+    with pytest.raises((RegistryNotFound, DigestMismatch, PullError)):
         pull(wrong, tmp_path / "pulled", client_for(wrong))
     assert not (tmp_path / "pulled").exists()
 
@@ -306,7 +307,7 @@ def test_an_interrupted_chunked_pull_resumes_in_place(published, registry, tmp_p
     def flaky(*args, **kwargs):
         calls["n"] += 1
         if calls["n"] == 4:
-            raise registry_client.RegistryUnreachable("the network went away (test)")
+            raise RegistryUnreachable("the network went away (test)")
         return real(*args, **kwargs)
 
     monkeypatch.setattr(client, "fetch_chunk", flaky)
@@ -314,7 +315,7 @@ def test_an_interrupted_chunked_pull_resumes_in_place(published, registry, tmp_p
     destination = tmp_path / "pulled"
     session = PullSession(ref, destination, client).start()
     assert session.usable() == destination
-    with pytest.raises(registry_client.RegistryUnreachable):
+    with pytest.raises(RegistryUnreachable):
         session.finish()
     assert destination.is_dir() and incomplete(destination) and not staging_dir(destination).exists()
     calls["n"] = -10**6  # the network is back

@@ -15,7 +15,8 @@ import pytest
 from coldsnap.agent.client import Lease
 from coldsnap.agent.addresses import address
 from coldsnap.agent.protocol import LeaseTaken, Reply
-from coldsnap.agent.server import AGENT_SWITCH_INTERVAL_S, AgentServer, hold_lease
+from coldsnap.agent.server import AgentServer, hold_lease
+from coldsnap.agent.switch_interval import AGENT_SWITCH_INTERVAL_S
 
 AGENT = """
 import sys, threading, time

@@ -17,7 +17,8 @@ from coldsnap.agent.protocol import (
     decode_command,
     decode_reply,
 )
-from coldsnap.agent.server import AgentServer, CommandFailed, failure_of
+from coldsnap.agent.failures import CommandFailed, failure_of
+from coldsnap.agent.server import AgentServer
 
 
 @pytest.mark.parametrize("line, problem", [

@@ -11,7 +11,8 @@ import pytest
 
 from coldsnap.agent.client import AgentClient, AgentError
 from coldsnap.agent.protocol import Prepare, PrepareReply, Resume, ResumeReply
-from coldsnap.agent.server import AgentHooks, AgentServer
+from coldsnap.agent.hooks import AgentHooks
+from coldsnap.agent.server import AgentServer
 from coldsnap.hydrate import write_pack_from_regions
 from tests.unit.test_model_memory_host import ALLOCATED, EMBED, HEAD, MiB, live_memory
 
@@ -221,7 +222,8 @@ WATCHDOG_SCRIPT = """
 import os, sys, threading, time, tempfile
 from coldsnap.agent.memory import ModelMemory
 from coldsnap.agent.protocol import Prepare, Resume
-from coldsnap.agent.server import AgentServer, _ProgressLines
+from coldsnap.agent.progress_lines import ProgressLines
+from coldsnap.agent.server import AgentServer
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory import reserve
 
@@ -229,7 +231,7 @@ weights = reserve("weights", 2 << 20, backend="host"); weights.map()
 layout = MemoryLayout.model_validate({"format": 1, "regions": [{"tag": "weights", "size_bytes": weights.size, "tensors": [
     {"name": "w", "dtype": "uint8", "shape": [4096], "offset": 0, "length": 4096}]}]})
 agent = AgentServer(f"@wd-{os.getpid()}", ModelMemory(layout, {"weights": weights}), threading.Lock())
-directory, progress, started = tempfile.mkdtemp(), _ProgressLines(None), time.monotonic()
+directory, progress, started = tempfile.mkdtemp(), ProgressLines(None), time.monotonic()
 prepared = agent.prepare(Prepare(pack_dir=directory), progress)
 time.sleep(1.8)
 agent.resume(Resume(layout_digest=prepared.layout_digest, payload=prepared.payload.path), progress, [])
@@ -257,7 +259,8 @@ import os, sys, threading, time, tempfile
 from coldsnap.agent.client import Lease
 from coldsnap.agent.memory import ModelMemory
 from coldsnap.agent.protocol import Prepare
-from coldsnap.agent.server import AgentServer, _ProgressLines
+from coldsnap.agent.progress_lines import ProgressLines
+from coldsnap.agent.server import AgentServer
 from coldsnap.contracts.layout import MemoryLayout
 from coldsnap.memory import reserve
 
@@ -266,7 +269,7 @@ layout = MemoryLayout.model_validate({"format": 1, "regions": [{"tag": "weights"
     {"name": "w", "dtype": "uint8", "shape": [4096], "offset": 0, "length": 4096}]}]})
 control = f"@fake-restore-{os.getpid()}"
 agent = AgentServer(control, ModelMemory(layout, {"weights": weights}), threading.Lock()).start()
-agent.prepare(Prepare(pack_dir=tempfile.mkdtemp()), _ProgressLines(None))
+agent.prepare(Prepare(pack_dir=tempfile.mkdtemp()), ProgressLines(None))
 agent.process_start = lambda: -1  # fake: the kernel task changed, as after a CRIU restore
 if sys.argv[1] == "leased":
     lease = Lease([control])

@@ -5,7 +5,7 @@ import threading
 
 from coldsnap.agent.client import AgentClient
 from coldsnap.agent.protocol import Hydrated, Reply, Resume, ResumeReply, encode
-from coldsnap.agent.server import _ProgressLines
+from coldsnap.agent.progress_lines import ProgressLines
 from coldsnap.progress import PhaseProgress, ProgressBar
 
 
@@ -45,7 +45,7 @@ def test_agent_progress_lines_reach_the_launcher(tmp_path):
         connection, _ = listener.accept()
         with connection:
             connection.makefile("rb").readline()
-            report = _ProgressLines(connection).phase("hydrating weights")
+            report = ProgressLines(connection).phase("hydrating weights")
             report(5, 10)
             report(10, 10)
             reply = ResumeReply(rank=0, hydrate=Hydrated(source="none"), seconds={"hydrate": 1.0}, graphs_recaptured=[])

@@ -238,7 +238,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _Handler.model_name = f"coldsnap-torch-lm-{args.size}"
     from coldsnap.agent import attach
     from coldsnap.agent.memory import ModelMemory
-    from coldsnap.agent.server import AgentHooks
+    from coldsnap.agent.hooks import AgentHooks
 
     hooks = AgentHooks(release_graphs=model.release_graphs, recapture_graphs=model.recapture_graphs,
                        recovery_files=[str(weights_file)] if weights_file else [])  # replayed by tensor name
