@@ -1,6 +1,6 @@
 """The launcher's side of a multi-rank unit: the activation's coordinator and one agent call per rank.
 
-A tensor-parallel engine has one agent per rank (:func:`~coldsnap.agent.server.rank_control`). The
+A tensor-parallel engine has one agent per rank (:func:`~coldsnap.agent.protocol.rank_control`). The
 launcher sends every rank its command at once, since the ranks meet at coordinator barriers inside
 it (drain, NCCL teardown and rebuild). When one rank fails, the coordinator is aborted with that
 rank's reason, so the others fail within a tick instead of waiting for their barrier timeouts, and

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from coldsnap.agent.addresses import address
-from coldsnap.snapshot.moved_sockets import (PortGeneration, namespace_socket_names, path_socket_names, port_generation,
+from coldsnap.snapshot.namespace_init import namespace_socket_names
+from coldsnap.snapshot.moved_sockets import (PortGeneration, path_socket_names, port_generation,
                                        probe_abstract_names, probe_binds, probe_path_sockets, replica_images,
                                        tree_sockets)
 

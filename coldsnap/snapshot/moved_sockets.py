@@ -29,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coldsnap.snapshot.criu_images import FILES_IMAGE, ImageFormatError, InetSocket, read_sockets, rewrite_sockets
-from coldsnap.snapshot.namespace_init import is_namespace_socket, namespace_socket_names
+from coldsnap.snapshot.namespace_init import is_namespace_socket
 
 __all__ = ["PortGeneration", "connections_to", "port_generation", "probe_binds", "replica_images", "tree_sockets",
-           "namespace_socket_names", "namespace_sockets", "probe_abstract_names", "path_socket_names",
+           "namespace_sockets", "probe_abstract_names", "path_socket_names",
            "probe_path_sockets"]
 
 _PORT_MAX = 65535

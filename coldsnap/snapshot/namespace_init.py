@@ -21,7 +21,7 @@ Failures print one line to standard error and exit non-zero: CRIU's own status w
 
 All of this runs before CRIU starts, so the module imports nothing at its top but ``os`` and ``sys`` (with
 ``-m``, ``json``, ``pathlib`` and the image decoder, spawn → CRIU's start took 32 ms for a GPU tree on the
-2-core CPU machine; 12 ms without: ``benchmarks/results/replica-start-cpu/``). The launcher hands over what it
+2-core CPU machine; 12 ms without: ``benchmarks/results/2026-12-07-none-cpu-replica-start/``). The launcher hands over what it
 knows already: the ``/dev/shm`` names and, with ``--namespace-sockets=HEX,...``, the names of those sockets
 (one per socket), which are then renamed by replacing exactly their bytes in ``files.img``
 (:func:`rename_in_place`); only where that is not exact (a name of another length, bytes found elsewhere)

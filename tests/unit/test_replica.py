@@ -13,7 +13,8 @@ import pytest
 from coldsnap.activation.restore_place import gpu_remap
 from coldsnap.activation.restore_place import replica_control
 from coldsnap.snapshot.criu_images import ImageFormatError, _encode, read_sockets, rewrite_sockets
-from coldsnap.snapshot.moved_sockets import (namespace_socket_names, path_socket_names, port_generation,
+from coldsnap.snapshot.namespace_init import namespace_socket_names
+from coldsnap.snapshot.moved_sockets import (path_socket_names, port_generation,
                                        probe_abstract_names, probe_binds, replica_images)
 
 _VARINT, _LENGTH = 0, 2
