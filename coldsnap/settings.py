@@ -190,6 +190,11 @@ SETTINGS = SettingsRegistry([
             _L, choices=("0", "1", "2", "3", "4")),
     Setting("COLDSNAP_UNLOCK_HOLD", "path", "set by coldsnap", "Internal: where CRIU's post-restore action script finds "
             "the launcher's unlock-hold FIFOs.", ("criu",)),
+    # the manager's host provider (docs/host-provider.md)
+    Setting("COLDSNAP_HOST_PROVIDER_SOCKET", "path", "unset (no provider)", "The manager's host-provider socket for this "
+            "operation (a path, or @NAME for an abstract one).", _L),
+    Setting("COLDSNAP_HOST_PROVIDER_TOKEN", "text", "unset", "The operation's token for that socket (never passed to an "
+            "engine: its name bears a secret).", _L),
     # registry
     Setting("COLDSNAP_PLAIN_HTTP_REGISTRIES", "list", "none (HTTPS everywhere)", "Registries spoken to over plain "
             "HTTP (comma-separated REGISTRY names).", _L),

@@ -37,8 +37,9 @@ def _read_input(path: str) -> bytes:
 
 def _cmd_capabilities(args: argparse.Namespace) -> int:
     from coldsnap.contracts.capabilities import build_capabilities
+    from coldsnap.provider.client import provider_status
 
-    document = build_capabilities(__version__).to_json_value()
+    document = build_capabilities(__version__, provider_status()).to_json_value()
     if args.canonical:
         sys.stdout.buffer.write(canonical_json(document) + b"\n")
     else:

@@ -17,6 +17,7 @@ from coldsnap.cli.handlers import (VALIDATORS, _cmd_artifact_operation, _cmd_cap
 from coldsnap.cli.flags import (add_api_key_flag, add_host_thp_flag, add_operation_flags, add_owner_flag,
                                 add_state_dir_flag, add_unit_flags, add_weights_flag, port_argument, positive_int,
                                 restore_arguments)
+from coldsnap.cli.provider_command import add_provider
 from coldsnap.cli.requests import _capture_request, _env_name
 from coldsnap.operation import EXIT_USAGE
 
@@ -408,6 +409,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_publish(commands)
     _add_pull(commands)
     _add_coordinator(commands)
+    add_provider(commands)
     return parser
 
 

@@ -25,7 +25,10 @@ from coldsnap.contracts.receipt import RECEIPT_FORMAT
 from coldsnap.contracts.request import REQUEST_FORMAT
 from coldsnap.contracts.timing_events import MAX_EVENT_BYTES, MAX_EVENTS, TIMING_EVENT_FORMAT
 
-__all__ = ["Capabilities", "build_capabilities", "FEATURES"]
+__all__ = ["Capabilities", "HOST_PROVIDER_FORMAT", "HostProviderStatus", "build_capabilities", "FEATURES"]
+
+HOST_PROVIDER_FORMAT = 1
+"""The manager host-provider protocol's format this build speaks as a client (docs/host-provider.md)."""
 
 FEATURES = ("operation-timing-spans", "operation-timing-events-ndjson-v1", "request-owner")
 """``request-owner``: a request may carry ``owner`` (uid, gid), who gets the files the operation writes."""
@@ -44,6 +47,25 @@ class ProtocolFormats(Contract):
     """Timing-event format written by ``--timing-events``."""
     timing_event_limits: dict[str, int]
     """Caps of a timing-event stream (``max_events``, ``max_event_bytes``)."""
+    host_provider_format: int
+    """The manager host-provider protocol's format this build speaks (docs/host-provider.md)."""
+
+
+class HostProviderStatus(Contract):
+    """The manager's host provider as this process found it (``COLDSNAP_HOST_PROVIDER_SOCKET``)."""
+
+    given: bool
+    """Whether a provider's socket was named."""
+    connected: bool
+    """Whether its handshake succeeded (the token matched, the format is spoken)."""
+    provider: str | None = None
+    """The provider's name, from its welcome."""
+    operations: list[str] = Field(default_factory=list)
+    """What it offers."""
+    hosts: list[str] = Field(default_factory=list)
+    """The hosts it reaches."""
+    problem: str | None = None
+    """Why it could not be connected (given, not connected)."""
 
 
 class EngineCapability(Contract):
@@ -89,9 +111,12 @@ class Capabilities(Contract):
     """The operations this build runs, with their replay semantics; others are refused."""
     features: list[str] = Field(min_length=1)
     """Negotiable features."""
+    host_provider: HostProviderStatus
+    """The host provider this process was given, if any, and whether it answered."""
 
 
-def build_capabilities(version: str) -> Capabilities:
+def build_capabilities(version: str, host_provider: HostProviderStatus | None = None) -> Capabilities:
+    """``host_provider``: what the caller found of the manager's provider (default: none given)."""
     return Capabilities(
         controller=f"coldsnap {version}",
         protocol=ProtocolFormats(
@@ -100,6 +125,7 @@ def build_capabilities(version: str) -> Capabilities:
             receipt_format=RECEIPT_FORMAT,
             timing_event_format=TIMING_EVENT_FORMAT,
             timing_event_limits={"max_events": MAX_EVENTS, "max_event_bytes": MAX_EVENT_BYTES},
+            host_provider_format=HOST_PROVIDER_FORMAT,
         ),
         engines=[
             EngineCapability(
@@ -122,4 +148,5 @@ def build_capabilities(version: str) -> Capabilities:
         ],
         operations=dict(OPERATIONS),
         features=list(FEATURES),
+        host_provider=host_provider or HostProviderStatus(given=False, connected=False),
     )
