@@ -60,8 +60,9 @@ if [ "$(id -u)" = 0 ]; then
     bash scripts/install-criu.sh
     bash scripts/install-containers.sh
     bash scripts/install-registry.sh  # the registry tests' server (publish/pull): Debian's docker-registry
+    bash scripts/install-sshd.sh  # the host provider's ssh-transport test: Debian's openssh-server
 else
-    log "not root: skipping CRIU and the image tools (run 'sudo bash scripts/install-criu.sh', 'sudo bash scripts/install-containers.sh' and 'sudo bash scripts/install-registry.sh'; capture and restore need root anyway)"
+    log "not root: skipping CRIU and the image tools (run 'sudo bash scripts/install-criu.sh', 'sudo bash scripts/install-containers.sh' and 'sudo bash scripts/install-registry.sh', 'sudo bash scripts/install-sshd.sh'; capture and restore need root anyway)"
 fi
 
 rm -rf "$scratch"
