@@ -116,6 +116,9 @@ def restore_arguments(p: argparse.ArgumentParser) -> None:
                    "tree's other bound ports move by the same shift")
     p.add_argument("--gpu", metavar="N[,M...]", help="the GPU(s) to place the ranks on, in rank order "
                    "(CUDA_VISIBLE_DEVICES of this host: ordinals or UUIDs; default: the capture's)")
+    p.add_argument("--unit-hosts", metavar="H0,H1,...", help="an artifact of several launch units: restore unit K on "
+                   "host HK, all from this one command, through the manager's host provider "
+                   "(COLDSNAP_HOST_PROVIDER_SOCKET; docs/host-provider.md); DIR is where each host holds its unit")
     add_weights_flag(p)
     add_api_key_flag(p)
     add_host_thp_flag(p)

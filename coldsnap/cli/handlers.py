@@ -316,6 +316,10 @@ def _cmd_artifact_operation(args: argparse.Namespace) -> int:
     if not args.request_json and not args.artifact:
         print("coldsnap: give the artifact directory (or --request-json)", file=sys.stderr)
         return EXIT_USAGE
+    if getattr(args, "unit_hosts", None):  # every unit on its own host, through the manager's host provider
+        from coldsnap.cli.provider_command import drive_unit_hosts
+
+        return drive_unit_hosts(args)
     _use_state_dir(args)
     if getattr(args, "host_thp", False):
         from coldsnap.snapshot.thp import HOST_THP_ENV

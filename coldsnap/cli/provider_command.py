@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import secrets
 import signal
@@ -15,7 +16,7 @@ from typing import Any
 
 from coldsnap.operation import EXIT_OK, EXIT_USAGE
 
-__all__ = ["add_provider"]
+__all__ = ["add_provider", "drive_unit_hosts"]
 
 SERVE_DESCRIPTION = """\
 Serve the manager host-provider protocol (docs/host-provider.md) for one operation, reaching the hosts of
@@ -92,3 +93,56 @@ def _cmd_provider_serve(args: argparse.Namespace) -> int:
         server.close()
         if private is not None:
             os.rmdir(private)
+
+
+def drive_unit_hosts(args: argparse.Namespace) -> int:
+    """``coldsnap restore DIR --unit-hosts H0,H1,...``: every unit on its host through the provider
+    (:func:`coldsnap.provider.units.drive_units`); unit 0's receipt (every unit's spans) is this command's."""
+    from coldsnap.atomic import write_atomic
+    from coldsnap.provider.client import HostProvider, ProviderError
+    from coldsnap.provider.units import UnitFailed, drive_units
+
+    operation = args.operation
+    hosts = [host for host in args.unit_hosts.split(",") if host]
+    given = [flag for flag, value in (("--units", args.units), ("--unit", args.unit), ("--rendezvous", args.rendezvous),
+                                      ("--request-json", args.request_json), ("--prepare-only", args.prepare_only))
+             if value]
+    if given or len(hosts) < 2 or args.artifact.startswith("oci://"):
+        print(f"coldsnap {operation}: --unit-hosts takes DIR and two or more hosts, unit 0's first (the units, their "
+              f"rendezvous and token are its own{f'; not {given[0]}' if given else ''})", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        provider = HostProvider.from_settings()
+    except ProviderError as exc:
+        print(f"coldsnap {operation}: the host provider: {exc}", file=sys.stderr)
+        return 1
+    if provider is None:
+        print(f"coldsnap {operation}: --unit-hosts needs the manager's host provider (COLDSNAP_HOST_PROVIDER_SOCKET and "
+              "_TOKEN; `coldsnap provider serve --hosts hosts.toml -- coldsnap ...` serves one)", file=sys.stderr)
+        return EXIT_USAGE
+    unknown = [host for host in hosts if host not in provider.welcome.hosts]
+    if unknown:
+        print(f"coldsnap {operation}: the host provider has no host {unknown[0]!r} (its hosts: "
+              f"{', '.join(provider.welcome.hosts)})", file=sys.stderr)
+        return EXIT_USAGE
+    extra = [word for flag, value in (("--port", args.port), ("--gpu", args.gpu), ("--weights", args.weights),
+                                      ("--state-dir", args.state_dir)) if value is not None for word in (flag, str(value))]
+    receipt: dict[str, Any] | None
+    with provider:
+        try:
+            outcome = drive_units(provider, operation, args.artifact, hosts, extra)
+            receipt, status = outcome.receipts[0], EXIT_OK
+            print(f"coldsnap {operation}: every unit's {operation} succeeded in {outcome.seconds:.2f} s", file=sys.stderr)
+        except UnitFailed as failed:
+            print(f"coldsnap {operation}: {failed}", file=sys.stderr)
+            receipt, status = failed.receipt, 1
+        except ProviderError as exc:
+            print(f"coldsnap {operation}: the host provider failed: {exc}", file=sys.stderr)
+            receipt, status = None, 1
+    if args.receipt_json and receipt is not None:
+        text = json.dumps(receipt, sort_keys=True) + "\n"
+        if args.receipt_json == "-":
+            sys.stdout.write(text)
+        else:
+            write_atomic(Path(args.receipt_json), text.encode())
+    return status

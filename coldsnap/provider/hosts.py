@@ -2,6 +2,8 @@
 
     [hosts.node0]
     transport = "local"                 # this machine
+    prefix = ["nsenter", "--net=/var/run/netns/n0", "--"]   # optional: every argv run after these words
+    env = { COLDSNAP_STATE_DIR = "/var/lib/coldsnap" }     # optional, any transport: set for every exec there
 
     [hosts.node1]
     transport = "nsenter"               # a network namespace of this machine (a simulated host, a pod's netns)
@@ -31,8 +33,8 @@ from typing import Literal
 __all__ = ["Host", "HostsError", "read_hosts"]
 
 Transport = Literal["local", "nsenter", "ssh"]
-_KEYS = {"local": {"transport"}, "nsenter": {"transport", "netns"},
-         "ssh": {"transport", "address", "user", "port", "identity", "known_hosts"}}
+_KEYS = {"local": {"transport", "prefix", "env"}, "nsenter": {"transport", "netns", "env"},
+         "ssh": {"transport", "address", "user", "port", "identity", "known_hosts", "env"}}
 
 
 class HostsError(ValueError):
@@ -50,13 +52,18 @@ class Host:
     identity: str | None = None
     known_hosts: str | None = None
     options: tuple[str, ...] = field(default=())
+    prefix: tuple[str, ...] = field(default=())
+    """A local host's argv prefix: what places a command there (a container's exec, a namespace's nsenter)."""
+    env: tuple[tuple[str, str], ...] = field(default=())
+    """Set for every exec on this host (the manager's choice, under what the request sets)."""
 
     def command(self, argv: list[str], env: dict[str, str] | None = None, network_only: bool = False) -> list[str]:
         """The argv to run here so that ``argv`` runs on this host with ``env`` set on top of the host's own
         environment. ``network_only``: a probe, which needs only the host's network namespace."""
-        with_env = ["env", "--", *(f"{name}={value}" for name, value in (env or {}).items()), *argv] if env else argv
+        env = {**dict(self.env), **(env or {})}
+        with_env = ["env", "--", *(f"{name}={value}" for name, value in env.items()), *argv] if env else argv
         if self.transport == "local":
-            return with_env
+            return [*self.prefix, *with_env]
         if self.transport == "nsenter":
             return ["nsenter", f"--net={self.netns}", "--", *with_env]
         ssh = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=10",
@@ -94,7 +101,13 @@ def read_hosts(path: Path) -> dict[str, Host]:
             raise HostsError(f"{where}: an ssh host needs address = \"HOST\"")
         if not isinstance(entry.get("port", 22), int) or not 1 <= entry.get("port", 22) <= 65535:
             raise HostsError(f"{where}: port must be a number from 1 to 65535")
+        prefix, env = entry.pop("prefix", []), entry.pop("env", {})
+        if not isinstance(prefix, list) or not all(isinstance(word, str) for word in prefix):
+            raise HostsError(f"{where}: prefix is a list of strings (an argv's first words)")
+        if not isinstance(env, dict) or not all(isinstance(v, str) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)
+                                                for k, v in env.items()):
+            raise HostsError(f"{where}: env is a table of NAME = \"value\"")
         if not all(isinstance(value, (str, int)) for value in entry.values()):
             raise HostsError(f"{where}: every value is a string (port: a number)")
-        hosts[name] = Host(name=name, **entry)
+        hosts[name] = Host(name=name, prefix=tuple(prefix), env=tuple(env.items()), **entry)
     return hosts

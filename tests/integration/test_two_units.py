@@ -147,6 +147,7 @@ def test_two_units_restored_on_two_other_hosts_answer_as_the_cold_pair(two_units
     restores = _start(work, "restore", [c, d], _restore_argv(work, token, c, "restore"))
     codes = [p.wait(timeout=300) for p in restores]
     seconds = time.monotonic() - started
+    print(f"per-unit commands: both units restored in {seconds:.2f} s")  # (pytest -s shows it)
     logs = "\n".join((work / f"restore-{k}.log").read_text()[-3000:] for k in range(2))
     assert codes == [0, 0], logs
     try:
@@ -283,3 +284,65 @@ def test_a_coordinator_that_never_answers_fails_the_unit_named(two_units):
     error = _receipt(work, "alone-receipt.json")["error"]
     assert error["code"] == "unit.rendezvous" and f"{c.address}:{RENDEZVOUS_PORT}" in error["message"]
     assert _namespace_pids(e) == []
+
+
+def _provider_hosts(work: Path, hosts) -> Path:
+    """hosts.toml for the reference provider: each simulated host a ``local`` host whose prefix places a command
+    there (its network, hostname, /dev/shm) with its unit's artifact directory at one path, ``work/artifact``, as
+    two machines would hold it."""
+    (work / "artifact").mkdir(exist_ok=True)
+    lines = []
+    for k, host in enumerate(hosts):
+        setup = (f"hostname {host.hostname} && mount -t tmpfs -o mode=1777 tmpfs /dev/shm && "
+                 f"mount --bind {work / f'artifact-unit{k}'} {work / 'artifact'} && exec \"$@\"")
+        prefix = ["nsenter", f"--net=/var/run/netns/{host.namespace}", "unshare", "--uts", "--mount", "--propagation",
+                  "private", "sh", "-c", setup, "simulated-host"]
+        lines += [f"[hosts.{host.hostname}]", 'transport = "local"', f"prefix = {json.dumps(prefix)}",
+                  f'env = {{ COLDSNAP_STATE_DIR = "{work / f"state-{host.hostname}"}", PYTHONPATH = "{REPO}" }}', ""]
+    path = work / "provider-hosts.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def test_one_command_restores_both_units_through_the_host_provider(two_units):
+    """``coldsnap provider serve --hosts ... -- coldsnap restore DIR --unit-hosts C,D``: each unit restored on its
+    host through the provider, unit 0's receipt for the pair, the pair answering as the cold pair; then the same
+    with host E's unit failing (its port taken): the command fails naming unit 1, within 2 s, nothing left."""
+    work, expected = two_units["work"], two_units["expected"]
+    a, b, c, d, e, client = two_units["hosts"]
+    hosts = _provider_hosts(work, [c, d])
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "coldsnap", "provider", "serve", "--hosts", str(hosts), "--",
+                           sys.executable, "-m", "coldsnap", "restore", str(work / "artifact"), "--unit-hosts",
+                           f"{c.hostname},{d.hostname}", "--receipt-json", str(work / "provider-receipt.json")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    seconds = time.monotonic() - started
+    print(f"one command through the provider: both units restored in {seconds:.2f} s")  # (pytest -s shows it)
+    try:
+        assert done.returncode == 0, done.stderr[-4000:]
+        receipt = _receipt(work, "provider-receipt.json")
+        assert receipt["state"] == "succeeded"
+        assert {c["clock_id"] for c in receipt["timing"]["clocks"]} >= {"controller", "unit-1"}  # every unit's spans
+        assert [_ask(client, c.address, prompt) for prompt in PROMPTS] == expected
+        assert seconds < 60
+    finally:
+        for host in (c, d):
+            for pid in _namespace_pids(host):
+                os.kill(pid, signal.SIGKILL)
+    blocker = subprocess.Popen(e.command([sys.executable, "-c", (
+        f"import socket, time; s = socket.create_server(('0.0.0.0', {PORT})); print('bound', flush=True); time.sleep(300)")]),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert blocker.stdout.readline().strip() == "bound"
+        hosts = _provider_hosts(work, [c, e])
+        done = subprocess.run([sys.executable, "-m", "coldsnap", "provider", "serve", "--hosts", str(hosts), "--",
+                               sys.executable, "-m", "coldsnap", "restore", str(work / "artifact"), "--unit-hosts",
+                               f"{c.hostname},{e.hostname}"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 1 and f"unit 1 on host {e.hostname}" in done.stderr, done.stderr[-3000:]
+        assert "Traceback" not in done.stderr
+        assert _namespace_pids_gone(c, 25) == []  # unit 0's launcher cancelled: its tree followed it
+        assert set(_namespace_pids(e)) <= {blocker.pid}
+    finally:
+        blocker.kill()
+        blocker.wait()
