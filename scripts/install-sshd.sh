@@ -18,12 +18,5 @@ if [ "$(id -u)" != 0 ]; then
 fi
 command -v apt-get >/dev/null || { log "no apt-get: install OpenSSH's server and client yourself"; exit 1; }
 log "installing openssh-server and openssh-client with apt"
-export DEBIAN_FRONTEND=noninteractive
-apt-get -q update >/dev/null 2>&1 || apt-get -q update >&2
-# policy-rc.d: the package's postinst must not try to start its service
-printf '#!/bin/sh\nexit 101\n' >/usr/sbin/policy-rc.d.coldsnap
-had_policy=0; [ -e /usr/sbin/policy-rc.d ] && had_policy=1
-[ "$had_policy" = 1 ] || { cp /usr/sbin/policy-rc.d.coldsnap /usr/sbin/policy-rc.d; chmod +x /usr/sbin/policy-rc.d; }
-trap '[ "$had_policy" = 1 ] || rm -f /usr/sbin/policy-rc.d; rm -f /usr/sbin/policy-rc.d.coldsnap' EXIT
-apt-get -q install -y --no-install-recommends openssh-server openssh-client >&2
+bash "$(dirname "${BASH_SOURCE[0]}")/apt-install-quiet.sh" openssh-server openssh-client
 log "installed: $(/usr/sbin/sshd -V 2>&1 | head -1 || true)"
