@@ -1,5 +1,6 @@
-"""One ``coldsnap restore|warm|wake DIR --unit-hosts H0,H1,...`` drives every unit of an artifact of several launch
-units on its own host, through the manager's host provider (:mod:`coldsnap.provider.client`).
+"""One ``coldsnap restore DIR --unit-hosts H0,H1,...`` drives every unit of an artifact of several launch units on
+its own host, through the manager's host provider (:mod:`coldsnap.provider.client`). (Capture, warm and wake take
+the same way later: :func:`drive_units` is written for any of them; only restore's CLI offers it yet.)
 
 Each host holds its unit's capsule at the same ``DIR`` (as a capture of several units leaves it). The driver:
 
