@@ -305,7 +305,9 @@ class ProviderServer:
         content = upload.read()
         upload.close()
         # written beside the target and renamed into place: a reader on the host never sees half a file
-        script = 'umask 077 && cat > "$1.coldsnap-put" && chmod "$2" "$1.coldsnap-put" && mv -f "$1.coldsnap-put" "$1"'
+        # (named by the writing shell's pid: two puts of one path, from two hosts sharing a filesystem, do not meet)
+        script = ('umask 077 && t="$1.coldsnap-put.$$" && cat > "$t" && chmod "$2" "$t" && mv -f "$t" "$1" '
+                  '|| { rm -f "$t"; exit 1; }')
         argv = ["sh", "-c", script, "put", request.path, format(request.mode, "o")]
         process = self._start(connection, request.id, host.command(argv), True)
         assert process.stdin is not None

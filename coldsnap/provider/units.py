@@ -24,14 +24,16 @@ import secrets
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from coldsnap.provider.client import ExecResult, HostProvider, ProviderError, RunningExec
 
 __all__ = ["UnitFailed", "UnitsOutcome", "drive_units"]
 
 RENDEZVOUS_PORT = 29600
+T = TypeVar("T")
 
 
 class UnitFailed(Exception):
@@ -57,6 +59,19 @@ def _address(provider: HostProvider, host: str) -> str:
     return words[0]
 
 
+def _on_every_host(hosts: list[str], call: Callable[[str], T]) -> list[T]:
+    """``call`` for every host at once, the answers in the hosts' order (the first exception raised)."""
+    with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="coldsnap-units") as pool:
+        return list(pool.map(call, hosts))
+
+
+def _removed(provider: HostProvider, host: str, path: str) -> None:
+    try:
+        provider.exec(host, ["rm", "-f", path], timeout_s=10)
+    except ProviderError:
+        pass
+
+
 def _receipt_of(result: ExecResult) -> dict[str, Any] | None:
     try:
         document = json.loads(result.stdout)
@@ -80,11 +95,11 @@ def drive_units(provider: HostProvider, operation: str, directory: str, hosts: l
     if units < 2 or units != len(hosts):
         raise UnitFailed(0, hosts[0], f"{directory} is an artifact of {units} launch unit(s); --unit-hosts names "
                          f"{len(hosts)} host(s): name one host per unit, unit 0's first")
-    addresses = [_address(provider, host) for host in hosts]
+    # (each host's round trips at once: the provider serves requests side by side)
+    addresses = _on_every_host(hosts, lambda host: _address(provider, host))
     token_file = f"/tmp/coldsnap-rendezvous-{secrets.token_hex(8)}.token"
     token = secrets.token_hex(32).encode()
-    for host in hosts:
-        provider.put(host, token_file, token, mode=0o600)
+    _on_every_host(hosts, lambda host: provider.put(host, token_file, token, mode=0o600))
     say(f"{units} units on {', '.join(f'{h} ({a})' for h, a in zip(hosts, addresses))}; the coordinator on "
         f"{hosts[0]}")
     running: list[RunningExec] = []
@@ -97,12 +112,8 @@ def drive_units(provider: HostProvider, operation: str, directory: str, hosts: l
                 argv += ["--serve-rendezvous", f"0.0.0.0:{rendezvous_port}"]
             running.append(provider.start_exec(host, argv))
         results = _every_unit(running, hosts)
-    finally:
-        for host in hosts:  # (the token's copies go, whatever happened)
-            try:
-                provider.exec(host, ["rm", "-f", token_file], timeout_s=10)
-            except ProviderError:
-                pass
+    finally:  # (the token's copies go, whatever happened)
+        _on_every_host(hosts, lambda host: _removed(provider, host, token_file))
     return UnitsOutcome([_receipt_of(result) for result in results], time.monotonic() - started)
 
 

@@ -317,7 +317,8 @@ def test_one_command_restores_both_units_through_the_host_provider(two_units):
                            f"{c.hostname},{d.hostname}", "--receipt-json", str(work / "provider-receipt.json")],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     seconds = time.monotonic() - started
-    print(f"one command through the provider: both units restored in {seconds:.2f} s")  # (pytest -s shows it)
+    print(f"one command through the provider: both units restored in {seconds:.2f} s "  # (pytest -s shows it)
+          f"({' '.join(line for line in done.stderr.splitlines() if 'succeeded in' in line)})")
     try:
         assert done.returncode == 0, done.stderr[-4000:]
         receipt = _receipt(work, "provider-receipt.json")
