@@ -55,6 +55,8 @@ def admit_placement(context: OperationContext, artifact: ArtifactDir, admitted: 
         # (a standby's agents hydrate at its wake: the launcher stages nothing for a warm)
         staging = launcher_stages(op, admitted.descriptor, admitted.capsule, admitted.sources)
         early = admitted.early.staging.decided() if admitted.early is not None and admitted.early.staging else None
+        if early is not None and early.skipped:  # (the entry staged nothing: why, beside the room it admitted)
+            span["early_staging_skipped"] = early.skipped
         admit_gpu_memory(context, admitted.capsule, gpus, staging, span, held=early.held if early is not None else None)
     return gpus
 

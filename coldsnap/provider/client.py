@@ -18,7 +18,6 @@ import queue
 import socket
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 from coldsnap import __version__
@@ -181,9 +180,6 @@ class HostProvider:
             self._send(Put(id=request_id, host=host, path=path, offset=offset, mode=mode,
                            data=encoded(data[offset:offset + CHUNK_BYTES]), last=offset == offsets[-1]))
         return self._done(request_id, replies)
-
-    def put_file(self, host: str, path: str, source: Path, mode: int = 0o644) -> Done:
-        return self.put(host, path, source.read_bytes(), mode)
 
     def get(self, host: str, path: str) -> bytes:
         request_id, replies = self._open()

@@ -51,18 +51,18 @@ class UnitsOutcome:
     seconds: float
 
 
-def _address(provider: HostProvider, host: str) -> str:
+def _address(provider: HostProvider, unit: int, host: str) -> str:
     answer = provider.probe(host, ["hostname", "-I"])
     words = answer.stdout.decode().split()
     if answer.status != 0 or not words:
-        raise UnitFailed(-1, host, f"no address (hostname -I: {answer.stderr.decode().strip() or 'nothing'})")
+        raise UnitFailed(unit, host, f"no address (hostname -I: {answer.stderr.decode().strip() or 'nothing'})")
     return words[0]
 
 
-def _on_every_host(hosts: list[str], call: Callable[[str], T]) -> list[T]:
-    """``call`` for every host at once, the answers in the hosts' order (the first exception raised)."""
+def _on_every_host(hosts: list[str], call: Callable[[str, int], T]) -> list[T]:
+    """``call(host, unit)`` for every unit's host at once, the answers in unit order (the first exception raised)."""
     with ThreadPoolExecutor(max_workers=len(hosts), thread_name_prefix="coldsnap-units") as pool:
-        return list(pool.map(call, hosts))
+        return list(pool.map(call, hosts, range(len(hosts))))
 
 
 def _removed(provider: HostProvider, host: str, path: str) -> None:
@@ -96,10 +96,10 @@ def drive_units(provider: HostProvider, operation: str, directory: str, hosts: l
         raise UnitFailed(0, hosts[0], f"{directory} is an artifact of {units} launch unit(s); --unit-hosts names "
                          f"{len(hosts)} host(s): name one host per unit, unit 0's first")
     # (each host's round trips at once: the provider serves requests side by side)
-    addresses = _on_every_host(hosts, lambda host: _address(provider, host))
+    addresses = _on_every_host(hosts, lambda host, k: _address(provider, k, host))
     token_file = f"/tmp/coldsnap-rendezvous-{secrets.token_hex(8)}.token"
     token = secrets.token_hex(32).encode()
-    _on_every_host(hosts, lambda host: provider.put(host, token_file, token, mode=0o600))
+    _on_every_host(hosts, lambda host, _: provider.put(host, token_file, token, mode=0o600))
     say(f"{units} units on {', '.join(f'{h} ({a})' for h, a in zip(hosts, addresses))}; the coordinator on "
         f"{hosts[0]}")
     running: list[RunningExec] = []
@@ -113,7 +113,7 @@ def drive_units(provider: HostProvider, operation: str, directory: str, hosts: l
             running.append(provider.start_exec(host, argv))
         results = _every_unit(running, hosts)
     finally:  # (the token's copies go, whatever happened)
-        _on_every_host(hosts, lambda host: _removed(provider, host, token_file))
+        _on_every_host(hosts, lambda host, _: _removed(provider, host, token_file))
     return UnitsOutcome([_receipt_of(result) for result in results], time.monotonic() - started)
 
 
